@@ -1,0 +1,101 @@
+"""Page-granular host slot allocator."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .errors import DoubleFreeError, ForeignSlotError, PageAlignmentError, PageMultipleError, PoolExhaustedError
+
+__all__ = ["PageAllocator"]
+
+
+class PageAllocator:
+    """Hands out host token slots in whole, page-aligned pages.
+
+    ``alloc(n)`` returns ``n`` CPU int64 slots made of ``n // page_size`` whole
+    pages (lowest free pages first).  ``free`` takes back whole pages.  Double
+    frees, slots outside the pool, partial pages and exhaustion raise.  All
+    methods are thread-safe.
+    """
+
+    def __init__(self, capacity: int, page_size: int) -> None:
+        self.capacity = capacity
+        self.page_size = page_size
+        self.num_pages = capacity // page_size
+        self._lock = threading.RLock()
+        self._used = torch.zeros(self.num_pages, dtype=torch.bool)
+        self._free = torch.arange(self.num_pages, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        """Free token slots."""
+        with self._lock:
+            return int(self._free.numel()) * self.page_size
+
+    def alloc(self, need_size: int) -> torch.Tensor:
+        """``need_size`` slots (a multiple of ``page_size``) as a CPU int64 tensor.
+
+        :raises PageMultipleError: ``need_size`` is not a positive multiple of ``page_size``.
+        :raises PoolExhaustedError: fewer than ``need_size`` slots are free.
+        """
+        if need_size <= 0 or need_size % self.page_size:
+            raise PageMultipleError(
+                f"alloc(need_size={need_size}): need_size must be a positive multiple of page_size={self.page_size}"
+            )
+        pages = need_size // self.page_size
+        with self._lock:
+            if pages > self._free.numel():
+                raise PoolExhaustedError(
+                    f"alloc(need_size={need_size}): only {self._free.numel() * self.page_size} of "
+                    f"{self.capacity} host slots are free; free some or build a larger pool"
+                )
+            self._free, _ = self._free.sort()
+            taken, self._free = self._free[:pages], self._free[pages:]
+            self._used[taken] = True
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        return (taken.unsqueeze(1) * self.page_size + offsets).reshape(-1)
+
+    def try_alloc(self, need_size: int) -> torch.Tensor | None:
+        """Like :meth:`alloc`, but ``None`` when the pool is exhausted (SGLang's convention)."""
+        try:
+            return self.alloc(need_size)
+        except PoolExhaustedError:
+            return None
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Return whole pages of slots; returns the number of slots freed.
+
+        :raises ForeignSlotError: a slot lies outside ``0..capacity-1``.
+        :raises PageMultipleError: the count is not a multiple of ``page_size``.
+        :raises PageAlignmentError: the slots are not whole pages.
+        :raises DoubleFreeError: a page is not currently allocated (or repeated).
+        """
+        idx = indices.reshape(-1).to("cpu", torch.int64)
+        if idx.numel() == 0:
+            return 0
+        if int(idx.min()) < 0 or int(idx.max()) >= self.capacity:
+            raise ForeignSlotError(
+                f"free(indices): slots must lie in 0..{self.capacity - 1}, got {int(idx.min())}..{int(idx.max())}; "
+                "these slots do not belong to this pool"
+            )
+        if idx.numel() % self.page_size:
+            raise PageMultipleError(f"free(indices): {idx.numel()} slots is not a multiple of page_size={self.page_size}")
+        pages = idx.view(-1, self.page_size)
+        expected = pages[:, :1] + torch.arange(self.page_size)
+        if not torch.equal(pages, expected) or bool((pages[:, 0] % self.page_size).ne(0).any()):
+            raise PageAlignmentError("free(indices): slots must be whole pages as returned by alloc")
+        page_ids = pages[:, 0] // self.page_size
+        with self._lock:
+            if page_ids.unique().numel() != page_ids.numel() or not bool(self._used[page_ids].all()):
+                bad = page_ids[~self._used[page_ids]][:4].tolist() or page_ids.tolist()[:4]
+                raise DoubleFreeError(f"free(indices): pages {bad} are not allocated (double free?)")
+            self._used[page_ids] = False
+            self._free = torch.cat([self._free, page_ids])
+        return idx.numel()
+
+    def clear(self) -> None:
+        """Free everything."""
+        with self._lock:
+            self._used.zero_()
+            self._free = torch.arange(self.num_pages, dtype=torch.int64)

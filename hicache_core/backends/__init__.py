@@ -1,0 +1,1 @@
+"""The core's generic backends: ``reference`` (the oracle) and ``direct`` (copy engine)."""

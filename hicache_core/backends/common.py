@@ -1,0 +1,23 @@
+"""Helpers shared by strategies: index placement and selected entries."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..binding import BoundSegment, PoolBinding
+
+__all__ = ["as_long", "selected"]
+
+
+def as_long(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` as int64 on ``device`` (no copy when it already is)."""
+    return t.to(device=device, dtype=torch.int64, non_blocking=True)
+
+
+def selected(binding: PoolBinding, layer: int | None) -> Iterator[tuple[BoundSegment, int]]:
+    """``(segment, entry)`` pairs a transfer of ``layer`` (``None``: all) touches."""
+    for seg in binding.segments:
+        for e in seg.entries(layer):
+            yield seg, e

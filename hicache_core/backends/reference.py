@@ -1,0 +1,47 @@
+"""``reference``: plain torch indexing on any device.  The oracle every other strategy is checked against."""
+
+from __future__ import annotations
+
+import torch
+
+from ..binding import PoolBinding
+from ..layout import Layout
+from ..spec import PoolSpec
+from .common import as_long, selected
+
+__all__ = ["ReferenceStrategy"]
+
+
+class ReferenceStrategy:
+    """Gathers rows with advanced indexing and scatters them through the strided host view.
+
+    Slow and synchronous on CUDA (rows travel through pageable memory); use it
+    to check, not to serve.
+    """
+
+    def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        return None
+
+    def prepare(self, binding: PoolBinding) -> None:
+        return None
+
+    @staticmethod
+    def _host_index(binding: PoolBinding, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = as_long(host_indices, "cpu")
+        ps = binding.spec.page_size
+        return h // ps, h % ps
+
+    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
+        pages, offs = self._host_index(binding, host_indices)
+        d = as_long(device_indices, binding.device)
+        for seg, e in selected(binding, layer):
+            rows = seg.device_rows[e][d].to("cpu")
+            view = seg.host_view[seg.host_layers[e]]
+            view[pages, offs] = rows.view(rows.shape[0], view.shape[2], view.shape[3])
+
+    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
+        pages, offs = self._host_index(binding, host_indices)
+        d = as_long(device_indices, binding.device)
+        for seg, e in selected(binding, layer):
+            data = seg.host_view[seg.host_layers[e]][pages, offs]
+            seg.device_rows[e][d] = data.reshape(data.shape[0], seg.width).to(binding.device)

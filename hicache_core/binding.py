@@ -1,0 +1,202 @@
+"""A pool's buffers bound to its plan: what strategies operate on.
+
+Built once at pool construction (never per transfer): every host segment gets
+a strided uint8 view, and every owned device layer a uint8 row view plus its
+base address and token stride, so strategies can build pointer tables once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import DeviceBufferError, HostBufferError
+from .layout import HostPlan, Layout, Segment, strided_host_view
+from .spec import PoolSpec
+
+__all__ = ["BoundSegment", "PoolBinding", "device_rows", "flat_bytes", "bind"]
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a contiguous tensor as a flat uint8 tensor sharing its memory."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def device_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` (``[tokens, ...]``, any dtype) as a uint8 ``[tokens, row_bytes]`` view.
+
+    Only the token axis may be strided; everything after it must be contiguous.
+    """
+    if t.dim() < 1:
+        raise DeviceBufferError(f"device buffer {name} must have a token axis, got a 0-d tensor")
+    if t.dim() > 1 and not _inner_contiguous(t):
+        raise DeviceBufferError(
+            f"device buffer {name}: each token's row must be contiguous (only the token axis may be "
+            f"strided); got shape {tuple(t.shape)} strides {t.stride()}. Pass a view with contiguous rows"
+        )
+    rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.unsqueeze(1)
+    return rows.view(torch.uint8)
+
+
+def _inner_contiguous(t: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@dataclass(frozen=True)
+class BoundSegment:
+    """One host segment with its device rows, in layer-map entry order.
+
+    ``device_rows[i]`` (uint8 ``[N_i, width]``, token stride ``dev_strides[i]``
+    bytes, base address ``dev_ptrs[i]``) is stored in host layer slot
+    ``host_layers[i]``; it is device layer ``device_layers[i]``.
+    """
+
+    segment: Segment
+    host_flat: torch.Tensor
+    host_view: torch.Tensor
+    host_layer_num: int
+    device_layers: tuple[int, ...]
+    host_layers: tuple[int, ...]
+    device_rows: tuple[torch.Tensor, ...]
+    dev_ptrs: tuple[int, ...]
+    dev_strides: tuple[int, ...]
+    dev_lens: tuple[int, ...]
+
+    def entries(self, layer: int | None) -> list[int]:
+        """Entry positions for one device layer (empty when absent) or all of them."""
+        if layer is None:
+            return list(range(len(self.device_layers)))
+        return [i for i, d in enumerate(self.device_layers) if d == layer]
+
+    @property
+    def width(self) -> int:
+        return self.segment.width
+
+
+@dataclass
+class PoolBinding:
+    """Spec, layout, plan, host buffers and bound segments of one pool.
+
+    ``scratch`` is private to the pool's strategy (pointer tables and the like).
+    """
+
+    spec: PoolSpec
+    layout: Layout
+    plan: HostPlan
+    host_buffers: dict[str, torch.Tensor]
+    segments: tuple[BoundSegment, ...]
+    host_pinned: bool
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+
+def _device_list(
+    spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, Sequence[torch.Tensor | None]]
+) -> tuple[Sequence[torch.Tensor | None], str, int]:
+    if seg.part is not None and seg.part in device_buffers:
+        return device_buffers[seg.part], seg.part, 0
+    if seg.component in device_buffers:
+        return device_buffers[seg.component], seg.component, seg.src_offset
+    wanted = [seg.component] + ([seg.part] if seg.part else [])
+    raise DeviceBufferError(
+        f"device_buffers has no entry for {' or '.join(map(repr, wanted))}; it has {sorted(device_buffers)}. "
+        "Pass one per-layer tensor list per component (or per part)"
+    )
+
+
+def _split_by_parts(spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, object]) -> list[Segment]:
+    """Segments as the device holds them: a whole-row segment becomes one per part
+    when the device keeps the component's parts in separate tensors."""
+    comp = spec.component(seg.component)
+    if seg.part is not None or seg.component in device_buffers or not comp.parts:
+        return [seg]
+    if not all(p.name in device_buffers for p in comp.parts):
+        return [seg]
+    a = seg.addressing
+    if a.chunk_bytes != seg.width:
+        raise DeviceBufferError(
+            f"component {comp.name!r} is held as separate parts on the device, but layout addressing splits its "
+            f"rows into {a.chunk_bytes}-byte chunks; pass the whole-row device tensors instead"
+        )
+    out = []
+    for p in comp.parts:
+        addr = replace(a, offset=a.offset + p.offset, chunk_bytes=p.nbytes, chunk_stride=0)
+        out.append(replace(seg, part=p.name, src_offset=p.offset, width=p.nbytes, addressing=addr))
+    return out
+
+
+def _bind_segment(
+    spec: PoolSpec, seg: Segment, host: torch.Tensor, device_buffers: Mapping[str, Sequence[torch.Tensor | None]]
+) -> BoundSegment:
+    lmap = spec.component_map(seg.component)
+    layers, name, offset = _device_list(spec, seg, device_buffers)
+    need_bytes = spec.component(seg.component).row_bytes if name == seg.component else seg.width
+    if len(layers) < lmap.num_device_layers and lmap.device_layers and max(lmap.device_layers) >= len(layers):
+        raise DeviceBufferError(
+            f"device_buffers[{name!r}] has {len(layers)} layers but the layer map reads device layer "
+            f"{max(lmap.device_layers)}; pass one tensor per device layer id (None for layers not held)"
+        )
+    rows: list[torch.Tensor] = []
+    for d in lmap.device_layers:
+        t = layers[d]
+        label = f"device_buffers[{name!r}][{d}]"
+        if t is None:
+            raise DeviceBufferError(f"{label} is None but the layer map owns device layer {d}")
+        if t.device != spec.device:
+            raise DeviceBufferError(f"{label} is on {t.device}, the pool spec says {spec.device}; move it or fix the spec")
+        r = device_rows(t, label)
+        if r.shape[1] != need_bytes:
+            raise DeviceBufferError(
+                f"{label} rows are {r.shape[1]} bytes, the spec's {name!r} rows are {need_bytes} bytes"
+            )
+        rows.append(r[:, offset : offset + seg.width])
+    hflat = flat_bytes(host)
+    host_view = strided_host_view(hflat, seg, spec, lmap.host_layer_num)
+    return BoundSegment(
+        segment=seg,
+        host_flat=hflat,
+        host_view=host_view,
+        host_layer_num=lmap.host_layer_num,
+        device_layers=lmap.device_layers,
+        host_layers=tuple(range(len(lmap.device_layers))),
+        device_rows=tuple(rows),
+        dev_ptrs=tuple(r.data_ptr() for r in rows),
+        dev_strides=tuple(r.stride(0) for r in rows),
+        dev_lens=tuple(r.shape[0] for r in rows),
+    )
+
+
+def bind(
+    spec: PoolSpec,
+    layout: Layout,
+    plan: HostPlan,
+    host_buffers: Mapping[str, torch.Tensor],
+    device_buffers: Mapping[str, Sequence[torch.Tensor | None]],
+) -> PoolBinding:
+    """Check host buffers against ``plan`` and bind every segment to its device rows."""
+    for b in plan.buffers:
+        t = host_buffers.get(b.name)
+        if t is None:
+            raise HostBufferError(f"host buffer {b.name!r} is missing; the layout {layout.name!r} needs {[x.name for x in plan.buffers]}")
+        if tuple(t.shape) != b.shape or t.dtype != b.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise HostBufferError(
+                f"host buffer {b.name!r} must be a contiguous CPU {b.dtype} tensor of shape {b.shape} for layout "
+                f"{layout.name!r}; got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+            )
+    segments = tuple(
+        _bind_segment(spec, piece, host_buffers[s.buffer], device_buffers)
+        for s in plan.segments
+        for piece in _split_by_parts(spec, s, device_buffers)
+    )
+    pinned = all(t.is_pinned() for t in host_buffers.values()) if torch.cuda.is_available() else False
+    return PoolBinding(spec, layout, plan, dict(host_buffers), segments, pinned)

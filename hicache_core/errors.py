@@ -1,0 +1,134 @@
+"""Every error hicache raises, in one place.
+
+Each class is a contract: callers may catch it, and its message names the
+offending argument and the fix.  Transfer argument errors subclass
+``ValueError`` / ``TypeError`` so that code written against SGLang's pools
+(which raise those) keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HicacheError",
+    "RegistryError",
+    "DuplicateRegistrationError",
+    "PluginLoadError",
+    "UnknownLayoutError",
+    "ResolutionError",
+    "SpecError",
+    "AllocatorError",
+    "PoolExhaustedError",
+    "DoubleFreeError",
+    "ForeignSlotError",
+    "TransferArgumentError",
+    "IndexShapeError",
+    "IndexLengthMismatchError",
+    "IndexDtypeError",
+    "PageMultipleError",
+    "PageAlignmentError",
+    "IndexRangeError",
+    "IndexDeviceError",
+    "LayerIdError",
+    "DeviceBufferError",
+    "HostBufferError",
+]
+
+
+class HicacheError(Exception):
+    """Base class of every error raised by hicache."""
+
+
+# --- registry -------------------------------------------------------------
+
+
+class RegistryError(HicacheError):
+    """The plugin registry is inconsistent."""
+
+
+class DuplicateRegistrationError(RegistryError):
+    """Two distributions registered the same layout name or strategy key."""
+
+
+class PluginLoadError(RegistryError):
+    """A plugin that was explicitly requested could not be loaded."""
+
+
+class UnknownLayoutError(RegistryError, ValueError):
+    """No installed plugin provides the requested layout."""
+
+
+class ResolutionError(RegistryError, ValueError):
+    """No strategy serves a (layout, io_backend, sharded) key for a pool spec."""
+
+
+# --- specs ----------------------------------------------------------------
+
+
+class SpecError(HicacheError, ValueError):
+    """A pool spec or layer map is malformed."""
+
+
+# --- allocator ------------------------------------------------------------
+
+
+class AllocatorError(HicacheError, ValueError):
+    """Base class of host slot allocator errors."""
+
+
+class PoolExhaustedError(AllocatorError):
+    """Not enough free host slots for an allocation."""
+
+
+class DoubleFreeError(AllocatorError):
+    """A slot was freed that is not currently allocated."""
+
+
+class ForeignSlotError(AllocatorError):
+    """A slot outside this pool's capacity was passed to ``free``."""
+
+
+# --- transfer arguments ---------------------------------------------------
+
+
+class TransferArgumentError(HicacheError, ValueError):
+    """A transfer was called with bad arguments; nothing was written."""
+
+
+class IndexShapeError(TransferArgumentError):
+    """An index tensor is not one-dimensional."""
+
+
+class IndexLengthMismatchError(TransferArgumentError):
+    """``host_indices`` and ``device_indices`` differ in length."""
+
+
+class IndexDtypeError(TransferArgumentError, TypeError):
+    """An index tensor is not int32 or int64."""
+
+
+class PageMultipleError(TransferArgumentError):
+    """An index count (or allocation size) is not a multiple of ``page_size``."""
+
+
+class PageAlignmentError(TransferArgumentError):
+    """Host indices are not whole pages (page-aligned, consecutive within a page)."""
+
+
+class IndexRangeError(TransferArgumentError):
+    """An index lies outside the host capacity or the device buffer rows."""
+
+
+class IndexDeviceError(TransferArgumentError):
+    """An index tensor lives on a device the transfer cannot use."""
+
+
+class LayerIdError(TransferArgumentError):
+    """A layer id is outside the device pool's layers."""
+
+
+class DeviceBufferError(TransferArgumentError):
+    """Device buffers do not match the pool spec (count, row bytes, device, layout)."""
+
+
+class HostBufferError(TransferArgumentError):
+    """Host buffers do not match the layout (shape, dtype, pinning)."""

@@ -1,0 +1,143 @@
+"""Layout descriptors: how host buffers are shaped and where each row lives.
+
+A layout never moves bytes.  It answers two questions for a :class:`PoolSpec`:
+which host buffers to allocate (:class:`BufferSpec`), and where the bytes of
+(host layer ``h``, token slot ``s``) of each row segment live
+(:class:`Addressing`, strides in bytes).  Generic backends serve any layout
+from these answers alone; kernel strategies may specialise on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .spec import PoolSpec
+
+__all__ = ["Addressing", "Segment", "BufferSpec", "HostPlan", "Layout", "strided_host_view", "page_blocks"]
+
+
+@dataclass(frozen=True)
+class Addressing:
+    """Byte address of a row segment inside its host buffer.
+
+    Chunk ``c`` of the segment for (host layer ``h``, slot ``s``) starts at::
+
+        offset + h*layer + (s // page_size)*page + (s % page_size)*token + c*chunk_stride
+
+    and holds ``chunk_bytes`` contiguous bytes.  A contiguous row has one chunk
+    (``chunk_bytes`` = segment width).  Layouts that interleave heads (e.g.
+    ``[P, H, page, L, D]``) split a row into ``width // chunk_bytes`` chunks.
+    """
+
+    offset: int
+    layer: int
+    page: int
+    token: int
+    chunk_bytes: int
+    chunk_stride: int = 0
+
+    def chunks(self, width: int) -> int:
+        return width // self.chunk_bytes
+
+    @property
+    def row_contiguous(self) -> bool:
+        return self.chunk_stride in (0, self.chunk_bytes)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A byte range of a component row stored in one host buffer.
+
+    :param buffer: host buffer name (a key of the host buffer mapping).
+    :param component: source component name in the pool spec.
+    :param part: the component part this segment holds, if it is one part
+        (device pools that keep the part in its own tensor are then served).
+    :param src_offset: byte offset of the segment in the component row.
+    :param width: segment bytes per row.
+    :param addressing: where the segment lives in ``buffer``.
+    """
+
+    buffer: str
+    component: str
+    part: str | None
+    src_offset: int
+    width: int
+    addressing: Addressing
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A host buffer to allocate: name, shape and dtype (C-contiguous)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.empty((), dtype=self.dtype).element_size()
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """Everything a layout decides for a spec: buffers and row segments."""
+
+    buffers: tuple[BufferSpec, ...]
+    segments: tuple[Segment, ...]
+
+
+@runtime_checkable
+class Layout(Protocol):
+    """Contract of a host layout descriptor.
+
+    ``name`` is the registry key.  ``check`` returns ``None`` when the layout can
+    hold ``spec`` or a one-line reason when it cannot.  ``plan`` is called once per
+    pool; its segments must cover every byte of every owned row exactly once,
+    and no two segments may overlap in host memory.
+    """
+
+    name: str
+    description: str
+
+    def check(self, spec: PoolSpec) -> str | None: ...
+
+    def plan(self, spec: PoolSpec) -> HostPlan: ...
+
+
+def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_layers: int) -> torch.Tensor:
+    """A ``[host_layers, pages, page_size, chunks, chunk_bytes]`` uint8 view of ``seg`` in ``flat``.
+
+    ``flat`` is the whole host buffer as a flat uint8 tensor.
+    """
+    a = seg.addressing
+    shape = (host_layers, spec.num_pages, spec.page_size, a.chunks(seg.width), a.chunk_bytes)
+    stride = (a.layer, a.page, a.token, a.chunk_stride or a.chunk_bytes, 1)
+    return flat.as_strided(shape, stride, flat.storage_offset() + a.offset)
+
+
+def page_blocks(seg: Segment, spec: PoolSpec, host_layers: int) -> list[tuple[int, int]]:
+    """Contiguous ``(byte offset, nbytes)`` blocks of page 0 of ``seg``, merged and sorted.
+
+    Page ``p``'s blocks are the same shifted by ``p * addressing.page``.
+    Storage tiers use this for per-page pointer + length lists.
+    """
+    a = seg.addressing
+    starts = sorted(
+        a.offset + h * a.layer + t * a.token + c * (a.chunk_stride or a.chunk_bytes)
+        for h in range(host_layers)
+        for t in range(spec.page_size)
+        for c in range(a.chunks(seg.width))
+    )
+    blocks: list[tuple[int, int]] = []
+    for s in starts:
+        if blocks and blocks[-1][0] + blocks[-1][1] == s:
+            blocks[-1] = (blocks[-1][0], blocks[-1][1] + a.chunk_bytes)
+        else:
+            blocks.append((s, a.chunk_bytes))
+    return blocks

@@ -1,0 +1,190 @@
+"""The host KV pool: allocator, host buffers, and transfers through a resolved strategy."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Mapping, Sequence
+
+import torch
+
+from .allocator import PageAllocator
+from .binding import PoolBinding, bind
+from .errors import HostBufferError, SpecError
+from .layout import HostPlan, page_blocks
+from .registry import Registry, Resolution, default_registry
+from .spec import PoolSpec
+from .validate import check_indices, check_layer
+
+__all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE"]
+
+logger = logging.getLogger(__name__)
+
+#: ``full`` (default) checks index values too; ``shapes`` skips value checks of
+#: device-resident indices (they would synchronise with the device).  Kernels
+#: still mask every access, so a bad index never reads or writes out of bounds.
+ENV_VALIDATE = "HICACHE_VALIDATE"
+
+
+def allocate_host_buffers(plan: HostPlan, *, pin_memory: bool) -> dict[str, torch.Tensor]:
+    """Allocate ``plan``'s host buffers (uninitialised), pinned when asked."""
+    return {b.name: torch.empty(b.shape, dtype=b.dtype, pin_memory=pin_memory) for b in plan.buffers}
+
+
+class HostKVPool:
+    """A host KV pool in one layout, moving rows through one resolved strategy.
+
+    The strategy is resolved once, here, from ``(layout, io_backend,
+    spec.sharded)``; a miss raises :class:`~hicache_core.errors.ResolutionError`.
+
+    :param spec: what the pool holds.
+    :param layout: host layout name (a registered layout).
+    :param io_backend: ``kernel``, ``direct``, ``reference`` or a vendor backend.
+    :param device_buffers: the device pool's buffers as the engine holds them:
+        component (or part) name -> one tensor per device layer id
+        (``[tokens, ...]``, any dtype, token axis may be strided; ``None`` for
+        layers this rank does not hold).
+    :param host_buffers: wrap buffers the engine already allocated (names and
+        shapes as the layout plans them) instead of allocating.
+    :param pin_memory: pin allocated host buffers (default: when CUDA is available).
+    :param strategy: strategy name overriding the default pick for the key.
+    :param registry: registry to resolve in (default: the process-wide one).
+    :param validate: ``full`` or ``shapes`` (see :data:`ENV_VALIDATE`).
+    """
+
+    def __init__(
+        self,
+        spec: PoolSpec,
+        layout: str,
+        io_backend: str,
+        device_buffers: Mapping[str, Sequence[torch.Tensor | None]],
+        *,
+        host_buffers: Mapping[str, torch.Tensor] | None = None,
+        pin_memory: bool | None = None,
+        strategy: str | None = None,
+        registry: Registry | None = None,
+        validate: str | None = None,
+    ) -> None:
+        reg = registry if registry is not None else default_registry()
+        self.spec = spec
+        self.io_backend = io_backend
+        self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy)
+        self.validate = validate or os.environ.get(ENV_VALIDATE, "full")
+        if self.validate not in ("full", "shapes"):
+            raise SpecError(f"validate={self.validate!r}: use 'full' or 'shapes'")
+        plan: HostPlan = self.resolution.layout.plan(spec)
+        if host_buffers is None:
+            pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+            host_buffers = allocate_host_buffers(plan, pin_memory=pin)
+        self.binding: PoolBinding = bind(spec, self.resolution.layout, plan, host_buffers, device_buffers)
+        self.strategy = self.resolution.strategy
+        self.strategy.prepare(self.binding)
+        self.allocator = PageAllocator(spec.capacity, spec.page_size)
+        self._device_rows = min((n for s in self.binding.segments for n in s.dev_lens), default=0)
+        self._page_blocks = [page_blocks(s.segment, spec, s.host_layer_num) for s in self.binding.segments]
+        logger.debug("HostKVPool %s via %s", spec.describe(), self.resolution.info.name)
+
+    # -- properties ----------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        return self.resolution.layout.name
+
+    @property
+    def strategy_name(self) -> str:
+        return self.resolution.info.name
+
+    @property
+    def host_buffers(self) -> dict[str, torch.Tensor]:
+        return self.binding.host_buffers
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    # -- allocator -------------------------------------------------------------
+    def alloc(self, need_size: int) -> torch.Tensor:
+        """Page-aligned host slots; see :meth:`PageAllocator.alloc`."""
+        return self.allocator.alloc(need_size)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Return slots; see :meth:`PageAllocator.free`."""
+        return self.allocator.free(indices)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    # -- transfers ---------------------------------------------------------------
+    def _check(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        on_device = any(t.device.type != "cpu" for t in (host_indices, device_indices) if isinstance(t, torch.Tensor))
+        values = self.validate == "full" or not on_device
+        check_indices(self.spec, host_indices, device_indices, self._device_rows, values=values)
+
+    def backup_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """D2H: every owned layer's rows ``device_indices`` -> host slots ``host_indices``."""
+        self._check(host_indices, device_indices)
+        self.strategy.backup(self.binding, host_indices, device_indices, None)
+
+    def backup_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        """D2H of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
+        layer = check_layer(self.spec, layer_id)
+        self._check(host_indices, device_indices)
+        if not self.spec.layer_map.owns(layer):
+            return False
+        self.strategy.backup(self.binding, host_indices, device_indices, layer)
+        return True
+
+    def load_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        """H2D of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
+        layer = check_layer(self.spec, layer_id)
+        self._check(host_indices, device_indices)
+        if not self.spec.layer_map.owns(layer):
+            return False
+        self.strategy.load(self.binding, host_indices, device_indices, layer)
+        return True
+
+    def load_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """H2D: every owned layer."""
+        self._check(host_indices, device_indices)
+        self.strategy.load(self.binding, host_indices, device_indices, None)
+
+    # -- page views for storage tiers ---------------------------------------------
+    def _check_page(self, page: int) -> int:
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.spec.num_pages:
+            raise HostBufferError(f"page must be an int in 0..{self.spec.num_pages - 1}, got {page!r}")
+        return page
+
+    def page_pointers(self, page: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of every contiguous host block of ``page``, segment by segment."""
+        self._check_page(page)
+        out = []
+        for seg, blocks in zip(self.binding.segments, self._page_blocks):
+            base = seg.host_flat.data_ptr() + page * seg.segment.addressing.page
+            out += [(base + off, n) for off, n in blocks]
+        return out
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across every segment and host layer."""
+        return sum(n for blocks in self._page_blocks for _, n in blocks)
+
+    def get_page(self, page: int) -> torch.Tensor:
+        """A copy of ``page``'s bytes, flat uint8 (blocks in :meth:`page_pointers` order)."""
+        self._check_page(page)
+        parts = []
+        for seg, blocks in zip(self.binding.segments, self._page_blocks):
+            base = page * seg.segment.addressing.page
+            parts += [seg.host_flat[base + off : base + off + n] for off, n in blocks]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    def set_page(self, page: int, data: torch.Tensor) -> None:
+        """Write a flat page (as :meth:`get_page` returns it) back into ``page``."""
+        self._check_page(page)
+        if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.numel() * data.element_size() != self.page_bytes:
+            raise HostBufferError(f"data must be a CPU tensor of {self.page_bytes} bytes (page_bytes)")
+        flat = data.reshape(-1).view(torch.uint8)
+        pos = 0
+        for seg, blocks in zip(self.binding.segments, self._page_blocks):
+            base = page * seg.segment.addressing.page
+            for off, n in blocks:
+                seg.host_flat[base + off : base + off + n].copy_(flat[pos : pos + n])
+                pos += n

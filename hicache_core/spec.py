@@ -1,0 +1,273 @@
+"""Pool specs: what a KV pool stores, per token and per layer, and which layers.
+
+A :class:`PoolSpec` is layout-agnostic.  It lists *components* (one row per
+token per layer each: ``k`` and ``v`` for MHA, ``kv`` for MLA, extra rows such
+as a DSA indexer key), the page size, the host capacity and a
+:class:`LayerMap` from device layer ids to host layer slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from .errors import SpecError
+
+__all__ = ["LayerMap", "Component", "Part", "PoolSpec", "MHA", "MLA", "shard_range"]
+
+MHA = "mha"
+MLA = "mla"
+
+
+def shard_range(num_layers: int, shards: int, rank: int) -> tuple[int, int]:
+    """Return ``[start, end)`` of the contiguous layer block owned by ``rank``.
+
+    Same rule as SGLang's context-parallel layer split: the first
+    ``num_layers % shards`` ranks own one extra layer.
+    """
+    if shards < 1 or not 0 <= rank < shards:
+        raise SpecError(f"shard rank {rank} is outside 0..{shards - 1} (shards={shards}); pass 0 <= rank < shards")
+    base, rem = divmod(num_layers, shards)
+    start = rank * base + min(rank, rem)
+    return start, start + base + (1 if rank < rem else 0)
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """Device layer id -> host layer slot, for the layers this rank owns.
+
+    ``device_layers[i]`` is stored in host layer slot ``i``.  Device layer ids
+    index the per-layer device buffer lists.  ``host_layer_num`` may exceed the
+    number of owned layers (SGLang sizes every rank's host pool for the largest
+    shard, leaving a tail slot unused).
+
+    :param device_layers: owned device layer ids, in host-slot order, unique.
+    :param host_layer_num: host layer slots to allocate (>= owned layers).
+    :param num_device_layers: length of the device buffer lists (ids are < this).
+    :param sharded: whether the device pool is layer-sharded (strategy key).
+    """
+
+    device_layers: tuple[int, ...]
+    host_layer_num: int
+    num_device_layers: int
+    sharded: bool = False
+    _slots: dict[int, int] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        layers = tuple(int(x) for x in self.device_layers)
+        object.__setattr__(self, "device_layers", layers)
+        if len(set(layers)) != len(layers):
+            raise SpecError(f"layer map device_layers has duplicates: {layers}; each device layer maps to one host slot")
+        if any(not 0 <= x < self.num_device_layers for x in layers):
+            raise SpecError(
+                f"layer map device_layers {layers} must lie in 0..{self.num_device_layers - 1} (num_device_layers)"
+            )
+        if self.host_layer_num < len(layers):
+            raise SpecError(
+                f"host_layer_num={self.host_layer_num} is smaller than the {len(layers)} owned layers; "
+                "pass host_layer_num >= len(device_layers)"
+            )
+        object.__setattr__(self, "_slots", {d: h for h, d in enumerate(layers)})
+
+    @classmethod
+    def unsharded(cls, num_layers: int, *, draft_layers: int = 0) -> "LayerMap":
+        """Every device layer on this rank, plus ``draft_layers`` appended MTP draft layers."""
+        n = num_layers + draft_layers
+        return cls(tuple(range(n)), n, n, sharded=False)
+
+    @classmethod
+    def sharded_cp(
+        cls, num_layers: int, shards: int, rank: int, *, draft_layers: int = 0, pad_to_largest: bool = False
+    ) -> "LayerMap":
+        """A contiguous context-parallel shard of ``num_layers`` over ``shards`` ranks.
+
+        The device buffer lists hold all ``num_layers`` target layers (only the
+        owned ones are read) followed by ``draft_layers`` draft layers, which
+        every rank owns.  The host is compacted to the owned layers; with
+        ``pad_to_largest`` it is sized for the largest shard (SGLang's rule).
+        """
+        start, end = shard_range(num_layers, shards, rank)
+        owned = tuple(range(start, end)) + tuple(range(num_layers, num_layers + draft_layers))
+        host = (math.ceil(num_layers / shards) if pad_to_largest else end - start) + draft_layers
+        return cls(owned, host, num_layers + draft_layers, sharded=shards > 1)
+
+    def host_slot(self, device_layer: int) -> int | None:
+        """Host slot of ``device_layer``, or ``None`` when this rank does not own it."""
+        return self._slots.get(device_layer)
+
+    def owns(self, device_layer: int) -> bool:
+        return device_layer in self._slots
+
+    def restrict(self, device_layers: Iterable[int]) -> "LayerMap":
+        """The sub-map of a component present only on ``device_layers`` (compacted host slots)."""
+        keep = set(device_layers)
+        owned = tuple(d for d in self.device_layers if d in keep)
+        return LayerMap(owned, len(owned), self.num_device_layers, self.sharded)
+
+
+@dataclass(frozen=True)
+class Part:
+    """A named byte range of a component row (e.g. MLA ``latent`` and ``rope``)."""
+
+    name: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Component:
+    """One row per token per layer.
+
+    :param name: component name (``k``, ``v``, ``kv``, ``index_k``...).
+    :param row_bytes: bytes of one token's row in one layer.
+    :param dtype: storage dtype for host buffers (bytes move regardless of it).
+    :param parts: optional split of the row; layouts may store parts separately.
+    :param layers: device layer ids where the component exists (``None``: all).
+    """
+
+    name: str
+    row_bytes: int
+    dtype: torch.dtype = torch.uint8
+    parts: tuple[Part, ...] = ()
+    layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if self.row_bytes <= 0 or self.row_bytes % item:
+            raise SpecError(
+                f"component {self.name!r}: row_bytes={self.row_bytes} must be a positive multiple of the "
+                f"{self.dtype} item size {item}"
+            )
+        covered = 0
+        for part in self.parts:
+            if part.offset != covered or part.nbytes <= 0 or part.nbytes % item:
+                raise SpecError(
+                    f"component {self.name!r}: parts must tile the row in order with whole items, got {self.parts}"
+                )
+            covered += part.nbytes
+        if self.parts and covered != self.row_bytes:
+            raise SpecError(f"component {self.name!r}: parts cover {covered} of {self.row_bytes} row bytes")
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """What a KV pool holds.  Layout- and backend-agnostic.
+
+    :param kind: pool kind, ``"mha"`` or ``"mla"`` (layouts may accept others).
+    :param components: the per-token-per-layer rows.
+    :param layer_map: owned device layers and their host slots.
+    :param page_size: tokens per page; host slots are allocated in pages.
+    :param capacity: host token slots (a multiple of ``page_size``).
+    :param device: device of the device pool's buffers.
+    :param head_num: MHA heads (informational; layouts may use it).
+    """
+
+    kind: str
+    components: tuple[Component, ...]
+    layer_map: LayerMap
+    page_size: int
+    capacity: int
+    device: torch.device = torch.device("cpu")
+    head_num: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", torch.device(self.device))
+        if self.page_size < 1:
+            raise SpecError(f"page_size={self.page_size} must be >= 1")
+        if self.capacity < self.page_size or self.capacity % self.page_size:
+            raise SpecError(
+                f"capacity={self.capacity} must be a positive multiple of page_size={self.page_size}; "
+                f"round it up to {max(1, -(-self.capacity // self.page_size)) * self.page_size}"
+            )
+        names = [c.name for c in self.components] + [p.name for c in self.components for p in c.parts]
+        if not self.components or len(set(names)) != len(names):
+            raise SpecError(f"component and part names must be non-empty and unique, got {names}")
+        for comp in self.components:
+            if comp.layers is not None and any(not 0 <= x < self.layer_map.num_device_layers for x in comp.layers):
+                raise SpecError(f"component {comp.name!r} layers {comp.layers} exceed the device layers")
+
+    # -- convenience constructors -------------------------------------------
+    @classmethod
+    def mha(
+        cls,
+        *,
+        layer_map: LayerMap,
+        head_num: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        page_size: int,
+        capacity: int,
+        v_head_dim: int | None = None,
+        device: torch.device | str = "cpu",
+        extra: Sequence[Component] = (),
+    ) -> "PoolSpec":
+        """An MHA pool: components ``k`` (``head_num x head_dim``) and ``v`` (``head_num x v_head_dim``)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        vd = head_dim if v_head_dim is None else v_head_dim
+        comps = (Component("k", head_num * head_dim * item, dtype), Component("v", head_num * vd * item, dtype))
+        return cls(MHA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device), head_num)
+
+    @classmethod
+    def mla(
+        cls,
+        *,
+        layer_map: LayerMap,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        page_size: int,
+        capacity: int,
+        row_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+        extra: Sequence[Component] = (),
+    ) -> "PoolSpec":
+        """An MLA pool: one ``kv`` row of ``kv_lora_rank + qk_rope_head_dim`` items, parts ``latent``/``rope``.
+
+        ``row_bytes`` overrides the row size for packed FP8 rows (e.g. 656 bytes of
+        uint8); such a row has no parts (kv_split layouts keep it whole).
+        """
+        item = torch.empty((), dtype=dtype).element_size()
+        rope = qk_rope_head_dim * item
+        row = row_bytes if row_bytes is not None else (kv_lora_rank + qk_rope_head_dim) * item
+        split = row_bytes is None and qk_rope_head_dim > 0 and kv_lora_rank > 0
+        parts = (Part("latent", 0, row - rope), Part("rope", row - rope, rope)) if split else ()
+        comps = (Component("kv", row, dtype, parts),)
+        return cls(MLA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device))
+
+    # -- derived ---------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.capacity // self.page_size
+
+    @property
+    def sharded(self) -> bool:
+        return self.layer_map.sharded
+
+    def component(self, name: str) -> Component:
+        for comp in self.components:
+            if comp.name == name:
+                return comp
+        raise SpecError(f"no component {name!r}; the spec has {[c.name for c in self.components]}")
+
+    def component_map(self, name: str) -> LayerMap:
+        """The layer map of one component (restricted when it lives on some layers only)."""
+        comp = self.component(name)
+        return self.layer_map if comp.layers is None else self.layer_map.restrict(comp.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Host bytes per token slot, all components and owned layers."""
+        return sum(c.row_bytes * len(self.component_map(c.name).device_layers) for c in self.components)
+
+    def describe(self) -> str:
+        rows = "+".join(f"{c.name}:{c.row_bytes}B" for c in self.components)
+        lm = self.layer_map
+        shard = f", sharded {len(lm.device_layers)}/{lm.num_device_layers} layers" if lm.sharded else ""
+        return f"{self.kind} [{rows}] x {len(lm.device_layers)} layers, page {self.page_size}{shard}"

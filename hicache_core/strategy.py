@@ -1,0 +1,80 @@
+"""The strategy contract: what a transfer implementation provides and receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+from .binding import PoolBinding
+from .layout import Layout
+from .spec import PoolSpec
+
+__all__ = ["Strategy", "StrategyInfo", "ANY_LAYOUT", "OPERATIONS"]
+
+#: Layout wildcard: a strategy registered for it serves every layout whose
+#: descriptor declares addressing (the generic backends do).
+ANY_LAYOUT = "*"
+
+#: The four operations every strategy serves, in matrix order.
+OPERATIONS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers")
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """A way to move rows between device buffers and host buffers.
+
+    Strategies are built once per pool (``StrategyInfo.factory()``), asked
+    ``supports`` at resolution, ``prepare``-d once when the pool binds its
+    buffers, then called for every transfer.
+
+    ``backup`` moves device rows ``device_indices`` to host slots
+    ``host_indices``; ``load`` moves the other way.  ``layer`` is a device layer
+    id (the pool has checked that this rank owns it), or ``None`` for every owned
+    layer.  Indices arrive validated: one-dimensional int32/int64 tensors of equal
+    length, a multiple of ``page_size``, in range, on the CPU or the pool's device.
+    Work is enqueued on the current stream of the pool's device; no host
+    synchronisation.  Rows of other slots must stay untouched.
+    """
+
+    def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        """``None`` when this strategy can serve ``spec`` in ``layout``, else a one-line reason."""
+        ...
+
+    def prepare(self, binding: PoolBinding) -> None:
+        """One-time set-up per pool (pointer tables, launch parameters)."""
+        ...
+
+    def backup(
+        self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None
+    ) -> None: ...
+
+    def load(
+        self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """A registration: which keys a strategy serves and how to build it.
+
+    :param name: unique strategy name, ``<dist-ish prefix>.<backend>`` by convention.
+    :param io_backend: the io_backend key (``kernel``, ``direct``, ``reference``...).
+    :param layouts: layout names served, or ``(ANY_LAYOUT,)`` for generic strategies.
+    :param sharded: which values of the ``sharded`` key are served.
+    :param factory: zero-argument callable returning a :class:`Strategy`; heavy
+        imports (Triton) belong inside it, never at registration.
+    :param description: one line for ``hicache plugins``.
+    """
+
+    name: str
+    io_backend: str
+    layouts: tuple[str, ...]
+    factory: Callable[[], Strategy]
+    sharded: tuple[bool, ...] = (False, True)
+    description: str = ""
+
+    @property
+    def generic(self) -> bool:
+        return ANY_LAYOUT in self.layouts

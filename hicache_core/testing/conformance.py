@@ -1,0 +1,245 @@
+"""The conformance checks, usable from pytest and from ``hicache verify``.
+
+Each check builds the pool under test and a ``reference`` pool on the same
+spec and layout, fills host buffers with the same canary bytes and device
+buffers with fresh random bytes, then
+
+1. backs up (all layers, or layer by layer) the same slots through both and
+   requires the host buffers to be byte-identical (stray writes hit canaries);
+2. loads every device layer id back into *other* device slots (canary-filled)
+   through both and requires identical device buffers, with the loaded rows
+   equal to the rows originally backed up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..pool import HostKVPool
+from ..registry import Registry
+from ..spec import Component, LayerMap, PoolSpec
+
+__all__ = ["Case", "CASES", "INDEX_VARIANTS", "make_device_buffers", "check_strategy", "random_bytes_like"]
+
+CANARY = 0xA5
+
+
+@dataclass(frozen=True)
+class Case:
+    """A pool spec factory plus how to shape the device buffers."""
+
+    id: str
+    build: Callable[[torch.device], PoolSpec]
+    strided: bool = False  # device token axis padded (strided views)
+    split_parts: bool = False  # device keeps component parts in separate tensors
+
+
+def _mla(lmap: LayerMap, ps: int, pages: int, *, dtype=torch.bfloat16, lora=256, rope=32, row_bytes=None, extra=()):
+    def build(device: torch.device) -> PoolSpec:
+        return PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
+                            capacity=ps * pages, row_bytes=row_bytes, device=device, extra=extra)
+    return build
+
+
+def _mha(lmap: LayerMap, ps: int, pages: int, *, heads=2, hd=8, vd=None, dtype=torch.float16):
+    def build(device: torch.device) -> PoolSpec:
+        return PoolSpec.mha(layer_map=lmap, head_num=heads, head_dim=hd, v_head_dim=vd, dtype=dtype,
+                            page_size=ps, capacity=ps * pages, device=device)
+    return build
+
+
+_IDX = (Component("index_k", 128, torch.uint8, layers=(0, 2)), Component("index_scale", 4, torch.float32, layers=(0, 2)))
+
+#: Small specs covering kinds, row sizes, dtypes, page sizes and layer maps.
+CASES: tuple[Case, ...] = (
+    Case("mla576-bf16-ps1", _mla(LayerMap.unsharded(3), 1, 24)),
+    Case("mla576-bf16-ps16-strided", _mla(LayerMap.unsharded(2), 16, 4), strided=True),
+    Case("mla576-bf16-ps64-splitdev", _mla(LayerMap.unsharded(2), 64, 3), split_parts=True),
+    Case("mla656-fp8-ps128", _mla(LayerMap.unsharded(2), 128, 2, dtype=torch.uint8, row_bytes=656)),
+    Case("mla576-fp8-ps16-sharded5of2r1", _mla(LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True), 16, 3,
+                                               dtype=torch.uint8, lora=512, rope=64)),
+    Case("mla576-bf16-ps4-sharded-drafts", _mla(LayerMap.sharded_cp(8, 2, 1, draft_layers=1), 4, 6)),
+    Case("mla-dsa-extra-ps4", _mla(LayerMap.unsharded(3), 4, 5, extra=_IDX)),
+    Case("mha-fp16-ps1", _mha(LayerMap.unsharded(3), 1, 20)),
+    Case("mha-bf16-ps16-vdim-strided", _mha(LayerMap.unsharded(2), 16, 3, vd=4, dtype=torch.bfloat16), strided=True),
+    Case("mha-fp32-ps64-sharded3of2r0", _mha(LayerMap.sharded_cp(3, 2, 0), 64, 2, hd=4, dtype=torch.float32)),
+    Case("mha-fp16-ps128-drafts", _mha(LayerMap.unsharded(2, draft_layers=1), 128, 2, heads=1)),
+)
+
+#: (id, picks host pages and device slots, index dtype, indices on the pool's device?)
+INDEX_VARIANTS: tuple[str, ...] = ("shuffled-i64", "one-page-i32", "reversed-i64-dev", "last-page-i32-dev")
+
+
+def random_bytes_like(rows: int, nbytes: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=gen).to(device)
+
+
+def _device_rows_needed(spec: PoolSpec) -> int:
+    # two disjoint device regions (backup source, load target) plus a canary page
+    return 2 * spec.capacity + spec.page_size
+
+
+def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator) -> dict[str, list[torch.Tensor | None]]:
+    """Random per-layer device tensors for ``spec`` (strided views / split parts as ``case`` asks)."""
+    n = _device_rows_needed(spec)
+    out: dict[str, list[torch.Tensor | None]] = {}
+    for comp in spec.components:
+        layers = set(range(spec.layer_map.num_device_layers) if comp.layers is None else comp.layers)
+        pieces = [(p.name, p.nbytes) for p in comp.parts] if case.split_parts and comp.parts else [(comp.name, comp.row_bytes)]
+        for name, nbytes in pieces:
+            items = nbytes // comp.itemsize
+            lst: list[torch.Tensor | None] = []
+            for d in range(spec.layer_map.num_device_layers):
+                if d not in layers:
+                    lst.append(None)
+                    continue
+                pad = 3 if case.strided else 0
+                raw = random_bytes_like(n, (items + pad) * comp.itemsize, spec.device, gen)
+                lst.append(raw.view(comp.dtype)[:, :items])
+            out[name] = lst
+    return out
+
+
+def _clone_buffers(bufs: dict[str, list[torch.Tensor | None]]) -> dict[str, list[torch.Tensor | None]]:
+    out: dict[str, list[torch.Tensor | None]] = {}
+    for k, lst in bufs.items():
+        new: list[torch.Tensor | None] = []
+        for t in lst:
+            if t is None:
+                new.append(None)
+                continue
+            base = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            base.copy_(t)
+            new.append(base)
+        out[k] = new
+    return out
+
+
+def _pick_indices(spec: PoolSpec, variant: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Host slots, backup device rows, load device rows (disjoint from the backup rows)."""
+    ps, pages = spec.page_size, spec.num_pages
+    perm = torch.randperm(pages, generator=gen)
+    if variant.startswith("one-page"):
+        hp = perm[:1]
+    elif variant.startswith("last-page"):
+        hp = torch.tensor([pages - 1])
+    elif variant.startswith("reversed"):
+        hp = torch.arange(pages - 1, -1, -1)[: max(1, pages - 1)]
+    else:
+        hp = perm[: max(1, (pages * 3) // 4)]
+    k = hp.numel()
+    dev_pages = torch.randperm(2 * pages, generator=gen)
+    src_p, dst_p = dev_pages[:k], dev_pages[k : 2 * k]
+    offs = torch.arange(ps)
+    def expand(p: torch.Tensor) -> torch.Tensor:
+        return (p.unsqueeze(1) * ps + offs).reshape(-1)
+    return expand(hp), expand(src_p) + ps, expand(dst_p) + ps  # device row < ps is the canary page
+
+
+def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
+    t = t.to(torch.int32) if "i32" in variant else t.to(torch.int64)
+    return t.to(spec.device) if variant.endswith("-dev") else t
+
+
+def _fill_host(pool: HostKVPool) -> None:
+    for t in pool.host_buffers.values():
+        t.view(torch.uint8).fill_(CANARY) if t.dim() else None
+
+
+def _rows(bufs: dict[str, list[torch.Tensor | None]], idx: torch.Tensor) -> dict[str, list[torch.Tensor | None]]:
+    return {k: [None if t is None else t[idx.to(t.device)].clone() for t in lst] for k, lst in bufs.items()}
+
+
+def _owned_rows(spec: PoolSpec, bufs: dict[str, list[torch.Tensor | None]], idx: torch.Tensor) -> dict[str, list[torch.Tensor | None]]:
+    """Rows ``idx`` of the layers this rank owns (``None`` for the others)."""
+    owned = set(spec.layer_map.device_layers)
+    rows = _rows(bufs, idx)
+    return {k: [t if i in owned else None for i, t in enumerate(lst)] for k, lst in rows.items()}
+
+
+def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dict[str, list[torch.Tensor | None]]) -> None:
+    for k in want:
+        for i, (g, w) in enumerate(zip(got[k], want[k])):
+            if g is None or w is None:
+                continue
+            if not torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w):
+                bad = (g.reshape(g.shape[0], -1).view(torch.uint8) != w.reshape(w.shape[0], -1).view(torch.uint8))
+                rows = bad.any(1).nonzero().flatten()[:5].tolist()
+                raise AssertionError(f"{what}: {k}[layer {i}] differs from the reference at rows {rows}")
+
+
+def check_strategy(
+    registry: Registry,
+    case: Case,
+    layout: str,
+    io_backend: str,
+    *,
+    variant: str = "shuffled-i64",
+    device: torch.device | str = "cpu",
+    strategy: str | None = None,
+    per_layer_backup: bool = False,
+    seed: int = 0,
+) -> HostKVPool:
+    """Run the round trip described in the module docstring; raise ``AssertionError`` on any difference."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = case.build(torch.device(device))
+    dev = make_device_buffers(spec, case, gen)
+    dev_ref = _clone_buffers(dev)
+    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
+    ref = HostKVPool(spec, layout, "reference", dev_ref, registry=registry, strategy="core.reference", pin_memory=False)
+    _fill_host(pool)
+    _fill_host(ref)
+    h, src, dst = _pick_indices(spec, variant, gen)
+    hi, si, di = (_place(t, variant, spec) for t in (h, src, dst))
+    original = _owned_rows(spec, dev, src)
+    owned = spec.layer_map.device_layers
+    if per_layer_backup:
+        for layer in range(spec.layer_map.num_device_layers):
+            assert pool.backup_layer(layer, hi, si) == (layer in owned)
+            ref.backup_layer(layer, h, src)
+    else:
+        pool.backup_all_layers(hi, si)
+        ref.backup_all_layers(h, src)
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize(spec.device)
+    for name, t in ref.host_buffers.items():
+        if not torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)):
+            diff = (pool.host_buffers[name].view(torch.uint8) != t.view(torch.uint8)).nonzero()[:3].tolist()
+            raise AssertionError(f"backup: host buffer {name!r} differs from the reference at {diff}")
+    for bufs in (dev, dev_ref):  # poison the load targets
+        for lst in bufs.values():
+            for t in lst:
+                if t is not None:
+                    t[dst.to(t.device)] = t[:1].expand(dst.numel(), *t.shape[1:]).clone().view(t.dtype)
+    for layer in range(spec.layer_map.num_device_layers):
+        assert pool.load_layer(layer, hi, di) == (layer in owned)
+        ref.load_layer(layer, h, dst)
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize(spec.device)
+    _assert_same("load_layer", dev, dev_ref)
+    _assert_same("round trip", _rows(dev, dst), original)
+    return pool
+
+
+def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str, *,
+                   device: torch.device | str = "cpu", strategy: str | None = None, seed: int = 1) -> None:
+    """``backup_all_layers`` then ``load_all_layers`` into other slots: rows come back bit-exact."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = case.build(torch.device(device))
+    dev = make_device_buffers(spec, case, gen)
+    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
+    h, src, dst = _pick_indices(spec, "shuffled-i64", gen)
+    before = _rows(dev, torch.arange(spec.page_size))
+    original = _owned_rows(spec, dev, src)
+    pool.backup_all_layers(h, src)
+    pool.load_all_layers(h, dst)
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize(spec.device)
+    _assert_same("load_all_layers", _rows(dev, dst), original)
+    _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
+
+
+__all__ += ["check_load_all", "CANARY"]

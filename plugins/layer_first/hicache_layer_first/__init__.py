@@ -1,0 +1,1 @@
+"""hicache-layer-first: the layer_first layout and its Triton kernel strategy."""

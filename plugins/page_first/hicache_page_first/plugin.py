@@ -1,0 +1,15 @@
+"""Registration only: no Triton import here."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hicache_core import Layout, hookimpl
+
+from .layout import PAGE_FIRST, PAGE_FIRST_DIRECT
+
+
+@hookimpl
+def hicache_register_layouts(register: Callable[[Layout], None]) -> None:
+    register(PAGE_FIRST)
+    register(PAGE_FIRST_DIRECT)
