@@ -1,0 +1,156 @@
+"""Layout-agnostic host-side support for Triton kernel strategies.
+
+Kernel strategies differ in how they address host memory; everything else —
+deciding where a kernel may run, the widest safe access word, per-layer
+offset tables built once per pool, index placement, the SM budget — is the
+same and lives here.  Nothing in this module imports Triton.
+
+Addressing convention for kernels: one *anchor* tensor is passed as a kernel
+pointer argument (Triton then knows its alignment); every other address
+(per-layer device tensors, pinned host buffers — same unified address space)
+is an int64 offset from it, in *words* of :attr:`SegmentTable.word` bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .binding import BoundSegment, PoolBinding
+from .errors import HostBufferError
+from .spec import PoolSpec
+
+__all__ = [
+    "SegmentTable",
+    "kernel_unsupported_reason",
+    "access_word",
+    "segment_tables",
+    "kernel_indices",
+    "require_pinned",
+    "sm_budget",
+    "interpreting",
+    "ENV_PROGRAMS",
+]
+
+#: Override the number of programs (SM budget) of every kernel launch.
+ENV_PROGRAMS = "HICACHE_KERNEL_PROGRAMS"
+
+_WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_unsupported_reason(spec: PoolSpec) -> str | None:
+    """``None`` when a Triton kernel can run for ``spec`` here, else why not."""
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    if spec.device.type == "cuda":
+        return None
+    if spec.device.type == "cpu" and interpreting():
+        return None
+    return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); the pool is on {spec.device}"
+
+
+def access_word(*quantities: int, max_word: int = 8) -> int:
+    """Largest power of two <= ``max_word`` dividing every byte quantity (sizes, strides, addresses)."""
+    w = max_word
+    while w > 1 and any(q % w for q in quantities):
+        w //= 2
+    return w
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    """One bound segment prepared for a kernel, in ``word``-byte units.
+
+    ``dev_off[e]`` / ``host_off[e]``: offset (words, from ``anchor``) of device
+    row 0 and of the host layer slot of entry ``e`` (the segment's addressing
+    offset included); ``dev_stride[e]``: device token stride (words).  The host
+    strides ``layer``, ``page``, ``token``, ``chunk_stride`` and the ``width``,
+    ``chunk`` sizes are in words too.  Tables live on the pool's device.
+    """
+
+    segment: BoundSegment
+    word: int
+    anchor: torch.Tensor
+    dev_off: torch.Tensor
+    dev_stride: torch.Tensor
+    host_off: torch.Tensor
+    width: int
+    chunk: int
+    chunk_stride: int
+    layer: int
+    page: int
+    token: int
+    rows: int  # device rows of the shortest layer (kernels mask indices against it)
+
+    def entry_positions(self, layer: int | None) -> list[int]:
+        return self.segment.entries(layer)
+
+
+def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTable]:
+    """Build (once per pool) a :class:`SegmentTable` per bound segment."""
+    tables = []
+    device = binding.device
+    for seg in binding.segments:
+        a = seg.segment.addressing
+        hbase = seg.host_flat.data_ptr() + a.offset
+        host_bases = [hbase + h * a.layer for h in seg.host_layers]
+        word = access_word(seg.width, a.chunk_bytes, a.chunk_stride, a.layer, a.page, a.token, hbase,
+                           *seg.dev_ptrs, *seg.dev_strides, max_word=max_word)
+        anchor = _word_anchor(seg.device_rows[0] if seg.device_rows else seg.host_flat, word)
+        base = anchor.data_ptr()
+        def to_words(addrs: list[int]) -> torch.Tensor:
+            return torch.tensor([(x - base) // word for x in addrs], dtype=torch.int64, device=device)
+        tables.append(SegmentTable(
+            segment=seg, word=word, anchor=anchor,
+            dev_off=to_words(list(seg.dev_ptrs)),
+            dev_stride=torch.tensor([s // word for s in seg.dev_strides], dtype=torch.int64, device=device),
+            host_off=to_words(host_bases),
+            width=seg.width // word, chunk=a.chunk_bytes // word, chunk_stride=(a.chunk_stride or a.chunk_bytes) // word,
+            layer=a.layer // word, page=a.page // word, token=a.token // word,
+            rows=min(seg.dev_lens, default=0),
+        ))
+    return tables
+
+
+def _word_anchor(rows: torch.Tensor, word: int) -> torch.Tensor:
+    """A one-word tensor at ``rows``' first byte, typed as the access word."""
+    storage = rows.untyped_storage()
+    byte_off = rows.data_ptr() - storage.data_ptr()
+    t = torch.empty(0, dtype=_WORD_DTYPE[word], device=rows.device)
+    return t.set_(storage, byte_off // word, (1,), (1,))
+
+
+def kernel_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An index tensor on the kernel's device (int32 or int64 kept as is).
+
+    CPU indices are copied once, asynchronously when pinned.
+    """
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def require_pinned(binding: PoolBinding, strategy: str) -> None:
+    """Zero-copy kernels read and write host memory directly: on CUDA it must be pinned."""
+    if binding.device.type == "cuda" and not binding.host_pinned:
+        raise HostBufferError(
+            f"{strategy} reads and writes host memory directly, so host buffers must be pinned: allocate them "
+            "with pin_memory=True (or let the pool allocate them), or use io_backend 'direct'"
+        )
+
+
+def sm_budget(default: int, device: torch.device) -> int:
+    """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (<= SM count)."""
+    env = os.environ.get(ENV_PROGRAMS)
+    n = int(env) if env else default
+    if device.type == "cuda":
+        n = min(n, torch.cuda.get_device_properties(device).multi_processor_count * 4)
+    return max(1, n)
