@@ -53,6 +53,10 @@ class DirectStrategy:
     """Copy-engine transfers; plain ``memmove`` on CPU."""
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        if spec.device.type == "cuda" and not BatchCopier.available_on_cuda():
+            return "direct on CUDA submits copies through cuda-bindings, which is not installed (pip install cuda-bindings)"
+        if spec.device.type not in ("cuda", "cpu"):
+            return f"direct serves CUDA and CPU pools, not {spec.device.type}"
         return None
 
     def prepare(self, binding: PoolBinding) -> None:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One GPU session: install offline, run the GPU test suites, then the benchmark.
+# Usage (device tool): bash dev/gpu.sh [tests|bench|all] ; logs under $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/hicache-out}; mkdir -p "$OUT"
+what=${1:-all}; shift || true
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_first -e plugins/page_first \
+  -e plugins/kv_split -e tests/plugins/page_head -e tests/plugins/fake_vendor >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv;
+  python3 -c "import torch, triton, pluggy; print('torch', torch.__version__, 'triton', triton.__version__, 'pluggy', pluggy.__version__)"; } >"$OUT/env.txt" 2>&1
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  hicache verify >"$OUT/verify.log" 2>&1; echo "verify rc=$?"
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x --hicache-device cuda "$@" >"$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; tail -5 "$OUT/gpu_tests.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout ${BENCH_TIMEOUT:-400} hicache bench --out "$OUT" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  echo "bench rc=$?"; grep -v "^hicache bench" "$OUT/bench.log" | tail -40
+fi

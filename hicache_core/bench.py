@@ -1,0 +1,339 @@
+"""``hicache bench``: throughput of every installed strategy against pinned memcpy of the same bytes.
+
+For each shape, layout, io_backend, page size, token count, SM budget and
+operation it reports GB/s, the ratio to a pinned ``copy_`` of the same number
+of bytes in the same direction measured in the same run, the host time per
+call, and (optionally) the slowdown of a bf16 GEMM on another stream while a
+transfer runs.  Data are checked bit-exact (round trip against the original
+rows) before timing.  Results go to ``<out>/bench.json``; ``--plot`` renders
+``<out>/bench.png`` (ratio vs tokens per strategy) when matplotlib is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .pool import HostKVPool, allocate_host_buffers
+from .registry import Registry, create_registry
+from .spec import LayerMap, PoolSpec
+from .kernel_support import ENV_PROGRAMS
+
+__all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+def _mla(layers: int, dtype: torch.dtype, row_bytes: int | None = None) -> Callable[[int, int, torch.device], PoolSpec]:
+    def build(tokens: int, ps: int, device: torch.device) -> PoolSpec:
+        return PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64, dtype=dtype,
+                            page_size=ps, capacity=tokens, row_bytes=row_bytes, device=device)
+    return build
+
+
+def _mha(layers: int, heads: int, dim: int) -> Callable[[int, int, torch.device], PoolSpec]:
+    def build(tokens: int, ps: int, device: torch.device) -> PoolSpec:
+        return PoolSpec.mha(layer_map=LayerMap.unsharded(layers), head_num=heads, head_dim=dim, dtype=torch.bfloat16,
+                            page_size=ps, capacity=tokens, device=device)
+    return build
+
+
+#: name -> spec builder(tokens, page_size, device)
+SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
+    "mla61x576-bf16": _mla(61, torch.bfloat16),
+    "mla61x576-fp8": _mla(61, torch.uint8),
+    "mla61x656-fp8": _mla(61, torch.uint8, 656),
+    "mha80x8x128-bf16": _mha(80, 8, 128),
+    "mha32x8x128-bf16": _mha(32, 8, 128),
+}
+
+OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers")
+
+
+@dataclass
+class BenchRow:
+    shape: str
+    layout: str
+    io_backend: str
+    strategy: str
+    page_size: int
+    tokens: int
+    programs: int | None
+    op: str
+    bytes: int
+    ms: float
+    gbps: float
+    memcpy_gbps: float
+    ratio: float
+    host_us: float
+    gemm_slowdown: float | None = None
+
+
+def _median_ms(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _host_us(fn: Callable[[], None], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+class _Memcpy:
+    """Pinned ``copy_`` of ``n`` bytes, cached per size and direction."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, bool], float] = {}
+
+    def gbps(self, nbytes: int, to_host: bool, reps: int) -> float:
+        key = (nbytes, to_host)
+        if key not in self.cache:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            dst, src = (host, dev) if to_host else (dev, host)
+            ms = _median_ms(lambda: dst.copy_(src, non_blocking=True), reps)
+            self.cache[key] = nbytes / ms / 1e6
+        return self.cache[key]
+
+
+def _gemm_slowdown(transfer: Callable[[], None], size: int = 8192, reps: int = 10) -> float:
+    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` loops on another stream."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    alone = _median_ms(lambda: a @ b, reps)
+    side = torch.cuda.Stream()
+    gemm_ms = []
+    for _ in range(reps):
+        with torch.cuda.stream(side):
+            for _ in range(4):
+                transfer()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        e1.synchronize()
+        gemm_ms.append(e0.elapsed_time(e1))
+        side.synchronize()
+    return statistics.median(gemm_ms) / alone - 1.0
+
+
+def _device_buffers(spec: PoolSpec, rows: int) -> dict[str, list[torch.Tensor | None]]:
+    out: dict[str, list[torch.Tensor | None]] = {}
+    for comp in spec.components:
+        items = comp.row_bytes // comp.itemsize
+        out[comp.name] = [
+            torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, device=spec.device).view(comp.dtype).view(rows, items)
+            for _ in range(spec.layer_map.num_device_layers)
+        ]
+    return out
+
+
+def _indices(spec: PoolSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random host pages, random device pages for backup, other random device pages for load (on the GPU)."""
+    ps, pages = spec.page_size, spec.num_pages
+    offs = torch.arange(ps)
+    hp = torch.randperm(pages, generator=gen)
+    dp = torch.randperm(2 * pages, generator=gen)
+    ex = lambda p: (p.unsqueeze(1) * ps + offs).reshape(-1)  # noqa: E731
+    return ex(hp).cuda(), ex(dp[:pages]).cuda(), ex(dp[pages:]).cuda()
+
+
+def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
+    pool.backup_all_layers(h, s)
+    for layer in pool.spec.layer_map.device_layers:
+        pool.load_layer(layer, h, d)
+    torch.cuda.synchronize()
+    for name, lst in dev.items():
+        for i, t in enumerate(lst):
+            if t is not None and not torch.equal(t[s].view(torch.uint8), t[d].view(torch.uint8)):
+                raise AssertionError(f"bench data check failed: {pool.strategy_name} {name}[{i}]")
+
+
+def _targets(reg: Registry, spec: PoolSpec, layouts: Iterable[str] | None, backends: Iterable[str]) -> list[tuple[str, str, str]]:
+    out = []
+    for layout in sorted(layouts or reg.layouts):
+        for backend in backends:
+            for info in reg.candidates(layout, backend, spec.sharded):
+                res, _ = reg.try_resolve(spec, layout, backend, override=info.name)
+                if res is not None:
+                    out.append((layout, backend, info.name))
+    return out
+
+
+def run_bench(
+    *,
+    shapes: list[str],
+    tokens: list[int],
+    page_sizes: list[int],
+    programs: list[int | None],
+    layouts: list[str] | None = None,
+    backends: list[str] = ("kernel", "direct"),  # type: ignore[assignment]
+    ops: list[str] = OPS,  # type: ignore[assignment]
+    reps: int = 20,
+    gemm: bool = False,
+    registry: Registry | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Measure; see the module docstring.  CUDA only."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("hicache bench needs a CUDA device")
+    reg = registry or create_registry()
+    memcpy = _Memcpy()
+    gen = torch.Generator().manual_seed(0)
+    rows: list[BenchRow] = []
+    dev_cache: dict[tuple[str, int, int], Any] = {}
+    for shape in shapes:
+        for ps in page_sizes:
+            for n in tokens:
+                spec = SHAPES[shape](n, ps, torch.device("cuda"))
+                dev_cache.clear()
+                torch.cuda.empty_cache()
+                dev = _device_buffers(spec, 2 * n + ps)
+                h, s, d = _indices(spec, gen)
+                for layout, backend, name in _targets(reg, spec, layouts, backends):
+                    plan = reg.layout(layout).plan(spec)
+                    host = allocate_host_buffers(plan, pin_memory=True)
+                    budgets = programs if backend == "kernel" else [None]
+                    for budget in budgets:
+                        if budget is not None:
+                            os.environ[ENV_PROGRAMS] = str(budget)
+                        else:
+                            os.environ.pop(ENV_PROGRAMS, None)
+                        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg, validate="shapes")
+                        _check(pool, dev, h, s, d)
+                        layer0 = spec.layer_map.device_layers[len(spec.layer_map.device_layers) // 2]
+                        per_layer = spec.bytes_per_token // len(spec.layer_map.device_layers) * n
+                        calls: dict[str, tuple[Callable[[], Any], int, bool]] = {
+                            "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True),
+                            "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True),
+                            "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False),
+                            "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False),
+                        }
+                        for op in ops:
+                            fn, nbytes, to_host = calls[op]
+                            ms = _median_ms(fn, reps)
+                            base = memcpy.gbps(nbytes, to_host, reps)
+                            gbps = nbytes / ms / 1e6
+                            slow = _gemm_slowdown(fn) if gemm and op == "backup_all_layers" else None
+                            row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
+                                           gbps / base, _host_us(fn, max(5, reps // 2)), slow)
+                            rows.append(row)
+                            if progress:
+                                progress(f"{shape} {layout}/{backend} ps={ps} n={n} P={budget} {op}: "
+                                         f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
+                                         + (f" gemm +{slow * 100:.1f}%" if slow is not None else ""))
+                    del host
+                del dev
+    os.environ.pop(ENV_PROGRAMS, None)
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> bool:
+    """Ratio vs tokens per (strategy, op), one panel per op.  ``False`` when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed; no plot written")
+        return False
+    fig, axes = plt.subplots(1, len(OPS), figsize=(5 * len(OPS), 4), sharey=True)
+    for ax, op in zip(axes, OPS):
+        best: dict[tuple[str, str, int], dict[int, float]] = {}
+        for r in rows:
+            if r["op"] != op:
+                continue
+            key = (r["shape"], r["strategy"], r["page_size"])
+            best.setdefault(key, {})
+            best[key][r["tokens"]] = max(best[key].get(r["tokens"], 0.0), r["ratio"])
+        for (shape, strat, ps), pts in sorted(best.items()):
+            xs = sorted(pts)
+            ax.plot(xs, [pts[x] for x in xs], marker="o", label=f"{strat} {shape} ps{ps}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("tokens per call")
+        ax.axhline(1.0, color="grey", lw=0.5)
+    axes[0].set_ylabel("ratio to pinned memcpy (best SM budget)")
+    axes[-1].legend(fontsize=5, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="GPU throughput of every strategy vs pinned memcpy (JSON + PNG)")
+    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
+    p.add_argument("--shapes", default="mla61x576-bf16,mha80x8x128-bf16", help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--tokens", default="4096,32768")
+    p.add_argument("--page-sizes", default="1,64")
+    p.add_argument("--programs", default="4,8,16,0", help="SM budgets for kernel strategies; 0 = strategy default")
+    p.add_argument("--layouts", default="", help="comma list (default: all installed)")
+    p.add_argument("--io-backends", default="kernel,direct")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--gemm", action="store_true", help="measure GEMM slowdown during backup_all_layers")
+    p.add_argument("--plot-only", default="", help="render the plot of an existing bench.json and exit")
+    p.set_defaults(func=_cmd)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            data = json.load(f)
+        return 0 if plot(data["rows"], os.path.join(args.out, "bench.png")) else 1
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+
+        bar = tqdm(desc="hicache bench", unit="cfg", file=sys.stderr)
+        progress = lambda msg: (bar.update(1), bar.write(msg))  # noqa: E731
+    except ImportError:
+        progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    rows = run_bench(
+        shapes=args.shapes.split(","), tokens=_ints(args.tokens), page_sizes=_ints(args.page_sizes),
+        programs=[p or None for p in _ints(args.programs)], layouts=[x for x in args.layouts.split(",") if x] or None,
+        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, progress=progress,
+    )
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    data = {"meta": meta, "rows": [asdict(r) for r in rows]}
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    plot(data["rows"], os.path.join(args.out, "bench.png"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache-bench")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
