@@ -415,7 +415,36 @@ def _attempt(fn: Callable[[], Any]) -> dict:
         }
 
 
-def survey(kind: str, layouts=LAYOUTS, **pool_kwargs) -> dict:
+def try_stock_transfers(dev, host, io_backends=("kernel", "direct")) -> dict:
+    """Call the stock transfer methods once per io_backend; record OK / exception.
+
+    Uses one page of host slots (host.alloc) and device slots page_size..2*page_size
+    (slot 0 / page 0 is the device padding page). ``layer_id`` for
+    load_to_device_per_layer is a device-LOCAL layer index (first owned layer).
+    """
+    import torch
+
+    out = {}
+    ps = host.page_size
+    host_idx = host.alloc(ps)
+    dev_idx = torch.arange(ps, 2 * ps, dtype=torch.int64)
+    first_layer = host._owned_device_layer_ids(dev)[0]
+    try:
+        for be in io_backends:
+            out[f"backup_from_device_all_layer[{be}]"] = _attempt(
+                lambda: host.backup_from_device_all_layer(dev, host_idx, dev_idx, be)
+            )
+            out[f"load_to_device_per_layer[{be}]"] = _attempt(
+                lambda: host.load_to_device_per_layer(
+                    dev, host_idx, dev_idx, first_layer, be
+                )
+            )
+    finally:
+        host.free(host_idx)
+    return out
+
+
+def survey(kind: str, layouts=LAYOUTS, transfers: bool = True, **pool_kwargs) -> dict:
     """kind in {'mla', 'mha', 'layer_split_dsa'}: layout -> {'ok', 'value'|'error'}."""
     makers = {
         "mla": make_mla_device_pool,
@@ -429,7 +458,13 @@ def survey(kind: str, layouts=LAYOUTS, **pool_kwargs) -> dict:
             def build():
                 dev = makers[kind](**pool_kwargs)
                 host = make_host_pool(dev)
-                return {"device": describe_device(dev), "host": describe_host(host)}
+                r = {"device": describe_device(dev), "host": describe_host(host)}
+                if transfers:
+                    r["transfers"] = {
+                        k: ("OK" if v["ok"] else f"{v['error']} @ {v['where']}")
+                        for k, v in try_stock_transfers(dev, host).items()
+                    }
+                return r
 
             results[layout] = _attempt(build)
     return results

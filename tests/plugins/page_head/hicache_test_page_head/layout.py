@@ -9,7 +9,7 @@ items apart.
 
 from __future__ import annotations
 
-from hicache_core import MHA, Addressing, BufferSpec, Component, HostPlan, PoolSpec, Segment
+from hicache_core import MHA, Addressing, BufferSpec, Component, HostPlan, PoolSpec, Segment, SpecError
 
 __all__ = ["PageHeadLayout", "LAYOUT"]
 
@@ -40,14 +40,13 @@ class PageHeadLayout:
     def plan(self, spec: PoolSpec) -> HostPlan:
         reason = self.check(spec)
         if reason:
-            raise ValueError(f"layout page_head cannot hold this pool: {reason}")
+            raise SpecError(f"layout page_head cannot hold this pool: {reason}")
         H, ps, P = spec.head_num, spec.page_size, spec.num_pages
         buffers, segments = [], []
         for comp in spec.components:
             L = spec.component_map(comp.name).host_layer_num
-            D = _head_items(comp, H)
-            assert D is not None  # check() passed
             item = comp.itemsize
+            D = comp.row_bytes // (H * item)  # whole, check() passed
             buffers.append(BufferSpec(comp.name, (P, H, ps, L, D), comp.dtype))
             addr = Addressing(
                 offset=0,

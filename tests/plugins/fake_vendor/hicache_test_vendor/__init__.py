@@ -1,0 +1,1 @@
+"""hicache-test-vendor: a vendor io_backend added without touching the core."""
