@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .errors import DeviceBufferError, HostBufferError
-from .layout import HostPlan, Layout, Segment, strided_host_view
+from .layout import BufferSpec, HostPlan, Layout, Segment, strided_host_view
 from .spec import PoolSpec
 
 __all__ = ["BoundSegment", "PoolBinding", "device_rows", "flat_bytes", "bind"]
@@ -184,19 +184,34 @@ def bind(
     device_buffers: Mapping[str, Sequence[torch.Tensor | None]],
 ) -> PoolBinding:
     """Check host buffers against ``plan`` and bind every segment to its device rows."""
-    for b in plan.buffers:
-        t = host_buffers.get(b.name)
-        if t is None:
-            raise HostBufferError(f"host buffer {b.name!r} is missing; the layout {layout.name!r} needs {[x.name for x in plan.buffers]}")
-        if tuple(t.shape) != b.shape or t.dtype != b.dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise HostBufferError(
-                f"host buffer {b.name!r} must be a contiguous CPU {b.dtype} tensor of shape {b.shape} for layout "
-                f"{layout.name!r}; got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
-            )
+    hosts = {b.name: _host_buffer(b, host_buffers.get(b.name), layout, plan) for b in plan.buffers}
     segments = tuple(
-        _bind_segment(spec, piece, host_buffers[s.buffer], device_buffers)
+        _bind_segment(spec, piece, hosts[s.buffer], device_buffers)
         for s in plan.segments
         for piece in _split_by_parts(spec, s, device_buffers)
     )
-    pinned = all(t.is_pinned() for t in host_buffers.values()) if torch.cuda.is_available() else False
-    return PoolBinding(spec, layout, plan, dict(host_buffers), segments, pinned)
+    pinned = all(t.is_pinned() for t in hosts.values()) if torch.cuda.is_available() else False
+    return PoolBinding(spec, layout, plan, hosts, segments, pinned)
+
+
+def _host_buffer(b: BufferSpec, t: torch.Tensor | None, layout: Layout, plan: HostPlan) -> torch.Tensor:
+    """``t`` viewed as the planned buffer ``b``.
+
+    Engine tensors may keep extra trailing dims (``[L, S, H, D]`` for a planned
+    ``[L, S, H*D]``): any contiguous CPU tensor of the planned dtype whose
+    leading dims match and whose trailing dims flatten to the planned row is accepted.
+    """
+    if t is None:
+        raise HostBufferError(f"host buffer {b.name!r} is missing; the layout {layout.name!r} needs {[x.name for x in plan.buffers]}")
+    lead = len(b.shape) - 1
+    fits = (
+        isinstance(t, torch.Tensor) and t.dtype == b.dtype and t.device.type == "cpu" and t.is_contiguous()
+        and tuple(t.shape[:lead]) == b.shape[:lead] and t.numel() == BufferSpec(b.name, b.shape, b.dtype).nbytes // t.element_size()
+    )
+    if not fits:
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise HostBufferError(
+            f"host buffer {b.name!r} must be a contiguous CPU {b.dtype} tensor of shape {b.shape} (trailing dims may be "
+            f"split) for layout {layout.name!r}; got {got}"
+        )
+    return t.view(b.shape)

@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .allocator import PageAllocator
-from .binding import PoolBinding, bind
+from .binding import PoolBinding, bind, flat_bytes
 from .errors import HostBufferError, SpecError
 from .layout import HostPlan, page_blocks
 from .registry import Registry, Resolution, default_registry
@@ -80,8 +80,14 @@ class HostKVPool:
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)
-        self._device_rows = min((n for s in self.binding.segments for n in s.dev_lens), default=0)
-        self._page_blocks = [page_blocks(s.segment, spec, s.host_layer_num) for s in self.binding.segments]
+        # a rank owning no layers moves nothing, so any device index is acceptable
+        self._device_rows = min((n for s in self.binding.segments for n in s.dev_lens), default=1 << 62)
+        # page views follow the host plan, not how the device happens to hold parts
+        self._page_segments = [
+            (flat_bytes(self.binding.host_buffers[s.buffer]), s.addressing.page,
+             page_blocks(s, spec, spec.component_map(s.component).host_layer_num))
+            for s in plan.segments
+        ]
         logger.debug("HostKVPool %s via %s", spec.describe(), self.resolution.info.name)
 
     # -- properties ----------------------------------------------------------
@@ -115,9 +121,11 @@ class HostKVPool:
 
     # -- transfers ---------------------------------------------------------------
     def _check(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        on_device = any(t.device.type != "cpu" for t in (host_indices, device_indices) if isinstance(t, torch.Tensor))
-        values = self.validate == "full" or not on_device
-        check_indices(self.spec, host_indices, device_indices, self._device_rows, values=values)
+        full = self.validate == "full"
+        def values(t: object) -> bool:
+            return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
+        check_indices(self.spec, host_indices, device_indices, self._device_rows,
+                      host_values=values(host_indices), device_values=values(device_indices))
 
     def backup_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """D2H: every owned layer's rows ``device_indices`` -> host slots ``host_indices``."""
@@ -157,23 +165,23 @@ class HostKVPool:
         """``(address, nbytes)`` of every contiguous host block of ``page``, segment by segment."""
         self._check_page(page)
         out = []
-        for seg, blocks in zip(self.binding.segments, self._page_blocks):
-            base = seg.host_flat.data_ptr() + page * seg.segment.addressing.page
+        for flat, stride, blocks in self._page_segments:
+            base = flat.data_ptr() + page * stride
             out += [(base + off, n) for off, n in blocks]
         return out
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page across every segment and host layer."""
-        return sum(n for blocks in self._page_blocks for _, n in blocks)
+        return sum(n for _, _, blocks in self._page_segments for _, n in blocks)
 
     def get_page(self, page: int) -> torch.Tensor:
         """A copy of ``page``'s bytes, flat uint8 (blocks in :meth:`page_pointers` order)."""
         self._check_page(page)
         parts = []
-        for seg, blocks in zip(self.binding.segments, self._page_blocks):
-            base = page * seg.segment.addressing.page
-            parts += [seg.host_flat[base + off : base + off + n] for off, n in blocks]
+        for flat, stride, blocks in self._page_segments:
+            base = page * stride
+            parts += [flat[base + off : base + off + n] for off, n in blocks]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
     def set_page(self, page: int, data: torch.Tensor) -> None:
@@ -183,8 +191,8 @@ class HostKVPool:
             raise HostBufferError(f"data must be a CPU tensor of {self.page_bytes} bytes (page_bytes)")
         flat = data.reshape(-1).view(torch.uint8)
         pos = 0
-        for seg, blocks in zip(self.binding.segments, self._page_blocks):
-            base = page * seg.segment.addressing.page
+        for host, stride, blocks in self._page_segments:
+            base = page * stride
             for off, n in blocks:
-                seg.host_flat[base + off : base + off + n].copy_(flat[pos : pos + n])
+                host[base + off : base + off + n].copy_(flat[pos : pos + n])
                 pos += n

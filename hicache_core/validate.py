@@ -34,14 +34,21 @@ def _basic(name: str, t: object, spec: PoolSpec) -> torch.Tensor:
 
 
 def check_indices(
-    spec: PoolSpec, host_indices: torch.Tensor, device_indices: torch.Tensor, device_rows: int, *, values: bool
+    spec: PoolSpec,
+    host_indices: torch.Tensor,
+    device_indices: torch.Tensor,
+    device_rows: int,
+    *,
+    host_values: bool = True,
+    device_values: bool = True,
 ) -> None:
     """Validate a transfer's index tensors.
 
     Shape, dtype, device, equal length and page multiple are always checked.
-    With ``values`` the contents are checked too: host slots in range and whole
-    pages, device rows in ``0..device_rows-1``.  Checking the values of
-    device-resident indices synchronises with the device.
+    With ``host_values`` the host slots are checked to lie in range and form
+    whole pages; with ``device_values`` the device rows to lie in
+    ``0..device_rows-1``.  Checking the values of device-resident indices
+    synchronises with the device.
     """
     h = _basic("host_indices", host_indices, spec)
     d = _basic("device_indices", device_indices, spec)
@@ -53,15 +60,21 @@ def check_indices(
         raise PageMultipleError(
             f"host_indices has {h.numel()} entries, not a multiple of page_size={spec.page_size}; transfer whole pages"
         )
-    if not values or h.numel() == 0:
+    if h.numel() == 0:
+        return
+    if device_values:
+        dmin, dmax = int(d.min()), int(d.max())
+        if dmin < 0 or dmax >= device_rows:
+            raise IndexRangeError(
+                f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
+                "index rows the device tensors have"
+            )
+    if not host_values:
         return
     hmin, hmax = int(h.min()), int(h.max())
     if hmin < 0 or hmax >= spec.capacity:
-        raise IndexRangeError(f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}")
-    dmin, dmax = int(d.min()), int(d.max())
-    if dmin < 0 or dmax >= device_rows:
         raise IndexRangeError(
-            f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}"
+            f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"
         )
     pages = h.view(-1, spec.page_size)
     if spec.page_size > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 
 import pytest
@@ -171,7 +172,16 @@ def test_page_size_one() -> None:
     assert a.alloc(2).tolist() == [1, 3]
 
 
-def test_concurrent_alloc_free_never_hands_a_slot_out_twice() -> None:
+@pytest.fixture
+def frequent_thread_switches():
+    """Switch threads every microsecond so that an unlocked allocator races visibly."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def test_concurrent_alloc_free_never_hands_a_slot_out_twice(frequent_thread_switches: None) -> None:
     capacity, ps, threads, rounds = 256, 4, 8, 300
     alloc = PageAllocator(capacity, ps)
     outstanding: set[int] = set()

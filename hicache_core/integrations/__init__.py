@@ -1,0 +1,1 @@
+"""Integrations of hicache with inference engines (each imported only on demand)."""

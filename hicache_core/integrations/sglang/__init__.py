@@ -1,0 +1,14 @@
+"""SGLang bridge: hicache strategies serve SGLang's HiCache host-pool transfers.
+
+SGLang (0.5.23 tested) loads :func:`load_plugin` through its
+``sglang.srt.plugins`` entry point; it registers AROUND hooks on the host pool
+classes with SGLang's ``HookRegistry``.  No SGLang source is patched.  See
+``docs/sglang.md``.  Importing this package imports neither SGLang nor Triton.
+"""
+
+from __future__ import annotations
+
+from .mode import ENV_MODE, MODES, current_mode
+from .plugin import HOOK_TARGETS, load_plugin
+
+__all__ = ["load_plugin", "HOOK_TARGETS", "ENV_MODE", "MODES", "current_mode"]

@@ -1,0 +1,77 @@
+"""``page_first_kv_split`` host buffers where SGLang 0.5.23 cannot allocate them.
+
+SGLang allocates this layout only on NPU (MLA with ``MLASplitBuffers``); on
+CUDA/CPU MLA ``init_kv_buffer`` fails with ``AttributeError`` and MHA raises
+``ValueError: Unsupported layout``.  We allocate SGLang's NPU shapes with its
+own allocator function, so every other attribute SGLang derives keeps working:
+
+* MLA: ``k_buffer [P, L, ps, 1, kv_lora_rank]``, ``v_buffer [P, L, ps, 1, rope]``
+  (a packed FP8 row lives whole in ``k_buffer [P, L, ps, 1, kv_cache_dim]`` and
+  ``v_buffer`` is ``None``); ``kv_buffer`` is ``k_buffer``; no indexer mirrors.
+* MHA: ``kv_buffer [2, P, L, ps, H, D]`` so that ``k_buffer``/``v_buffer``
+  (SGLang's properties) are ``[P, L, ps, H, D]``.
+
+``token_stride_size`` is one token's row of one layer across the split
+buffers (as for the other layouts) and ``layout_dim = token_stride_size * L``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .adapter import pool_kind
+
+__all__ = ["wants_kv_split_takeover", "init_kv_split_buffer"]
+
+KV_SPLIT = "page_first_kv_split"
+
+
+def wants_kv_split_takeover(host: Any) -> bool:
+    """Whether ``host.init_kv_buffer`` is one SGLang cannot perform and we do."""
+    if getattr(host, "layout", None) != KV_SPLIT:
+        return False
+    kind = pool_kind(host)
+    if kind == "mla":
+        return getattr(host, "_native_buffers", None) is None
+    return kind == "mha"
+
+
+def _alloc(host: Any, dims: tuple[int, ...], dtype: torch.dtype, granularity: int | None) -> torch.Tensor:
+    from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+
+    alloc = ALLOC_MEMORY_FUNCS[host._transfer_device.type]
+    return alloc(dims, dtype=dtype, device=host.device, pin_memory=host.pin_memory, allocator=host.allocator,
+                 registration_granularity_bytes=granularity)
+
+
+def _mla(host: Any) -> torch.Tensor:
+    P, L, ps, item = host.page_num, host.layer_num, host.page_size, host.dtype.itemsize
+    packed = host.kv_cache_dim != host.kv_lora_rank + host.qk_rope_head_dim or bool(host.dsa_kv_cache_store_fp8)
+    k_width = host.kv_cache_dim if packed else host.kv_lora_rank
+    host.k_buffer = _alloc(host, (P, L, ps, 1, k_width), host.dtype, ps * L * k_width * item)
+    host.v_buffer = None
+    if not packed:
+        rope = host.qk_rope_head_dim
+        host.v_buffer = _alloc(host, (P, L, ps, 1, rope), host.dtype, ps * L * rope * item)
+    host.index_k_buffer = None
+    host.index_k_scale_buffer = None
+    host.token_stride_size = host.kv_cache_dim * item
+    host.layout_dim = host.token_stride_size * L
+    return host.k_buffer
+
+
+def _mha(host: Any) -> torch.Tensor:
+    if host.head_dim != host.v_head_dim:
+        raise ValueError(f"Unsupported layout: {host.layout} (MHA with head_dim != v_head_dim)")
+    P, L, ps = host.page_num, host.layer_num, host.page_size
+    host.token_stride_size = host.head_num * host.head_dim * host.dtype.itemsize
+    host.layout_dim = host.token_stride_size * L
+    dims = (2, P, L, ps, host.head_num, host.head_dim)
+    return _alloc(host, dims, host.dtype, ps * host.layout_dim)
+
+
+def init_kv_split_buffer(host: Any) -> torch.Tensor:
+    """Allocate ``host``'s ``page_first_kv_split`` buffers; returns what SGLang stores as ``kv_buffer``."""
+    return _mla(host) if pool_kind(host) == "mla" else _mha(host)

@@ -1,0 +1,111 @@
+"""AROUND hooks on SGLang's host-pool methods (registered by :mod:`.plugin`).
+
+Each hook asks :func:`~.adapter.bridge_for` for our pool serving the call's
+(host pool, device pool, io_backend); when the mode or the resolution says no,
+SGLang's original method runs with the original arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from .adapter import Bridge, bridge_for, pool_kind
+from .buffers import init_kv_split_buffer, wants_kv_split_takeover
+from .mode import BACKUP, BACKUP_LAYER, LOAD, current_mode, stock_serves
+
+__all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _sharded(host: Any, kind: str) -> bool:
+    if kind == "mla":
+        return bool(host._layer_shard_enabled)
+    if kind == "dsa_indexer":
+        return bool(getattr(host.device_pool, "layer_shard_enabled", False))
+    return False
+
+
+def _serving(host: Any, device_pool: Any, io_backend: str, op: str) -> Bridge | None:
+    """The bridge serving this call, or ``None`` (SGLang's original runs)."""
+    mode = current_mode()
+    kind = pool_kind(host)
+    if mode == "off" or kind is None:
+        return None
+    if mode == "gaps" and stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
+                                       can_use_jit=bool(getattr(host, "can_use_jit", False))):
+        return None
+    if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
+        device_pool = host.device_pool  # packed drafts: our device buffers already hold their layer 0
+    bridge = bridge_for(host, device_pool, io_backend)
+    return bridge if bridge.pool is not None else None
+
+
+def _indices(bridge: Bridge, host: Any, host_indices: torch.Tensor, device_indices: torch.Tensor):
+    """DSA indexer transfers move one row per page: SGLang's ``_get_indexer_page_indices``."""
+    if not bridge.described.page_indices or host_indices.numel() == 0:
+        return host_indices, device_indices
+    return host._get_indexer_page_indices(host_indices, device_indices)
+
+
+def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
+               device_indices: torch.Tensor, io_backend: str) -> None:
+    """``backup_from_device_all_layer``: every owned layer (and packed draft) in one call to our strategy."""
+    bridge = _serving(self, device_pool, io_backend, BACKUP)
+    if bridge is None:
+        return original(self, device_pool, host_indices, device_indices, io_backend)
+    h, d = _indices(bridge, self, host_indices, device_indices)
+    bridge.pool.backup_all_layers(h, d)
+    return None
+
+
+def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
+               device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
+    """``load_to_device_per_layer``: one layer; layers this rank does not own return without moving."""
+    bridge = _serving(self, device_pool, io_backend, LOAD)
+    if bridge is None:
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+    layer = bridge.device_layer(int(layer_id), is_draft)
+    if layer is None:
+        return None
+    h, d = _indices(bridge, self, host_indices, device_indices)
+    bridge.pool.load_layer(layer, h, d)
+    return None
+
+
+def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_id: int, is_draft: bool) -> None:
+    layer = bridge.device_layer(int(layer_id), is_draft)
+    if layer is None:
+        return
+    h, d = _indices(bridge, host, host_indices, device_indices)
+    bridge.pool.backup_layer(layer, h, d)
+
+
+def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                     layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
+    """MLA ``_backup_from_device_per_layer`` (sharded path; no device pool is passed: captured tensors serve)."""
+    bridge = _serving(self, None, io_backend, BACKUP_LAYER)
+    if bridge is None:
+        return original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+    _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft)
+    return None
+
+
+def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
+                         device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
+    """DSA indexer ``_backup_from_device_per_layer`` (the sharded path; drafts pass their own device pool)."""
+    bridge = _serving(self, device_pool, io_backend, BACKUP_LAYER)
+    if bridge is None:
+        return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+    _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft)
+    return None
+
+
+def init_kv_buffer(original: Callable, self: Any) -> Any:
+    """``init_kv_buffer``: allocate ``page_first_kv_split`` where SGLang cannot (CUDA/CPU); else SGLang's."""
+    if current_mode() == "off" or not wants_kv_split_takeover(self):
+        return original(self)
+    return init_kv_split_buffer(self)

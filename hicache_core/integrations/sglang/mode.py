@@ -1,0 +1,113 @@
+"""The takeover switch and SGLang 0.5.23's own support matrix (for ``gaps`` mode).
+
+``HICACHE_SGLANG`` (read at every call, so it can change at run time):
+
+``all`` (default)
+    our strategies serve every (layout, io_backend, sharded) cell they resolve.
+``gaps``
+    only cells SGLang's stock code cannot serve: the ``ValueError`` cells of its
+    dispatch matrix, plus every cell whose stock kernels are not importable on
+    this platform (``sgl_kernel.kvcacheio`` is only imported on CUDA/HIP, so on
+    a CPU-only host every stock transfer fails).
+``off``
+    SGLang's original methods run, unchanged (including ``init_kv_buffer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["ENV_MODE", "MODES", "current_mode", "stock_serves", "stock_kernels_available"]
+
+logger = logging.getLogger(__name__)
+
+ENV_MODE = "HICACHE_SGLANG"
+MODES = ("all", "gaps", "off")
+
+#: Operations as the bridge names them.
+BACKUP, BACKUP_LAYER, LOAD = "backup", "backup_layer", "load"
+
+_POOL_MODULES = {
+    "mla": "sglang.srt.mem_cache.pool_host.mla",
+    "mha": "sglang.srt.mem_cache.pool_host.mha",
+    "dsa_indexer": "sglang.srt.mem_cache.pool_host.dsa",
+}
+_warned: set[str] = set()
+
+
+def current_mode() -> str:
+    """The takeover mode from :data:`ENV_MODE`; an unknown value counts as ``all`` (logged once)."""
+    value = os.environ.get(ENV_MODE, "all").strip().lower() or "all"
+    if value not in MODES:
+        if value not in _warned:
+            _warned.add(value)
+            logger.warning("%s=%r is not one of %s; using 'all'", ENV_MODE, value, MODES)
+        return "all"
+    return value
+
+
+def stock_kernels_available(kind: str) -> bool:
+    """Whether the stock kvcacheio ops are bound in SGLang's pool module of ``kind``.
+
+    SGLang imports them from ``sgl_kernel`` only when CUDA or HIP is present;
+    otherwise the names are unbound and every stock transfer raises ``NameError``.
+    """
+    mod = sys.modules.get(_POOL_MODULES.get(kind, ""))
+    return mod is not None and "transfer_kv_direct" in vars(mod)
+
+
+def _mla_cell(layout: str, io_backend: str, sharded: bool, op: str, can_use_jit: bool) -> bool:
+    backup = op in (BACKUP, BACKUP_LAYER)
+    if io_backend == "kernel":
+        if layout == "layer_first":
+            return True
+        if layout == "page_first":
+            return not (backup and sharded) or can_use_jit
+        return False
+    if io_backend == "direct":
+        if layout == "layer_first":
+            return True
+        if layout == "page_first_direct":
+            return not (backup and sharded)
+    return False
+
+
+def _mha_cell(layout: str, io_backend: str, sharded: bool, op: str) -> bool:
+    if io_backend == "kernel":
+        return layout in ("layer_first", "page_first")
+    if io_backend == "direct":
+        return layout in ("layer_first", "page_first_direct")
+    return False
+
+
+def _indexer_cell(layout: str, io_backend: str, sharded: bool, op: str) -> bool:
+    backup = op in (BACKUP, BACKUP_LAYER)
+    if layout == "layer_first":
+        return io_backend in ("kernel", "direct")
+    want = {"kernel": "page_first", "direct": "page_first_direct"}.get(io_backend)
+    return layout == want and not (backup and sharded)
+
+
+def stock_serves(
+    kind: str, layout: str, io_backend: str, sharded: bool, op: str, *, can_use_jit: bool = False,
+    kernels_available: bool | None = None,
+) -> bool:
+    """Whether SGLang 0.5.23's stock code serves this cell on this platform.
+
+    :param kind: ``mla``, ``mha`` or ``dsa_indexer``.
+    :param op: ``backup`` (all layers), ``backup_layer`` (sharded per layer) or ``load``.
+    :param can_use_jit: the host pool's ``can_use_jit`` (MLA sharded page_first backup needs it).
+    :param kernels_available: override :func:`stock_kernels_available` (tests).
+    """
+    avail = stock_kernels_available(kind) if kernels_available is None else kernels_available
+    if not avail:
+        return False
+    if kind == "mla":
+        return _mla_cell(layout, io_backend, sharded, op, can_use_jit)
+    if kind == "mha":
+        return _mha_cell(layout, io_backend, sharded, op)
+    if kind == "dsa_indexer":
+        return _indexer_cell(layout, io_backend, sharded, op)
+    return False

@@ -1,0 +1,52 @@
+"""``load_plugin``: SGLang's ``sglang.srt.plugins`` entry point.
+
+Registers AROUND hooks with SGLang's ``HookRegistry`` on the concrete host-pool
+classes.  Idempotent: a second call in the same process (SGLang calls its
+plugins once per process -- scheduler, detokenizer, workers) registers
+nothing twice.  Imports only SGLang's hook registry; the pool modules are
+imported by ``HookRegistry.apply_hooks`` when it resolves the targets.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from . import hooks
+
+__all__ = ["load_plugin", "HOOK_TARGETS"]
+
+logger = logging.getLogger(__name__)
+
+_PH = "sglang.srt.mem_cache.pool_host"
+
+#: Dotted SGLang target -> our AROUND hook.
+HOOK_TARGETS: dict[str, Callable] = {
+    f"{_PH}.mla.MLATokenToKVPoolHost.init_kv_buffer": hooks.init_kv_buffer,
+    f"{_PH}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": hooks.backup_all,
+    f"{_PH}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": hooks.load_layer,
+    f"{_PH}.mla.MLATokenToKVPoolHost._backup_from_device_per_layer": hooks.backup_layer_mla,
+    f"{_PH}.mha.MHATokenToKVPoolHost.init_kv_buffer": hooks.init_kv_buffer,
+    f"{_PH}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": hooks.backup_all,
+    f"{_PH}.mha.MHATokenToKVPoolHost.load_to_device_per_layer": hooks.load_layer,
+    f"{_PH}.dsa.DSAIndexerPoolHost.backup_from_device_all_layer": hooks.backup_all,
+    f"{_PH}.dsa.DSAIndexerPoolHost.load_to_device_per_layer": hooks.load_layer,
+    f"{_PH}.dsa.DSAIndexerPoolHost._backup_from_device_per_layer": hooks.backup_layer_indexer,
+}
+
+
+def load_plugin() -> None:
+    """Register the hooks (once per process) and apply them.
+
+    SGLang's ``load_plugins`` applies hooks after running every plugin; applying
+    here as well makes a direct call (tests, engines embedding SGLang) effective.
+    Already-applied targets are skipped by SGLang itself.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in HOOK_TARGETS.items():
+        if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+            continue
+        HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS))

@@ -1,0 +1,365 @@
+"""Bad calls on a HostKVPool: each raises one specific error class whose message names the
+argument and the fix, and leaves every host and device byte as it was."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec
+from hicache_core.errors import (
+    DeviceBufferError,
+    HostBufferError,
+    IndexDeviceError,
+    IndexDtypeError,
+    IndexLengthMismatchError,
+    IndexRangeError,
+    IndexShapeError,
+    LayerIdError,
+    PageAlignmentError,
+    PageMultipleError,
+    ResolutionError,
+    SpecError,
+    TransferArgumentError,
+    UnknownLayoutError,
+)
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+BACKENDS = ("direct", "reference")
+PS, PAGES, LAYERS, HEADS, HD, VD = 4, 4, 3, 2, 4, 2
+CAP = PS * PAGES  # 16 host slots
+ROWS = 2 * CAP  # device rows
+
+
+def make_spec(layer_map: LayerMap | None = None) -> PoolSpec:
+    return PoolSpec.mha(layer_map=layer_map or LayerMap.unsharded(LAYERS), head_num=HEADS, head_dim=HD,
+                        v_head_dim=VD, dtype=torch.float16, page_size=PS, capacity=CAP)
+
+
+def make_device(spec: PoolSpec, seed: int = 0) -> dict[str, list[torch.Tensor | None]]:
+    gen = torch.Generator().manual_seed(seed)
+    n = spec.layer_map.num_device_layers
+    return {
+        "k": [torch.randn(ROWS, HEADS, HD, generator=gen).half() for _ in range(n)],
+        "v": [torch.randn(ROWS, HEADS, VD, generator=gen).half() for _ in range(n)],
+    }
+
+
+def fill_random(host: dict[str, torch.Tensor], seed: int = 1) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in host.values():
+        flat = t.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+
+
+def snapshot(*groups: Any) -> list[torch.Tensor]:
+    """Clones of every tensor in dicts / lists of tensors, in a fixed order.
+
+    ``None`` and meta tensors (which hold no bytes) are skipped.
+    """
+    out: list[torch.Tensor] = []
+    for g in groups:
+        items = g.values() if isinstance(g, dict) else g
+        for x in items:
+            for t in x if isinstance(x, (list, tuple)) else [x]:
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    out.append(t.clone())
+    return out
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of ``t`` (any dtype, any strides), compared bit-exactly (NaN patterns included)."""
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_unchanged(before: list[torch.Tensor], *groups: Any) -> None:
+    after = snapshot(*groups)
+    assert len(after) == len(before)
+    for i, (a, b) in enumerate(zip(after, before)):
+        assert torch.equal(as_bytes(a), as_bytes(b)), f"tensor #{i} was written by a failed call"
+
+
+@pytest.fixture(params=[(lay, be) for lay in LAYOUTS for be in BACKENDS], ids=lambda p: f"{p[0]}-{p[1]}")
+def target(request: pytest.FixtureRequest) -> tuple[str, str]:
+    return request.param
+
+
+@pytest.fixture
+def pool(target: tuple[str, str]) -> HostKVPool:
+    layout, backend = target
+    spec = make_spec()
+    p = HostKVPool(spec, layout, backend, make_device(spec), pin_memory=False)
+    fill_random(p.host_buffers)
+    return p
+
+
+def _device(pool: HostKVPool) -> list[torch.Tensor]:
+    return [t for seg in pool.binding.segments for t in seg.device_rows]
+
+
+# --- transfer arguments -------------------------------------------------------------
+
+AR = torch.arange
+GOOD_H, GOOD_D = AR(4, 12), AR(8, 16)
+
+#: (id, host_indices, device_indices, error class, message pattern)
+INDEX_CASES: list[tuple[str, Any, Any, type[Exception], str]] = [
+    ("length-mismatch", AR(0, 8), AR(0, 4), IndexLengthMismatchError,
+     r"host_indices has 8 entries but device_indices has 4; they must pair one to one"),
+    ("not-page-multiple", AR(0, 6), AR(0, 6), PageMultipleError,
+     r"host_indices has 6 entries, not a multiple of page_size=4; transfer whole pages"),
+    ("misaligned-pages", AR(2, 6), AR(0, 4), PageAlignmentError,
+     r"host_indices must be whole pages: runs of page_size=4 consecutive slots starting at a multiple of page_size"),
+    ("non-consecutive-page", torch.tensor([4, 5, 7, 6]), AR(0, 4), PageAlignmentError,
+     r"host_indices must be whole pages.*\(as alloc returns them\)"),
+    ("host-slot-out-of-range", AR(CAP, CAP + 4), AR(0, 4), IndexRangeError,
+     r"host_indices must lie in 0\.\.15 \(capacity\), got 16\.\.19"),
+    ("negative-host-slot", AR(-4, 0), AR(0, 4), IndexRangeError,
+     r"host_indices must lie in 0\.\.15 \(capacity\), got -4\.\.-1"),
+    ("device-index-out-of-range", AR(0, 4), AR(ROWS - 2, ROWS + 2), IndexRangeError,
+     r"device_indices must lie in 0\.\.31 \(rows of the device buffers\), got 30\.\.33"),
+    ("negative-device-index", AR(0, 4), torch.tensor([0, 1, -1, 2]), IndexRangeError,
+     r"device_indices must lie in 0\.\.31 .*got -1\.\.2"),
+    ("float-host-indices", AR(0, 4).float(), AR(0, 4), IndexDtypeError,
+     r"host_indices must be int32 or int64, got torch\.float32; convert with \.long\(\)"),
+    ("int16-device-indices", AR(0, 4), AR(0, 4).to(torch.int16), IndexDtypeError,
+     r"device_indices must be int32 or int64, got torch\.int16; convert with \.long\(\)"),
+    ("2d-host-indices", AR(0, 8).view(2, 4), AR(0, 8), IndexShapeError,
+     r"host_indices must be one-dimensional, got shape \(2, 4\); flatten it"),
+    ("0d-device-indices", AR(0, 1), torch.tensor(0), IndexShapeError,
+     r"device_indices must be one-dimensional, got shape \(\)"),
+    ("list-host-indices", [0, 1, 2, 3], AR(0, 4), IndexDtypeError,
+     r"host_indices must be a torch\.Tensor of int32 or int64, got list"),
+    ("numpy-device-indices", AR(0, 4), AR(0, 4).numpy(), IndexDtypeError,
+     r"device_indices must be a torch\.Tensor of int32 or int64, got ndarray"),
+    ("host-indices-on-other-device", AR(0, 4, device="meta"), AR(0, 4), IndexDeviceError,
+     r"host_indices is on meta; pass it on the CPU or on the pool's device cpu"),
+    ("device-indices-on-other-device", AR(0, 4), AR(0, 4, device="meta"), IndexDeviceError,
+     r"device_indices is on meta; pass it on the CPU or on the pool's device cpu"),
+]
+
+OPS: dict[str, Callable[[HostKVPool, Any, Any], Any]] = {
+    "backup_all_layers": lambda p, h, d: p.backup_all_layers(h, d),
+    "backup_layer": lambda p, h, d: p.backup_layer(1, h, d),
+    "load_layer": lambda p, h, d: p.load_layer(1, h, d),
+    "load_all_layers": lambda p, h, d: p.load_all_layers(h, d),
+}
+
+
+@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("case", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
+def test_bad_indices_raise_and_write_nothing(pool: HostKVPool, op: str, case: tuple) -> None:
+    _, h, d, cls, pattern = case
+    before = snapshot(pool.host_buffers, _device(pool))
+    with pytest.raises(cls, match=pattern) as info:
+        OPS[op](pool, h, d)
+    assert type(info.value) is cls  # the specific class, not a sibling or a base
+    assert isinstance(info.value, TransferArgumentError)
+    assert_unchanged(before, pool.host_buffers, _device(pool))
+
+
+@pytest.mark.parametrize("op", ["backup_layer", "load_layer"])
+@pytest.mark.parametrize("layer_id", [-1, LAYERS, 100, True, False, "0", 1.0, None])
+def test_bad_layer_id(pool: HostKVPool, op: str, layer_id: Any) -> None:
+    before = snapshot(pool.host_buffers, _device(pool))
+    with pytest.raises(LayerIdError, match=rf"layer_id must be an int in 0\.\.2 \(device layer ids\), got {layer_id!r}"):
+        getattr(pool, op)(layer_id, GOOD_H, GOOD_D)
+    assert_unchanged(before, pool.host_buffers, _device(pool))
+
+
+def test_good_call_after_bad_ones_still_works(pool: HostKVPool) -> None:
+    """The control: the same pool with valid arguments does write (so 'unchanged' above means something)."""
+    before = snapshot(pool.host_buffers)
+    pool.backup_all_layers(GOOD_H, GOOD_D)
+    assert any(not torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(before, snapshot(pool.host_buffers)))
+
+
+# --- construction: device buffers ---------------------------------------------------------
+
+
+def _mutate(name: str) -> Callable[[dict[str, list[Any]]], dict[str, list[Any]]]:
+    def wrong_row(dev):
+        dev["k"][1] = torch.zeros(ROWS, HEADS, HD - 1, dtype=torch.float16)
+        return dev
+
+    def missing(dev):
+        del dev["v"]
+        return dev
+
+    def none_layer(dev):
+        dev["v"][2] = None
+        return dev
+
+    def wrong_device(dev):
+        dev["k"][0] = torch.empty(ROWS, HEADS, HD, dtype=torch.float16, device="meta")
+        return dev
+
+    def non_contiguous_rows(dev):
+        dev["k"][1] = torch.zeros(ROWS, HD, HEADS, dtype=torch.float16).transpose(1, 2)
+        return dev
+
+    def too_few_layers(dev):
+        dev["k"] = dev["k"][:2]
+        return dev
+
+    def zero_dim(dev):
+        dev["v"][0] = torch.tensor(1.0, dtype=torch.float16)
+        return dev
+
+    return locals()[name]
+
+
+DEVICE_CASES = [
+    ("wrong_row", r"device_buffers\['k'\]\[1\] rows are 12 bytes, the spec's 'k' rows are 16 bytes"),
+    ("missing", r"device_buffers has no entry for 'v'; it has \['k'\]\. Pass one per-layer tensor list per component"),
+    ("none_layer", r"device_buffers\['v'\]\[2\] is None but the layer map owns device layer 2"),
+    ("wrong_device", r"device_buffers\['k'\]\[0\] is on meta, the pool spec says cpu; move it or fix the spec"),
+    ("non_contiguous_rows", r"device_buffers\['k'\]\[1\]: each token's row must be contiguous .*Pass a view with contiguous rows"),
+    ("too_few_layers", r"device_buffers\['k'\] has 2 layers but the layer map reads device layer 2; pass one tensor per device layer id"),
+    ("zero_dim", r"device_buffers\['v'\]\[0\] must have a token axis, got a 0-d tensor"),
+]
+
+
+@pytest.mark.parametrize("name,pattern", DEVICE_CASES, ids=[c[0] for c in DEVICE_CASES])
+def test_bad_device_buffers(target: tuple[str, str], name: str, pattern: str) -> None:
+    spec = make_spec()
+    dev = _mutate(name)(make_device(spec))
+    before = snapshot(dev)
+    with pytest.raises(DeviceBufferError, match=pattern) as info:
+        HostKVPool(spec, *target, dev, pin_memory=False)
+    assert type(info.value) is DeviceBufferError
+    assert_unchanged(before, dev)
+
+
+# --- construction: wrapped host buffers -------------------------------------------------
+
+
+def _planned_host(spec: PoolSpec, layout: str) -> dict[str, torch.Tensor]:
+    """Host buffers as ``layout`` plans them, random bytes."""
+    probe = HostKVPool(spec, layout, "reference", make_device(spec), pin_memory=False)
+    host = {k: torch.empty_like(v) for k, v in probe.host_buffers.items()}
+    fill_random(host, seed=7)
+    return host
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "missing", "non_contiguous", "device"])
+def test_bad_host_buffers(target: tuple[str, str], bad: str) -> None:
+    layout, backend = target
+    spec = make_spec()
+    host = _planned_host(spec, layout)
+    good_shape = tuple(host["k"].shape)
+    if bad == "shape":
+        host["k"] = host["k"].reshape(-1)[: host["k"].numel() // 2].clone()
+        pattern = (rf"host buffer 'k' must be a contiguous CPU torch.float16 tensor of shape {re.escape(str(good_shape))} "
+                   rf"\(trailing dims may be split\) for layout '{layout}'; got torch.float16 \({host['k'].numel()},\) on cpu")
+    elif bad == "dtype":
+        host["v"] = host["v"].view(torch.bfloat16)
+        pattern = r"host buffer 'v' must be a contiguous CPU torch.float16 tensor of shape .*got torch.bfloat16"
+    elif bad == "missing":
+        del host["v"]
+        pattern = rf"host buffer 'v' is missing; the layout '{layout}' needs \['k', 'v'\]"
+    elif bad == "non_contiguous":
+        host["k"] = host["k"].transpose(0, 1).contiguous().transpose(0, 1)
+        pattern = r"host buffer 'k' must be a contiguous .*\(contiguous=False\)"
+    else:
+        host["k"] = torch.empty(good_shape, dtype=torch.float16, device="meta")
+        pattern = r"host buffer 'k' must be a contiguous CPU .* on meta"
+    dev = make_device(spec)
+    before = snapshot(host, dev)
+    with pytest.raises(HostBufferError, match=pattern) as info:
+        HostKVPool(spec, layout, backend, dev, host_buffers=host)
+    assert type(info.value) is HostBufferError
+    assert_unchanged(before, host, dev)
+
+
+# --- construction: resolution ---------------------------------------------------------
+
+
+def test_unknown_layout_lists_installed_layouts() -> None:
+    spec = make_spec()
+    dev = make_device(spec)
+    before = snapshot(dev)
+    with pytest.raises(UnknownLayoutError, match=r"unknown layout 'page_last'\.\ninstalled layouts:\n") as info:
+        HostKVPool(spec, "page_last", "direct", dev)
+    msg = str(info.value)
+    for layout in LAYOUTS:
+        assert f"\n  {layout} (hicache-" in msg
+    assert "installed io_backends:\n" in msg and "\n  direct (hicache-core " in msg
+    assert_unchanged(before, dev)
+
+
+def test_unknown_io_backend() -> None:
+    spec = make_spec()
+    dev = make_device(spec)
+    before = snapshot(dev)
+    with pytest.raises(ResolutionError) as info:
+        HostKVPool(spec, "page_first", "nvme_dma", dev)
+    msg = str(info.value)
+    assert type(info.value) is ResolutionError
+    assert msg.startswith("no strategy serves (layout='page_first', io_backend='nvme_dma', sharded=False) for mha")
+    assert "(none): no strategy is registered for io_backend 'nvme_dma' and this layout" in msg
+    assert "\nnearest working alternatives: --layout page_first --io-backend direct (" in msg
+    assert "installed io_backends:" in msg
+    assert_unchanged(before, dev)
+
+
+def test_override_strategy_not_a_candidate() -> None:
+    spec = make_spec()
+    dev = make_device(spec)
+    before = snapshot(dev)
+    with pytest.raises(ResolutionError, match=r"core\.reference: not a candidate for this key; candidates: \[[^\]]*'core\.direct'[^\]]*\]"):
+        HostKVPool(spec, "layer_first", "direct", dev, strategy="core.reference")
+    assert_unchanged(before, dev)
+
+
+def test_bad_validate_mode() -> None:
+    spec = make_spec()
+    with pytest.raises(SpecError, match=r"validate='all': use 'full' or 'shapes'"):
+        HostKVPool(spec, "layer_first", "direct", make_device(spec), validate="all")
+
+
+# --- page views -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", [-1, PAGES, 1000, True, "0", 1.0])
+@pytest.mark.parametrize("method", ["get_page", "set_page", "page_pointers"])
+def test_page_out_of_range(pool: HostKVPool, method: str, page: Any) -> None:
+    before = snapshot(pool.host_buffers)
+    args = (page, torch.zeros(pool.page_bytes, dtype=torch.uint8)) if method == "set_page" else (page,)
+    with pytest.raises(HostBufferError, match=rf"page must be an int in 0\.\.3, got {page!r}"):
+        getattr(pool, method)(*args)
+    assert_unchanged(before, pool.host_buffers)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        lambda n: torch.zeros(n - 1, dtype=torch.uint8),
+        lambda n: torch.zeros(n + 2, dtype=torch.uint8),
+        lambda n: torch.zeros(n, dtype=torch.float16),  # twice the bytes
+        lambda n: torch.zeros(n, dtype=torch.uint8, device="meta"),
+        lambda n: bytes(n),
+    ],
+    ids=["short", "long", "fp16-count-not-bytes", "meta-device", "bytes-object"],
+)
+def test_set_page_wrong_bytes(pool: HostKVPool, data: Callable[[int], Any]) -> None:
+    n = pool.page_bytes
+    assert n == PS * LAYERS * HEADS * (HD + VD) * 2
+    before = snapshot(pool.host_buffers)
+    with pytest.raises(HostBufferError, match=rf"data must be a CPU tensor of {n} bytes \(page_bytes\)"):
+        pool.set_page(1, data(n))
+    assert_unchanged(before, pool.host_buffers)
+
+
+# --- error hierarchy ------------------------------------------------------------------
+
+
+def test_transfer_errors_keep_sglang_compatible_bases() -> None:
+    for cls in (IndexLengthMismatchError, PageMultipleError, PageAlignmentError, IndexRangeError,
+                IndexShapeError, IndexDeviceError, LayerIdError, DeviceBufferError, HostBufferError):
+        assert issubclass(cls, TransferArgumentError) and issubclass(cls, ValueError)
+    assert issubclass(IndexDtypeError, TypeError) and issubclass(IndexDtypeError, ValueError)
+    assert issubclass(UnknownLayoutError, ValueError) and issubclass(ResolutionError, ValueError)

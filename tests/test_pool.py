@@ -1,0 +1,437 @@
+"""HostKVPool behaviour: wrapped engine buffers, pinning, page views, device-side views,
+split MLA parts, sharded pools and the ``validate`` switch.
+
+Host contents are checked against an independent description of each layout
+(:func:`host_rows`), not against another strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from hicache_core import ANY_LAYOUT, HostKVPool, LayerMap, PoolSpec, StrategyInfo, create_registry, hookimpl
+from hicache_core.errors import IndexLengthMismatchError, IndexRangeError
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+BACKENDS = ("direct", "reference")
+TARGETS = [(lay, be) for lay in LAYOUTS for be in BACKENDS]
+TARGET_IDS = [f"{lay}-{be}" for lay, be in TARGETS]
+CUDA = torch.cuda.is_available()
+
+
+def host_rows(layout: str, buf: torch.Tensor, host_layer: int) -> torch.Tensor:
+    """Host layer ``host_layer`` of ``buf`` as ``[capacity, row bytes]`` uint8 (slot order)."""
+    if layout == "layer_first":  # [L, S, ...]
+        t = buf[host_layer]
+    elif layout == "page_first":  # [S, L, ...]
+        t = buf[:, host_layer]
+    elif layout == "page_first_direct":  # [P, L, ps, ...]
+        t = buf[:, host_layer].reshape(buf.shape[0] * buf.shape[2], *buf.shape[3:])
+    else:
+        raise AssertionError(layout)
+    return t.reshape(t.shape[0], -1).contiguous().view(torch.uint8)
+
+
+def rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Device rows ``idx`` of ``t`` as ``[n, row bytes]`` uint8."""
+    r = t[idx]
+    return r.reshape(r.shape[0], -1).contiguous().view(torch.uint8)
+
+
+def random_(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """Fill ``t`` (any dtype, any strides) with random bytes in place; return it."""
+    gen = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (*t.shape, t.element_size()), dtype=torch.uint8, generator=gen)
+    t.copy_(src.view(t.dtype).reshape(t.shape))
+    return t
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def mha_spec(layers: int = 3, *, ps: int = 4, pages: int = 4, layer_map: LayerMap | None = None) -> PoolSpec:
+    return PoolSpec.mha(layer_map=layer_map or LayerMap.unsharded(layers), head_num=2, head_dim=4, v_head_dim=2,
+                        dtype=torch.float16, page_size=ps, capacity=ps * pages)
+
+
+def mha_device(spec: PoolSpec, n_rows: int, seed: int = 0) -> dict[str, list[torch.Tensor | None]]:
+    n = spec.layer_map.num_device_layers
+    return {
+        "k": [random_(torch.empty(n_rows, 2, 4, dtype=torch.float16), seed + i) for i in range(n)],
+        "v": [random_(torch.empty(n_rows, 2, 2, dtype=torch.float16), seed + 100 + i) for i in range(n)],
+    }
+
+
+def pages(*ps_and_ids: int, ps: int = 4) -> torch.Tensor:
+    return (torch.tensor(ps_and_ids).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+
+
+# --- wrapping engine-allocated host buffers -------------------------------------------
+
+
+def _wrapped_round_trip(backend: str, as_host: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    L, S, H, D = 3, 16, 2, 4
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(L), head_num=H, head_dim=D, dtype=torch.float16,
+                        page_size=4, capacity=S)
+    engine_kv = random_(torch.empty(2, L, S, H, D, dtype=torch.float16), 1)  # SGLang's single kv_buffer
+    dev = {n: [random_(torch.empty(40, H, D, dtype=torch.float16), 10 * j + i) for i in range(L)]
+           for j, n in enumerate("kv")}
+    pool = HostKVPool(spec, "layer_first", backend, dev, host_buffers={"k": as_host(engine_kv[0]), "v": as_host(engine_kv[1])})
+    assert pool.host_buffers["k"].data_ptr() == engine_kv[0].data_ptr()
+    assert pool.host_buffers["v"].data_ptr() == engine_kv[1].data_ptr()
+    untouched = engine_kv.clone()
+    h, d = pages(3, 1), torch.arange(20, 28)
+    pool.backup_all_layers(h, d)
+    for j, name in enumerate("kv"):
+        for layer in range(L):
+            assert torch.equal(as_bytes(engine_kv[j, layer, h]), as_bytes(dev[name][layer][d]))
+    mask = torch.ones(S, dtype=torch.bool)
+    mask[h] = False
+    assert torch.equal(as_bytes(engine_kv[:, :, mask]), as_bytes(untouched[:, :, mask]))
+    # the engine writes its tensor directly; loads see it
+    engine_kv[1, 2, h] = 7.0
+    pool.load_layer(2, h, torch.arange(8))
+    assert bool((dev["v"][2][:8] == 7.0).all())
+    assert torch.equal(as_bytes(dev["k"][2][:8]), as_bytes(engine_kv[0, 2, h]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrapped_engine_kv_tensor_halves_as_row_views(backend: str) -> None:
+    """The halves of one ``[2, L, S, H, D]`` tensor, viewed as the planned ``[L, S, H*D]``."""
+    _wrapped_round_trip(backend, lambda half: half.flatten(2))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrapped_engine_kv_tensor_halves_as_is(backend: str) -> None:
+    _wrapped_round_trip(backend, lambda half: half)
+
+
+# --- pinning --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not CUDA, reason="pinned memory needs a CUDA device")
+def test_host_buffers_pinned_by_default_on_cuda() -> None:
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=4, dtype=torch.float16,
+                        page_size=4, capacity=16, device="cuda")
+    dev = {n: [torch.zeros(32, 2, 4, dtype=torch.float16, device="cuda") for _ in range(2)] for n in "kv"}
+    pool = HostKVPool(spec, "layer_first", "direct", dev)
+    assert all(t.is_pinned() for t in pool.host_buffers.values()) and pool.binding.host_pinned
+    unpinned = HostKVPool(spec, "layer_first", "direct", dev, pin_memory=False)
+    assert not any(t.is_pinned() for t in unpinned.host_buffers.values()) and not unpinned.binding.host_pinned
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only default")
+def test_host_buffers_not_pinned_without_cuda() -> None:
+    spec = mha_spec()
+    pool = HostKVPool(spec, "page_first", "direct", mha_device(spec, 32))
+    assert not pool.binding.host_pinned
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in pool.host_buffers.values())
+
+
+# --- page views -----------------------------------------------------------------------
+
+
+def expected_blocks(layout: str, pool: HostKVPool, page: int) -> list[tuple[int, int]]:
+    """(address, nbytes) of ``page`` per layout, written out from each layout's shape."""
+    spec = pool.spec
+    ps, S, out = spec.page_size, spec.capacity, []
+    for comp in spec.components:
+        base = pool.host_buffers[comp.name].data_ptr()
+        row, L = comp.row_bytes, spec.component_map(comp.name).host_layer_num
+        if layout == "layer_first":  # one block per layer
+            out += [(base + h * S * row + page * ps * row, ps * row) for h in range(L)]
+        else:  # page_first [S, L, row] and page_first_direct [P, L, ps, row]: one block of all layers
+            out.append((base + page * ps * L * row, ps * L * row))
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_pointers_per_layout(layout: str) -> None:
+    spec = mha_spec(3)
+    pool = HostKVPool(spec, layout, "direct", mha_device(spec, 32))
+    for page in range(spec.num_pages):
+        assert pool.page_pointers(page) == expected_blocks(layout, pool, page)
+    assert pool.page_bytes == spec.page_size * spec.bytes_per_token == 4 * 3 * (16 + 8)
+    n_blocks = len(pool.page_pointers(0))
+    assert n_blocks == (2 * 3 if layout == "layer_first" else 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_page_of_page_major_layouts_is_one_block(layout: str) -> None:
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=16, qk_rope_head_dim=8,
+                        dtype=torch.bfloat16, page_size=8, capacity=32)
+    dev = {"kv": [torch.zeros(40, 24, dtype=torch.bfloat16) for _ in range(4)]}
+    pool = HostKVPool(spec, layout, "direct", dev)
+    base = pool.host_buffers["kv"].data_ptr()
+    if layout == "layer_first":
+        assert pool.page_pointers(2) == [(base + h * 32 * 48 + 2 * 8 * 48, 8 * 48) for h in range(4)]
+    else:
+        assert pool.page_pointers(2) == [(base + 2 * 8 * 4 * 48, 8 * 4 * 48)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_get_page_reads_the_bytes_at_page_pointers(layout: str) -> None:
+    spec = mha_spec(3)
+    pool = HostKVPool(spec, layout, "reference", mha_device(spec, 32))
+    for i, t in enumerate(pool.host_buffers.values()):
+        random_(t, 50 + i)
+    flats = {t.data_ptr(): as_bytes(t) for t in pool.host_buffers.values()}
+
+    def read(addr: int, n: int) -> torch.Tensor:
+        base = max(b for b in flats if b <= addr)
+        return flats[base][addr - base : addr - base + n]
+
+    for page in range(spec.num_pages):
+        got = pool.get_page(page)
+        assert got.dtype == torch.uint8 and got.numel() == pool.page_bytes
+        assert torch.equal(got, torch.cat([read(a, n) for a, n in pool.page_pointers(page)]))
+    copy = pool.get_page(1)
+    copy.fill_(0)
+    assert not torch.equal(pool.get_page(1), copy)  # get_page returns a copy
+
+
+@pytest.mark.parametrize("layout,backend", TARGETS, ids=TARGET_IDS)
+def test_get_page_set_page_round_trip(layout: str, backend: str) -> None:
+    spec = mha_spec(3)
+    dev = mha_device(spec, 32)
+    pool = HostKVPool(spec, layout, backend, dev)
+    for i, t in enumerate(pool.host_buffers.values()):
+        random_(t, 70 + i)
+    src = torch.arange(8, 12)
+    pool.backup_all_layers(pages(1), src)
+    before = {k: v.clone() for k, v in pool.host_buffers.items()}
+    data = pool.get_page(1)
+    pool.set_page(3, data)  # as a storage tier restoring page 1's bytes into page 3
+    for name, buf in pool.host_buffers.items():
+        for h in range(3):
+            now, was = host_rows(layout, buf, h), host_rows(layout, before[name], h)
+            assert torch.equal(now[12:16], was[4:8]), f"{name} layer {h}: page 3 != old page 1"
+            assert torch.equal(now[:12], was[:12]), f"{name} layer {h}: set_page wrote outside page 3"
+    dst = torch.arange(20, 24)
+    for layer in range(3):
+        assert pool.load_layer(layer, pages(3), dst)
+        for name in "kv":
+            assert torch.equal(rows(dev[name][layer], dst), rows(dev[name][layer], src))
+    assert torch.equal(pool.get_page(3), data)
+    pool.set_page(0, data.view(torch.float16))  # any dtype with the right byte count
+    assert torch.equal(pool.get_page(0), data)
+
+
+# --- device buffers as strided views ------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,backend", TARGETS, ids=TARGET_IDS)
+def test_device_buffers_as_strided_views(layout: str, backend: str) -> None:
+    L, N = 3, 24
+    spec = mha_spec(L)
+    big_k = random_(torch.empty(N, L, 2, 4, dtype=torch.float16), 3)  # token stride L*H*D: layers interleaved
+    padded_v = random_(torch.empty(N, 2 * 2 + 3, dtype=torch.float16), 4)  # rows padded by 3 items
+    dev = {"k": [big_k[:, i] for i in range(L)], "v": [padded_v[:, :4].unflatten(1, (2, 2))] + [
+        random_(torch.empty(N, 2, 2, dtype=torch.float16), 5 + i) for i in range(L - 1)]}
+    assert not dev["k"][0].is_contiguous() and not dev["v"][0].is_contiguous()
+    pool = HostKVPool(spec, layout, backend, dev)
+    h, src, dst = pages(2, 0), torch.tensor([9, 3, 4, 5, 17, 16, 15, 14]), torch.arange(0, 8)
+    pool.backup_all_layers(h, src)
+    for name in "kv":
+        for layer in range(L):
+            assert torch.equal(host_rows(layout, pool.host_buffers[name], layer)[h], rows(dev[name][layer], src))
+    want = {name: [rows(t, src) for t in dev[name]] for name in "kv"}
+    pad_before, big_before = padded_v[:, 4:].clone(), big_k.clone()
+    pool.load_all_layers(h, dst)
+    for name in "kv":
+        for layer in range(L):
+            assert torch.equal(rows(dev[name][layer], dst), want[name][layer])
+    assert torch.equal(as_bytes(padded_v[:, 4:]), as_bytes(pad_before))  # padding untouched
+    rest = torch.arange(8, N)
+    assert torch.equal(as_bytes(big_k[rest]), as_bytes(big_before[rest]))
+
+
+# --- MLA device pool with separate latent / rope tensors --------------------------------------
+
+
+def mla_spec(layers: int = 2) -> PoolSpec:
+    return PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=16, qk_rope_head_dim=8,
+                        dtype=torch.bfloat16, page_size=4, capacity=16)
+
+
+def split_device(layers: int, n: int) -> tuple[dict[str, list[Any]], list[torch.Tensor]]:
+    latent = [random_(torch.empty(n, 16, dtype=torch.bfloat16), 30 + i) for i in range(layers)]
+    rope = [random_(torch.empty(n, 1, 8, dtype=torch.bfloat16), 40 + i) for i in range(layers)]
+    whole = [torch.cat([la, r.reshape(n, 8)], 1) for la, r in zip(latent, rope)]
+    return {"latent": latent, "rope": rope}, whole
+
+
+@pytest.mark.parametrize("layout,backend", TARGETS, ids=TARGET_IDS)
+def test_mla_split_device_parts_into_whole_row_layout(layout: str, backend: str) -> None:
+    dev, whole = split_device(2, 24)
+    pool = HostKVPool(mla_spec(), layout, backend, dev)
+    assert list(pool.host_buffers) == ["kv"]  # the layout keeps whole rows
+    h, src, dst = pages(3, 1), torch.arange(8, 16), torch.arange(16, 24)
+    pool.backup_all_layers(h, src)
+    for layer in range(2):  # host row = latent || rope
+        assert torch.equal(host_rows(layout, pool.host_buffers["kv"], layer)[h], rows(whole[layer], src))
+    for layer in range(2):
+        assert pool.load_layer(layer, h, dst)
+        assert torch.equal(rows(dev["latent"][layer], dst), rows(whole[layer][:, :16], src))
+        assert torch.equal(rows(dev["rope"][layer], dst), rows(whole[layer][:, 16:], src))
+
+
+def test_whole_row_device_tensor_wins_over_parts() -> None:
+    dev, whole = split_device(2, 24)
+    dev["kv"] = whole
+    pool = HostKVPool(mla_spec(), "page_first", "direct", dev)
+    assert [s.segment.part for s in pool.binding.segments] == [None]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_views_do_not_depend_on_device_part_split(layout: str) -> None:
+    dev, whole = split_device(2, 24)
+    split_pool = HostKVPool(mla_spec(), layout, "direct", dev)
+    whole_pool = HostKVPool(mla_spec(), layout, "direct", {"kv": whole})
+    h, src = pages(0, 1, 2, 3), torch.arange(16)
+    split_pool.backup_all_layers(h, src)
+    whole_pool.backup_all_layers(h, src)
+    assert torch.equal(as_bytes(split_pool.host_buffers["kv"]), as_bytes(whole_pool.host_buffers["kv"]))
+    base_s, base_w = split_pool.host_buffers["kv"].data_ptr(), whole_pool.host_buffers["kv"].data_ptr()
+    assert [(a - base_s, n) for a, n in split_pool.page_pointers(2)] == [(a - base_w, n) for a, n in whole_pool.page_pointers(2)]
+    assert torch.equal(split_pool.get_page(2), whole_pool.get_page(2))
+
+
+# --- sharded pools ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,backend", TARGETS, ids=TARGET_IDS)
+def test_sharded_unowned_layer_returns_false_and_writes_nothing(layout: str, backend: str) -> None:
+    lmap = LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)  # owns 3, 4; host slots 0, 1 (+ unused 2)
+    spec = mha_spec(layer_map=lmap)
+    dev = mha_device(spec, 32)
+    for name in "kv":
+        dev[name][0] = None  # unowned layers may be absent
+    pool = HostKVPool(spec, layout, backend, dev)
+    for i, t in enumerate(pool.host_buffers.values()):
+        random_(t, 90 + i)
+    host0 = {k: v.clone() for k, v in pool.host_buffers.items()}
+    dev0 = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
+    h, d = pages(1, 2), torch.arange(8, 16)
+    for layer in (0, 1, 2):
+        assert pool.backup_layer(layer, h, d) is False
+        assert pool.load_layer(layer, h, torch.arange(16, 24)) is False
+    for k in host0:
+        assert torch.equal(as_bytes(pool.host_buffers[k]), as_bytes(host0[k]))
+    for k in dev0:
+        for a, b in zip(dev[k], dev0[k]):
+            assert (a is None and b is None) or torch.equal(as_bytes(a), as_bytes(b))
+    assert pool.backup_layer(4, h, d) is True
+    for name in "kv":
+        got = host_rows(layout, pool.host_buffers[name], 1)
+        assert torch.equal(got[h], rows(dev[name][4], d))
+        for slot in (0, 2):
+            assert torch.equal(host_rows(layout, pool.host_buffers[name], slot), host_rows(layout, host0[name], slot))
+    pool.backup_all_layers(h, d)
+    for name in "kv":
+        assert torch.equal(host_rows(layout, pool.host_buffers[name], 0)[h], rows(dev[name][3], d))
+        assert torch.equal(host_rows(layout, pool.host_buffers[name], 2), host_rows(layout, host0[name], 2))
+
+
+# --- validate='shapes' ---------------------------------------------------------------------
+
+
+class _Recorder:
+    """A test strategy (io_backend ``probe``) that records calls and moves nothing."""
+
+    calls: list[tuple[str, torch.Tensor, torch.Tensor, int | None]] = []
+
+    def supports(self, spec: PoolSpec, layout: Any) -> str | None:
+        return None
+
+    def prepare(self, binding: Any) -> None:
+        return None
+
+    def backup(self, binding: Any, h: torch.Tensor, d: torch.Tensor, layer: int | None) -> None:
+        self.calls.append(("backup", h, d, layer))
+
+    def load(self, binding: Any, h: torch.Tensor, d: torch.Tensor, layer: int | None) -> None:
+        self.calls.append(("load", h, d, layer))
+
+
+class _ProbePlugin:
+    @hookimpl
+    def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
+        register(StrategyInfo("probe.record", "probe", (ANY_LAYOUT,), _Recorder))
+
+
+def probe_pool(validate: str, device: str) -> tuple[HostKVPool, list]:
+    """A pool on ``device`` (``meta`` stands in for an accelerator on CPU) served by the recorder."""
+    reg = create_registry(plugins=[("probe", _ProbePlugin())])
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=4, dtype=torch.float16,
+                        page_size=4, capacity=16, device=device)
+    dev = {n: [torch.empty(32, 2, 4, dtype=torch.float16, device=device) for _ in range(2)] for n in "kv"}
+    pool = HostKVPool(spec, "layer_first", "probe", dev, registry=reg, validate=validate)
+    pool.strategy.calls = []
+    return pool, pool.strategy.calls
+
+
+ACCEL = "cuda" if CUDA else "meta"
+
+
+@pytest.mark.parametrize("op", ["backup_all_layers", "load_all_layers", "backup_layer", "load_layer"])
+def test_shapes_skips_value_checks_of_device_resident_indices(op: str) -> None:
+    pool, calls = probe_pool("shapes", ACCEL)
+    h = torch.arange(100, 104, device=ACCEL)  # out of range, but never read on the host
+    d = torch.arange(-4, 0, device=ACCEL)
+    args = (1, h, d) if op.endswith("_layer") else (h, d)
+    getattr(pool, op)(*args)
+    assert len(calls) == 1 and calls[0][1] is h and calls[0][2] is d
+
+
+def test_shapes_still_checks_shapes_of_device_resident_indices() -> None:
+    pool, calls = probe_pool("shapes", ACCEL)
+    with pytest.raises(IndexLengthMismatchError, match="host_indices has 4 entries but device_indices has 8"):
+        pool.backup_all_layers(torch.arange(4, device=ACCEL), torch.arange(8, device=ACCEL))
+    assert calls == []
+
+
+@pytest.mark.parametrize("validate", ["shapes", "full"])
+def test_cpu_indices_are_always_value_checked(validate: str) -> None:
+    pool, calls = probe_pool(validate, ACCEL)
+    with pytest.raises(IndexRangeError, match=r"host_indices must lie in 0\.\.15 \(capacity\), got 16\.\.19"):
+        pool.backup_all_layers(torch.arange(16, 20), torch.arange(4))
+    with pytest.raises(IndexRangeError, match=r"device_indices must lie in 0\.\.31"):
+        pool.load_layer(0, torch.arange(4), torch.arange(32, 36))
+    assert calls == []
+
+
+def test_shapes_checks_cpu_host_indices_next_to_device_indices() -> None:
+    pool, calls = probe_pool("shapes", ACCEL)
+    with pytest.raises(IndexRangeError, match=r"host_indices must lie in 0\.\.15"):
+        pool.backup_all_layers(torch.arange(16, 20), torch.arange(4, device=ACCEL))
+    assert calls == []
+
+
+@pytest.mark.skipif(not CUDA, reason="value checks of device-resident indices need a real device")
+def test_full_checks_device_resident_index_values() -> None:
+    pool, calls = probe_pool("full", "cuda")
+    with pytest.raises(IndexRangeError, match=r"host_indices must lie in 0\.\.15"):
+        pool.backup_all_layers(torch.arange(16, 20, device="cuda"), torch.arange(4, device="cuda"))
+    assert calls == []
+
+
+def test_validate_mode_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_VALIDATE", "shapes")
+    spec = mha_spec()
+    assert HostKVPool(spec, "layer_first", "direct", mha_device(spec, 32)).validate == "shapes"
+    assert HostKVPool(spec, "layer_first", "direct", mha_device(spec, 32), validate="full").validate == "full"
+
+
+def test_rank_without_layers_moves_nothing() -> None:
+    lmap = LayerMap.sharded_cp(2, 4, 3, pad_to_largest=True)
+    assert lmap.device_layers == () and lmap.host_layer_num == 1
+    spec = mha_spec(layer_map=lmap)
+    pool = HostKVPool(spec, "layer_first", "direct", mha_device(spec, 32))
+    pool.backup_all_layers(pages(0), torch.arange(4))
+    assert pool.backup_layer(0, pages(0), torch.arange(4)) is False
+    assert pool.load_layer(1, pages(0), torch.arange(4)) is False
