@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..binding import BoundSegment, PoolBinding
+from ..errors import IndexRangeError
 from ..layout import Layout
 from ..spec import PoolSpec
 from .common import as_long, selected
@@ -47,6 +48,17 @@ class _Entry:
 
 def _storage_base(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _check_bounds(binding: PoolBinding, h: torch.Tensor, d: torch.Tensor) -> None:
+    if h.numel() == 0:
+        return
+    rows = min((n for s in binding.segments for n in s.dev_lens), default=1 << 62)
+    if int(h.min()) < 0 or int(h.max()) >= binding.spec.capacity or int(d.min()) < 0 or int(d.max()) >= rows:
+        raise IndexRangeError(
+            f"direct: host_indices must lie in 0..{binding.spec.capacity - 1} and device_indices in 0..{rows - 1}; "
+            "nothing was copied"
+        )
 
 
 class DirectStrategy:
@@ -85,6 +97,7 @@ class DirectStrategy:
                   layer: int | None, to_host: bool) -> None:
         h = as_long(host_indices, "cpu")
         d = as_long(device_indices, "cpu")
+        _check_bounds(binding, h, d)  # indices are on the CPU now: never copy to unchecked addresses
         ps = binding.spec.page_size
         entries = binding.scratch["direct.entries"]
         copier: BatchCopier = binding.scratch["direct.copier"]
