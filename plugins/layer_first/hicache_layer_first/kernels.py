@@ -1,0 +1,183 @@
+"""Triton kernel of the ``layer_first`` layout: rows between per-layer device tensors and ``[L, S, row]`` host buffers.
+
+In ``layer_first`` host slot ``s`` of host layer ``h`` starts at
+``host_off[e] + s * host_tok[e]`` words (``host_off`` folds in the layer map,
+the buffer base and the segment offset), so no page arithmetic is needed.
+Device row ``r`` of entry ``e`` starts at ``dev_off[e] + r * dev_stride[e]``
+(device rows may be strided views).  All offsets are in *words* from one
+anchor pointer (see :mod:`hicache_core.kernel_support`); host memory is
+pinned and reached through unified addressing (zero-copy).
+
+One launch copies every selected (entry, token) row of a group of segments
+that share the access word and the row width: ``backup_all_layers`` is one
+launch over all owned layers, ``load_layer`` one launch over that layer's
+entries.  A persistent grid of ``programs`` programs walks the work items
+``(entry, token block, column block)`` with a grid-stride loop; each item is
+a ``[TOKENS, BLOCK]`` tile of words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "PROGRAMS",
+    "LOAD_TILE_BYTES",
+    "BACKUP_TILE_BYTES",
+    "MAX_BLOCK_BYTES",
+    "MAX_TOKENS",
+    "LOAD_NUM_WARPS",
+    "BACKUP_NUM_WARPS",
+    "TileShape",
+    "tile_shape",
+    "grid_size",
+    "copy_rows",
+]
+
+# --- tuning constants -----------------------------------------------------------------------
+# First guesses, NOT measured yet: the H200 measurement (ratio against a pinned ``copy_`` of the
+# same bytes, same run) sets them.  Reasoning behind the guesses:
+# * load (H2D) reads pinned host memory over PCIe: latency-bound, so each program keeps many
+#   bytes in flight (a large tile, more warps);
+# * backup (D2H) writes host memory: posted writes, a smaller tile is enough;
+# * PROGRAMS is the SM budget: enough programs to saturate the bus while leaving most SMs to
+#   the forward pass.  HICACHE_KERNEL_PROGRAMS or the strategy's ``programs`` override it.
+
+#: Default number of programs (persistent grid size) per launch.
+PROGRAMS = 64
+#: Target bytes per tile (``TOKENS x BLOCK`` words) of a load (H2D) iteration.
+LOAD_TILE_BYTES = 16384
+#: Target bytes per tile of a backup (D2H) iteration.
+BACKUP_TILE_BYTES = 8192
+#: Widest column block; longer rows are copied in several column blocks.
+MAX_BLOCK_BYTES = 4096
+#: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
+MAX_TOKENS = 256
+#: Warps per program of a load launch.
+LOAD_NUM_WARPS = 8
+#: Warps per program of a backup launch.
+BACKUP_NUM_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["n_ents", "n", "dev_rows", "capacity"])
+def _layer_first_copy_kernel(
+    anchor,  # *word: every address is anchor + an int64 word offset
+    ents,  # *int64 [n_ents]: positions in the entry tables below to copy
+    n_ents,  # int: selected entries
+    host_idx,  # *int32|*int64 [n]: host token slots
+    dev_idx,  # *int32|*int64 [n]: device rows, paired with host_idx
+    n,  # int: index pairs
+    dev_off,  # *int64 [entries]: word offset of device row 0 of the entry's layer tensor
+    dev_stride,  # *int64 [entries]: device token stride (words)
+    host_off,  # *int64 [entries]: word offset of host slot 0 of the entry's host layer
+    host_tok,  # *int64 [entries]: host token stride (words)
+    dev_rows,  # int: device rows; device indices outside 0..dev_rows-1 are skipped
+    capacity,  # int: host slots; host indices outside 0..capacity-1 are skipped
+    WIDTH: tl.constexpr,  # row width (words)
+    BLOCK: tl.constexpr,  # column block (words, power of two)
+    TOKENS: tl.constexpr,  # tokens per tile (power of two)
+    VEC: tl.constexpr,  # every row start is a multiple of VEC words (vector width hint)
+    TO_HOST: tl.constexpr,  # True: device -> host (backup); False: host -> device (load)
+):
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    n64 = n.to(tl.int64)
+    ents64 = n_ents.to(tl.int64)
+    N_CB: tl.constexpr = (WIDTH + BLOCK - 1) // BLOCK
+    per_ent = tl.cdiv(n64, TOKENS) * N_CB
+    total = ents64 * per_ent
+    tok = tl.arange(0, TOKENS)
+    col = tl.arange(0, BLOCK)
+    for item in range(pid, total, nprog):
+        ep = item // per_ent
+        rem = item - ep * per_ent
+        tb = rem // N_CB
+        cb = rem - tb * N_CB
+        e = tl.load(ents + ep, mask=ep < ents64, other=0)
+        d_off = tl.load(dev_off + e)
+        d_str = tl.load(dev_stride + e)
+        h_off = tl.load(host_off + e)
+        h_tok = tl.load(host_tok + e)
+        t = tb * TOKENS + tok
+        tmask = t < n64
+        h = tl.load(host_idx + t, mask=tmask, other=-1).to(tl.int64)
+        d = tl.load(dev_idx + t, mask=tmask, other=-1).to(tl.int64)
+        ok = tmask & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
+        drow = tl.multiple_of(d_off + d * d_str, VEC)
+        hrow = tl.multiple_of(h_off + h * h_tok, VEC)
+        c = cb * BLOCK + col
+        m = ok[:, None] & (c < WIDTH)[None, :]
+        dptr = anchor + drow[:, None] + c[None, :]
+        hptr = anchor + hrow[:, None] + c[None, :]
+        if TO_HOST:
+            tl.store(hptr, tl.load(dptr, mask=m), mask=m)
+        else:
+            tl.store(dptr, tl.load(hptr, mask=m), mask=m)
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """Launch shape of one group: column block and tokens per tile (words), warps."""
+
+    block: int
+    tokens: int
+    num_warps: int
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def tile_shape(width: int, word: int, to_host: bool) -> TileShape:
+    """The tile for rows of ``width`` words of ``word`` bytes, from the tuning constants."""
+    block = min(triton.next_power_of_2(width), _pow2_floor(MAX_BLOCK_BYTES // word))
+    target = BACKUP_TILE_BYTES if to_host else LOAD_TILE_BYTES
+    tokens = min(MAX_TOKENS, _pow2_floor(target // (block * word)))
+    return TileShape(block, tokens, BACKUP_NUM_WARPS if to_host else LOAD_NUM_WARPS)
+
+
+def grid_size(programs: int, items: int) -> int:
+    """Programs to launch: the budget, or fewer when there are fewer work items."""
+    return max(1, min(programs, items))
+
+
+def copy_rows(
+    *,
+    anchor: torch.Tensor,
+    ents: torch.Tensor,
+    n_ents: int,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    dev_off: torch.Tensor,
+    dev_stride: torch.Tensor,
+    host_off: torch.Tensor,
+    host_tok: torch.Tensor,
+    dev_rows: int,
+    capacity: int,
+    width: int,
+    word: int,
+    vec: int,
+    to_host: bool,
+    programs: int,
+) -> int:
+    """Launch one copy of rows ``dev_idx`` <-> host slots ``host_idx`` for entries ``ents``.
+
+    Enqueued on the current stream; no synchronisation.  Returns the grid size.
+    Callers pass index tensors on the anchor's device; indices out of range are
+    skipped by the kernel, never accessed.
+    """
+    n = host_idx.numel()
+    shape = tile_shape(width, word, to_host)
+    items = n_ents * triton.cdiv(n, shape.tokens) * triton.cdiv(width, shape.block)
+    grid = grid_size(programs, items)
+    _layer_first_copy_kernel[(grid,)](
+        anchor, ents, n_ents, host_idx, dev_idx, n,
+        dev_off, dev_stride, host_off, host_tok, dev_rows, capacity,
+        WIDTH=width, BLOCK=shape.block, TOKENS=shape.tokens, VEC=vec, TO_HOST=to_host,
+        num_warps=shape.num_warps,
+    )
+    return grid
