@@ -26,7 +26,6 @@ import torch
 from .pool import HostKVPool, allocate_host_buffers
 from .registry import Registry, create_registry
 from .spec import LayerMap, PoolSpec
-from .kernel_support import ENV_PROGRAMS
 
 __all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
 
@@ -219,11 +218,9 @@ def run_bench(
                     host = allocate_host_buffers(plan, pin_memory=True)
                     budgets = programs if backend == "kernel" else [None]
                     for budget in budgets:
-                        if budget is not None:
-                            os.environ[ENV_PROGRAMS] = str(budget)
-                        else:
-                            os.environ.pop(ENV_PROGRAMS, None)
-                        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg, validate="shapes")
+                        opts = {"programs": budget} if budget is not None else None
+                        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name,
+                                          strategy_options=opts, registry=reg, validate="shapes")
                         _check(pool, dev, h, s, d)
                         layer0 = spec.layer_map.device_layers[len(spec.layer_map.device_layers) // 2]
                         per_layer = spec.bytes_per_token // len(spec.layer_map.device_layers) * n
@@ -248,7 +245,6 @@ def run_bench(
                                          + (f" gemm +{slow * 100:.1f}%" if slow is not None else ""))
                     del host
                 del dev
-    os.environ.pop(ENV_PROGRAMS, None)
     return rows
 
 

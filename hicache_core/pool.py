@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -48,6 +48,8 @@ class HostKVPool:
         shapes as the layout plans them) instead of allocating.
     :param pin_memory: pin allocated host buffers (default: when CUDA is available).
     :param strategy: strategy name overriding the default pick for the key.
+    :param strategy_options: keyword arguments for the strategy's factory (e.g.
+        ``{"programs": 8}``, the SM budget of kernel strategies).
     :param registry: registry to resolve in (default: the process-wide one).
     :param validate: ``full`` or ``shapes`` (see :data:`ENV_VALIDATE`).
     """
@@ -62,13 +64,14 @@ class HostKVPool:
         host_buffers: Mapping[str, torch.Tensor] | None = None,
         pin_memory: bool | None = None,
         strategy: str | None = None,
+        strategy_options: Mapping[str, Any] | None = None,
         registry: Registry | None = None,
         validate: str | None = None,
     ) -> None:
         reg = registry if registry is not None else default_registry()
         self.spec = spec
         self.io_backend = io_backend
-        self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy)
+        self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
         self.validate = validate or os.environ.get(ENV_VALIDATE, "full")
         if self.validate not in ("full", "shapes"):
             raise SpecError(f"validate={self.validate!r}: use 'full' or 'shapes'")

@@ -249,9 +249,14 @@ class Registry:
         return "\n".join(lines)
 
     def try_resolve(
-        self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None
+        self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,
+        options: Mapping[str, Any] | None = None,
     ) -> tuple[Resolution | None, list[tuple[str, str]]]:
-        """Resolve without raising: ``(resolution or None, [(strategy name, rejection reason)])``."""
+        """Resolve without raising: ``(resolution or None, [(strategy name, rejection reason)])``.
+
+        ``options`` are passed to the chosen strategy's factory as keyword arguments
+        (e.g. ``programs`` for kernel strategies).
+        """
         lay = self.layout(layout)
         key_sharded = spec.sharded
         cands = self.candidates(layout, io_backend, key_sharded)
@@ -270,7 +275,7 @@ class Registry:
             cands = picked
         for info in cands:
             try:
-                strategy = info.factory()
+                strategy = info.factory(**(options or {}))
                 why = strategy.supports(spec, lay)
             except Exception as exc:  # a broken factory rejects its strategy, not the registry
                 why = f"failed to load: {type(exc).__name__}: {exc}"
@@ -288,17 +293,21 @@ class Registry:
             rejected.append(("(none)", f"no strategy is registered for io_backend {io_backend!r} and this layout"))
         return None, rejected
 
-    def resolve(self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None) -> Resolution:
+    def resolve(
+        self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> Resolution:
         """The strategy serving ``(layout, io_backend, spec.sharded)`` for ``spec``.
 
         :param override: a strategy name to use instead of the default pick; it
             must be a candidate for the key.  ``HICACHE_STRATEGY`` does the same
             wherever it names a candidate.
+        :param options: keyword arguments for the strategy factory.
         :raises UnknownLayoutError: the layout is not installed.
         :raises ResolutionError: nothing serves the key; the message lists each
             rejection, the installed plugins and the nearest working alternatives.
         """
-        res, rejected = self.try_resolve(spec, layout, io_backend, override=override)
+        res, rejected = self.try_resolve(spec, layout, io_backend, override=override, options=options)
         if res is not None:
             return res
         lines = [f"no strategy serves (layout={layout!r}, io_backend={io_backend!r}, sharded={spec.sharded}) "

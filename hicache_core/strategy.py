@@ -63,7 +63,8 @@ class StrategyInfo:
     :param io_backend: the io_backend key (``kernel``, ``direct``, ``reference``...).
     :param layouts: layout names served, or ``(ANY_LAYOUT,)`` for generic strategies.
     :param sharded: which values of the ``sharded`` key are served.
-    :param factory: zero-argument callable returning a :class:`Strategy`; heavy
+    :param factory: callable returning a :class:`Strategy`, called with no
+        arguments or with the pool's ``strategy_options`` as keywords; heavy
         imports (Triton) belong inside it, never at registration.
     :param description: one line for ``hicache plugins``.
     """
@@ -71,7 +72,7 @@ class StrategyInfo:
     name: str
     io_backend: str
     layouts: tuple[str, ...]
-    factory: Callable[[], Strategy]
+    factory: Callable[..., Strategy]
     sharded: tuple[bool, ...] = (False, True)
     description: str = ""
 

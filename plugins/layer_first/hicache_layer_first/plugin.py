@@ -9,10 +9,10 @@ from hicache_core import Layout, Strategy, StrategyInfo, hookimpl
 from .layout import LAYOUT
 
 
-def _kernel_strategy() -> Strategy:
+def _kernel_strategy(programs: int | None = None) -> Strategy:
     from .strategy import LayerFirstKernelStrategy
 
-    return LayerFirstKernelStrategy()
+    return LayerFirstKernelStrategy(programs=programs)
 
 
 @hookimpl
