@@ -55,6 +55,10 @@ SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
     "mha32x8x128-bf16": _mha(32, 8, 128),
 }
 
+#: ``direct`` submits one copy per contiguous run; above this many per call the
+#: measurement would take minutes per configuration (small pages), so it is skipped.
+MAX_DIRECT_COPIES = 200_000
+
 OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers")
 
 
@@ -214,6 +218,10 @@ def run_bench(
                 dev = _device_buffers(spec, 2 * n + ps)
                 h, s, d = _indices(spec, gen)
                 for layout, backend, name in _targets(reg, spec, layouts, backends):
+                    copies = n // ps * spec.bytes_per_token // max(1, min(c.row_bytes for c in spec.components))
+                    if backend == "direct" and copies > MAX_DIRECT_COPIES:
+                        logger.info("skipping %s at page_size %d, %d tokens: ~%d copies per call", name, ps, n, copies)
+                        continue
                     plan = reg.layout(layout).plan(spec)
                     host = allocate_host_buffers(plan, pin_memory=True)
                     budgets = programs if backend == "kernel" else [None]
