@@ -178,7 +178,10 @@ class PoolSpec:
     head_num: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "device", torch.device(self.device))
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+            dev = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
+        object.__setattr__(self, "device", dev)
         if self.page_size < 1:
             raise SpecError(f"page_size={self.page_size} must be >= 1")
         if self.capacity < self.page_size or self.capacity % self.page_size:
