@@ -22,10 +22,11 @@ import difflib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -524,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     except RegistryError as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. ``hicache verify | head``: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

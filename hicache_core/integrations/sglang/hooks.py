@@ -29,8 +29,13 @@ def _sharded(host: Any, kind: str) -> bool:
     return False
 
 
-def _serving(host: Any, device_pool: Any, io_backend: str, op: str) -> Bridge | None:
-    """The bridge serving this call, or ``None`` (SGLang's original runs)."""
+def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft: bool = False) -> Bridge | None:
+    """The bridge serving this call, or ``None`` (SGLang's original runs).
+
+    Draft transfers pass the draft's own device pool; the bridge of the target
+    device pool (DSA indexer) or of the captured tensors (MLA/MHA, which SGLang
+    itself uses for drafts) already holds the draft's layer.
+    """
     mode = current_mode()
     kind = pool_kind(host)
     if mode == "off" or kind is None:
@@ -39,7 +44,9 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str) -> Bridge | 
                                        can_use_jit=bool(getattr(host, "can_use_jit", False))):
         return None
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
-        device_pool = host.device_pool  # packed drafts: our device buffers already hold their layer 0
+        device_pool = host.device_pool
+    elif is_draft and kind != "dsa_indexer":
+        device_pool = None
     bridge = bridge_for(host, device_pool, io_backend)
     return bridge if bridge.pool is not None else None
 
@@ -65,7 +72,7 @@ def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: to
 def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
                device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
     """``load_to_device_per_layer``: one layer; layers this rank does not own return without moving."""
-    bridge = _serving(self, device_pool, io_backend, LOAD)
+    bridge = _serving(self, device_pool, io_backend, LOAD, is_draft=is_draft)
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
     layer = bridge.device_layer(int(layer_id), is_draft)
@@ -87,7 +94,7 @@ def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_i
 def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                      layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
     """MLA ``_backup_from_device_per_layer`` (sharded path; no device pool is passed: captured tensors serve)."""
-    bridge = _serving(self, None, io_backend, BACKUP_LAYER)
+    bridge = _serving(self, None, io_backend, BACKUP_LAYER, is_draft=is_draft)
     if bridge is None:
         return original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
     _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft)

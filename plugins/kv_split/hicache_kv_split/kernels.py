@@ -43,6 +43,7 @@ def kv_split_copy_kernel(
     host_off_b,  # [E] int64 words: host layer base of entry e in buffer b
     n_tokens,  # entries of host_idx / dev_idx
     n_ent,  # entries of ent
+    n_items,  # work items: cdiv(n_tokens, PS) * n_ent
     rows,  # device rows per layer (device index bound)
     capacity,  # host token slots (host index bound)
     page_a,  # host page stride of buffer a (words)
@@ -57,7 +58,6 @@ def kv_split_copy_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.num_programs(0).to(tl.int64)
-    n_items = tl.cdiv(n_tokens, PS).to(tl.int64) * n_ent
     tok = tl.arange(0, TOKENS)
     col = tl.arange(0, BLOCK)
     for item in range(pid, n_items, nprog):
@@ -75,9 +75,13 @@ def kv_split_copy_kernel(
             ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < rows)
             hp = h // PS
             ht = h - hp * PS
-            drow = tl.multiple_of(d_off + d * d_stride, VEC)
-            arow = tl.multiple_of(h_a + hp * page_a + ht * SPLIT, VEC)
-            brow = tl.multiple_of(h_b + hp * page_b + ht * (ROW - SPLIT), VEC)
+            drow = d_off + d * d_stride
+            arow = h_a + hp * page_a + ht * SPLIT
+            brow = h_b + hp * page_b + ht * (ROW - SPLIT)
+            if VEC > 1:
+                drow = tl.multiple_of(drow, VEC)
+                arow = tl.multiple_of(arow, VEC)
+                brow = tl.multiple_of(brow, VEC)
             for c0 in range(0, ROW, BLOCK):
                 c = (c0 + col)[None, :]
                 in_a = ok[:, None] & (c < SPLIT)

@@ -1,0 +1,53 @@
+"""The core conformance kit run against the kv_split kernel strategy (sharded and unsharded cases)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from hicache_core import create_registry  # noqa: E402
+from hicache_core.testing.conformance import CASES, check_load_all, check_strategy  # noqa: E402
+from hicache_kv_split.layout import LAYOUT as _LAYOUT  # noqa: E402
+from hicache_kv_split.strategy import NAME  # noqa: E402
+
+LAYOUT = _LAYOUT.name
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+CASE_IDS = [c.id for c in CASES]
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return create_registry()
+
+
+@pytest.mark.parametrize("variant", ["shuffled-i64", "last-page-i32-dev"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_round_trip(registry, case, variant):
+    pool = check_strategy(registry, case, LAYOUT, "kernel", variant=variant, device=DEVICE, strategy=NAME)
+    assert pool.strategy_name == NAME
+    assert pool.spec.sharded == ("sharded" in case.id)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_per_layer_backup(registry, case):
+    check_strategy(registry, case, LAYOUT, "kernel", variant="reversed-i64-dev", device=DEVICE, strategy=NAME,
+                   per_layer_backup=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_load_all_layers(registry, case):
+    check_load_all(registry, case, LAYOUT, "kernel", device=DEVICE, strategy=NAME)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_unfused_one_program(kv, case):
+    """One launch per segment (no latent/rope fusion) on a single program: same bytes."""
+    reg = kv.registry_with("kernel-unfused", programs=1, fuse_parts=False)
+    pool = check_strategy(reg, case, LAYOUT, "kernel-unfused", variant="one-page-i32", device=DEVICE)
+    groups = pool.binding.scratch["kv_split.kernel"].groups
+    assert all(len(g.names) == 1 for g in groups)

@@ -1,0 +1,73 @@
+"""Fixtures for the SGLang bridge tests: SGLang's real pool classes on CPU.
+
+The whole directory is skipped when sglang is not installed.  Triton kernels
+run under the interpreter when no CUDA device is present.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("sglang")
+
+sys.path.insert(0, os.path.dirname(__file__))
+import sglang_harness as H  # noqa: E402
+
+H.prepare()
+
+KERNEL_SKIP = "kernel io needs CUDA or TRITON_INTERPRET=1"
+
+
+def _target_owner(target: str):
+    import pkgutil
+
+    owner, attr = target.rsplit(".", 1)
+    return pkgutil.resolve_name(owner), attr
+
+
+@pytest.fixture
+def sglang_hooks():
+    """Snapshot SGLang's hook registry and the hooked class attributes; restore them afterwards."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from hicache_core.integrations.sglang import HOOK_TARGETS
+
+    saved = {t: _target_owner(t) for t in HOOK_TARGETS}
+    attrs = {t: owner.__dict__[attr] for t, (owner, attr) in saved.items()}
+    hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    patched = set(HookRegistry._patched)
+    yield HookRegistry
+    for t, (owner, attr) in saved.items():
+        setattr(owner, attr, attrs[t])
+    HookRegistry._hooks.clear()
+    HookRegistry._hooks.update(hooks)
+    HookRegistry._patched.clear()
+    HookRegistry._patched.update(patched)
+
+
+@pytest.fixture
+def hooked(sglang_hooks, monkeypatch):
+    """Our hooks applied (mode ``all``), undone after the test."""
+    from hicache_core.integrations.sglang import load_plugin
+
+    monkeypatch.setenv("HICACHE_SGLANG", "all")
+    load_plugin()
+    return sglang_hooks
+
+
+def kernel_available(layout: str, sharded: bool) -> str | None:
+    """``None`` when a ``kernel`` strategy is registered for the key and can run here, else a skip reason."""
+    from hicache_core import create_registry
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return KERNEL_SKIP
+    if not create_registry().candidates(layout, "kernel", sharded):
+        return f"no kernel strategy is registered for ({layout}, kernel, sharded={sharded})"
+    return None

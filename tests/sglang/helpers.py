@@ -1,0 +1,61 @@
+"""The oracle of the bridge tests: SGLang's host tensors indexed the way SGLang indexes them."""
+
+from __future__ import annotations
+
+import torch
+
+CANARY = 0xA5
+
+
+def host_tensors(host) -> list[torch.Tensor]:
+    """Every host tensor SGLang holds for ``host``'s rows (MLA kv_split: latent then rope)."""
+    if hasattr(host, "index_k_with_scale_buffer"):
+        return [host.index_k_with_scale_buffer]
+    if host.layout == "page_first_kv_split" and hasattr(host, "kv_lora_rank"):
+        return [t for t in (host.k_buffer, host.v_buffer) if t is not None]
+    return [host.kv_buffer]
+
+
+def fill_canary(host) -> list[torch.Tensor]:
+    """Fill every host tensor with canary bytes; return clones to build the expectation in."""
+    out = []
+    for t in host_tensors(host):
+        t.view(torch.uint8).fill_(CANARY)
+        out.append(t.clone())
+    return out
+
+
+def layer_views(kind: str, layout: str, tensors: list[torch.Tensor], hl: int, h: torch.Tensor, ps: int):
+    """Slot-indexable views of host layer ``hl`` in ``tensors`` (SGLang's shapes) and the index for slots ``h``."""
+    page, off = h // ps, h % ps
+    if kind == "dsa_indexer":
+        (t,) = tensors
+        return [t[hl] if layout == "layer_first" else t[:, hl, 0]], (h,)
+    parts = [tensors[0][0], tensors[0][1]] if kind == "mha" else tensors  # MHA kv_buffer = (2, ...)
+    if layout in ("layer_first", "page_first"):
+        sel = [p[hl] if layout == "layer_first" else p[:, hl] for p in parts]
+        return sel, (h,)
+    return [p[:, hl] for p in parts], (page, off)
+
+
+def write_rows(views: list[torch.Tensor], index: tuple, rows: list[torch.Tensor]) -> None:
+    """``views[index] = rows``; one MLA row over several views (kv_split) is split by the views' widths."""
+    if len(rows) == 1 and len(views) > 1:
+        flat = rows[0].reshape(rows[0].shape[0], -1)
+        rows, start = [], 0
+        for v in views:
+            w = v.shape[-1]
+            rows.append(flat[:, start : start + w])
+            start += w
+    for v, r in zip(views, rows):
+        v[index] = r.reshape(v[index].shape)
+
+
+def read_rows(views: list[torch.Tensor], index: tuple) -> torch.Tensor:
+    """Rows at ``index`` of ``views``, concatenated per token as bytes."""
+    return torch.cat([v[index].reshape(v[index].shape[0], -1).view(torch.uint8) for v in views], dim=1)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)

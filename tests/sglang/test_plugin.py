@@ -1,0 +1,96 @@
+"""The ``sglang.srt.plugins`` entry point, idempotence and the HICACHE_SGLANG switch."""
+
+from __future__ import annotations
+
+import pkgutil
+
+import pytest
+import torch
+
+from hicache_core.integrations.sglang import HOOK_TARGETS, current_mode, load_plugin
+from hicache_core.integrations.sglang.mode import stock_serves
+from test_transfers import make_pools, slots
+
+
+def _attr(target: str):
+    owner, attr = target.rsplit(".", 1)
+    return pkgutil.resolve_name(owner).__dict__[attr]
+
+
+def _ours(registry, target: str) -> int:
+    return sum(1 for _, h, _ in registry._hooks.get(target, ()) if h is HOOK_TARGETS[target])
+
+
+def test_load_plugins_discovers_entry_point(sglang_hooks, monkeypatch):
+    import sglang.srt.plugins as plugins
+
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setenv("SGLANG_PLUGINS", "hicache")
+    eps = plugins.load_plugins_by_group(plugins.GENERAL_PLUGINS_GROUP)
+    assert eps["hicache"][0] is load_plugin
+    originals = {t: _attr(t) for t in HOOK_TARGETS}
+    plugins.load_plugins()
+    for target in HOOK_TARGETS:
+        assert _ours(sglang_hooks, target) == 1, target
+        assert target in sglang_hooks._patched
+        assert _attr(target).__wrapped__ is originals[target], target
+    dev, host = make_pools("mla", "page_first")  # a stock ValueError cell (direct + page_first) now served
+    h, d1, _ = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "direct")
+    assert torch.equal(host.kv_buffer[h, 0].view(torch.uint8), dev.kv_buffer[0][d1].view(torch.uint8))
+
+
+def test_load_plugin_is_idempotent(sglang_hooks):
+    originals = {t: _attr(t) for t in HOOK_TARGETS}
+    load_plugin()
+    wrapped = {t: _attr(t) for t in HOOK_TARGETS}
+    load_plugin()
+    load_plugin()
+    for target in HOOK_TARGETS:
+        assert _ours(sglang_hooks, target) == 1
+        assert _attr(target) is wrapped[target]
+        assert _attr(target).__wrapped__ is originals[target]
+
+
+@pytest.mark.parametrize("value,mode", [(None, "all"), ("gaps", "gaps"), ("OFF", "off"), ("bogus", "all")])
+def test_mode_switch(monkeypatch, value, mode):
+    if value is None:
+        monkeypatch.delenv("HICACHE_SGLANG", raising=False)
+    else:
+        monkeypatch.setenv("HICACHE_SGLANG", value)
+    assert current_mode() == mode
+
+
+def test_gaps_serves_only_stock_gaps_where_stock_kernels_exist():
+    gap = lambda *a, **k: not stock_serves(*a, kernels_available=True, **k)  # noqa: E731
+    assert not gap("mla", "layer_first", "kernel", True, "backup_layer")
+    assert gap("mla", "page_first", "kernel", True, "backup_layer")
+    assert not gap("mla", "page_first", "kernel", True, "backup_layer", can_use_jit=True)
+    assert not gap("mla", "page_first", "kernel", True, "load")
+    assert gap("mla", "page_first", "direct", False, "backup")
+    assert not gap("mla", "page_first_direct", "direct", False, "backup")
+    assert gap("mla", "page_first_direct", "direct", True, "backup_layer")
+    assert gap("mla", "page_first_kv_split", "kernel", True, "backup_layer")
+    assert gap("mha", "page_first_direct", "kernel", False, "load")
+    assert not gap("mha", "page_first", "kernel", False, "backup")
+    assert gap("mha", "page_first_kv_split", "direct", False, "backup")
+    assert gap("dsa_indexer", "page_first", "kernel", True, "backup_layer")
+    assert not gap("dsa_indexer", "page_first", "kernel", False, "backup")
+    assert gap("mla", "layer_first", "kernel_ascend", False, "backup")
+    # No sgl_kernel here (CPU): every stock cell is a gap.
+    if not torch.cuda.is_available():
+        assert not stock_serves("mla", "layer_first", "direct", False, "backup")
+
+
+def test_gaps_mode_serves_on_cpu(hooked, monkeypatch):
+    """On CPU the stock kvcacheio ops are unbound, so ``gaps`` serves even SGLang's matrix cells."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    monkeypatch.setenv("HICACHE_SGLANG", "gaps")
+    dev, host = make_pools("mla", "layer_first")
+    h, d1, _ = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "direct")
+    assert torch.equal(host.kv_buffer[1, h].view(torch.uint8), dev.kv_buffer[1][d1].view(torch.uint8))
+    monkeypatch.setenv("HICACHE_SGLANG", "off")
+    with pytest.raises(NameError, match="transfer_kv_direct"):
+        host.backup_from_device_all_layer(dev, h, d1, "direct")

@@ -1,0 +1,356 @@
+"""The registry: loading order, duplicates, broken plugins, allow/block lists, overrides, tracing, error text.
+
+Every test builds a fresh registry with ``create_registry(entry_points=..., plugins=[...], env={...})``.
+Entry points come from the installed test distributions (tests/plugins); broken
+ones are added by wrapping the real entry-point query.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import sys
+import types
+from importlib.metadata import EntryPoint
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+import hicache_core
+from hicache_core import (
+    DuplicateRegistrationError,
+    LayerMap,
+    PluginLoadError,
+    PoolSpec,
+    ResolutionError,
+    StrategyInfo,
+    UnknownLayoutError,
+    create_registry,
+    hookimpl,
+)
+from hicache_core import registry as registry_module
+from hicache_core.backends.direct import DirectStrategy
+from hicache_core.backends.reference import ReferenceStrategy
+
+BASE = {"HICACHE_PLUGINS": "core,page_head,fake_vendor"}
+
+
+def mha(sharded: bool = False, dtype: torch.dtype = torch.float16) -> PoolSpec:
+    lmap = LayerMap.sharded_cp(4, 2, 1) if sharded else LayerMap.unsharded(4)
+    return PoolSpec.mha(layer_map=lmap, head_num=2, head_dim=8, dtype=dtype, page_size=4, capacity=16)
+
+
+def strategies(*infos: StrategyInfo) -> object:
+    class Plugin:
+        @hookimpl
+        def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
+            for info in infos:
+                register(info)
+
+    return Plugin()
+
+
+def layouts(*lays: object) -> object:
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
+            for lay in lays:
+                register(lay)
+
+    return Plugin()
+
+
+class Raising:
+    @hookimpl
+    def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
+        register(StrategyInfo("raising.half", "half", ("*",), DirectStrategy))
+        raise RuntimeError("hook exploded")
+
+
+class Misspelled:
+    @hookimpl
+    def hicache_register_layout(self, register: Callable[[object], None]) -> None:  # missing "s"
+        raise AssertionError("never called")
+
+
+def generic(name: str, backend: str, factory: Callable[[], object] = DirectStrategy) -> StrategyInfo:
+    return StrategyInfo(name, backend, ("*",), factory)
+
+
+# -- fake entry points for broken plugins ------------------------------------------
+@pytest.fixture
+def extra_entry_points(monkeypatch):
+    """Add entry points (name -> plugin object or exception to raise on import) next to the installed ones."""
+
+    def install(**plugins: object) -> None:
+        real = registry_module.entry_points
+        eps = []
+        for name, plugin in plugins.items():
+            mod = types.ModuleType(f"hicache_test_ep_{name}")
+            if isinstance(plugin, BaseException):
+                def fail(attr: str, exc: BaseException = plugin) -> object:
+                    raise exc
+                mod.__getattr__ = fail  # type: ignore[attr-defined]
+            else:
+                mod.plugin = plugin  # type: ignore[attr-defined]
+            monkeypatch.setitem(sys.modules, mod.__name__, mod)
+            eps.append(EntryPoint(name, f"{mod.__name__}:plugin", "hicache"))
+        monkeypatch.setattr(registry_module, "entry_points", lambda group: [*eps, *real(group=group)])
+
+    return install
+
+
+# -- order ---------------------------------------------------------------------------
+def test_entry_points_load_in_name_order_whatever_the_install_order(monkeypatch):
+    real = registry_module.entry_points
+    orders = []
+    for flip in (False, True):
+        monkeypatch.setattr(registry_module, "entry_points",
+                            lambda group, flip=flip: sorted(real(group=group), key=lambda e: e.name, reverse=flip))
+        reg = create_registry(env=BASE)
+        orders.append(([p.name for p in reg.plugins], reg.inventory(), reg.io_backends))
+    assert orders[0] == orders[1]
+    assert orders[0][0] == ["core", "fake_vendor", "page_head"]
+
+
+def test_candidates_and_inventory_do_not_depend_on_registration_order():
+    a = strategies(generic("b.direct", "direct"), generic("a.direct", "direct"))
+    b = strategies(generic("c.direct", "direct"))
+    one = create_registry(env=BASE, plugins=[("a", a), ("b", b)])
+    two = create_registry(env=BASE, plugins=[("b", b), ("a", a)])
+    for reg in (one, two):
+        assert [c.name for c in reg.candidates("page_head", "direct", False)] == [
+            "a.direct", "b.direct", "c.direct", "core.direct"]
+        assert reg.resolve(mha(), "page_head", "direct").info.name == "a.direct"
+    assert one.inventory() == two.inventory()
+
+
+def test_exact_registration_beats_generic_ones():
+    reg = create_registry(env=BASE, plugins=[("x", strategies(
+        StrategyInfo("x.exact", "direct", ("page_head",), DirectStrategy, (True,))))])
+    assert [c.name for c in reg.candidates("page_head", "direct", True)] == ["x.exact", "core.direct"]
+    assert [c.name for c in reg.candidates("page_head", "direct", False)] == ["core.direct"]
+    assert reg.resolve(mha(sharded=True), "page_head", "direct").info.name == "x.exact"
+
+
+# -- duplicates ------------------------------------------------------------------------
+def test_duplicate_layout_names_both_distributions():
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    with pytest.raises(DuplicateRegistrationError) as exc:
+        create_registry(env=BASE, plugins=[("copycat", layouts(PageHeadLayout()))])
+    assert str(exc.value) == (
+        "layout 'page_head' is registered by both hicache-test-page-head 0.1.0 (plugin 'page_head') and "
+        "<local> - (plugin 'copycat'); uninstall one or block it with HICACHE_DISABLE_PLUGINS")
+
+
+def test_duplicate_exact_key_names_both_distributions():
+    clash = StrategyInfo("other.dma", "fakedma", ("page_head",), DirectStrategy, (False,))
+    with pytest.raises(DuplicateRegistrationError) as exc:
+        create_registry(env=BASE, plugins=[("clash", strategies(clash))])
+    assert str(exc.value) == (
+        "key (layout='page_head', io_backend='fakedma', sharded=False) is registered by both "
+        "hicache-test-vendor 0.1.0 (strategy 'test_vendor.fakedma') and <local> - (strategy 'other.dma'); "
+        "uninstall one or block it with HICACHE_DISABLE_PLUGINS")
+
+
+def test_duplicate_strategy_name():
+    with pytest.raises(DuplicateRegistrationError, match="strategy name 'core.direct' is registered by both "
+                                                          r"hicache-core 0.1.0 and <local> -"):
+        create_registry(env=BASE, plugins=[("again", strategies(generic("core.direct", "direct")))])
+
+
+def test_blocking_one_side_of_a_duplicate_resolves_it():
+    clash = StrategyInfo("other.dma", "fakedma", ("page_head",), DirectStrategy, (False,))
+    reg = create_registry(env={**BASE, "HICACHE_PLUGINS": "core,page_head"}, plugins=[("clash", strategies(clash))])
+    assert reg.resolve(mha(), "page_head", "fakedma").info.name == "other.dma"
+
+
+# -- broken plugins ----------------------------------------------------------------------
+def test_raising_hook_is_reported_and_skipped_others_still_work(caplog):
+    caplog.set_level(logging.WARNING, logger="hicache_core.registry")
+    reg = create_registry(env=BASE, plugins=[("raising", Raising())])
+    rec = next(p for p in reg.plugins if p.name == "raising")
+    assert rec.error == "registration failed: RuntimeError: hook exploded"
+    assert "raising.half" not in reg.strategies and "half" not in reg.io_backends  # withdrawn
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+    assert [r.getMessage() for r in caplog.records] == [
+        "hicache plugin 'raising' (<local> -) skipped: registration failed: RuntimeError: hook exploded"]
+    assert "broken plugins (skipped):\n  raising (<local> -): registration failed: RuntimeError: hook exploded" \
+        in reg.inventory()
+
+
+def test_misspelled_hook_is_reported_and_skipped():
+    reg = create_registry(env=BASE, plugins=[("typo", Misspelled())])
+    rec = next(p for p in reg.plugins if p.name == "typo")
+    assert rec.error == "implements unknown hooks ['hicache_register_layout']"
+    assert sorted(reg.layouts) == ["page_head"]
+
+
+@pytest.mark.parametrize("plugin, error", [
+    (Raising(), "registration failed: RuntimeError: hook exploded"),
+    (Misspelled(), "implements unknown hooks ['hicache_register_layout']"),
+    (ImportError("no module named vendor_sdk"), "import failed: ImportError: no module named vendor_sdk"),
+])
+def test_broken_entry_point_skipped_unless_allowed(extra_entry_points, plugin, error):
+    extra_entry_points(broken=plugin)
+    reg = create_registry(env={})
+    rec = next(p for p in reg.plugins if p.name == "broken")
+    assert (rec.dist, rec.error) == ("<unknown>", error)
+    assert "page_head" in reg.layouts and "core.direct" in reg.strategies
+    with pytest.raises(PluginLoadError) as exc:
+        create_registry(env={"HICACHE_PLUGINS": "core,broken"})
+    assert str(exc.value) == f"hicache plugin 'broken' (<unknown> ?) was requested but {error}"
+
+
+def test_allow_list_names_a_missing_plugin():
+    with pytest.raises(PluginLoadError, match=r"HICACHE_PLUGINS names plugins that are not installed: \['nope'\]"):
+        create_registry(env={"HICACHE_PLUGINS": "core,nope"})
+
+
+# -- allow / block lists -------------------------------------------------------------------
+def test_allow_list():
+    reg = create_registry(env={"HICACHE_PLUGINS": "core, page_head"})
+    assert [p.name for p in reg.plugins] == ["core", "page_head"]
+    assert reg.io_backends == ["direct", "reference"]
+
+
+def test_block_list():
+    reg = create_registry(env={"HICACHE_DISABLE_PLUGINS": "fake_vendor"})
+    assert "fake_vendor" not in [p.name for p in reg.plugins] and "page_head" in reg.layouts
+    assert "fakedma" not in reg.io_backends
+    reg = create_registry(env={"HICACHE_DISABLE_PLUGINS": "page_head,fake_vendor"})
+    assert {"page_head", "fake_vendor"}.isdisjoint(p.name for p in reg.plugins)
+    assert "core" in [p.name for p in reg.plugins]
+
+
+def test_no_entry_points():
+    reg = create_registry(entry_points=False, plugins=[("only", strategies(generic("only.ref", "reference",
+                                                                                  ReferenceStrategy)))])
+    assert [p.name for p in reg.plugins] == ["only"] and reg.layouts == {}
+    with pytest.raises(UnknownLayoutError, match="unknown layout 'page_head'"):
+        reg.layout("page_head")
+
+
+# -- overrides ------------------------------------------------------------------------------
+def second_direct() -> object:
+    return strategies(generic("zz.direct", "direct"))
+
+
+def test_override_argument_picks_a_candidate():
+    reg = create_registry(env=BASE, plugins=[("zz", second_direct())])
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+    res = reg.resolve(mha(), "page_head", "direct", override="zz.direct")
+    assert (res.info.name, res.provider.name) == ("zz.direct", "zz")
+    with pytest.raises(ResolutionError) as exc:
+        reg.resolve(mha(), "page_head", "direct", override="core.reference")
+    assert str(exc.value).splitlines()[1] == (
+        "  core.reference: not a candidate for this key; candidates: ['core.direct', 'zz.direct']")
+
+
+def test_strategy_environment_variable():
+    reg = create_registry(env={**BASE, "HICACHE_STRATEGY": "zz.direct"}, plugins=[("zz", second_direct())])
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "zz.direct"
+    # where it names no candidate it is ignored
+    assert reg.resolve(mha(), "page_head", "reference").info.name == "core.reference"
+    # the argument wins over the environment
+    assert reg.resolve(mha(), "page_head", "direct", override="core.direct").info.name == "core.direct"
+
+
+def test_rejected_candidate_falls_through_to_the_next():
+    class Picky(DirectStrategy):
+        def supports(self, spec, layout):
+            return "picky wants sharded pools" if not spec.sharded else None
+
+    reg = create_registry(env=BASE, plugins=[("p", strategies(generic("a.picky", "direct", Picky)))])
+    res = reg.resolve(mha(), "page_head", "direct")
+    assert res.info.name == "core.direct" and res.rejected == (("a.picky", "picky wants sharded pools"),)
+    assert reg.resolve(mha(sharded=True), "page_head", "direct").info.name == "a.picky"
+
+
+def test_a_failing_factory_rejects_only_its_strategy():
+    def explode() -> object:
+        raise ImportError("vendor runtime missing")
+
+    reg = create_registry(env=BASE, plugins=[("e", strategies(generic("a.broken", "direct", explode)))])
+    res = reg.resolve(mha(), "page_head", "direct")
+    assert res.rejected == (("a.broken", "failed to load: ImportError: vendor runtime missing"),)
+
+
+# -- tracing and error text -------------------------------------------------------------------
+def test_trace_logs_every_resolution(caplog):
+    caplog.set_level(logging.INFO, logger="hicache_core.registry")
+    reg = create_registry(env={**BASE, "HICACHE_TRACE": "1"})
+    caplog.clear()
+    reg.resolve(mha(sharded=True), "page_head", "fakedma")
+    msgs = [r.getMessage() for r in caplog.records if r.name == "hicache_core.registry"]
+    assert msgs == ["hicache: (page_head, fakedma, sharded=True) mha [k:32B+v:32B] x 2 layers, page 4, sharded 2/4 "
+                    "layers -> test_vendor.fakedma from hicache-test-vendor 0.1.0"]
+
+
+def test_no_trace_by_default(caplog):
+    caplog.set_level(logging.INFO, logger="hicache_core.registry")
+    reg = create_registry(env=BASE)
+    caplog.clear()
+    reg.resolve(mha(), "page_head", "direct")
+    assert [r for r in caplog.records if r.name == "hicache_core.registry"] == []
+
+
+def test_resolution_error_lists_rejections_plugins_and_alternatives():
+    reg = create_registry(env=BASE)
+    with pytest.raises(ResolutionError) as exc:
+        reg.resolve(mha(dtype=torch.float32), "page_head", "fakedma")
+    assert str(exc.value) == """\
+no strategy serves (layout='page_head', io_backend='fakedma', sharded=False) for mha [k:64B+v:64B] x 4 layers, page 4:
+  test_vendor.fakedma: fakedma moves 1- and 2-byte element pools only; components ['k', 'v'] are float32
+nearest working alternatives: --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
+installed layouts:
+  page_head (hicache-test-page-head 0.1.0)
+installed io_backends:
+  direct (hicache-core 0.1.0)
+  fakedma (hicache-test-vendor 0.1.0)
+  reference (hicache-core 0.1.0)"""
+
+
+# -- the core names no layout ----------------------------------------------------------------
+LAYOUT_NAMES = ("layer_first", "page_first", "kv_split")
+EXEMPT = {"cli.py", "integrations", "testing"}
+
+
+def _code_words(path: Path) -> list[tuple[int, str]]:
+    """Identifiers and string constants of ``path``, docstrings excluded (docs may name layouts)."""
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            out.append((node.lineno, node.value))
+        elif isinstance(node, ast.Name):
+            out.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            out.append((node.lineno, node.name))
+    return out
+
+
+def test_core_has_no_layout_name_dispatch():
+    root = Path(hicache_core.__file__).parent
+    files = [p for p in root.rglob("*.py") if not EXEMPT & set(p.relative_to(root).parts)]
+    assert len(files) >= 10
+    hits = [f"{p.relative_to(root)}:{line}: {word!r}" for p in files for line, word in _code_words(p)
+            if any(name in word for name in LAYOUT_NAMES)]
+    assert hits == []
+
+
+def test_layout_name_check_catches_dispatch(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Docs may say page_first."""\ndef f(layout):\n    if layout == "page_first":\n        return 1\n')
+    assert [w for _, w in _code_words(bad) if "page_first" in w] == ["page_first"]
