@@ -12,8 +12,13 @@ __all__ = ["as_long", "selected"]
 
 
 def as_long(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``t`` as int64 on ``device`` (no copy when it already is)."""
-    return t.to(device=device, dtype=torch.int64, non_blocking=True)
+    """``t`` as int64 on ``device`` (no copy when it already is).
+
+    Copies *to* the CPU are blocking: the values are read right after, and a
+    non-blocking device-to-pageable copy may not have landed yet.
+    """
+    target = torch.device(device)
+    return t.to(device=target, dtype=torch.int64, non_blocking=target.type != "cpu")
 
 
 def selected(binding: PoolBinding, layer: int | None) -> Iterator[tuple[BoundSegment, int]]:

@@ -27,7 +27,8 @@ class BatchCopier:
     On CUDA the copies are enqueued on the current stream without host
     synchronisation (host memory must be pinned for that): one
     ``cudaMemcpyBatchAsync`` per call where the runtime has it (CUDA >= 12.8
-    through ``cuda-bindings``), else one ``cudaMemcpyAsync`` per run.  On the
+    through ``cuda-bindings``) and the current stream is not the legacy default
+    stream (which that API refuses), else one ``cudaMemcpyAsync`` per run.  On the
     CPU they run immediately (``memmove``).  Callers guarantee every range is in
     bounds.
     """
@@ -52,7 +53,8 @@ class BatchCopier:
             raise RuntimeError("the direct backend on CUDA needs cuda-bindings (pip install cuda-bindings)")
         stream = torch.cuda.current_stream(self.device).cuda_stream
         d, s, n = dsts.tolist(), srcs.tolist(), lens.tolist()
-        if self._batch and len(d) > 1:
+        # the batch API refuses the legacy NULL stream: there, one call per run
+        if self._batch and len(d) > 1 and stream != 0:
             try:
                 self._submit_batch(d, s, n, stream)
                 return

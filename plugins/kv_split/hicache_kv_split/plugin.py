@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from hicache_core import Layout, Strategy, StrategyInfo, hookimpl
 
 from .layout import LAYOUT
 
 
-def _kernel() -> Strategy:
+def _kernel(**options: Any) -> Strategy:
     from .strategy import KVSplitKernelStrategy
 
-    return KVSplitKernelStrategy()
+    return KVSplitKernelStrategy(**options)
 
 
 @hookimpl

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from hicache_core import Layout, Strategy, StrategyInfo, hookimpl
 
 from .layout import LAYOUT
 
 
-def _kernel_strategy(programs: int | None = None) -> Strategy:
+def _kernel_strategy(**options: Any) -> Strategy:
     from .strategy import LayerFirstKernelStrategy
 
-    return LayerFirstKernelStrategy(programs=programs)
+    return LayerFirstKernelStrategy(**options)
 
 
 @hookimpl

@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from hicache_core import Layout, Strategy, StrategyInfo, hookimpl
 
 from .layout import PAGE_FIRST, PAGE_FIRST_DIRECT
 
 
-def _page_first_kernel() -> Strategy:
+def _page_first_kernel(**options: Any) -> Strategy:
     from .strategy import PageFirstKernelStrategy
 
-    return PageFirstKernelStrategy()
+    return PageFirstKernelStrategy(**options)
 
 
-def _page_first_direct_kernel() -> Strategy:
+def _page_first_direct_kernel(**options: Any) -> Strategy:
     from .strategy import PageFirstDirectKernelStrategy
 
-    return PageFirstDirectKernelStrategy()
+    return PageFirstDirectKernelStrategy(**options)
 
 
 @hookimpl
