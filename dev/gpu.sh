@@ -10,7 +10,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_f
 { nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv;
   python3 -c "import torch, triton, pluggy; print('torch', torch.__version__, 'triton', triton.__version__, 'pluggy', pluggy.__version__)"; } >"$OUT/env.txt" 2>&1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 150 hicache verify >"$OUT/verify.log" 2>&1; echo "verify rc=$?"; tail -3 "$OUT/verify.log"
+  timeout 200 hicache verify >"$OUT/verify.log" 2>&1; echo "verify rc=$?"; tail -3 "$OUT/verify.log"
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x --hicache-device cuda "$@" >"$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; tail -5 "$OUT/gpu_tests.log"
 fi

@@ -51,7 +51,7 @@ NO_LAYOUT = (
 #: Layers of every representative pool; the sharded one is rank 1 of 2 (layers 2-3).
 LAYERS = 4
 #: Default tokens of the timed pool in ``verify`` (CPU copies are Python loops: keep them small).
-VERIFY_TOKENS = {"cpu": 1024, "cuda": 16384}
+VERIFY_TOKENS = {"cpu": 1024, "cuda": 8192}
 VERIFY_REPS = {"cpu": 2, "cuda": 5}
 
 

@@ -10,6 +10,8 @@ import torch
 
 __all__ = ["BatchCopier"]
 
+_CUDA_STREAM_PER_THREAD = 2  # cudaStreamPerThread
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,8 +29,9 @@ class BatchCopier:
     On CUDA the copies are enqueued on the current stream without host
     synchronisation (host memory must be pinned for that): one
     ``cudaMemcpyBatchAsync`` per call where the runtime has it (CUDA >= 12.8
-    through ``cuda-bindings``) and the current stream is not the legacy default
-    stream (which that API refuses), else one ``cudaMemcpyAsync`` per run.  On the
+    through ``cuda-bindings``; on the legacy default stream, which that API
+    refuses, the batch goes to the per-thread default stream, which is ordered
+    with it), else one ``cudaMemcpyAsync`` per run.  On the
     CPU they run immediately (``memmove``).  Callers guarantee every range is in
     bounds.
     """
@@ -53,8 +56,10 @@ class BatchCopier:
             raise RuntimeError("the direct backend on CUDA needs cuda-bindings (pip install cuda-bindings)")
         stream = torch.cuda.current_stream(self.device).cuda_stream
         d, s, n = dsts.tolist(), srcs.tolist(), lens.tolist()
-        # the batch API refuses the legacy NULL stream: there, one call per run
-        if self._batch and len(d) > 1 and stream != 0:
+        if self._batch and len(d) > 1:
+            # The batch API refuses the legacy NULL stream.  The per-thread default
+            # stream is a blocking stream, so it stays ordered with legacy-stream work.
+            stream = stream or _CUDA_STREAM_PER_THREAD
             try:
                 self._submit_batch(d, s, n, stream)
                 return
