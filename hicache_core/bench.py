@@ -200,6 +200,7 @@ def run_bench(
     gemm: bool = False,
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
+    sink: Callable[[BenchRow], None] | None = None,
 ) -> list[BenchRow]:
     """Measure; see the module docstring.  CUDA only."""
     if not torch.cuda.is_available():
@@ -247,6 +248,8 @@ def run_bench(
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
                                            gbps / base, _host_us(fn, max(5, reps // 2)), slow)
                             rows.append(row)
+                            if sink:
+                                sink(row)
                             if progress:
                                 progress(f"{shape} {layout}/{backend} ps={ps} n={n} P={budget} {op}: "
                                          f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
@@ -322,17 +325,23 @@ def _cmd(args: argparse.Namespace) -> int:
         progress = lambda msg: (bar.update(1), bar.write(msg))  # noqa: E731
     except ImportError:
         progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    rows = run_bench(
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count, "argv": sys.argv[1:]}
+    path = os.path.join(args.out, "bench.json")
+    done: list[dict[str, Any]] = []
+
+    def sink(row: BenchRow) -> None:  # rewrite after every row: a killed run keeps its results
+        done.append(asdict(row))
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "rows": done}, f, indent=1)
+
+    run_bench(
         shapes=args.shapes.split(","), tokens=_ints(args.tokens), page_sizes=_ints(args.page_sizes),
         programs=[p or None for p in _ints(args.programs)], layouts=[x for x in args.layouts.split(",") if x] or None,
-        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, progress=progress,
+        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
+        progress=progress, sink=sink,
     )
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    data = {"meta": meta, "rows": [asdict(r) for r in rows]}
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(data, f, indent=1)
-    plot(data["rows"], os.path.join(args.out, "bench.png"))
+    plot(done, os.path.join(args.out, "bench.png"))
     return 0
 
 

@@ -25,7 +25,8 @@ def test_kernel_strategy_registered_for_both_sharded_keys():
 
 def test_sharded_spec_resolves_to_the_kernel():
     spec = PoolSpec.mla(layer_map=LayerMap.sharded_cp(61, 4, 2), kv_lora_rank=512, qk_rope_head_dim=64,
-                        dtype=torch.bfloat16, page_size=64, capacity=128)
+                        dtype=torch.bfloat16, page_size=64, capacity=128,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
     res = create_registry().resolve(spec, "page_first_kv_split", "kernel")
     assert res.info.name == "page_first_kv_split.kernel" and res.rejected == ()
 
