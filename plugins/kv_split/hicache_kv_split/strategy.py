@@ -42,13 +42,14 @@ NAME = "page_first_kv_split.kernel"
 #: whole H200 (132 SMs); half of it leaves SMs to the forward pass.  Override
 #: per strategy (``programs=``) or per process (``HICACHE_KERNEL_PROGRAMS``).
 PROGRAMS = 64
-#: Words moved per program per inner step (TOKENS x BLOCK); 2048 int64 words
-#: is 16 KiB in flight per program, 16 registers per thread at 4 warps.
-STEP_WORDS = 2048
+#: Words moved per program per inner step (TOKENS x BLOCK).
+#: H200 sweep 2026-11-29 (benchmarks/tune_tiles.py, docs/performance.md): 4.7 MB load_layer at 16 programs:
+#: 2048 words/4 warps 0.50, 4096/8 warps 0.73, 8192/8 warps 0.64; backup 0.95 throughout.
+STEP_WORDS = 4096
 #: Widest column block (words); longer rows loop.
 MAX_BLOCK = 512
-#: Warps per program.
-NUM_WARPS = 4
+#: Warps per program (same sweep).
+NUM_WARPS = 8
 
 _SCRATCH = "kv_split.kernel"
 

@@ -50,15 +50,17 @@ __all__ = [
 #: Default number of programs (persistent grid size) per launch.
 PROGRAMS = 64
 #: Target bytes per tile (``TOKENS x BLOCK`` words) of a load (H2D) iteration.
-LOAD_TILE_BYTES = 16384
+#: H200 sweep 2026-11-29 (benchmarks/tune_tiles.py, docs/performance.md): load_layer of 4.7 MB at 8 programs: 16 KiB 0.46,
+#: 32 KiB 0.57, 64 KiB 0.70 of memcpy (16 warps); the backup is unaffected.
+LOAD_TILE_BYTES = 65536
 #: Target bytes per tile of a backup (D2H) iteration.
 BACKUP_TILE_BYTES = 8192
 #: Widest column block; longer rows are copied in several column blocks.
 MAX_BLOCK_BYTES = 4096
 #: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
 MAX_TOKENS = 256
-#: Warps per program of a load launch.
-LOAD_NUM_WARPS = 8
+#: Warps per program of a load launch (same sweep: 16 beats 8 at 64 KiB tiles, 0.70 vs 0.69).
+LOAD_NUM_WARPS = 16
 #: Warps per program of a backup launch.
 BACKUP_NUM_WARPS = 4
 

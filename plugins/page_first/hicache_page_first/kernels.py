@@ -31,17 +31,18 @@ __all__ = ["page_major_copy_kernel", "tile_shape", "launch", "MAX_BLOCK_BYTES",
 #: 656-byte MLA row in one chunk at any access word.
 MAX_BLOCK_BYTES = 1024
 
-#: Bytes one tile (``TOK`` rows x ``BLOCK`` words) keeps in flight per program:
-#: 8 KiB = 8 MLA rows (perf.md: SM-driven H2D is latency bound, so bytes in
-#: flight matter).  Compiled for sm_90 (Triton 3.9, no GPU run) the widest tiles
-#: use no local memory at 4 warps.  Not yet tuned on the H200.
-TILE_BYTES = 8192
+#: Bytes one tile (``TOK`` rows x ``BLOCK`` words) keeps in flight per program
+#: (SM-driven H2D is latency bound, so bytes in flight matter).
+#: H200 sweep 2026-11-29 (benchmarks/tune_tiles.py, docs/performance.md): 4.7 MB load_layer at 16 programs, page_first:
+#: 8 KiB/4 warps 0.46, 32 KiB/16 warps 0.69; page_first_direct 0.47 -> 0.71;
+#: backup_all_layers 0.94 either way.
+TILE_BYTES = 32768
 
 #: Upper bound on the rows of one tile (tiny rows such as a 4-byte fp32 scale).
 MAX_TILE_ROWS = 64
 
-#: Warps per program.
-NUM_WARPS = 4
+#: Warps per program (same sweep: 16 warps best for loads at 32 KiB tiles).
+NUM_WARPS = 16
 
 
 def _next_pow2(x: int) -> int:
