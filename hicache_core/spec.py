@@ -234,7 +234,7 @@ class PoolSpec:
         """An MLA pool: one ``kv`` row of ``kv_lora_rank + qk_rope_head_dim`` items, parts ``latent``/``rope``.
 
         ``row_bytes`` overrides the row size for packed FP8 rows (e.g. 656 bytes of
-        uint8); such a row has no parts (kv_split layouts keep it whole).
+        uint8); such a row has no parts (layouts that store parts apart keep it whole).
         """
         item = torch.empty((), dtype=dtype).element_size()
         rope = qk_rope_head_dim * item
