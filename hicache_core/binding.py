@@ -168,7 +168,7 @@ def _bind_segment(
         host_view=host_view,
         host_layer_num=lmap.host_layer_num,
         device_layers=lmap.device_layers,
-        host_layers=tuple(range(len(lmap.device_layers))),
+        host_layers=lmap.host_slots or (),  # always set after LayerMap.__post_init__
         device_rows=tuple(rows),
         dev_ptrs=tuple(r.data_ptr() for r in rows),
         dev_strides=tuple(r.stride(0) for r in rows),

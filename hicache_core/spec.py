@@ -39,21 +39,25 @@ def shard_range(num_layers: int, shards: int, rank: int) -> tuple[int, int]:
 class LayerMap:
     """Device layer id -> host layer slot, for the layers this rank owns.
 
-    ``device_layers[i]`` is stored in host layer slot ``i``.  Device layer ids
-    index the per-layer device buffer lists.  ``host_layer_num`` may exceed the
-    number of owned layers (SGLang sizes every rank's host pool for the largest
-    shard, leaving a tail slot unused).
+    ``device_layers[i]`` is stored in host layer slot ``host_slots[i]`` (by
+    default ``i``).  Device layer ids index the per-layer device buffer lists.
+    ``host_layer_num`` may exceed the number of owned layers (SGLang sizes every
+    rank's host pool for the largest shard, leaving a slot unused, and appends
+    draft layers after that slot).
 
-    :param device_layers: owned device layer ids, in host-slot order, unique.
+    :param device_layers: owned device layer ids, unique.
     :param host_layer_num: host layer slots to allocate (>= owned layers).
     :param num_device_layers: length of the device buffer lists (ids are < this).
     :param sharded: whether the device pool is layer-sharded (strategy key).
+    :param host_slots: host slot of each owned layer (unique, < ``host_layer_num``);
+        ``None`` packs them in order.
     """
 
     device_layers: tuple[int, ...]
     host_layer_num: int
     num_device_layers: int
     sharded: bool = False
+    host_slots: tuple[int, ...] | None = None
     _slots: dict[int, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +74,14 @@ class LayerMap:
                 f"host_layer_num={self.host_layer_num} is smaller than the {len(layers)} owned layers; "
                 "pass host_layer_num >= len(device_layers)"
             )
-        object.__setattr__(self, "_slots", {d: h for h, d in enumerate(layers)})
+        slots = tuple(range(len(layers))) if self.host_slots is None else tuple(int(x) for x in self.host_slots)
+        if len(slots) != len(layers) or len(set(slots)) != len(slots) or any(not 0 <= h < self.host_layer_num for h in slots):
+            raise SpecError(
+                f"layer map host_slots {slots} must give each of the {len(layers)} owned layers its own slot in "
+                f"0..{self.host_layer_num - 1} (host_layer_num)"
+            )
+        object.__setattr__(self, "host_slots", slots)
+        object.__setattr__(self, "_slots", dict(zip(layers, slots)))
 
     @classmethod
     def unsharded(cls, num_layers: int, *, draft_layers: int = 0) -> "LayerMap":
@@ -87,12 +98,14 @@ class LayerMap:
         The device buffer lists hold all ``num_layers`` target layers (only the
         owned ones are read) followed by ``draft_layers`` draft layers, which
         every rank owns.  The host is compacted to the owned layers; with
-        ``pad_to_largest`` it is sized for the largest shard (SGLang's rule).
+        ``pad_to_largest`` the target part is sized for the largest shard and
+        the drafts follow it (SGLang's rule: a smaller shard leaves a gap).
         """
         start, end = shard_range(num_layers, shards, rank)
         owned = tuple(range(start, end)) + tuple(range(num_layers, num_layers + draft_layers))
-        host = (math.ceil(num_layers / shards) if pad_to_largest else end - start) + draft_layers
-        return cls(owned, host, num_layers + draft_layers, sharded=shards > 1)
+        targets = math.ceil(num_layers / shards) if pad_to_largest else end - start
+        slots = tuple(range(end - start)) + tuple(range(targets, targets + draft_layers))
+        return cls(owned, targets + draft_layers, num_layers + draft_layers, sharded=shards > 1, host_slots=slots)
 
     def host_slot(self, device_layer: int) -> int | None:
         """Host slot of ``device_layer``, or ``None`` when this rank does not own it."""
@@ -105,7 +118,7 @@ class LayerMap:
         """The sub-map of a component present only on ``device_layers`` (compacted host slots)."""
         keep = set(device_layers)
         owned = tuple(d for d in self.device_layers if d in keep)
-        return LayerMap(owned, len(owned), self.num_device_layers, self.sharded)
+        return LayerMap(owned, len(owned), self.num_device_layers, self.sharded)  # packed slots
 
 
 @dataclass(frozen=True)

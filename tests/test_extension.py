@@ -75,7 +75,7 @@ def test_page_head_host_bytes_are_where_the_layout_says(reg, io_backend):
     for name, dim in (("k", hd), ("v", vd)):
         buf = pool.host_buffers[name]
         for slot, row in zip(host.tolist(), device_rows.tolist()):
-            for h_slot, layer in enumerate(lmap.device_layers):
+            for h_slot, layer in zip(lmap.host_slots, lmap.device_layers):
                 want = dev[name][layer][row].view(heads, dim)
                 got = buf[slot // ps, :, slot % ps, h_slot, :]
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (name, slot, layer)

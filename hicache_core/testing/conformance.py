@@ -62,6 +62,8 @@ CASES: tuple[Case, ...] = (
     Case("mla576-fp8-ps16-sharded5of2r1", _mla(LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True), 16, 3,
                                                dtype=torch.uint8, lora=512, rope=64)),
     Case("mla576-bf16-ps4-sharded-drafts", _mla(LayerMap.sharded_cp(8, 2, 1, draft_layers=1), 4, 6)),
+    Case("mla576-bf16-ps4-sharded5of2r1-padded-drafts",
+         _mla(LayerMap.sharded_cp(5, 2, 1, draft_layers=1, pad_to_largest=True), 4, 4)),
     Case("mla-dsa-extra-ps4", _mla(LayerMap.unsharded(3), 4, 5, extra=_IDX)),
     Case("mha-fp16-ps1", _mha(LayerMap.unsharded(3), 1, 20)),
     Case("mha-bf16-ps16-vdim-strided", _mha(LayerMap.unsharded(2), 16, 3, vd=4, dtype=torch.bfloat16), strided=True),

@@ -106,17 +106,15 @@ def _describe_mla(host: Any, device_pool: Any) -> Described:
             raise Unsupported(f"device pool ownership {rng} disagrees with the host pool's layers {owned}")
         if sharded and host.target_layer_num != math.ceil(n_dev / device_pool.layer_shard_size):
             raise Unsupported("host target_layer_num is not ceil(layers / shards)")
-    if n_draft and len(owned) != host.target_layer_num:
-        raise Unsupported(
-            "packed MTP drafts after a padded sharded host (owned layers < ceil(L/S)) need a LayerMap with "
-            "explicit host slots, which hicache-core does not offer yet"
-        )
     layers: list[torch.Tensor | None] = [None] * (n_dev + n_draft)
     for i, layer in enumerate(owned):
         layers[layer] = device_pool.kv_buffer[layer] if device_pool is not None else host.device_kv_buffers[i]
     for d in range(n_draft):
         layers[n_dev + d] = host.device_kv_buffers[len(owned) + d]
-    lmap = LayerMap(owned + tuple(range(n_dev, n_dev + n_draft)), int(host.layer_num), n_dev + n_draft, sharded)
+    # packed drafts sit after SGLang's target_layer_num host layers, past any padding slot
+    slots = tuple(range(len(owned))) + tuple(int(host.target_layer_num) + d for d in range(n_draft))
+    lmap = LayerMap(owned + tuple(range(n_dev, n_dev + n_draft)), int(host.layer_num), n_dev + n_draft, sharded,
+                    host_slots=slots)
     item = host.dtype.itemsize
     natural = host.kv_lora_rank + host.qk_rope_head_dim
     packed = host.kv_cache_dim != natural or bool(getattr(host, "dsa_kv_cache_store_fp8", False))

@@ -93,7 +93,7 @@ def test_seed_sharded_mla_kv_split_backup_then_load(io_backend, lmap_id, split_d
     latent = pool.host_buffers["latent"].view(torch.uint8)  # [P, L_owned, PS, LORA*2]
     rope = pool.host_buffers["rope"].view(torch.uint8)
     assert latent.shape == (PAGES, len(lmap.device_layers), PS, LORA * 2)
-    for slot, d in enumerate(lmap.device_layers):
+    for slot, d in zip(lmap.host_slots, lmap.device_layers):
         got = torch.cat([latent[h // PS, slot, h % PS], rope[h // PS, slot, h % PS]], dim=1)
         assert torch.equal(got, original[d]), f"host rows of device layer {d}"
     assert bool((latent[1] == 0xA5).all()) and bool((rope[1] == 0xA5).all()), "host page 1 was not backed up"

@@ -66,7 +66,7 @@ def test_host_row_equals_device_row_after_reference_backup(case_id):
         lmap = spec.component_map(comp.name)
         hbuf = pool.host_buffers[comp.name]
         assert tuple(hbuf.shape) == (lmap.host_layer_num, spec.capacity, comp.row_bytes // comp.itemsize)
-        for slot, layer in enumerate(lmap.device_layers):
+        for slot, layer in zip(lmap.host_slots, lmap.device_layers):
             if comp.name in dev:
                 want = dev[comp.name][layer][device].reshape(ps, -1).view(torch.uint8)
             else:  # device keeps the parts in separate tensors: the host row is their concatenation

@@ -51,7 +51,7 @@ def test_page_first_host_is_slot_layer_row(backend, lmap, ps):
     assert tuple(buf.shape) == (spec.capacity, lmap.host_layer_num, 288) and buf.dtype == torch.bfloat16
     host, rows = _backup(spec, pool)
     for s, d in zip(host.tolist(), rows.tolist()):
-        for slot, layer in enumerate(lmap.device_layers):
+        for slot, layer in zip(lmap.host_slots, lmap.device_layers):
             assert torch.equal(buf[s, slot].view(torch.uint8), dev["kv"][layer][d].cpu().view(torch.uint8)), (s, slot)
 
 
@@ -65,7 +65,7 @@ def test_page_first_direct_host_is_page_layer_token_row(backend, lmap, ps):
     host, rows = _backup(spec, pool)
     for s, d in zip(host.tolist(), rows.tolist()):
         p, t = divmod(s, ps)
-        for slot, layer in enumerate(lmap.device_layers):
+        for slot, layer in zip(lmap.host_slots, lmap.device_layers):
             got = buf[p, slot, t].view(torch.uint8)
             assert torch.equal(got, dev["kv"][layer][d].cpu().view(torch.uint8)), (p, slot, t)
 
