@@ -13,7 +13,7 @@ from .layout import Addressing, BufferSpec, HostPlan, Layout, Segment
 from .pool import HostKVPool
 from .registry import Registry, create_registry, default_registry, reset_default_registry
 from .spec import MHA, MLA, Component, LayerMap, Part, PoolSpec, shard_range
-from .strategy import ANY_LAYOUT, OPERATIONS, Strategy, StrategyInfo
+from .strategy import ANY_LAYOUT, OPERATIONS, DirectionalStrategy, Strategy, StrategyInfo
 from .binding import BoundSegment, PoolBinding
 
 __version__ = "0.1.0"
@@ -23,6 +23,6 @@ __all__ = [
     "HostKVPool",
     "Registry", "create_registry", "default_registry", "reset_default_registry",
     "MHA", "MLA", "Component", "LayerMap", "Part", "PoolSpec", "shard_range",
-    "ANY_LAYOUT", "OPERATIONS", "Strategy", "StrategyInfo",
+    "ANY_LAYOUT", "OPERATIONS", "DirectionalStrategy", "Strategy", "StrategyInfo",
     "BoundSegment", "PoolBinding", "hookimpl", "__version__",
 ] + list(_errors_all)

@@ -11,7 +11,7 @@ from .binding import PoolBinding
 from .layout import Layout
 from .spec import PoolSpec
 
-__all__ = ["Strategy", "StrategyInfo", "ANY_LAYOUT", "OPERATIONS"]
+__all__ = ["Strategy", "StrategyInfo", "DirectionalStrategy", "ANY_LAYOUT", "OPERATIONS"]
 
 #: Layout wildcard: a strategy registered for it serves every layout whose
 #: descriptor declares addressing (the generic backends do).
@@ -53,6 +53,40 @@ class Strategy(Protocol):
     def load(
         self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None
     ) -> None: ...
+
+
+class DirectionalStrategy:
+    """Convenience base for strategies whose backup and load are one routine.
+
+    Subclasses implement :meth:`transfer`; ``backup`` and ``load`` call it with
+    ``to_host`` set.  ``supports`` accepts everything and ``prepare`` does
+    nothing unless overridden.
+    """
+
+    def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        return None
+
+    def prepare(self, binding: PoolBinding) -> None:
+        return None
+
+    def backup(
+        self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None
+    ) -> None:
+        """Device rows ``device_indices`` of ``layer`` (``None``: every owned layer) -> host slots."""
+        self.transfer(binding, host_indices, device_indices, layer, to_host=True)
+
+    def load(
+        self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None
+    ) -> None:
+        """Host slots ``host_indices`` -> device rows ``device_indices`` of ``layer`` (``None``: all)."""
+        self.transfer(binding, host_indices, device_indices, layer, to_host=False)
+
+    def transfer(
+        self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
+        *, to_host: bool,
+    ) -> None:
+        """Move rows in the direction ``to_host`` says; see :class:`Strategy` for the contract."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
 from ..layout import Layout
 from ..spec import PoolSpec
+from ..strategy import DirectionalStrategy
 from .common import as_long, selected
 from .memcpy import BatchCopier
 
@@ -61,7 +62,7 @@ def _check_bounds(binding: PoolBinding, h: torch.Tensor, d: torch.Tensor) -> Non
         )
 
 
-class DirectStrategy:
+class DirectStrategy(DirectionalStrategy):
     """Copy-engine transfers; plain ``memmove`` on CPU."""
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
@@ -93,8 +94,8 @@ class DirectStrategy:
         dev = (d * stride).unsqueeze(1) + chunk * a.chunk_bytes
         return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
 
-    def _transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                  layer: int | None, to_host: bool) -> None:
+    def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 layer: int | None, *, to_host: bool) -> None:
         h = as_long(host_indices, "cpu")
         d = as_long(device_indices, "cpu")
         _check_bounds(binding, h, d)  # indices are on the CPU now: never copy to unchecked addresses
@@ -115,11 +116,4 @@ class DirectStrategy:
             lens.append(n)
         if dsts:
             copier.copy(torch.cat(dsts), torch.cat(srcs), torch.cat(lens), to_host=to_host)
-
-    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
-        self._transfer(binding, host_indices, device_indices, layer, True)
-
-    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
-        self._transfer(binding, host_indices, device_indices, layer, False)
-
 

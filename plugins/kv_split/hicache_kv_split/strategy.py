@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_core import Layout, PoolBinding, PoolSpec
+from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
@@ -110,7 +110,7 @@ def _fusable(a: SegmentTable, b: SegmentTable) -> bool:
     return all(pb == pa + sa.width for pa, pb in zip(sa.dev_ptrs, sb.dev_ptrs))
 
 
-class KVSplitKernelStrategy:
+class KVSplitKernelStrategy(DirectionalStrategy):
     """Zero-copy Triton transfers for ``page_first_kv_split``, sharded or not.
 
     :param programs: SM budget (programs of the persistent grid); default
@@ -201,18 +201,8 @@ class KVSplitKernelStrategy:
         return 16 // word if access_word(*quantities, max_word=16) == 16 else 1
 
     # -- transfers ---------------------------------------------------------------
-    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-               layer: int | None) -> None:
-        """Device rows ``device_indices`` of ``layer`` (``None``: every owned layer) -> host slots."""
-        self._launch(binding, host_indices, device_indices, layer, to_host=True)
-
-    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-             layer: int | None) -> None:
-        """Host slots ``host_indices`` -> device rows ``device_indices`` of ``layer`` (``None``: all)."""
-        self._launch(binding, host_indices, device_indices, layer, to_host=False)
-
-    def _launch(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                layer: int | None, *, to_host: bool) -> None:
+    def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 layer: int | None, *, to_host: bool) -> None:
         from .kernels import kv_split_copy_kernel
 
         prep: _Prepared = binding.scratch[_SCRATCH]

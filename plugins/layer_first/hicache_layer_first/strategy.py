@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_core import Layout, PoolBinding, PoolSpec, SpecError
+from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec, SpecError
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
@@ -147,7 +147,7 @@ def build_groups(tables: list[SegmentTable], spec: PoolSpec) -> tuple[Group, ...
     return tuple(_group(members, spec.device) for members in by_key.values())
 
 
-class LayerFirstKernelStrategy:
+class LayerFirstKernelStrategy(DirectionalStrategy):
     """Triton zero-copy transfers for ``layer_first`` host buffers.
 
     :param programs: SM budget (programs per launch).  ``None``: the
@@ -176,18 +176,8 @@ class LayerFirstKernelStrategy:
         logger.debug("%s: %d launch group(s), %d programs, widths %s words", self.name, len(groups), programs,
                      [(g.width, g.word, g.vec) for g in groups])
 
-    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-               layer: int | None) -> None:
-        """D2H: rows ``device_indices`` of ``layer`` (``None``: every owned layer) -> host slots ``host_indices``."""
-        self._transfer(binding, host_indices, device_indices, layer, True)
-
-    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-             layer: int | None) -> None:
-        """H2D: host slots ``host_indices`` -> rows ``device_indices`` of ``layer`` (``None``: every owned layer)."""
-        self._transfer(binding, host_indices, device_indices, layer, False)
-
-    def _transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                  layer: int | None, to_host: bool) -> None:
+    def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 layer: int | None, *, to_host: bool) -> None:
         if host_indices.numel() == 0:
             return
         prep: Prepared = binding.scratch[self.name]

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import torch
 
-from hicache_core import Layout, PoolBinding, PoolSpec
+from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec
 from hicache_core.errors import HostBufferError
 from hicache_core.kernel_support import (
     SegmentTable,
@@ -114,7 +114,7 @@ def _vector_words(t: SegmentTable) -> int:
     return access_word(*(w * t.word for w in words), max_word=max(MAX_VECTOR_BYTES, t.word)) // t.word
 
 
-class _PageMajorKernelStrategy:
+class _PageMajorKernelStrategy(DirectionalStrategy):
     """The shared wrapper; subclasses fix the layout name and the work grouping."""
 
     name: ClassVar[str]
@@ -162,16 +162,8 @@ class _PageMajorKernelStrategy:
         logger.debug("%s: %d segments, %d programs, words %s", self.name, len(prepared), state.programs,
                      [p.table.word for p in prepared])
 
-    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-               layer: int | None) -> None:
-        self._transfer(binding, host_indices, device_indices, layer, to_host=True)
-
-    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-             layer: int | None) -> None:
-        self._transfer(binding, host_indices, device_indices, layer, to_host=False)
-
-    def _transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                  layer: int | None, *, to_host: bool) -> None:
+    def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 layer: int | None, *, to_host: bool) -> None:
         n = host_indices.numel()
         if n == 0:
             return
