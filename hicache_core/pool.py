@@ -20,9 +20,12 @@ __all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE"]
 
 logger = logging.getLogger(__name__)
 
-#: ``full`` (default) checks index values too; ``shapes`` skips value checks of
-#: device-resident indices (they would synchronise with the device).  Kernels
-#: still mask every access, so a bad index never reads or writes out of bounds.
+#: ``shapes`` (default) checks the values of CPU-resident indices and only the
+#: shapes of device-resident ones, whose values would cost a host
+#: synchronisation per call; every strategy still keeps them in bounds (kernels
+#: mask every access, ``direct`` and ``reference`` check after reading them), so a
+#: bad index never touches memory out of bounds.  ``full`` checks device-resident
+#: values up front too (one synchronisation per call).
 ENV_VALIDATE = "HICACHE_VALIDATE"
 
 
@@ -51,7 +54,8 @@ class HostKVPool:
     :param strategy_options: keyword arguments for the strategy's factory (e.g.
         ``{"programs": 8}``, the SM budget of kernel strategies).
     :param registry: registry to resolve in (default: the process-wide one).
-    :param validate: ``full`` or ``shapes`` (see :data:`ENV_VALIDATE`).
+    :param validate: ``shapes`` (default, no host synchronisation) or ``full``
+        (see :data:`ENV_VALIDATE`).
     """
 
     def __init__(
@@ -72,7 +76,7 @@ class HostKVPool:
         self.spec = spec
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
-        self.validate = validate or os.environ.get(ENV_VALIDATE, "full")
+        self.validate = validate or os.environ.get(ENV_VALIDATE, "shapes")
         if self.validate not in ("full", "shapes"):
             raise SpecError(f"validate={self.validate!r}: use 'full' or 'shapes'")
         plan: HostPlan = self.resolution.layout.plan(spec)

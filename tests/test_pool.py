@@ -435,3 +435,23 @@ def test_rank_without_layers_moves_nothing() -> None:
     pool.backup_all_layers(pages(0), torch.arange(4))
     assert pool.backup_layer(0, pages(0), torch.arange(4)) is False
     assert pool.load_layer(1, pages(0), torch.arange(4)) is False
+
+
+@pytest.mark.parametrize("backend", ["direct", "reference"])
+@pytest.mark.parametrize("bad", ["host", "device"])
+def test_generic_backends_range_check_unvalidated_indices(backend: str, bad: str) -> None:
+    """Indices that skipped the pool's value checks (device-resident, validate='shapes') are still
+    range-checked by the generic backends before anything moves."""
+    spec = mha_spec()
+    dev = mha_device(spec, 32)
+    pool = HostKVPool(spec, "layer_first", backend, dev)
+    before_host = {k: v.clone() for k, v in pool.host_buffers.items()}
+    before_dev = {k: [t.clone() for t in lst] for k, lst in dev.items()}
+    host = torch.arange(spec.page_size) + (spec.capacity if bad == "host" else 0)
+    rows = torch.arange(spec.page_size) + (32 if bad == "device" else 0)
+    for op in (pool.strategy.backup, pool.strategy.load):
+        with pytest.raises(IndexRangeError, match="nothing was"):
+            op(pool.binding, host, rows, None)
+    assert all(torch.equal(pool.host_buffers[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before_host.items())
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for k in dev for a, b in zip(dev[k], before_dev[k]))

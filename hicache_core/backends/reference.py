@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..binding import PoolBinding
+from ..errors import IndexRangeError
 from ..layout import Layout
 from ..spec import PoolSpec
 from .common import as_long, selected
@@ -26,22 +27,29 @@ class ReferenceStrategy:
         return None
 
     @staticmethod
-    def _host_index(binding: PoolBinding, host_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _indices(binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host (page, offset) pairs and device rows, range-checked (the oracle may synchronise)."""
         h = as_long(host_indices, "cpu")
+        d = as_long(device_indices, binding.device)
+        rows = min((n for s in binding.segments for n in s.dev_lens), default=1 << 62)
+        cap = binding.spec.capacity
+        if h.numel() and (int(h.min()) < 0 or int(h.max()) >= cap or int(d.min()) < 0 or int(d.max()) >= rows):
+            raise IndexRangeError(
+                f"reference: host_indices must lie in 0..{cap - 1} and device_indices in 0..{rows - 1}; nothing was moved"
+            )
         ps = binding.spec.page_size
-        return h // ps, h % ps
+        return h // ps, h % ps, d
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
-        pages, offs = self._host_index(binding, host_indices)
-        d = as_long(device_indices, binding.device)
+        pages, offs, d = self._indices(binding, host_indices, device_indices)
         for seg, e in selected(binding, layer):
             rows = seg.device_rows[e][d].to("cpu")
             view = seg.host_view[seg.host_layers[e]]
             view[pages, offs] = rows.view(rows.shape[0], view.shape[2], view.shape[3])
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None) -> None:
-        pages, offs = self._host_index(binding, host_indices)
-        d = as_long(device_indices, binding.device)
+        pages, offs, d = self._indices(binding, host_indices, device_indices)
         for seg, e in selected(binding, layer):
             data = seg.host_view[seg.host_layers[e]][pages, offs]
             seg.device_rows[e][d] = data.reshape(data.shape[0], seg.width).to(binding.device)
