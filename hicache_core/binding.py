@@ -94,10 +94,17 @@ class PoolBinding:
     segments: tuple[BoundSegment, ...]
     host_pinned: bool
     scratch: dict[str, Any] = field(default_factory=dict)
+    #: rows every bound device tensor has (device indices must be below it); huge when none is bound
+    device_rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.device_rows = min((n for s in self.segments for n in s.dev_lens), default=1 << 62)
 
     @property
     def device(self) -> torch.device:
         return self.spec.device
+
+
 
 
 def _device_list(

@@ -87,8 +87,6 @@ class HostKVPool:
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)
-        # a rank owning no layers moves nothing, so any device index is acceptable
-        self._device_rows = min((n for s in self.binding.segments for n in s.dev_lens), default=1 << 62)
         # page views follow the host plan, not how the device happens to hold parts
         self._page_segments = [
             (flat_bytes(self.binding.host_buffers[s.buffer]), s.addressing.page,
@@ -131,7 +129,7 @@ class HostKVPool:
         full = self.validate == "full"
         def values(t: object) -> bool:
             return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
-        check_indices(self.spec, host_indices, device_indices, self._device_rows,
+        check_indices(self.spec, host_indices, device_indices, self.binding.device_rows,
                       host_values=values(host_indices), device_values=values(device_indices))
 
     def backup_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:

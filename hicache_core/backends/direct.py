@@ -54,7 +54,7 @@ def _storage_base(t: torch.Tensor) -> int:
 def _check_bounds(binding: PoolBinding, h: torch.Tensor, d: torch.Tensor) -> None:
     if h.numel() == 0:
         return
-    rows = min((n for s in binding.segments for n in s.dev_lens), default=1 << 62)
+    rows = binding.device_rows
     if int(h.min()) < 0 or int(h.max()) >= binding.spec.capacity or int(d.min()) < 0 or int(d.max()) >= rows:
         raise IndexRangeError(
             f"direct: host_indices must lie in 0..{binding.spec.capacity - 1} and device_indices in 0..{rows - 1}; "

@@ -32,7 +32,7 @@ class ReferenceStrategy:
         """Host (page, offset) pairs and device rows, range-checked (the oracle may synchronise)."""
         h = as_long(host_indices, "cpu")
         d = as_long(device_indices, binding.device)
-        rows = min((n for s in binding.segments for n in s.dev_lens), default=1 << 62)
+        rows = binding.device_rows
         cap = binding.spec.capacity
         if h.numel() and (int(h.min()) < 0 or int(h.max()) >= cap or int(d.min()) < 0 or int(d.max()) >= rows):
             raise IndexRangeError(
