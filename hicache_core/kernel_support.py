@@ -102,9 +102,11 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
         a = seg.segment.addressing
         hbase = seg.host_flat.data_ptr() + a.offset
         host_bases = [hbase + h * a.layer for h in seg.host_layers]
+        anchor_src = seg.device_rows[0] if seg.device_rows else seg.host_flat
         word = access_word(seg.width, a.chunk_bytes, a.chunk_stride, a.layer, a.page, a.token, hbase,
-                           *seg.dev_ptrs, *seg.dev_strides, max_word=max_word)
-        anchor = _word_anchor(seg.device_rows[0] if seg.device_rows else seg.host_flat, word)
+                           anchor_src.untyped_storage().data_ptr(), *seg.dev_ptrs, *seg.dev_strides,
+                           max_word=max_word)
+        anchor = _word_anchor(anchor_src, word)
         base = anchor.data_ptr()
         def to_words(addrs: list[int]) -> torch.Tensor:
             return torch.tensor([(x - base) // word for x in addrs], dtype=torch.int64, device=device)
@@ -129,13 +131,14 @@ def _word_anchor(rows: torch.Tensor, word: int) -> torch.Tensor:
 
 
 def kernel_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An index tensor on the kernel's device (int32 or int64 kept as is).
+    """An index tensor on the kernel's device, contiguous (int32 or int64 kept as is).
 
-    CPU indices are copied once, asynchronously when pinned.
+    Kernels read indices at ``ptr + i``: a strided view (``t[::2]``) is made
+    contiguous.  CPU indices are copied once, asynchronously when pinned.
     """
-    if t.device == device:
-        return t
-    return t.to(device, non_blocking=True)
+    if t.device != device:
+        t = t.to(device, non_blocking=True)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def require_pinned(binding: PoolBinding, strategy: str) -> None:
@@ -148,7 +151,7 @@ def require_pinned(binding: PoolBinding, strategy: str) -> None:
 
 
 def sm_budget(default: int, device: torch.device) -> int:
-    """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (<= SM count)."""
+    """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (at most 4x the SM count)."""
     env = os.environ.get(ENV_PROGRAMS)
     n = int(env) if env else default
     if device.type == "cuda":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -354,13 +355,16 @@ def create_registry(
 
 
 _default: Registry | None = None
+_DEFAULT_LOCK = threading.Lock()
 
 
 def default_registry() -> Registry:
     """The process-wide registry, created on first use."""
     global _default
     if _default is None:
-        _default = create_registry()
+        with _DEFAULT_LOCK:
+            if _default is None:
+                _default = create_registry()
     return _default
 
 

@@ -32,8 +32,10 @@ class Strategy(Protocol):
     ``backup`` moves device rows ``device_indices`` to host slots
     ``host_indices``; ``load`` moves the other way.  ``layer`` is a device layer
     id (the pool has checked that this rank owns it), or ``None`` for every owned
-    layer.  Indices arrive validated: one-dimensional int32/int64 tensors of equal
-    length, a multiple of ``page_size``, in range, on the CPU or the pool's device.
+    layer.  Indices arrive as one-dimensional int32/int64 tensors of equal length,
+    a multiple of ``page_size``, on the CPU or the pool's device.  Their values are
+    range-checked only when they live on the CPU (or with ``validate="full"``):
+    a strategy must keep device-resident values in bounds itself (mask or check).
     Work is enqueued on the current stream of the pool's device; no host
     synchronisation.  Rows of other slots must stay untouched.
     """

@@ -72,7 +72,9 @@ CASES: tuple[Case, ...] = (
 )
 
 #: (id, picks host pages and device slots, index dtype, indices on the pool's device?)
-INDEX_VARIANTS: tuple[str, ...] = ("shuffled-i64", "one-page-i32", "reversed-i64-dev", "last-page-i32-dev")
+INDEX_VARIANTS: tuple[str, ...] = (
+    "shuffled-i64", "one-page-i32", "reversed-i64-dev", "last-page-i32-dev", "strided-view-i64-dev",
+)
 
 
 def random_bytes_like(rows: int, nbytes: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -143,7 +145,11 @@ def _pick_indices(spec: PoolSpec, variant: str, gen: torch.Generator) -> tuple[t
 
 def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
     t = t.to(torch.int32) if "i32" in variant else t.to(torch.int64)
-    return t.to(spec.device) if variant.endswith("-dev") else t
+    t = t.to(spec.device) if variant.endswith("-dev") else t
+    if "strided-view" in variant:  # a non-contiguous 1-D view, as slicing an engine's index tensor gives
+        t = torch.stack([t, torch.full_like(t, -1)], dim=1).reshape(-1)[::2]
+        assert not t.is_contiguous()
+    return t
 
 
 def _fill_host(pool: HostKVPool) -> None:

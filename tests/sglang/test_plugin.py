@@ -94,3 +94,20 @@ def test_gaps_mode_serves_on_cpu(hooked, monkeypatch):
     monkeypatch.setenv("HICACHE_SGLANG", "off")
     with pytest.raises(NameError, match="transfer_kv_direct"):
         host.backup_from_device_all_layer(dev, h, d1, "direct")
+
+
+def test_calls_we_cannot_take_fall_back_to_sglang(hooked):
+    """HiSparse-style backups of single tokens (not whole pages) fail our argument checks before any
+    byte moves; SGLang's original method then runs (on this CPU it raises its own NameError)."""
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA the stock kernel would run; here SGLang's CPU error proves the fallback")
+    dev, host = make_pools("mla", "layer_first")
+    h, d1, _ = slots(host, dev)
+    before = host.kv_buffer.clone()
+    with pytest.raises(NameError, match="transfer_kv"):
+        host.backup_from_device_all_layer(dev, h[:1], d1[:1], "direct")
+    with pytest.raises(NameError, match="transfer_kv"):
+        host.load_to_device_per_layer(dev, h[:1], d1[:1], 0, "direct")
+    assert torch.equal(host.kv_buffer.view(torch.uint8), before.view(torch.uint8))
+    host.backup_from_device_all_layer(dev, h, d1, "direct")  # whole pages: still ours
+    assert torch.equal(host.kv_buffer[1, h].view(torch.uint8), dev.kv_buffer[1][d1].view(torch.uint8))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -41,6 +42,7 @@ _KINDS = {
     ("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost"): "dsa_indexer",
 }
 _CACHE_ATTR = "_hicache_bridges"
+_BUILD_LOCK = threading.Lock()
 
 
 class Unsupported(HicacheError):
@@ -243,6 +245,10 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         logger.info("hicache: %s (layout=%s, io_backend=%s) left to SGLang: %s",
                     type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
+    except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
+        bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
+        logger.warning("hicache: %s (layout=%s, io_backend=%s) left to SGLang after an unexpected error",
+                       type(host).__qualname__, getattr(host, "layout", "?"), io_backend, exc_info=True)
     return bridge
 
 
@@ -258,5 +264,8 @@ def bridge_for(host: Any, device_pool: Any, io_backend: str) -> Bridge:
     key = (id(device_pool), io_backend)
     hit = cache.get(key)
     if hit is None or hit.device_pool is not device_pool:
-        hit = cache[key] = _build(host, device_pool, io_backend)
+        with _BUILD_LOCK:  # SGLang's load and backup threads may both arrive first
+            hit = cache.get(key)
+            if hit is None or hit.device_pool is not device_pool:
+                hit = cache[key] = _build(host, device_pool, io_backend)
     return hit

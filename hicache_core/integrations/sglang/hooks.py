@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...errors import TransferArgumentError
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
 from .mode import BACKUP, BACKUP_LAYER, LOAD, current_mode, stock_serves
@@ -58,6 +59,18 @@ def _indices(bridge: Bridge, host: Any, host_indices: torch.Tensor, device_indic
     return host._get_indexer_page_indices(host_indices, device_indices)
 
 
+def _or_original(run: Callable[[], None], original: Callable[[], Any]) -> Any:
+    """Run our transfer; on a call we cannot take (e.g. HiSparse's one-token, not-whole-page
+    backups), SGLang's original runs instead.  Our argument checks raise before any byte
+    moves, so nothing is moved twice."""
+    try:
+        run()
+    except TransferArgumentError as exc:
+        logger.debug("hicache: call left to SGLang: %s", exc)
+        return original()
+    return None
+
+
 def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
                device_indices: torch.Tensor, io_backend: str) -> None:
     """``backup_from_device_all_layer``: every owned layer (and packed draft) in one call to our strategy."""
@@ -65,8 +78,8 @@ def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: to
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, io_backend)
     h, d = _indices(bridge, self, host_indices, device_indices)
-    bridge.pool.backup_all_layers(h, d)
-    return None
+    return _or_original(lambda: bridge.pool.backup_all_layers(h, d),
+                        lambda: original(self, device_pool, host_indices, device_indices, io_backend))
 
 
 def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
@@ -79,16 +92,18 @@ def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: to
     if layer is None:
         return None
     h, d = _indices(bridge, self, host_indices, device_indices)
-    bridge.pool.load_layer(layer, h, d)
-    return None
+    return _or_original(lambda: bridge.pool.load_layer(layer, h, d),
+                        lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                         is_draft=is_draft))
 
 
-def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_id: int, is_draft: bool) -> None:
+def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_id: int, is_draft: bool,
+                original: Callable[[], Any]) -> Any:
     layer = bridge.device_layer(int(layer_id), is_draft)
     if layer is None:
-        return
+        return None
     h, d = _indices(bridge, host, host_indices, device_indices)
-    bridge.pool.backup_layer(layer, h, d)
+    return _or_original(lambda: bridge.pool.backup_layer(layer, h, d), original)
 
 
 def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -97,8 +112,8 @@ def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, 
     bridge = _serving(self, None, io_backend, BACKUP_LAYER, is_draft=is_draft)
     if bridge is None:
         return original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-    _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft)
-    return None
+    return _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft,
+                       lambda: original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft))
 
 
 def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
@@ -107,8 +122,9 @@ def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_i
     bridge = _serving(self, device_pool, io_backend, BACKUP_LAYER)
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-    _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft)
-    return None
+    return _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft,
+                       lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
+                                        is_draft=is_draft))
 
 
 def init_kv_buffer(original: Callable, self: Any) -> Any:

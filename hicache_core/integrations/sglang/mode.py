@@ -76,7 +76,7 @@ def _mla_cell(layout: str, io_backend: str, sharded: bool, op: str, can_use_jit:
 
 def _mha_cell(layout: str, io_backend: str, sharded: bool, op: str) -> bool:
     if io_backend == "kernel":
-        return layout in ("layer_first", "page_first")
+        return layout in ("layer_first", "page_first", "page_head")
     if io_backend == "direct":
         return layout in ("layer_first", "page_first_direct")
     return False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -113,15 +114,15 @@ def _fusable(a: SegmentTable, b: SegmentTable) -> bool:
 class KVSplitKernelStrategy(DirectionalStrategy):
     """Zero-copy Triton transfers for ``page_first_kv_split``, sharded or not.
 
-    :param programs: SM budget (programs of the persistent grid); default
-        :data:`PROGRAMS`.  ``HICACHE_KERNEL_PROGRAMS`` overrides both.
+    :param programs: SM budget (programs of the persistent grid).  An explicit
+        value wins; otherwise ``HICACHE_KERNEL_PROGRAMS``, else :data:`PROGRAMS`.
     :param fuse_parts: read/write an MLA row split into ``latent``/``rope`` in one
         launch (default); ``False`` launches once per segment.
     """
 
     def __init__(self, programs: int | None = None, *, fuse_parts: bool = True) -> None:
-        if programs is not None and programs < 1:
-            raise ValueError(f"programs={programs} must be >= 1 (the number of programs to launch)")
+        if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+            raise ValueError(f"programs must be a positive int (the SM budget), got {programs!r}")
         self.programs = programs
         self.fuse_parts = fuse_parts
 
@@ -158,7 +159,7 @@ class KVSplitKernelStrategy(DirectionalStrategy):
             else:
                 groups.append(self._group(binding, tables[i], None))
                 i += 1
-        programs = sm_budget(self.programs if self.programs is not None else PROGRAMS, binding.device)
+        programs = self.programs if self.programs is not None else sm_budget(PROGRAMS, binding.device)
         binding.scratch[_SCRATCH] = _Prepared(tuple(groups), programs, binding.spec.capacity, binding.spec.page_size)
         logger.debug("%s: %d launch group(s) %s, %d programs", NAME, len(groups),
                      [g.names for g in groups], programs)
@@ -212,6 +213,16 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         h = kernel_indices(host_indices, binding.device)
         d = kernel_indices(device_indices, binding.device)
         pages = math.ceil(n / prep.page_size)
+        device = binding.device
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # launch on the pool's device and its current stream
+                self._launch(prep, h, d, n, pages, layer, to_host, kv_split_copy_kernel)
+        else:
+            self._launch(prep, h, d, n, pages, layer, to_host, kv_split_copy_kernel)
+
+    @staticmethod
+    def _launch(prep: "_Prepared", h: torch.Tensor, d: torch.Tensor, n: int, pages: int, layer: int | None,
+                to_host: bool, kv_split_copy_kernel: Any) -> None:
         for g in prep.groups:
             ent = g.entries(layer)
             if ent is None:

@@ -236,12 +236,16 @@ def test_sm_budget_argument_and_environment(kv, monkeypatch):
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "2")
     pool = kv.round_trip(spec, _mla_device(spec, gen, rows=36), "kernel-p5", kv.registry_with("kernel-p5", programs=5),
                          *_pages(spec, gen, 3))
-    assert pool.binding.scratch["kv_split.kernel"].programs == 2
+    assert pool.binding.scratch["kv_split.kernel"].programs == 5  # an explicit budget wins over the environment
+    env_default = HostKVPool(spec, LAYOUT.name, "kernel", _mla_device(spec, gen, rows=36), registry=create_registry(),
+                             pin_memory=DEVICE.type == "cuda")
+    assert env_default.binding.scratch["kv_split.kernel"].programs == 2  # the environment beats PROGRAMS
 
 
 def test_sm_budget_must_be_positive():
-    with pytest.raises(ValueError, match=r"programs=0 must be >= 1"):
-        KVSplitKernelStrategy(programs=0)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match=r"programs must be a positive int \(the SM budget\), got"):
+            KVSplitKernelStrategy(programs=bad)
 
 
 # -- pinned memory and support ----------------------------------------------------------------------------------
