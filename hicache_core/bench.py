@@ -81,7 +81,7 @@ class BenchRow:
     gemm_slowdown: float | None = None
 
 
-def _median_ms(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -96,7 +96,7 @@ def _median_ms(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _host_us(fn: Callable[[], None], reps: int) -> float:
+def _host_us(fn: Callable[[], object], reps: int) -> float:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -123,7 +123,7 @@ class _Memcpy:
         return self.cache[key]
 
 
-def _gemm_slowdown(transfer: Callable[[], None], size: int = 8192, reps: int = 10) -> float:
+def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 10) -> float:
     """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` loops on another stream."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -312,19 +312,27 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=_cmd)
 
 
+def _progress_printer() -> Callable[[str], None]:
+    """A tqdm bar that also prints each result line, or plain stderr lines without tqdm."""
+    try:
+        from tqdm import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        return lambda msg: print(msg, file=sys.stderr, flush=True)
+    bar = tqdm(desc="hicache bench", unit="cfg", file=sys.stderr)
+
+    def show(msg: str) -> None:
+        bar.update(1)
+        bar.write(msg)
+    return show
+
+
 def _cmd(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
         with open(args.plot_only) as f:
             data = json.load(f)
         return 0 if plot(data["rows"], os.path.join(args.out, "bench.png")) else 1
-    try:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        bar = tqdm(desc="hicache bench", unit="cfg", file=sys.stderr)
-        progress = lambda msg: (bar.update(1), bar.write(msg))  # noqa: E731
-    except ImportError:
-        progress = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    progress = _progress_printer()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "argv": sys.argv[1:]}
     path = os.path.join(args.out, "bench.json")

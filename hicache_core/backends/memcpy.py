@@ -73,7 +73,7 @@ class BatchCopier:
                 raise RuntimeError(f"cudaMemcpyAsync failed: {err}")
 
     def _submit_batch(self, d: list[int], s: list[int], n: list[int], stream: int) -> None:
-        rt = self._rt
+        rt: Any = self._rt
         if self._attrs is None:
             attr = rt.cudaMemcpyAttributes()
             attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream

@@ -219,9 +219,9 @@ def check_strategy(
             raise AssertionError(f"backup: host buffer {name!r} differs from the reference at {diff}")
     for bufs in (dev, dev_ref):  # poison the load targets
         for lst in bufs.values():
-            for t in lst:
-                if t is not None:
-                    t[dst.to(t.device)] = t[:1].expand(dst.numel(), *t.shape[1:]).clone().view(t.dtype)
+            for dt in lst:
+                if dt is not None:
+                    dt[dst.to(dt.device)] = dt[:1].expand(dst.numel(), *dt.shape[1:]).clone().view(dt.dtype)
     for layer in range(spec.layer_map.num_device_layers):
         assert pool.load_layer(layer, hi, di) == (layer in owned)
         ref.load_layer(layer, h, dst)

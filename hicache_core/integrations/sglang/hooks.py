@@ -8,11 +8,12 @@ SGLang's original method runs with the original arguments.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
 from ...errors import TransferArgumentError
+from ...pool import HostKVPool
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
 from .mode import BACKUP, BACKUP_LAYER, LOAD, current_mode, stock_serves
@@ -54,12 +55,17 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
 
 def _indices(bridge: Bridge, host: Any, host_indices: torch.Tensor, device_indices: torch.Tensor):
     """DSA indexer transfers move one row per page: SGLang's ``_get_indexer_page_indices``."""
-    if not bridge.described.page_indices or host_indices.numel() == 0:
+    if bridge.described is None or not bridge.described.page_indices or host_indices.numel() == 0:
         return host_indices, device_indices
     return host._get_indexer_page_indices(host_indices, device_indices)
 
 
-def _or_original(run: Callable[[], None], original: Callable[[], Any]) -> Any:
+def _pool(bridge: Bridge) -> HostKVPool:
+    """The pool of a serving bridge (:func:`_serving` only returns bridges that have one)."""
+    return cast(HostKVPool, bridge.pool)
+
+
+def _or_original(run: Callable[[], object], original: Callable[[], Any]) -> Any:
     """Run our transfer; on a call we cannot take (e.g. HiSparse's one-token, not-whole-page
     backups), SGLang's original runs instead.  Our argument checks raise before any byte
     moves, so nothing is moved twice."""
@@ -78,7 +84,7 @@ def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: to
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, io_backend)
     h, d = _indices(bridge, self, host_indices, device_indices)
-    return _or_original(lambda: bridge.pool.backup_all_layers(h, d),
+    return _or_original(lambda: _pool(bridge).backup_all_layers(h, d),
                         lambda: original(self, device_pool, host_indices, device_indices, io_backend))
 
 
@@ -92,7 +98,7 @@ def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: to
     if layer is None:
         return None
     h, d = _indices(bridge, self, host_indices, device_indices)
-    return _or_original(lambda: bridge.pool.load_layer(layer, h, d),
+    return _or_original(lambda: _pool(bridge).load_layer(layer, h, d),
                         lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                          is_draft=is_draft))
 
@@ -103,7 +109,7 @@ def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_i
     if layer is None:
         return None
     h, d = _indices(bridge, host, host_indices, device_indices)
-    return _or_original(lambda: bridge.pool.backup_layer(layer, h, d), original)
+    return _or_original(lambda: _pool(bridge).backup_layer(layer, h, d), original)
 
 
 def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
