@@ -26,7 +26,8 @@ class KVSplitLayout:
         ps = spec.page_size
         for comp in spec.components:
             L = spec.component_map(comp.name).host_layer_num
-            pieces = [(p.name, p.name, p.offset, p.nbytes) for p in comp.parts] or [(comp.name, None, 0, comp.row_bytes)]
+            pieces: list[tuple[str, str | None, int, int]] = [(p.name, p.name, p.offset, p.nbytes) for p in comp.parts]
+            pieces = pieces or [(comp.name, None, 0, comp.row_bytes)]
             for buf, part, offset, width in pieces:
                 buffers.append(BufferSpec(buf, (spec.num_pages, L, ps, width // comp.itemsize), comp.dtype))
                 addr = Addressing(offset=0, layer=ps * width, page=L * ps * width, token=width, chunk_bytes=width)
