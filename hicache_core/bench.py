@@ -123,25 +123,42 @@ class _Memcpy:
         return self.cache[key]
 
 
-def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 10) -> float:
-    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` loops on another stream."""
+def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 6, gemms: int = 4) -> float:
+    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` runs on another stream.
+
+    Both run on their own non-default streams.  Windows of ``gemms`` GEMMs are
+    timed alternately alone and with enough back-to-back transfers queued first
+    to cover the window, so clock drift hits both sides alike; medians compared.
+    """
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    alone = _median_ms(lambda: a @ b, reps)
-    side = torch.cuda.Stream()
-    gemm_ms = []
-    for _ in range(reps):
-        with torch.cuda.stream(side):
-            for _ in range(4):
-                transfer()
+    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        transfer_ms = _median_ms(transfer, 3, warmup=1)
+
+    def window(busy: bool) -> float:
+        torch.cuda.synchronize()
+        if busy:
+            with torch.cuda.stream(side):
+                for _ in range(max(2, int(gemms * alone_est / max(transfer_ms, 1e-3)) + 2)):
+                    transfer()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        a @ b
-        e1.record()
+        with torch.cuda.stream(gemm_stream):
+            e0.record()
+            for _ in range(gemms):
+                a @ b
+            e1.record()
         e1.synchronize()
-        gemm_ms.append(e0.elapsed_time(e1))
         side.synchronize()
-    return statistics.median(gemm_ms) / alone - 1.0
+        return e0.elapsed_time(e1) / gemms
+
+    alone_est = 2.0
+    alone_est = window(False)  # warm-up, and the window length estimate
+    alone, busy = [], []
+    for _ in range(reps):
+        alone.append(window(False))
+        busy.append(window(True))
+    return statistics.median(busy) / statistics.median(alone) - 1.0
 
 
 def _device_buffers(spec: PoolSpec, rows: int) -> dict[str, list[torch.Tensor | None]]:
