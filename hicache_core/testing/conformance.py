@@ -107,7 +107,8 @@ def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator) -> dic
     return out
 
 
-def _clone_buffers(bufs: dict[str, list[torch.Tensor | None]]) -> dict[str, list[torch.Tensor | None]]:
+def clone_buffers(bufs: dict[str, list[torch.Tensor | None]]) -> dict[str, list[torch.Tensor | None]]:
+    """Copies of per-layer device tensors with the same strides (``None`` kept)."""
     out: dict[str, list[torch.Tensor | None]] = {}
     for k, lst in bufs.items():
         new: list[torch.Tensor | None] = []
@@ -152,9 +153,10 @@ def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
     return t
 
 
-def _fill_host(pool: HostKVPool) -> None:
+def fill_canary(pool: HostKVPool) -> None:
+    """Fill every host buffer of ``pool`` with :data:`CANARY` bytes."""
     for t in pool.host_buffers.values():
-        t.view(torch.uint8).fill_(CANARY) if t.dim() else None
+        t.view(torch.uint8).fill_(CANARY)
 
 
 def _rows(bufs: dict[str, list[torch.Tensor | None]], idx: torch.Tensor) -> dict[str, list[torch.Tensor | None]]:
@@ -195,11 +197,11 @@ def check_strategy(
     gen = torch.Generator().manual_seed(seed)
     spec = case.build(torch.device(device))
     dev = make_device_buffers(spec, case, gen)
-    dev_ref = _clone_buffers(dev)
+    dev_ref = clone_buffers(dev)
     pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
     ref = HostKVPool(spec, layout, "reference", dev_ref, registry=registry, strategy="core.reference", pin_memory=False)
-    _fill_host(pool)
-    _fill_host(ref)
+    fill_canary(pool)
+    fill_canary(ref)
     h, src, dst = _pick_indices(spec, variant, gen)
     hi, si, di = (_place(t, variant, spec) for t in (h, src, dst))
     original = _owned_rows(spec, dev, src)
@@ -250,4 +252,4 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
 
 
-__all__ += ["check_load_all", "CANARY"]
+__all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary"]

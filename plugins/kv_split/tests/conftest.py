@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, PoolSpec, StrategyInfo, create_registry, hookimpl  # noqa: E402
-from hicache_core.testing.conformance import CANARY  # noqa: E402
+from hicache_core.testing.conformance import CANARY, clone_buffers, fill_canary  # noqa: E402
 from hicache_kv_split.layout import LAYOUT  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,26 +45,6 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 def snapshot(bufs):
     """Byte copies of every device tensor (``None`` kept)."""
     return {k: [None if t is None else as_bytes(t).clone() for t in lst] for k, lst in bufs.items()}
-
-
-def clone_buffers(bufs):
-    out = {}
-    for k, lst in bufs.items():
-        new = []
-        for t in lst:
-            if t is None:
-                new.append(None)
-                continue
-            c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            c.copy_(t)
-            new.append(c)
-        out[k] = new
-    return out
-
-
-def fill_canary(pool: HostKVPool) -> None:
-    for t in pool.host_buffers.values():
-        t.view(torch.uint8).fill_(CANARY)
 
 
 def sync() -> None:
