@@ -74,6 +74,7 @@ CASES: tuple[Case, ...] = (
 #: (id, picks host pages and device slots, index dtype, indices on the pool's device?)
 INDEX_VARIANTS: tuple[str, ...] = (
     "shuffled-i64", "one-page-i32", "reversed-i64-dev", "last-page-i32-dev", "strided-view-i64-dev",
+    "offset-view-i32-dev",
 )
 
 
@@ -150,6 +151,9 @@ def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
     if "strided-view" in variant:  # a non-contiguous 1-D view, as slicing an engine's index tensor gives
         t = torch.stack([t, torch.full_like(t, -1)], dim=1).reshape(-1)[::2]
         assert not t.is_contiguous()
+    if "offset-view" in variant:  # contiguous, but 4 bytes past a 16-byte boundary (kernels specialise on alignment)
+        t = torch.cat([torch.full_like(t[:1], -1), t])[1:]
+        assert t.data_ptr() % 16
     return t
 
 

@@ -59,3 +59,11 @@ def read_rows(views: list[torch.Tensor], index: tuple) -> torch.Tensor:
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     return a.shape == b.shape and torch.equal(a, b)
+
+
+def placed(io_backend: str, host_indices: torch.Tensor, device_indices: torch.Tensor, device: str):
+    """Indices where SGLang's cache controller puts them (``HiCacheController.move_indices``):
+    ``kernel`` -> both on the device, ``direct`` -> both on the CPU."""
+    if io_backend == "kernel":
+        return host_indices.to(device), device_indices.to(device)
+    return host_indices.cpu(), device_indices.cpu()

@@ -42,45 +42,71 @@ from typing import Any, Callable, Optional
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
 
 
-# ---------------------------------------------------------------------------
-# torchvision import stub
-# ---------------------------------------------------------------------------
-class _TVAny:
-    """Placeholder for any torchvision attribute; callable, subclassable."""
+def _test_device() -> str:
+    import os
 
-    def __init__(self, name: str):
-        self._name = name
+    import torch
+
+    return os.environ.get("HICACHE_SGLANG_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+#: Where device pools live: ``HICACHE_SGLANG_TEST_DEVICE``, else ``cuda`` when present, else ``cpu``.
+DEVICE = _test_device()
+#: Host pools are pinned (SGLang's default) on CUDA; CPU torch cannot pin.
+PIN = DEVICE == "cuda"
+
+
+# ---------------------------------------------------------------------------
+# Import stubs (torchvision on CPU torch; sgl_kernel and IPython where absent)
+# ---------------------------------------------------------------------------
+class _Any:
+    """Placeholder for any attribute of a stubbed package; subclassable.
+
+    Calling it returns another placeholder, unless the stub is *strict*: then a
+    call raises, so a stubbed kernel that is actually used fails loudly.
+    """
+
+    def __init__(self, name: str, strict: bool = False):
+        self._name, self._strict = name, strict
 
     def __getattr__(self, key):
         if key.startswith("__"):
             raise AttributeError(key)
-        return _TVAny(f"{self._name}.{key}")
+        return _Any(f"{self._name}.{key}", self._strict)
 
     def __call__(self, *args, **kwargs):
-        return _TVAny(f"{self._name}()")
+        if self._strict:
+            raise RuntimeError(f"{self._name} is an import stub (the package is not installed here)")
+        return _Any(f"{self._name}()")
 
     def __mro_entries__(self, bases):
         return (object,)
 
     def __repr__(self):
-        return f"<torchvision stub {self._name}>"
+        return f"<import stub {self._name}>"
 
 
-class _TVStubModule(types.ModuleType):
+class _StubModule(types.ModuleType):
+    _strict = False
+
     def __getattr__(self, key):
         if key.startswith("__"):
             raise AttributeError(key)
-        return _TVAny(f"{self.__name__}.{key}")
+        return _Any(f"{self.__name__}.{key}", self._strict)
 
 
-class _TVStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, root: str, strict: bool = False):
+        self.root, self.strict = root, strict
+
     def find_spec(self, fullname, path, target=None):
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if fullname == self.root or fullname.startswith(self.root + "."):
             return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
         return None
 
     def create_module(self, spec):
-        mod = _TVStubModule(spec.name)
+        mod = _StubModule(spec.name)
+        mod._strict = self.strict
         mod.__path__ = []
         mod.__version__ = "0.0.0+hicache.stub"
         return mod
@@ -99,29 +125,50 @@ class _TVStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.InterpolationMode = InterpolationMode
 
 
-def install_torchvision_stub(force: bool = False) -> bool:
-    """Install the stub unless a working torchvision exists. Returns True if installed."""
-    if any(isinstance(f, _TVStubFinder) for f in sys.meta_path):
+def install_stub(root: str, *, strict: bool = False, force: bool = False) -> bool:
+    """Stub package ``root`` unless a working one imports. Returns True if the stub is installed."""
+    if any(isinstance(f, _StubFinder) and f.root == root for f in sys.meta_path):
         return True
-    if not force and "torchvision" not in sys.modules:
+    if not force and root not in sys.modules:
         try:
-            if importlib.util.find_spec("torchvision") is not None:
-                import torchvision  # noqa: F401
-
+            if importlib.util.find_spec(root) is not None:
+                importlib.import_module(root)
                 return False
         except Exception:
-            for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+            for name in [n for n in sys.modules if n.split(".")[0] == root]:
                 del sys.modules[name]
-    sys.meta_path.insert(0, _TVStubFinder())
+    sys.meta_path.insert(0, _StubFinder(root, strict))
     return True
 
 
+def install_torchvision_stub(force: bool = False) -> bool:
+    """Install the torchvision stub unless a working torchvision exists. Returns True if installed."""
+    return install_stub("torchvision", force=force)
+
+
 def prepare(quiet: bool = True) -> None:
-    """Make ``import sglang.srt.mem_cache...`` work on CPU torch."""
+    """Make ``import sglang.srt.mem_cache...`` work on CPU torch, and on a GPU without ``sgl_kernel``.
+
+    On CUDA, SGLang's pool modules import ``sgl_kernel.kvcacheio`` at module
+    scope; the ``sglang-kernel`` wheel is too large to carry to the test GPU,
+    so a *strict* stub stands in (any call of a stubbed kernel raises: every
+    transfer under test must be served by hicache).  SGLang's JIT-built HiCache
+    kernel is not compiled either (``can_use_jit`` is False): hicache replaces
+    the transfers it would serve.
+    """
     install_torchvision_stub()
     if quiet:
         # AWQ/GGUF "Only CUDA ... support" UserWarnings fire at import time.
         warnings.filterwarnings("ignore", message=r"Only CUDA.*")
+    if DEVICE != "cuda":
+        return
+    install_stub("sgl_kernel", strict=True)
+    install_stub("IPython")  # imported by sglang.utils for notebooks only
+    from sglang.srt.mem_cache.pool_host import mha, mla
+
+    for mod in (mha, mla):
+        if hasattr(mod, "can_use_hicache_jit_kernel"):
+            mod.can_use_hicache_jit_kernel = lambda **_: False
 
 
 # ---------------------------------------------------------------------------
@@ -138,7 +185,7 @@ def sglang_runtime(role: str = "test", *, ranks: Optional[dict] = None, **server
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    server_args_fields.setdefault("device", "cpu")
+    server_args_fields.setdefault("device", DEVICE)
     server_args_fields.setdefault("hicache_ratio", 2.0)
     bundle = dict(world_rank=0, dp_rank=None)
     bundle.update(ranks or {})
@@ -167,7 +214,7 @@ class FakeCPGroup(types.SimpleNamespace):
             pynccl_comm=None,
             cpu_group=None,
             device_group=None,
-            device="cpu",
+            device=DEVICE,
         )
 
 
@@ -204,7 +251,7 @@ def make_mla_device_pool(
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=qk_rope_head_dim,
         layer_num=layer_num,
-        device="cpu",
+        device=DEVICE,
         enable_memory_saver=False,
         start_layer=start_layer,
         end_layer=end_layer,
@@ -232,7 +279,7 @@ def make_mha_device_pool(
         head_num=head_num,
         head_dim=head_dim,
         layer_num=layer_num,
-        device="cpu",
+        device=DEVICE,
         enable_memory_saver=False,
         start_layer=start_layer,
         end_layer=end_layer,
@@ -264,7 +311,7 @@ def make_layer_split_dsa_device_pool(
         dtype=dtype or torch.bfloat16,
         qk_rope_head_dim=qk_rope_head_dim,
         layer_num=layer_num,
-        device="cpu",
+        device=DEVICE,
         index_head_dim=index_head_dim,
         enable_memory_saver=False,
         kv_cache_dim=kv_lora_rank + qk_rope_head_dim,
@@ -308,7 +355,7 @@ def host_pool_pin_memory(pin_memory: bool = False):
         asm.get_mha_host_pool_cls = orig_get_mha
 
 
-def make_host_pool(kv_pool, *, page_size: Optional[int] = None, pin_memory: bool = False, **kwargs):
+def make_host_pool(kv_pool, *, page_size: Optional[int] = None, pin_memory: bool = PIN, **kwargs):
     """``build_kv_host_pool(kv_pool=..., page_size=...)`` with pin_memory forced.
 
     Layout / ratio / size come from the published ServerArgs
@@ -324,7 +371,7 @@ def make_host_pool(kv_pool, *, page_size: Optional[int] = None, pin_memory: bool
         )
 
 
-def make_dsa_indexer_host_pool(dsa_pool, kv_host_pool, *, pin_memory: bool = False):
+def make_dsa_indexer_host_pool(dsa_pool, kv_host_pool, *, pin_memory: bool = PIN):
     """The DSA indexer sidecar host pool (pool_host/dsa.py::DSAIndexerPoolHost).
 
     Built from the device pool's own declaration (``host_pool_decls()[1]``,

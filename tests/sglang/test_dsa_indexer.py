@@ -11,7 +11,7 @@ import torch
 
 import sglang_harness as H
 from conftest import kernel_available
-from helpers import fill_canary, layer_views, same_bytes, write_rows
+from helpers import placed, fill_canary, layer_views, same_bytes, write_rows
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -42,13 +42,13 @@ def test_indexer_sharded_roundtrip(hooked, layout, io_backend):
     for d, hl in layers:
         views, index = layer_views("dsa_indexer", layout, expected, hl, hp, 1)
         write_rows(views, index, [buf[d][p1]])
-    host.backup_from_device_all_layer(dev, h, d1, io_backend)
+    host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
     assert same_bytes(host.index_k_with_scale_buffer, expected[0])
     before = {d: buf[d].clone() for d, _ in layers}
     for d, _ in layers:
         before[d][p2] = buf[d][p1]
     for layer_id in range(dev.layer_num):
-        host.load_to_device_per_layer(dev, h, d2, layer_id, io_backend)
+        host.load_to_device_per_layer(dev, *placed(io_backend, h, d2, H.DEVICE), layer_id, io_backend)
     for d, _ in layers:
         assert same_bytes(buf[d], before[d])
 

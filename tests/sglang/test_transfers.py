@@ -12,7 +12,7 @@ import torch
 
 import sglang_harness as H
 from conftest import kernel_available
-from helpers import fill_canary, host_tensors, layer_views, same_bytes, write_rows
+from helpers import placed, fill_canary, host_tensors, layer_views, same_bytes, write_rows
 
 LAYOUTS = H.LAYOUTS
 SEED_ERROR = "Layer-sharded HiCache backup does not support layout: page_first_kv_split"
@@ -72,7 +72,7 @@ def roundtrip(kind: str, layout: str, io_backend: str) -> None:
         views, index = layer_views(view_kind, layout, expected, hl, h, host.page_size)
         write_rows(views, index, [t[d1] for t in device_layer(kind, dev, d)])
 
-    host.backup_from_device_all_layer(dev, h, d1, io_backend)
+    host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
     for got, want in zip(host_tensors(host), expected):
         assert same_bytes(got, want), f"host bytes differ from SGLang's layout after backup ({layout}, {io_backend})"
 
@@ -81,7 +81,7 @@ def roundtrip(kind: str, layout: str, io_backend: str) -> None:
         for want, src in zip(before[d], device_layer(kind, dev, d)):
             want[d2] = src[d1]
     for layer_id in range(dev.layer_num):
-        host.load_to_device_per_layer(dev, h, d2, layer_id, io_backend)
+        host.load_to_device_per_layer(dev, *placed(io_backend, h, d2, H.DEVICE), layer_id, io_backend)
     for d, _ in layers:
         for got, want in zip(device_layer(kind, dev, d), before[d]):
             assert same_bytes(got, want), f"device layer {d} differs after load ({layout}, {io_backend})"

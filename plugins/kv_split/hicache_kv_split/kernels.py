@@ -28,7 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["kv_split_copy_kernel"]
+from hicache_core.launch import Launcher
+
+__all__ = ["kv_split_copy_kernel", "launch_kv_split", "DYNAMIC_ARGS"]
 
 
 @triton.jit
@@ -99,3 +101,10 @@ def kv_split_copy_kernel(
                         xb = tl.load(anchor + brow[:, None] + (c - SPLIT), mask=in_b)
                         x = tl.where(c < SPLIT, x, xb)
                     tl.store(dptr, x, mask=ok[:, None] & (c < ROW))
+
+
+#: Launches :func:`kv_split_copy_kernel` (all parameters positionally; see :class:`hicache_core.launch.Launcher`).
+launch_kv_split = Launcher(kv_split_copy_kernel)
+#: Positions of :func:`kv_split_copy_kernel`'s arguments that change from call to call
+#: (indices, entries and the counts derived from them).
+DYNAMIC_ARGS = (1, 2, 3, 8, 9, 10)

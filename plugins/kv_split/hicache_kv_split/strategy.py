@@ -81,6 +81,7 @@ class RowGroup:
     tokens: int
     entries_all: torch.Tensor
     entries_by_layer: dict[int, torch.Tensor]
+    keys: dict[bool, tuple]  # to_host -> static launch key (hicache_core.launch.Launcher)
 
     def entries(self, layer: int | None) -> torch.Tensor | None:
         """Entry positions a transfer of ``layer`` (``None``: all) moves, or ``None`` when none."""
@@ -180,13 +181,20 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         for d in set(seg.device_layers):
             by_layer[d] = torch.tensor(seg.entries(d), dtype=torch.int64, device=device)
         names = (seg.segment.buffer,) if b is None else (seg.segment.buffer, b.segment.segment.buffer)
+        rows = min(a.rows, b.rows) if b is not None else a.rows
+        spec = binding.spec
+        from .kernels import DYNAMIC_ARGS, launch_kv_split
+
+        keys = {to_host: launch_kv_split.static_key((
+            a.anchor, None, None, None, a.dev_off, a.dev_stride, a.host_off, host_off_b, None, None, None,
+            rows, spec.capacity, a.page, page_b, spec.page_size, row, a.width, tokens, block, vec, to_host,
+        ), DYNAMIC_ARGS) for to_host in (True, False)}
         return RowGroup(
             names=names, word=word, anchor=a.anchor, dev_off=a.dev_off, dev_stride=a.dev_stride,
             host_off_a=a.host_off, host_off_b=host_off_b, page_a=a.page, page_b=page_b,
-            row=row, split=a.width, rows=min(a.rows, b.rows) if b is not None else a.rows,
-            vec=vec, block=block, tokens=tokens,
+            row=row, split=a.width, rows=rows, vec=vec, block=block, tokens=tokens,
             entries_all=torch.arange(len(seg.device_layers), dtype=torch.int64, device=device),
-            entries_by_layer=by_layer,
+            entries_by_layer=by_layer, keys=keys,
         )
 
     @staticmethod
@@ -204,7 +212,7 @@ class KVSplitKernelStrategy(DirectionalStrategy):
     # -- transfers ---------------------------------------------------------------
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
-        from .kernels import kv_split_copy_kernel
+        from .kernels import DYNAMIC_ARGS, launch_kv_split
 
         prep: _Prepared = binding.scratch[_SCRATCH]
         n = int(host_indices.numel())
@@ -216,22 +224,20 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         device = binding.device
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):  # launch on the pool's device and its current stream
-                self._launch(prep, h, d, n, pages, layer, to_host, kv_split_copy_kernel)
+                self._launch(prep, h, d, n, pages, layer, to_host, launch_kv_split, DYNAMIC_ARGS)
         else:
-            self._launch(prep, h, d, n, pages, layer, to_host, kv_split_copy_kernel)
+            self._launch(prep, h, d, n, pages, layer, to_host, launch_kv_split, DYNAMIC_ARGS)
 
     @staticmethod
     def _launch(prep: "_Prepared", h: torch.Tensor, d: torch.Tensor, n: int, pages: int, layer: int | None,
-                to_host: bool, kv_split_copy_kernel: Any) -> None:
+                to_host: bool, launch_kv_split: Any, dynamic: tuple[int, ...]) -> None:
         for g in prep.groups:
             ent = g.entries(layer)
             if ent is None:
                 continue
             items = pages * ent.numel()
-            grid = (min(prep.programs, items),)
-            kv_split_copy_kernel[grid](
+            launch_kv_split(min(prep.programs, items), (
                 g.anchor, h, d, ent, g.dev_off, g.dev_stride, g.host_off_a, g.host_off_b,
                 n, ent.numel(), items, g.rows, prep.capacity, g.page_a, g.page_b,
-                PS=prep.page_size, ROW=g.row, SPLIT=g.split, TOKENS=g.tokens, BLOCK=g.block,
-                VEC=g.vec, TO_HOST=to_host, num_warps=NUM_WARPS,
-            )
+                prep.page_size, g.row, g.split, g.tokens, g.block, g.vec, to_host,  # PS ROW SPLIT TOKENS BLOCK VEC TO_HOST
+            ), num_warps=NUM_WARPS, static_key=g.keys[to_host], dynamic=dynamic)

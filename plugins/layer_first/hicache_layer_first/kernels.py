@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache_core.launch import Launcher
+
 __all__ = [
     "PROGRAMS",
     "LOAD_TILE_BYTES",
@@ -36,6 +38,9 @@ __all__ = [
     "tile_shape",
     "grid_size",
     "copy_rows",
+    "LaunchPlan",
+    "launch_plan",
+    "DYNAMIC_ARGS",
 ]
 
 # --- tuning constants -----------------------------------------------------------------------
@@ -121,6 +126,9 @@ def _layer_first_copy_kernel(
             tl.store(dptr, tl.load(hptr, mask=m), mask=m)
 
 
+_launch = Launcher(_layer_first_copy_kernel)
+
+
 @dataclass(frozen=True)
 class TileShape:
     """Launch shape of one group: column block and tokens per tile (words), warps."""
@@ -147,6 +155,29 @@ def grid_size(programs: int, items: int) -> int:
     return max(1, min(programs, items))
 
 
+#: Argument positions of :func:`_layer_first_copy_kernel` that change from call to call
+#: (entries, their count, the index tensors, their length); the rest is fixed per pool and group.
+DYNAMIC_ARGS = (1, 2, 3, 4, 5)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a group needs per direction, computed once per pool: tile shape and static launch key."""
+
+    shape: TileShape
+    static_key: tuple
+
+
+def launch_plan(*, anchor: torch.Tensor, dev_off: torch.Tensor, dev_stride: torch.Tensor, host_off: torch.Tensor,
+                host_tok: torch.Tensor, dev_rows: int, capacity: int, width: int, word: int, vec: int,
+                to_host: bool) -> LaunchPlan:
+    """The tile (from the tuning constants as they are now) and the static key of a group's launches."""
+    shape = tile_shape(width, word, to_host)
+    args = (anchor, None, None, None, None, None, dev_off, dev_stride, host_off, host_tok, dev_rows, capacity,
+            width, shape.block, shape.tokens, vec, to_host)
+    return LaunchPlan(shape, _launch.static_key(args, DYNAMIC_ARGS))
+
+
 def copy_rows(
     *,
     anchor: torch.Tensor,
@@ -165,22 +196,23 @@ def copy_rows(
     vec: int,
     to_host: bool,
     programs: int,
+    plan: LaunchPlan | None = None,
 ) -> int:
     """Launch one copy of rows ``dev_idx`` <-> host slots ``host_idx`` for entries ``ents``.
 
     Enqueued on the current stream; no synchronisation.  Returns the grid size.
     Callers pass index tensors on the anchor's device; indices out of range are
-    skipped by the kernel, never accessed.
+    skipped by the kernel, never accessed.  ``plan`` (from :func:`launch_plan` with the
+    same fixed arguments) saves recomputing the tile and the static launch key.
     """
     n = host_idx.numel()
-    shape = tile_shape(width, word, to_host)
+    shape = plan.shape if plan is not None else tile_shape(width, word, to_host)
     # plain integer ceil-divisions: triton.cdiv goes through the JIT machinery (~5 us a call on the host)
     items = n_ents * -(-n // shape.tokens) * -(-width // shape.block)
     grid = grid_size(programs, items)
-    _layer_first_copy_kernel[(grid,)](
+    _launch(grid, (
         anchor, ents, n_ents, host_idx, dev_idx, n,
         dev_off, dev_stride, host_off, host_tok, dev_rows, capacity,
-        WIDTH=width, BLOCK=shape.block, TOKENS=shape.tokens, VEC=vec, TO_HOST=to_host,
-        num_warps=shape.num_warps,
-    )
+        width, shape.block, shape.tokens, vec, to_host,  # WIDTH, BLOCK, TOKENS, VEC, TO_HOST
+    ), num_warps=shape.num_warps, static_key=plan.static_key if plan is not None else None, dynamic=DYNAMIC_ARGS)
     return grid

@@ -66,6 +66,7 @@ class Group:
     rows: int
     all_layers: Entries | None
     per_layer: dict[int, Entries]
+    plans: dict[bool, kernels.LaunchPlan]  # by to_host
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def _vector_words(members: list[SegmentTable], word: int) -> int:
     return access_word(*quantities, max_word=16) // word
 
 
-def _group(members: list[SegmentTable], device: torch.device) -> Group:
+def _group(members: list[SegmentTable], spec: PoolSpec) -> Group:
+    device = spec.device
     word, width = members[0].word, members[0].width
     anchor = members[0].anchor
     base = anchor.data_ptr()
@@ -125,12 +127,15 @@ def _group(members: list[SegmentTable], device: torch.device) -> Group:
         ents = _entries([i for i, d in enumerate(layers) if d == layer], device)
         if ents is not None:
             per_layer[layer] = ents
+    tables = dict(anchor=anchor, dev_off=torch.cat(dev_off), dev_stride=torch.cat(dev_stride),
+                  host_off=torch.cat(host_off), host_tok=torch.cat(host_tok))
+    vec = _vector_words(members, word)
+    rows = min((t.rows for t in members if t.dev_off.numel()), default=0)
+    plans = {to_host: kernels.launch_plan(**tables, dev_rows=rows, capacity=spec.capacity, width=width, word=word,
+                                          vec=vec, to_host=to_host) for to_host in (True, False)}
     return Group(
-        anchor=anchor, word=word, width=width, vec=_vector_words(members, word),
-        dev_off=torch.cat(dev_off), dev_stride=torch.cat(dev_stride),
-        host_off=torch.cat(host_off), host_tok=torch.cat(host_tok),
-        rows=min((t.rows for t in members if t.dev_off.numel()), default=0),
-        all_layers=_entries(list(range(len(layers))), device), per_layer=per_layer,
+        **tables, word=word, width=width, vec=vec, rows=rows,
+        all_layers=_entries(list(range(len(layers))), device), per_layer=per_layer, plans=plans,
     )
 
 
@@ -144,7 +149,7 @@ def build_groups(tables: list[SegmentTable], spec: PoolSpec) -> tuple[Group, ...
                 f"(chunk {t.chunk} of width {t.width} words, page stride {t.page}, token stride {t.token})"
             )
         by_key.setdefault((t.word, t.width), []).append(t)
-    return tuple(_group(members, spec.device) for members in by_key.values())
+    return tuple(_group(members, spec) for members in by_key.values())
 
 
 class LayerFirstKernelStrategy(DirectionalStrategy):
@@ -200,5 +205,5 @@ class LayerFirstKernelStrategy(DirectionalStrategy):
                 anchor=g.anchor, ents=ents.positions, n_ents=ents.count, host_idx=h, dev_idx=d,
                 dev_off=g.dev_off, dev_stride=g.dev_stride, host_off=g.host_off, host_tok=g.host_tok,
                 dev_rows=g.rows, capacity=prep.capacity, width=g.width, word=g.word, vec=g.vec,
-                to_host=to_host, programs=prep.programs,
+                to_host=to_host, programs=prep.programs, plan=g.plans[to_host],
             )

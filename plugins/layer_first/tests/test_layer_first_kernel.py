@@ -287,11 +287,11 @@ def _budget_pool(registry, programs):
 
 @pytest.mark.parametrize("programs", [1, 3])
 def test_sm_budget_bounds_the_grid(registry, monkeypatch, programs):
+    monkeypatch.setattr(kernels, "MAX_TOKENS", 4)  # read when the pool is prepared
     pool, ref, dev, ref_dev = _budget_pool(registry, programs)
     grids = []
     real = kernels.copy_rows
     monkeypatch.setattr(kernels, "copy_rows", lambda **kw: grids.append(real(**kw)) or grids[-1])
-    monkeypatch.setattr(kernels, "MAX_TOKENS", 4)
     # 64 tokens of 128 bytes in tiles of 4 tokens: 16 work items per layer, several per program
     _round_trip(pool, ref, dev, ref_dev, torch.arange(64), torch.randperm(64) + 64, torch.arange(64))
     assert grids and all(g == programs for g in grids)

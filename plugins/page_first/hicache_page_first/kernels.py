@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hicache_core.launch import Launcher
+
 __all__ = ["page_major_copy_kernel", "tile_shape", "launch", "MAX_BLOCK_BYTES",
            "TILE_BYTES", "MAX_TILE_ROWS", "NUM_WARPS"]
 
@@ -138,6 +140,22 @@ def page_major_copy_kernel(
                     _copy_tile(anchor, hb, db, ok, cols, WIDTH, BLOCK, VEC)
 
 
+_launch = Launcher(page_major_copy_kernel)
+
+#: Positions of :func:`page_major_copy_kernel`'s arguments that change from call to call.
+DYNAMIC_ARGS = (1, 2, 6, 7, 8, 9, 10, 11)
+
+
+def static_key(anchor: torch.Tensor, dev_off: torch.Tensor, dev_stride: torch.Tensor, host_off: torch.Tensor, *,
+               page_size: int, host_page: int, host_token: int, capacity: int, dev_rows: int, width: int,
+               word: int, vec: int, to_host: bool) -> tuple:
+    """The launch key of everything fixed per pool and segment (see :class:`hicache_core.launch.Launcher`)."""
+    tok, block = tile_shape(width, word)
+    args = (anchor, None, None, dev_off, dev_stride, host_off, None, None, None, None, None, None,
+            page_size, host_page, host_token, capacity, dev_rows, width, tok, block, vec, to_host)
+    return (tok, block), _launch.static_key(args, DYNAMIC_ARGS)
+
+
 def launch(
     grid: int,
     anchor: torch.Tensor,
@@ -161,14 +179,17 @@ def launch(
     word: int,
     vec: int,
     to_host: bool,
+    key: tuple | None = None,
 ) -> None:
-    """Launch :func:`page_major_copy_kernel` on ``grid`` programs (tile shape from :func:`tile_shape`)."""
-    tok, block = tile_shape(width, word)
+    """Launch :func:`page_major_copy_kernel` on ``grid`` programs (tile shape from :func:`tile_shape`).
+
+    ``key``: :func:`static_key` of the same fixed arguments, computed once (saves host time per call).
+    """
+    (tok, block), static = key if key is not None else ((*tile_shape(width, word),), None)
     n_groups = -(-n_ent // ent_group)
-    page_major_copy_kernel[(grid,)](
+    _launch(grid, (
         anchor, host_idx, dev_idx, dev_off, dev_stride, host_off,
         n, ent0, n_ent, ent_group, n_groups, item_tokens,
         page_size, host_page, host_token, capacity, dev_rows,
-        WIDTH=width, TOK=tok, BLOCK=block, VEC=vec, TO_HOST=to_host,
-        num_warps=NUM_WARPS,
-    )
+        width, tok, block, vec, to_host,  # WIDTH, TOK, BLOCK, VEC, TO_HOST
+    ), num_warps=NUM_WARPS, static_key=static, dynamic=DYNAMIC_ARGS)

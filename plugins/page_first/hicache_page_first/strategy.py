@@ -99,6 +99,7 @@ class _Prepared:
     vec: int  # alignment hint (words)
     tile_rows: int
     layer_entry: dict[int, int]  # device layer id -> entry position
+    keys: dict[bool, tuple]  # to_host -> kernels.static_key(...)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,13 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
                 )
             rows, _ = kernels.tile_shape(t.width, t.word)
             entries = {d: e for e, d in enumerate(t.segment.device_layers)}
-            prepared.append(_Prepared(t, _vector_words(t), rows, entries))
+            vec = _vector_words(t)
+            spec = binding.spec
+            keys = {to_host: kernels.static_key(
+                t.anchor, t.dev_off, t.dev_stride, t.host_off, page_size=spec.page_size, host_page=t.page,
+                host_token=t.token, capacity=spec.capacity, dev_rows=t.rows, width=t.width, word=t.word, vec=vec,
+                to_host=to_host) for to_host in (True, False)}
+            prepared.append(_Prepared(t, vec, rows, entries, keys))
         state = _State(kernels, self.budget(binding.device), tuple(prepared))
         binding.scratch[self.name] = state
         logger.debug("%s: %d segments, %d programs, words %s", self.name, len(prepared), state.programs,
@@ -172,8 +179,8 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
         h = kernel_indices(host_indices, device)
         d = kernel_indices(device_indices, device)
         spec = binding.spec
-        if device.type == "cuda":
-            with torch.cuda.device(device):
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):  # launch on the pool's device and its current stream
                 self._launch_all(state, spec, h, d, n, layer, to_host)
         else:
             self._launch_all(state, spec, h, d, n, layer, to_host)
@@ -196,7 +203,7 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
                 plan.grid, t.anchor, h, d, t.dev_off, t.dev_stride, t.host_off,
                 n=n, ent0=ent0, n_ent=n_ent, ent_group=plan.ent_group, item_tokens=plan.item_tokens,
                 page_size=spec.page_size, host_page=t.page, host_token=t.token, capacity=spec.capacity,
-                dev_rows=t.rows, width=t.width, word=t.word, vec=p.vec, to_host=to_host,
+                dev_rows=t.rows, width=t.width, word=t.word, vec=p.vec, to_host=to_host, key=p.keys[to_host],
             )
 
 

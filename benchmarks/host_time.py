@@ -1,0 +1,104 @@
+"""Host (CPU) time per ``load_layer`` / ``backup_all_layers`` call, and where it goes (H200).
+
+Usage (GPU): ``python benchmarks/host_time.py [--out DIR]``.  For every strategy
+that resolves for MLA 61 x 576 bf16 (4096 tokens, 64-token pages, indices on
+the GPU) it reports the median wall time of one call issued on an idle stream
+(``sync``: synchronise, time one call) and the mean per call of a forward-pass
+style burst (``burst``: one ``load_layer`` per layer back to back, then
+synchronise), with Triton's compiled-handle shortcut on and off
+(:func:`hicache_core.launch.set_fast_launch`).  A cProfile of the burst is written per strategy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+from hicache_core.bench import SHAPES, _device_buffers, _indices, _targets
+from hicache_core.launch import set_fast_launch
+from hicache_core.pool import HostKVPool, allocate_host_buffers
+from hicache_core.registry import create_registry
+
+
+def _sync_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _burst_us(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, rounds: int) -> float:
+    layers = pool.spec.layer_map.device_layers
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for layer in layers:
+            pool.load_layer(layer, h, d)
+        per_call.append((time.perf_counter() - t0) * 1e6 / len(layers))
+    torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=300)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    reg = create_registry()
+    spec = SHAPES["mla61x576-bf16"](args.tokens, args.page_size, torch.device("cuda"))
+    dev = _device_buffers(spec, 2 * args.tokens + args.page_size)
+    h, s, d = _indices(spec, torch.Generator().manual_seed(0))
+    rows = []
+    for layout, backend, name in _targets(reg, spec, None, ("kernel", "direct")):
+        host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
+        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg,
+                          validate="shapes")
+        layer0 = spec.layer_map.device_layers[0]
+        for fast in ("1", "0"):
+            set_fast_launch(fast == "1")
+            pool.backup_all_layers(h, s)
+            pool.load_layer(layer0, h, d)  # warm both specialisations
+            row = {
+                "strategy": name, "layout": layout, "backend": backend, "fast_launch": fast == "1",
+                "load_layer_sync_us": _sync_us(lambda: pool.load_layer(layer0, h, d), args.reps),
+                "load_layer_burst_us": _burst_us(pool, h, d, max(3, args.reps // 30)),
+                "backup_all_sync_us": _sync_us(lambda: pool.backup_all_layers(h, s), max(5, args.reps // 10)),
+            }
+            rows.append(row)
+            print(f"{name:28s} fast={fast} load sync {row['load_layer_sync_us']:7.1f} us  "
+                  f"burst {row['load_layer_burst_us']:7.1f} us/layer  backup_all {row['backup_all_sync_us']:7.1f} us",
+                  flush=True)
+        set_fast_launch(True)
+        prof = cProfile.Profile()
+        prof.enable()
+        _burst_us(pool, h, d, 5)
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        with open(os.path.join(args.out, f"host_profile_{name}.txt"), "w") as f:
+            f.write(buf.getvalue())
+        del pool, host
+    with open(os.path.join(args.out, "host_time.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "tokens": args.tokens, "page_size": args.page_size,
+                   "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Cheap repeated launches of a Triton kernel: dispatch once, then call the compiled handle.
+
+``kernel[grid](*args)`` re-binds and re-specialises every argument and looks the
+compiled kernel up on each call; on the H200 that bookkeeping is most of a
+``load_layer``'s host time.  :class:`Launcher` does the public launch the first
+time it sees a *specialisation key* and keeps the returned compiled kernel;
+later calls with the same key go straight to the compiled kernel's launcher,
+with the same positional arguments and the same stream and hooks as Triton's
+own ``JITFunction.run``.
+
+The key is never coarser than Triton's: the device, ``num_warps``, every
+constexpr's value, each tensor's dtype and 16-byte alignment, and for each
+integer whether it fits int32 / uint64, equals 1 and is a multiple of 16.
+Anything unusual (the CPU interpreter, a launch hook set for profiling, a Triton
+without the compiled-kernel API, ``HICACHE_FAST_LAUNCH=0``) takes the public
+path, so behaviour never depends on the shortcut.  The environment is read at
+import; :func:`set_fast_launch` changes the setting at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["Launcher", "ENV_FAST_LAUNCH", "fast_launch_enabled", "set_fast_launch", "launch_key"]
+
+logger = logging.getLogger(__name__)
+
+#: ``0`` turns the compiled-handle shortcut off (every launch goes through ``kernel[grid]``).
+ENV_FAST_LAUNCH = "HICACHE_FAST_LAUNCH"
+
+_I32_MIN, _I32_MAX, _U64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
+
+
+def fast_launch_enabled() -> bool:
+    """Whether the environment allows compiled handles (not ``HICACHE_FAST_LAUNCH=0``, not interpreting)."""
+    if os.environ.get(ENV_FAST_LAUNCH, "1").lower() in ("0", "false", "no", "off"):
+        return False
+    return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+_ENABLED = [fast_launch_enabled()]  # read once at import: no environment lookup per launch
+
+
+def set_fast_launch(enabled: bool | None = None) -> bool:
+    """Turn the shortcut on or off for every :class:`Launcher`; ``None`` re-reads the environment.
+
+    Returns the new state.  The interpreter (``TRITON_INTERPRET=1``) always keeps it off.
+    """
+    _ENABLED[0] = fast_launch_enabled() if enabled is None else (bool(enabled) and fast_launch_enabled())
+    return _ENABLED[0]
+
+
+def _traits(arg: Any) -> Any:
+    """What Triton specialises a runtime argument on (or finer)."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15 == 0)
+    if isinstance(arg, bool):
+        return ("b", arg)
+    if isinstance(arg, int):
+        return (_I32_MIN <= arg <= _I32_MAX, arg <= _U64_MAX and arg >= 0, arg == 1, arg & 15 == 0)
+    return (type(arg), arg)
+
+
+def launch_key(args: Sequence[Any], constexpr_positions: frozenset[int], num_warps: int, device: int) -> tuple:
+    """The specialisation key of one launch: constexprs by value, runtime args by :func:`_traits`."""
+    return (device, num_warps, *[a if i in constexpr_positions else _traits(a) for i, a in enumerate(args)])
+
+
+def _hook_active(hook: Any) -> bool:
+    """Triton < 3.4 keeps ``None`` when no launch hook is set; later versions keep an empty ``HookChain``."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """Launch ``kernel`` (a ``@triton.jit`` function) on a 1-D grid, cheaply after the first call per key.
+
+    ``args`` are *all* the kernel's parameters, positionally in signature
+    order, constexprs included.  Launches go to the current stream of the
+    current device, exactly as ``kernel[(grid,)](*args, num_warps=...)``.
+
+    Callers that launch many times with mostly fixed arguments (tables built
+    once per pool) pass ``static_key=launcher.static_key(args, dynamic)`` computed
+    once, and ``dynamic``: the positions that change between calls.  Only those
+    are inspected per call; the caller guarantees every other position holds the
+    same objects (or ones with the same traits) as when the static key was made.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._constexprs = frozenset(getattr(kernel, "constexprs", ()))
+        self._nargs = len(getattr(kernel, "arg_names", ()))
+        self._compiled: dict[tuple, Any] = {}
+        self._api = self._handle_api()
+
+    @staticmethod
+    def _handle_api() -> tuple[Any, Any, Any] | None:
+        """(get_current_device, get_current_stream, knobs.runtime) when this Triton has the compiled-kernel API."""
+        try:
+            import triton
+            from triton.runtime import driver
+
+            runtime = triton.knobs.runtime
+            active = driver.active
+            return active.get_current_device, active.get_current_stream, runtime
+        except Exception as exc:  # older Triton, no driver: the public path only
+            logger.debug("fast launch unavailable: %s", exc)
+            return None
+
+    def static_key(self, args: Sequence[Any], dynamic: Sequence[int]) -> tuple:
+        """The part of the specialisation key contributed by every position not in ``dynamic``."""
+        dyn = frozenset(dynamic)
+        return tuple(None if i in dyn else (a if i in self._constexprs else _traits(a)) for i, a in enumerate(args))
+
+    def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: tuple | None = None,
+                 dynamic: Sequence[int] = ()) -> None:
+        if len(args) != self._nargs and self._nargs:
+            raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
+        api = self._api
+        if api is None or not _ENABLED[0]:
+            self.kernel[(grid,)](*args, num_warps=num_warps)
+            return
+        get_device, get_stream, runtime = api
+        if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
+            self.kernel[(grid,)](*args, num_warps=num_warps)  # profilers hook the public path
+            return
+        device = get_device()
+        if static_key is None:
+            key = launch_key(args, self._constexprs, num_warps, device)
+        else:
+            key = (device, num_warps, static_key, *[_traits(args[i]) for i in dynamic])
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                self._compiled[key] = compiled
+            return
+        compiled.run(grid, 1, 1, get_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+                     *args)

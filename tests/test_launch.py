@@ -1,0 +1,131 @@
+"""hicache_core.launch: the compiled-handle shortcut must never launch a kernel specialised for other arguments."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hicache_core import launch as launch_mod
+from hicache_core.launch import Launcher, launch_key, set_fast_launch
+
+
+class FakeCompiled:
+    def __init__(self, log: list, key: tuple) -> None:
+        self.log, self.key = log, key
+        self.function, self.packed_metadata = object(), object()
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *args):
+        assert (g1, g2, function, packed, meta, enter, exit_) == (1, 1, self.function, self.packed_metadata,
+                                                                    None, None, None)
+        self.log.append(("fast", self.key, g0, stream, args))
+
+
+class FakeKernel:
+    """Records public launches; each returns a compiled handle tagged with the launch's arguments."""
+
+    arg_names = ["ptr", "n", "WIDTH"]
+    constexprs = [2]
+
+    def __init__(self) -> None:
+        self.log: list = []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps):
+            self.log.append(("public", grid[0], args, num_warps))
+            return FakeCompiled(self.log, (args, num_warps))
+        return launch
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HICACHE_FAST_LAUNCH", raising=False)
+    kernel = FakeKernel()
+    launcher = Launcher(kernel)
+    launcher._api = (lambda: 0, lambda device: 777, types.SimpleNamespace(launch_enter_hook=None,
+                                                                          launch_exit_hook=None))
+    saved = launch_mod._ENABLED[0]
+    assert set_fast_launch(True)
+    yield kernel, launcher
+    launch_mod._ENABLED[0] = saved
+
+
+def test_second_launch_with_same_key_uses_compiled_handle(fast):
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    launch(4, (buf, 100, 8), num_warps=4)
+    launch(5, (buf, 101, 8), num_warps=4)  # same traits: 100 and 101 are both non-multiples of 16 but 101 != 1
+    assert [e[0] for e in kernel.log] == ["public", "fast"]
+    assert kernel.log[1][2:4] == (5, 777) and kernel.log[1][4] == (buf, 101, 8)
+
+
+@pytest.mark.parametrize("change", ["unaligned", "dtype", "constexpr", "warps", "int_one", "int_mult16", "int64"])
+def test_any_specialisation_change_goes_public(fast, change):
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    args, warps = (buf, 100, 8), 4
+    launch(1, args, num_warps=warps)
+    new = {
+        "unaligned": ((buf[1:], 100, 8), 4),
+        "dtype": ((buf.view(torch.float32), 100, 8), 4),
+        "constexpr": ((buf, 100, 16), 4),
+        "warps": ((buf, 100, 8), 8),
+        "int_one": ((buf, 1, 8), 4),
+        "int_mult16": ((buf, 96, 8), 4),
+        "int64": ((buf, 2**40 + 3, 8), 4),
+    }[change]
+    launch(1, new[0], num_warps=new[1])
+    assert [e[0] for e in kernel.log] == ["public", "public"]
+
+
+def test_disabled_by_env_and_by_hooks(fast, monkeypatch):
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    monkeypatch.setenv("HICACHE_FAST_LAUNCH", "0")
+    assert not set_fast_launch(None)
+    launch(1, (buf, 3, 8), num_warps=4)
+    launch(1, (buf, 3, 8), num_warps=4)
+    monkeypatch.delenv("HICACHE_FAST_LAUNCH")
+    assert set_fast_launch(None)
+    launch._api[2].launch_enter_hook = print  # a profiler hooked the public path
+    launch(1, (buf, 3, 8), num_warps=4)
+    launch(1, (buf, 3, 8), num_warps=4)
+    assert [e[0] for e in kernel.log] == ["public"] * 4
+
+
+def test_empty_hook_chain_is_no_hook(fast):
+    """Triton >= 3.4 keeps an empty ``HookChain`` (``.calls == []``) instead of ``None``."""
+    kernel, launch = fast
+    launch._api[2].launch_enter_hook = types.SimpleNamespace(calls=[])
+    launch._api[2].launch_exit_hook = types.SimpleNamespace(calls=[])
+    buf = torch.zeros(64, dtype=torch.int32)
+    launch(1, (buf, 3, 8), num_warps=4)
+    launch(1, (buf, 3, 8), num_warps=4)
+    assert [e[0] for e in kernel.log] == ["public", "fast"]
+
+
+def test_static_key_checks_only_dynamic_positions(fast):
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    static = launch.static_key((buf, None, 8), dynamic=(1,))
+    launch(1, (buf, 100, 8), num_warps=4, static_key=static, dynamic=(1,))
+    launch(1, (buf, 101, 8), num_warps=4, static_key=static, dynamic=(1,))
+    launch(1, (buf, 96, 8), num_warps=4, static_key=static, dynamic=(1,))  # multiple of 16: other kernel
+    assert [e[0] for e in kernel.log] == ["public", "fast", "public"]
+    assert static != launch.static_key((buf, None, 16), dynamic=(1,))
+
+
+def test_wrong_argument_count_is_a_clear_error(fast):
+    _, launch = fast
+    with pytest.raises(TypeError, match="expected 3 arguments"):
+        launch(1, (torch.zeros(4),), num_warps=4)
+
+
+def test_key_is_value_for_constexprs_and_traits_otherwise():
+    a = torch.zeros(8, dtype=torch.int64)
+    k1 = launch_key((a, 17, 3), frozenset({2}), 4, 0)
+    assert k1 == launch_key((a.clone(), 33, 3), frozenset({2}), 4, 0)
+    assert k1 != launch_key((a, 17, 4), frozenset({2}), 4, 0)
+    assert k1 != launch_key((a, 17, 3), frozenset({2}), 4, 1)
