@@ -48,7 +48,7 @@ def write_rows(views: list[torch.Tensor], index: tuple, rows: list[torch.Tensor]
             rows.append(flat[:, start : start + w])
             start += w
     for v, r in zip(views, rows):
-        v[index] = r.reshape(v[index].shape)
+        v[index] = r.reshape(v[index].shape).to(v.device)  # host views on the CPU, rows maybe on the GPU
 
 
 def read_rows(views: list[torch.Tensor], index: tuple) -> torch.Tensor:
@@ -57,7 +57,8 @@ def read_rows(views: list[torch.Tensor], index: tuple) -> torch.Tensor:
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    """Byte equality of two tensors wherever they live (host rows vs device rows on a GPU)."""
+    a, b = a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()
     return a.shape == b.shape and torch.equal(a, b)
 
 

@@ -366,9 +366,22 @@ def make_host_pool(kv_pool, *, page_size: Optional[int] = None, pin_memory: bool
     )
 
     with host_pool_pin_memory(pin_memory):
-        return build_kv_host_pool(
+        return _keep(build_kv_host_pool(
             kv_pool=kv_pool, page_size=page_size or kv_pool.page_size, **kwargs
-        )
+        ), pin_memory)
+
+
+#: Pinned host pools built so far.  SGLang registers host buffers with ``cudaHostRegister``
+#: and never unregisters them (a server builds its pools once); a test process builds dozens,
+#: and when a freed buffer's addresses come back from ``malloc`` the next registration fails
+#: with ``cudaErrorHostMemoryAlreadyRegistered``.  Keeping the pools alive keeps addresses unique.
+_PINNED_POOLS: list = []
+
+
+def _keep(pool, pinned: bool):
+    if pinned:
+        _PINNED_POOLS.append(pool)
+    return pool
 
 
 def make_dsa_indexer_host_pool(dsa_pool, kv_host_pool, *, pin_memory: bool = PIN):
@@ -384,12 +397,12 @@ def make_dsa_indexer_host_pool(dsa_pool, kv_host_pool, *, pin_memory: bool = PIN
 
     decls = [d for d in dsa_pool.host_pool_decls() if not d.is_primary]
     assert len(decls) == 1, decls
-    return DSAIndexerPoolHost(
+    return _keep(DSAIndexerPoolHost(
         decls[0],
         kv_host_pool,
         pin_memory=pin_memory,
         allocator_type=get_allocator_type(),
-    )
+    ), pin_memory)
 
 
 # ---------------------------------------------------------------------------
