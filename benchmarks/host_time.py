@@ -6,7 +6,7 @@ the GPU) it reports the median wall time of one call issued on an idle stream
 (``sync``: synchronise, time one call) and the mean per call of a forward-pass
 style burst (``burst``: one ``load_layer`` per layer back to back, then
 synchronise), with Triton's compiled-handle shortcut on and off
-(:func:`hicache_core.launch.set_fast_launch`).  A cProfile of the burst is written per strategy.
+(:func:`hicache_core.launch.set_fast_launch`).  A cProfile of each strategy's burst is appended to ``host_profile.txt``.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def main() -> int:
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        with open(os.path.join(args.out, f"host_profile_{name}.txt"), "w") as f:
-            f.write(buf.getvalue())
+        with open(os.path.join(args.out, "host_profile.txt"), "a") as f:
+            f.write(f"===== {name} =====\n{buf.getvalue()}\n")
         del pool, host
     with open(os.path.join(args.out, "host_time.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "tokens": args.tokens, "page_size": args.page_size,

@@ -18,16 +18,22 @@ import sys
 
 import torch
 
-from hicache_core.bench import SHAPES, _device_buffers, _indices, _median_ms, _Memcpy
+from hicache_core.bench import SHAPES, _device_buffers, _gemm_slowdown, _indices, _median_ms, _Memcpy
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
-#: layout -> (module holding the constants, {constant: candidate values})
+#: sweep name -> (layout, module holding the constants, {constant: candidate values})
 SWEEPS = {
-    "layer_first": ("hicache_layer_first.kernels", {"LOAD_TILE_BYTES": [16384, 32768, 65536], "LOAD_NUM_WARPS": [8, 16]}),
-    "page_first": ("hicache_page_first.kernels", {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
-    "page_first_direct": ("hicache_page_first.kernels", {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
-    "page_first_kv_split": ("hicache_kv_split.strategy", {"STEP_WORDS": [2048, 4096, 8192], "NUM_WARPS": [4, 8, 16]}),
+    "layer_first": ("layer_first", "hicache_layer_first.kernels",
+                    {"LOAD_TILE_BYTES": [16384, 32768, 65536], "LOAD_NUM_WARPS": [8, 16]}),
+    "layer_first-backup": ("layer_first", "hicache_layer_first.kernels",
+                           {"BACKUP_TILE_BYTES": [8192, 32768, 65536], "BACKUP_NUM_WARPS": [4, 8, 16]}),
+    "page_first": ("page_first", "hicache_page_first.kernels",
+                   {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
+    "page_first_direct": ("page_first_direct", "hicache_page_first.kernels",
+                          {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
+    "page_first_kv_split": ("page_first_kv_split", "hicache_kv_split.strategy",
+                            {"STEP_WORDS": [2048, 4096, 8192], "NUM_WARPS": [4, 8, 16]}),
 }
 
 
@@ -37,6 +43,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--programs", default="8,16,32")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemm", action="store_true", help="also measure the GEMM slowdown during backup_all_layers")
+    ap.add_argument("--sweeps", default=",".join(n for n in SWEEPS if n != "layer_first-backup"),
+                    help=f"comma list of {sorted(SWEEPS)}")
     args = ap.parse_args()
     reg = create_registry()
     spec = SHAPES["mla61x576-bf16"](args.tokens, 64, torch.device("cuda"))
@@ -46,7 +55,8 @@ def main() -> int:
     per_layer = spec.bytes_per_token // 61 * args.tokens
     total = spec.bytes_per_token * args.tokens
     results = []
-    for layout, (modname, grid) in SWEEPS.items():
+    for name in args.sweeps.split(","):
+        layout, modname, grid = SWEEPS[name]
         mod = importlib.import_module(modname)
         saved = {k: getattr(mod, k) for k in grid}
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
@@ -59,9 +69,11 @@ def main() -> int:
                                   registry=reg, validate="shapes")
                 load = _median_ms(lambda: pool.load_layer(30, h, d), args.reps)
                 back = _median_ms(lambda: pool.backup_all_layers(h, s), args.reps)
-                row = {"layout": layout, **setting, "programs": p,
+                row = {"sweep": name, "layout": layout, **setting, "programs": p,
                        "load_layer": per_layer / load / 1e6 / memcpy.gbps(per_layer, False, args.reps),
                        "backup_all_layers": total / back / 1e6 / memcpy.gbps(total, True, args.reps)}
+                if args.gemm:
+                    row["gemm_slowdown_backup"] = _gemm_slowdown(lambda: pool.backup_all_layers(h, s))
                 results.append(row)
                 print(json.dumps(row), flush=True)
         for k, v in saved.items():

@@ -22,6 +22,7 @@ import torch
 from .binding import BoundSegment, PoolBinding
 from .errors import HostBufferError
 from .spec import PoolSpec
+from .validate import tensor_version
 
 __all__ = [
     "SegmentTable",
@@ -29,6 +30,9 @@ __all__ = [
     "access_word",
     "segment_tables",
     "kernel_indices",
+    "IndexMemo",
+    "index_memos",
+    "tensor_version",
     "require_pinned",
     "sm_budget",
     "interpreting",
@@ -130,14 +134,66 @@ def _word_anchor(rows: torch.Tensor, word: int) -> torch.Tensor:
     return t.set_(storage, byte_off // word, (1,), (1,))
 
 
-def kernel_indices(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+class IndexMemo:
+    """The last CPU index tensor a strategy moved to its device, and the copy.
+
+    An engine passes the same index tensors to every per-layer call of a batch
+    (80 ``load_layer`` calls with one pair of tensors); with a memo the copy is
+    made once.  A hit needs the *same tensor object* with an unchanged version
+    counter, so an in-place change (``idx[0] = 5``) is seen and copied again;
+    tensors without a version counter (made under ``torch.inference_mode``) are
+    never memoised.  The copy is reused only on the stream that made it (another
+    stream could read it before the copy lands).
+    """
+
+    __slots__ = ("src", "version", "stream", "out")
+
+    def __init__(self) -> None:
+        self.src: torch.Tensor | None = None
+        self.version: int | None = None
+        self.stream: int | None = None
+        self.out: torch.Tensor | None = None
+
+    def lookup(self, t: torch.Tensor, stream: int | None) -> torch.Tensor | None:
+        if t is self.src and self.out is not None and stream == self.stream and tensor_version(t) == self.version:
+            return self.out
+        return None
+
+    def store(self, t: torch.Tensor, stream: int | None, out: torch.Tensor) -> None:
+        version = tensor_version(t)
+        if version is None:
+            self.src, self.version, self.stream, self.out = None, None, None, None
+        else:
+            self.src, self.version, self.stream, self.out = t, version, stream, out
+
+
+def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:
+    """The (host, device) index memos of ``binding``, created on first use."""
+    memos = binding.scratch.get("core.index_memos")
+    if memos is None:
+        memos = binding.scratch["core.index_memos"] = (IndexMemo(), IndexMemo())
+    return memos
+
+
+def kernel_indices(t: torch.Tensor, device: torch.device, memo: IndexMemo | None = None) -> torch.Tensor:
     """An index tensor on the kernel's device, contiguous (int32 or int64 kept as is).
 
     Kernels read indices at ``ptr + i``: a strided view (``t[::2]``) is made
-    contiguous.  CPU indices are copied once, asynchronously when pinned.
+    contiguous.  CPU indices are copied, asynchronously when pinned; with a
+    ``memo`` (see :func:`index_memos`) repeated calls with the same unchanged
+    tensor reuse the first copy.
     """
     if t.device != device:
-        t = t.to(device, non_blocking=True)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        if memo is not None:
+            hit = memo.lookup(t, stream)
+            if hit is not None:
+                return hit
+        out = t.to(device, non_blocking=True)
+        out = out if out.is_contiguous() else out.contiguous()
+        if memo is not None:
+            memo.store(t, stream, out)
+        return out
     return t if t.is_contiguous() else t.contiguous()
 
 

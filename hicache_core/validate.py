@@ -16,9 +16,17 @@ from .errors import (
 )
 from .spec import PoolSpec
 
-__all__ = ["check_indices", "check_layer"]
+__all__ = ["check_indices", "check_layer", "tensor_version"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place modification counter, or ``None`` where torch keeps none (inference tensors)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _basic(name: str, t: object, spec: PoolSpec) -> torch.Tensor:

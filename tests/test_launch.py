@@ -129,3 +129,35 @@ def test_key_is_value_for_constexprs_and_traits_otherwise():
     assert k1 == launch_key((a.clone(), 33, 3), frozenset({2}), 4, 0)
     assert k1 != launch_key((a, 17, 4), frozenset({2}), 4, 0)
     assert k1 != launch_key((a, 17, 3), frozenset({2}), 4, 1)
+
+
+def test_index_memo_copies_once_and_sees_in_place_changes():
+    from hicache_core.kernel_support import IndexMemo, kernel_indices
+
+    memo, meta = IndexMemo(), torch.device("meta")  # "meta" stands in for the GPU on a CPU machine
+    idx = torch.arange(8)
+    first = kernel_indices(idx, meta, memo)
+    assert first.device == meta and kernel_indices(idx, meta, memo) is first
+    idx[0] = 3  # in place: the version counter moves, so the copy is made again
+    assert kernel_indices(idx, meta, memo) is not first
+    assert kernel_indices(idx.clone(), meta, memo) is not kernel_indices(idx, meta, memo)
+    strided = torch.arange(16)[::2]
+    assert kernel_indices(strided, meta, memo).is_contiguous()
+    with torch.inference_mode():
+        frozen = torch.arange(8)
+    assert kernel_indices(frozen, meta, memo) is not kernel_indices(frozen, meta, memo)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need CUDA")
+def test_index_memo_is_per_stream():
+    from hicache_core.kernel_support import IndexMemo, kernel_indices
+
+    memo, cuda = IndexMemo(), torch.device("cuda")
+    idx = torch.arange(8).pin_memory()
+    first = kernel_indices(idx, cuda, memo)
+    assert kernel_indices(idx, cuda, memo) is first
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = kernel_indices(idx, cuda, memo)
+    side.synchronize()
+    assert other is not first and torch.equal(other.cpu(), idx)

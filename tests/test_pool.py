@@ -455,3 +455,43 @@ def test_generic_backends_range_check_unvalidated_indices(backend: str, bad: str
     assert all(torch.equal(pool.host_buffers[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before_host.items())
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for k in dev for a, b in zip(dev[k], before_dev[k]))
+
+
+def test_same_unchanged_indices_are_validated_once_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-layer calls with the very same CPU index tensors check their values once."""
+    import hicache_core.pool as pool_mod
+
+    checks = []
+    real = pool_mod.check_indices
+    monkeypatch.setattr(pool_mod, "check_indices", lambda *a, **k: checks.append(1) or real(*a, **k))
+    pool, calls = probe_pool("shapes", ACCEL)
+    h, d = torch.arange(4, 8), torch.arange(8, 12)
+    for layer in (0, 1, 0):
+        pool.load_layer(layer, h, d)
+    assert len(checks) == 1 and len(calls) == 3
+    pool.load_layer(0, h.clone(), d)  # another tensor object: checked again
+    assert len(checks) == 2
+
+
+@pytest.mark.parametrize("which", ["host", "device"])
+def test_indices_changed_in_place_are_validated_again(which: str) -> None:
+    """The memo keys on the tensors' version counters: an in-place edit to a bad value is caught, nothing moves."""
+    pool, calls = probe_pool("shapes", ACCEL)
+    h, d = torch.arange(4, 8), torch.arange(8, 12)
+    pool.load_layer(0, h, d)
+    (h if which == "host" else d)[0] = 99
+    with pytest.raises(IndexRangeError, match=f"{which}_indices must lie in"):
+        pool.load_layer(1, h, d)
+    assert len(calls) == 1
+
+
+def test_inference_mode_indices_are_always_validated() -> None:
+    pool, calls = probe_pool("shapes", ACCEL)
+    with torch.inference_mode():
+        h, d = torch.arange(4, 8), torch.arange(8, 12)
+    pool.load_layer(0, h, d)
+    assert pool._checked is None  # no version counter: never memoised
+    with torch.inference_mode():
+        h[0] = 99
+    with pytest.raises(IndexRangeError):
+        pool.load_layer(1, h, d)

@@ -23,6 +23,7 @@ from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
+    index_memos,
     kernel_indices,
     kernel_unsupported_reason,
     require_pinned,
@@ -218,8 +219,9 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         n = int(host_indices.numel())
         if n == 0:
             return
-        h = kernel_indices(host_indices, binding.device)
-        d = kernel_indices(device_indices, binding.device)
+        memo_h, memo_d = index_memos(binding)
+        h = kernel_indices(host_indices, binding.device, memo_h)
+        d = kernel_indices(device_indices, binding.device, memo_d)
         pages = math.ceil(n / prep.page_size)
         device = binding.device
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():

@@ -21,6 +21,7 @@ from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec, Spe
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
+    index_memos,
     kernel_indices,
     kernel_unsupported_reason,
     require_pinned,
@@ -187,8 +188,9 @@ class LayerFirstKernelStrategy(DirectionalStrategy):
             return
         prep: Prepared = binding.scratch[self.name]
         device = binding.device
-        h = kernel_indices(host_indices, device)
-        d = kernel_indices(device_indices, device)
+        memo_h, memo_d = index_memos(binding)
+        h = kernel_indices(host_indices, device, memo_h)
+        d = kernel_indices(device_indices, device, memo_d)
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
                 self._launch_all(prep, h, d, layer, to_host)

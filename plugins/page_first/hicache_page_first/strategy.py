@@ -36,6 +36,7 @@ from hicache_core.errors import HostBufferError
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
+    index_memos,
     kernel_indices,
     kernel_unsupported_reason,
     require_pinned,
@@ -176,8 +177,9 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
             return
         state: _State = binding.scratch[self.name]
         device = binding.device
-        h = kernel_indices(host_indices, device)
-        d = kernel_indices(device_indices, device)
+        memo_h, memo_d = index_memos(binding)
+        h = kernel_indices(host_indices, device, memo_h)
+        d = kernel_indices(device_indices, device, memo_d)
         spec = binding.spec
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):  # launch on the pool's device and its current stream
