@@ -58,6 +58,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--backends", default="kernel,direct")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
@@ -65,7 +66,7 @@ def main() -> int:
     dev = _device_buffers(spec, 2 * args.tokens + args.page_size)
     h, s, d = _indices(spec, torch.Generator().manual_seed(0))
     rows = []
-    for layout, backend, name in _targets(reg, spec, None, ("kernel", "direct")):
+    for layout, backend, name in _targets(reg, spec, None, args.backends.split(",")):
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
         pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg,
                           validate="shapes")
