@@ -28,22 +28,26 @@ from hicache_core.kernel_support import (
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
-    sm_budget,
+    Budget,
+    sm_budgets,
 )
 
 from .layout import LAYOUT
 
-__all__ = ["KVSplitKernelStrategy", "RowGroup", "PROGRAMS", "NAME"]
+__all__ = ["KVSplitKernelStrategy", "RowGroup", "BACKUP_PROGRAMS", "LOAD_PROGRAMS", "NAME"]
 
 logger = logging.getLogger(__name__)
 
 NAME = "page_first_kv_split.kernel"
 
-#: Default SM budget (programs of the persistent grid).  Unmeasured starting
-#: point: perf.md shows a naive zero-copy kernel at 95% of the link with the
-#: whole H200 (132 SMs); half of it leaves SMs to the forward pass.  Override
-#: per strategy (``programs=``) or per process (``HICACHE_KERNEL_PROGRAMS``).
-PROGRAMS = 64
+#: Default SM budget of a backup launch (programs of the persistent grid).  H200 2026-11-29
+#: (docs/performance.md): 0.93-0.95 of memcpy at 8 programs for page sizes >= 16, as at 16 or
+#: 132.  Override per strategy (``programs=``, both directions) or per process
+#: (``HICACHE_KERNEL_PROGRAMS``).
+BACKUP_PROGRAMS = 8
+#: Default SM budget of a load launch: latency-bound reads of host memory; 16 programs move
+#: 0.88 of memcpy on 37.7 MB/layer MLA loads against 0.56-0.60 at 8.
+LOAD_PROGRAMS = 16
 #: Words moved per program per inner step (TOKENS x BLOCK).
 #: H200 sweep 2026-11-29 (benchmarks/tune_tiles.py, docs/performance.md): 4.7 MB load_layer at 16 programs:
 #: 2048 words/4 warps 0.50, 4096/8 warps 0.73, 8192/8 warps 0.64; backup 0.95 throughout.
@@ -94,7 +98,7 @@ class RowGroup:
 @dataclass(frozen=True)
 class _Prepared:
     groups: tuple[RowGroup, ...]
-    programs: int
+    programs: Budget
     capacity: int
     page_size: int
 
@@ -116,8 +120,9 @@ def _fusable(a: SegmentTable, b: SegmentTable) -> bool:
 class KVSplitKernelStrategy(DirectionalStrategy):
     """Zero-copy Triton transfers for ``page_first_kv_split``, sharded or not.
 
-    :param programs: SM budget (programs of the persistent grid).  An explicit
-        value wins; otherwise ``HICACHE_KERNEL_PROGRAMS``, else :data:`PROGRAMS`.
+    :param programs: SM budget (programs of the persistent grid) of both directions.
+        An explicit value wins; otherwise ``HICACHE_KERNEL_PROGRAMS``, else
+        :data:`BACKUP_PROGRAMS` for backups and :data:`LOAD_PROGRAMS` for loads.
     :param fuse_parts: read/write an MLA row split into ``latent``/``rope`` in one
         launch (default); ``False`` launches once per segment.
     """
@@ -161,9 +166,9 @@ class KVSplitKernelStrategy(DirectionalStrategy):
             else:
                 groups.append(self._group(binding, tables[i], None))
                 i += 1
-        programs = self.programs if self.programs is not None else sm_budget(PROGRAMS, binding.device)
+        programs = sm_budgets(self.programs, binding.device, backup=BACKUP_PROGRAMS, load=LOAD_PROGRAMS)
         binding.scratch[_SCRATCH] = _Prepared(tuple(groups), programs, binding.spec.capacity, binding.spec.page_size)
-        logger.debug("%s: %d launch group(s) %s, %d programs", NAME, len(groups),
+        logger.debug("%s: %d launch group(s) %s, programs %s", NAME, len(groups),
                      [g.names for g in groups], programs)
 
     def _group(self, binding: PoolBinding, a: SegmentTable, b: SegmentTable | None) -> RowGroup:
@@ -238,7 +243,7 @@ class KVSplitKernelStrategy(DirectionalStrategy):
             if ent is None:
                 continue
             items = pages * ent.numel()
-            launch_kv_split(min(prep.programs, items), (
+            launch_kv_split(min(prep.programs.for_direction(to_host), items), (
                 g.anchor, h, d, ent, g.dev_off, g.dev_stride, g.host_off_a, g.host_off_b,
                 n, ent.numel(), items, g.rows, prep.capacity, g.page_a, g.page_b,
                 prep.page_size, g.row, g.split, g.tokens, g.block, g.vec, to_host,  # PS ROW SPLIT TOKENS BLOCK VEC TO_HOST

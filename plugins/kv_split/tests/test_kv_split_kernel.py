@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 from hicache_core import Component, HostBufferError, HostKVPool, LayerMap, PoolSpec, create_registry  # noqa: E402
 from hicache_core.testing.conformance import CANARY  # noqa: E402
 from hicache_kv_split.layout import LAYOUT  # noqa: E402
-from hicache_kv_split.strategy import NAME, PROGRAMS, KVSplitKernelStrategy  # noqa: E402
+from hicache_kv_split.strategy import BACKUP_PROGRAMS, LOAD_PROGRAMS, NAME, KVSplitKernelStrategy  # noqa: E402
+from hicache_core.kernel_support import Budget  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -229,17 +230,17 @@ def test_sm_budget_argument_and_environment(kv, monkeypatch):
     monkeypatch.delenv("HICACHE_KERNEL_PROGRAMS", raising=False)
     pool = kv.round_trip(spec, _mla_device(spec, gen, rows=36), "kernel-p1", kv.registry_with("kernel-p1", programs=1),
                          *_pages(spec, gen, 3))
-    assert pool.binding.scratch["kv_split.kernel"].programs == 1
+    assert pool.binding.scratch["kv_split.kernel"].programs == Budget(1, 1)
     default = HostKVPool(spec, LAYOUT.name, "kernel", _mla_device(spec, gen, rows=36), registry=create_registry(),
                          pin_memory=DEVICE.type == "cuda")
-    assert default.binding.scratch["kv_split.kernel"].programs == PROGRAMS
+    assert default.binding.scratch["kv_split.kernel"].programs == Budget(BACKUP_PROGRAMS, LOAD_PROGRAMS)
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "2")
     pool = kv.round_trip(spec, _mla_device(spec, gen, rows=36), "kernel-p5", kv.registry_with("kernel-p5", programs=5),
                          *_pages(spec, gen, 3))
-    assert pool.binding.scratch["kv_split.kernel"].programs == 5  # an explicit budget wins over the environment
+    assert pool.binding.scratch["kv_split.kernel"].programs == Budget(5, 5)  # an explicit budget wins over the environment
     env_default = HostKVPool(spec, LAYOUT.name, "kernel", _mla_device(spec, gen, rows=36), registry=create_registry(),
                              pin_memory=DEVICE.type == "cuda")
-    assert env_default.binding.scratch["kv_split.kernel"].programs == 2  # the environment beats PROGRAMS
+    assert env_default.binding.scratch["kv_split.kernel"].programs == Budget(2, 2)  # the environment beats defaults
 
 
 def test_sm_budget_must_be_positive():

@@ -27,7 +27,8 @@ import triton.language as tl
 from hicache_core.launch import Launcher
 
 __all__ = [
-    "PROGRAMS",
+    "BACKUP_PROGRAMS",
+    "LOAD_PROGRAMS",
     "LOAD_TILE_BYTES",
     "BACKUP_TILE_BYTES",
     "MAX_BLOCK_BYTES",
@@ -44,29 +45,39 @@ __all__ = [
 ]
 
 # --- tuning constants -----------------------------------------------------------------------
-# First guesses, NOT measured yet: the H200 measurement (ratio against a pinned ``copy_`` of the
-# same bytes, same run) sets them.  Reasoning behind the guesses:
+# Set by H200 measurements (ratio against a pinned ``copy_`` of the same bytes, same run; see
+# docs/performance.md).  They are read when a pool is prepared.
 # * load (H2D) reads pinned host memory over PCIe: latency-bound, so each program keeps many
-#   bytes in flight (a large tile, more warps);
-# * backup (D2H) writes host memory: posted writes, a smaller tile is enough;
-# * PROGRAMS is the SM budget: enough programs to saturate the bus while leaving most SMs to
-#   the forward pass.  HICACHE_KERNEL_PROGRAMS or the strategy's ``programs`` override it.
+#   bytes in flight (a large tile, more warps) and loads get more programs;
+# * backup (D2H) writes host memory with posted writes: link-bound with few programs; the warps
+#   per program also decide how much a GEMM running beside it slows down (the sweep below);
+# * the budgets leave most SMs to the forward pass.  HICACHE_KERNEL_PROGRAMS or the strategy's
+#   ``programs`` override both.
 
-#: Default number of programs (persistent grid size) per launch.
-PROGRAMS = 64
+#: Default programs (persistent grid size) of a backup launch.  H200 2026-11-29: with the backup
+#: tile below, 8 programs move 0.95 of memcpy (MLA 61x576, 32768 tokens); page-major layouts
+#: reach 0.91-0.95 at 8, within 0.01 of 16 programs.
+BACKUP_PROGRAMS = 8
+#: Default programs of a load launch: loads are latency-bound.  H200 2026-11-29, MLA 37.7 MB/layer
+#: across layouts: 0.83-0.89 at 16 programs, 0.56-0.89 at 8 (layer_first alone: 0.86-0.88 at 16,
+#: 0.89 at 8; 4.7 MB layers: 0.69 at 16, 0.67-0.71 at 8); one default for every layout.
+LOAD_PROGRAMS = 16
 #: Target bytes per tile (``TOKENS x BLOCK`` words) of a load (H2D) iteration.
 #: H200 sweep 2026-11-29 (benchmarks/tune_tiles.py, docs/performance.md): load_layer of 4.7 MB at 8 programs: 16 KiB 0.46,
 #: 32 KiB 0.57, 64 KiB 0.70 of memcpy (16 warps); the backup is unaffected.
 LOAD_TILE_BYTES = 65536
-#: Target bytes per tile of a backup (D2H) iteration.
-BACKUP_TILE_BYTES = 8192
+#: Target bytes per tile of a backup (D2H) iteration.  H200 sweep 2026-11-29
+#: (tune_tiles.py --sweeps layer_first-backup --tokens 32768 --programs 8 --gemm): 8 KiB/4 warps
+#: 0.75 of memcpy (bf16 8192^3 GEMM beside it +10%), 32 KiB/4 warps 0.95 (GEMM +32%), 32 KiB/16
+#: warps 0.94 (GEMM +119%), 64 KiB/4 warps 0.95 (GEMM +58%).
+BACKUP_TILE_BYTES = 32768
 #: Widest column block; longer rows are copied in several column blocks.
 MAX_BLOCK_BYTES = 4096
 #: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
 MAX_TOKENS = 256
 #: Warps per program of a load launch (same sweep: 16 beats 8 at 64 KiB tiles, 0.70 vs 0.69).
 LOAD_NUM_WARPS = 16
-#: Warps per program of a backup launch.
+#: Warps per program of a backup launch (same sweep: more warps, same throughput, a slower GEMM).
 BACKUP_NUM_WARPS = 4
 
 

@@ -26,7 +26,8 @@ from hicache_core.kernel_support import (
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
-    sm_budget,
+    Budget,
+    sm_budgets,
 )
 
 from . import kernels
@@ -75,7 +76,7 @@ class Prepared:
     """What :meth:`LayerFirstKernelStrategy.prepare` leaves in ``binding.scratch``."""
 
     groups: tuple[Group, ...]
-    programs: int
+    programs: Budget
     capacity: int
 
 
@@ -156,9 +157,10 @@ def build_groups(tables: list[SegmentTable], spec: PoolSpec) -> tuple[Group, ...
 class LayerFirstKernelStrategy(DirectionalStrategy):
     """Triton zero-copy transfers for ``layer_first`` host buffers.
 
-    :param programs: SM budget (programs per launch).  ``None``: the
-        ``HICACHE_KERNEL_PROGRAMS`` environment variable if set, else
-        :data:`hicache_layer_first.kernels.PROGRAMS`.
+    :param programs: SM budget (programs per launch) of both directions.  ``None``:
+        the ``HICACHE_KERNEL_PROGRAMS`` environment variable if set, else
+        :data:`~hicache_layer_first.kernels.BACKUP_PROGRAMS` for backups and
+        :data:`~hicache_layer_first.kernels.LOAD_PROGRAMS` for loads.
     """
 
     name = STRATEGY_NAME
@@ -176,10 +178,10 @@ class LayerFirstKernelStrategy(DirectionalStrategy):
         """Check pinning and build the launch groups and entry tensors (once per pool)."""
         require_pinned(binding, self.name)
         spec = binding.spec
-        programs = self._programs if self._programs is not None else sm_budget(kernels.PROGRAMS, spec.device)
+        programs = sm_budgets(self._programs, spec.device, backup=kernels.BACKUP_PROGRAMS, load=kernels.LOAD_PROGRAMS)
         groups = build_groups(segment_tables(binding), spec)
         binding.scratch[self.name] = Prepared(groups, programs, spec.capacity)
-        logger.debug("%s: %d launch group(s), %d programs, widths %s words", self.name, len(groups), programs,
+        logger.debug("%s: %d launch group(s), programs %s, widths %s words", self.name, len(groups), programs,
                      [(g.width, g.word, g.vec) for g in groups])
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -207,5 +209,5 @@ class LayerFirstKernelStrategy(DirectionalStrategy):
                 anchor=g.anchor, ents=ents.positions, n_ents=ents.count, host_idx=h, dev_idx=d,
                 dev_off=g.dev_off, dev_stride=g.dev_stride, host_off=g.host_off, host_tok=g.host_tok,
                 dev_rows=g.rows, capacity=prep.capacity, width=g.width, word=g.word, vec=g.vec,
-                to_host=to_host, programs=prep.programs, plan=g.plans[to_host],
+                to_host=to_host, programs=prep.programs.for_direction(to_host), plan=g.plans[to_host],
             )

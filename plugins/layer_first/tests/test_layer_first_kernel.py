@@ -24,7 +24,7 @@ from hicache_core import (
     Segment,
     create_registry,
 )
-from hicache_core.kernel_support import ENV_PROGRAMS
+from hicache_core.kernel_support import ENV_PROGRAMS, Budget
 from hicache_core.testing.conformance import CASES, check_load_all, check_strategy
 from hicache_layer_first import kernels
 from hicache_layer_first.layout import LAYOUT
@@ -297,6 +297,19 @@ def test_sm_budget_bounds_the_grid(registry, monkeypatch, programs):
     assert grids and all(g == programs for g in grids)
 
 
+def test_default_budget_differs_by_direction(registry, monkeypatch):
+    monkeypatch.delenv(ENV_PROGRAMS, raising=False)
+    monkeypatch.setattr(kernels, "MAX_TOKENS", 4)
+    monkeypatch.setattr(kernels, "BACKUP_PROGRAMS", 2)
+    monkeypatch.setattr(kernels, "LOAD_PROGRAMS", 3)
+    pool, ref, dev, ref_dev = _budget_pool(registry, None)
+    grids = []
+    real = kernels.copy_rows
+    monkeypatch.setattr(kernels, "copy_rows", lambda **kw: grids.append((kw["to_host"], real(**kw))) or grids[-1][1])
+    _round_trip(pool, ref, dev, ref_dev, torch.arange(64), torch.randperm(64) + 64, torch.arange(64))
+    assert {g for to_host, g in grids if to_host} == {2} and {g for to_host, g in grids if not to_host} == {3}
+
+
 def test_grid_shrinks_to_the_work():
     assert kernels.grid_size(64, 3) == 3 and kernels.grid_size(2, 3) == 2 and kernels.grid_size(8, 0) == 1
 
@@ -304,13 +317,13 @@ def test_grid_shrinks_to_the_work():
 def test_sm_budget_env_and_argument(registry, monkeypatch):
     monkeypatch.setenv(ENV_PROGRAMS, "5")
     pool, *_ = _budget_pool(registry, None)
-    assert pool.binding.scratch[NAME].programs == 5
+    assert pool.binding.scratch[NAME].programs == Budget(5, 5)
     pool, *_ = _budget_pool(registry, 7)  # an explicit budget beats the environment
-    assert pool.binding.scratch[NAME].programs == 7
+    assert pool.binding.scratch[NAME].programs == Budget(7, 7)
     monkeypatch.delenv(ENV_PROGRAMS)
-    pool, *_ = _budget_pool(registry, None)
-    cap = torch.cuda.get_device_properties(DEVICE).multi_processor_count * 4 if DEVICE.type == "cuda" else kernels.PROGRAMS
-    assert pool.binding.scratch[NAME].programs == min(kernels.PROGRAMS, cap)
+    pool, *_ = _budget_pool(registry, None)  # per-direction defaults
+    assert pool.binding.scratch[NAME].programs == Budget(kernels.BACKUP_PROGRAMS, kernels.LOAD_PROGRAMS)
+    assert kernels.BACKUP_PROGRAMS < kernels.LOAD_PROGRAMS
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True])

@@ -41,18 +41,22 @@ from hicache_core.kernel_support import (
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
-    sm_budget,
+    Budget,
+    sm_budgets,
 )
 
-__all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "WorkPlan", "work_plan", "DEFAULT_PROGRAMS"]
+__all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "WorkPlan", "work_plan",
+           "DEFAULT_BACKUP_PROGRAMS", "DEFAULT_LOAD_PROGRAMS"]
 
 logger = logging.getLogger(__name__)
 
-#: Programs per launch when no budget is given (``HICACHE_KERNEL_PROGRAMS``
-#: overrides it).  One per SM of an H200 (132 SMs): the untuned zero-copy
-#: kernel in shared/reference/perf.md reached 0.95 of a pinned ``copy_`` on
-#: large all-layer backups with the whole GPU.  Not yet re-tuned for this kernel.
-DEFAULT_PROGRAMS = 132
+#: Programs of a backup launch when no budget is given (``HICACHE_KERNEL_PROGRAMS`` overrides
+#: both defaults).  H200 2026-11-29 (docs/performance.md): backups are link-bound at 8 programs,
+#: 0.91-0.95 of memcpy for MLA and MHA, within 0.01 of 16 programs.
+DEFAULT_BACKUP_PROGRAMS = 8
+#: Programs of a load launch: reads of host memory are latency-bound; at 16 programs large MLA
+#: loads reach 0.83-0.89 of memcpy against 0.64-0.77 at 8 (37.7 MB/layer).
+DEFAULT_LOAD_PROGRAMS = 16
 
 #: Largest alignment (bytes) the kernel is told about through ``tl.multiple_of``.
 MAX_VECTOR_BYTES = 16
@@ -106,7 +110,7 @@ class _Prepared:
 @dataclass(frozen=True)
 class _State:
     kernels: ModuleType
-    programs: int
+    programs: Budget
     segments: tuple[_Prepared, ...]
 
 
@@ -124,15 +128,16 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
     per_page: ClassVar[bool]
 
     def __init__(self, programs: int | None = None) -> None:
-        """:param programs: SM budget (programs per launch); ``None``: ``HICACHE_KERNEL_PROGRAMS`` or
-        :data:`DEFAULT_PROGRAMS` (capped by :func:`~hicache_core.kernel_support.sm_budget`)."""
+        """:param programs: SM budget (programs per launch) of both directions; ``None``:
+        ``HICACHE_KERNEL_PROGRAMS``, else :data:`DEFAULT_BACKUP_PROGRAMS` / :data:`DEFAULT_LOAD_PROGRAMS`
+        (capped by :func:`~hicache_core.kernel_support.sm_budget`)."""
         if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
             raise ValueError(f"programs must be a positive int (the SM budget) or None, got {programs!r}")
         self.programs = programs
 
-    def budget(self, device: torch.device) -> int:
-        """Programs per launch on ``device``: the constructor's ``programs``, else :func:`sm_budget`."""
-        return self.programs if self.programs is not None else sm_budget(DEFAULT_PROGRAMS, device)
+    def budget(self, device: torch.device) -> Budget:
+        """Programs per launch on ``device`` by direction (see :func:`~hicache_core.kernel_support.sm_budgets`)."""
+        return sm_budgets(self.programs, device, backup=DEFAULT_BACKUP_PROGRAMS, load=DEFAULT_LOAD_PROGRAMS)
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
         why = kernel_unsupported_reason(spec)
@@ -167,7 +172,7 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
             prepared.append(_Prepared(t, vec, rows, entries, keys))
         state = _State(kernels, self.budget(binding.device), tuple(prepared))
         binding.scratch[self.name] = state
-        logger.debug("%s: %d segments, %d programs, words %s", self.name, len(prepared), state.programs,
+        logger.debug("%s: %d segments, programs %s, words %s", self.name, len(prepared), state.programs,
                      [p.table.word for p in prepared])
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -200,7 +205,7 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
             if n_ent == 0:
                 continue
             plan = work_plan(n, n_ent, tile_rows=p.tile_rows, page_size=spec.page_size,
-                             programs=state.programs, per_page=self.per_page)
+                             programs=state.programs.for_direction(to_host), per_page=self.per_page)
             state.kernels.launch(
                 plan.grid, t.anchor, h, d, t.dev_off, t.dev_stride, t.host_off,
                 n=n, ent0=ent0, n_ent=n_ent, ent_group=plan.ent_group, item_tokens=plan.item_tokens,

@@ -23,11 +23,12 @@ from hicache_core import (
     create_registry,
 )
 from hicache_core.errors import HostBufferError
-from hicache_core.kernel_support import ENV_PROGRAMS
+from hicache_core.kernel_support import ENV_PROGRAMS, Budget
 from hicache_core.testing.conformance import CASES, check_load_all, check_strategy
 from hicache_page_first.layout import PAGE_FIRST
 from hicache_page_first.strategy import (
-    DEFAULT_PROGRAMS,
+    DEFAULT_BACKUP_PROGRAMS,
+    DEFAULT_LOAD_PROGRAMS,
     PageFirstDirectKernelStrategy,
     PageFirstKernelStrategy,
     WorkPlan,
@@ -248,16 +249,17 @@ def test_sm_budget_argument(registry, layout, programs):
     spec = _mla_spec(LayerMap.unsharded(3), ps=2, pages=6, row_bytes=576)
     pool = _round_trip(registry, layout, spec, _layers(spec, 2 * spec.capacity, torch.Generator().manual_seed(5)),
                        programs=programs)
-    assert pool.binding.scratch[pool.strategy_name].programs == programs
+    assert pool.binding.scratch[pool.strategy_name].programs == Budget(programs, programs)
 
 
 def test_sm_budget_default_and_env(monkeypatch):
     monkeypatch.delenv(ENV_PROGRAMS, raising=False)
     cpu = torch.device("cpu")
-    assert PageFirstKernelStrategy().budget(cpu) == DEFAULT_PROGRAMS
+    assert PageFirstKernelStrategy().budget(cpu) == Budget(DEFAULT_BACKUP_PROGRAMS, DEFAULT_LOAD_PROGRAMS)
+    assert DEFAULT_BACKUP_PROGRAMS < DEFAULT_LOAD_PROGRAMS  # loads are latency-bound: more bytes in flight
     monkeypatch.setenv(ENV_PROGRAMS, "7")
-    assert PageFirstDirectKernelStrategy().budget(cpu) == 7
-    assert PageFirstKernelStrategy(programs=5).budget(cpu) == 5
+    assert PageFirstDirectKernelStrategy().budget(cpu) == Budget(7, 7)
+    assert PageFirstKernelStrategy(programs=5).budget(cpu) == Budget(5, 5)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
@@ -309,7 +311,7 @@ def test_one_launch_per_segment(registry, layout):
     calls.clear()
     pool.load_layer(1, h, d)
     assert [n for _, n in calls] == [1, 1]
-    assert all(1 <= g <= state.programs for g, _ in calls)
+    assert all(1 <= g <= state.programs.load for g, _ in calls)
 
 
 # -- capability checks and pinning ------------------------------------------------------------------------
