@@ -138,6 +138,33 @@ def test_draft_layer_appended(hooked):
     assert same_bytes(draft.kv_buffer[0][d2], src)
 
 
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
+def test_draft_after_padding_on_a_sharded_rank(hooked, io_backend):
+    """LayerSplitDSA rank 1 of 2 over 5 layers owns layers 3, 4 (host 0, 1); host layer 2 is SGLang's
+    padding (ceil(5/2) = 3 target layers) and the packed MTP draft is host layer 3 (controller id 5)."""
+    if io_backend == "kernel" and (why := kernel_available("page_first", True)):
+        pytest.skip(why)
+    with H.sglang_runtime(hicache_mem_layout="page_first"):
+        dev = H.make_layer_split_dsa_device_pool(size=192, page_size=64, layer_num=5, kv_lora_rank=64,
+                                                 qk_rope_head_dim=32)
+        draft = H.make_mla_device_pool(size=192, page_size=64, layer_num=1, kv_lora_rank=64, qk_rope_head_dim=32)
+        host = H.make_host_pool(dev, mtp_draft_device_pools=(draft,))
+    assert host.layer_num == 4 and host._host_layer_by_controller == {3: 0, 4: 1, 5: 3}
+    sources = {0: dev.kv_buffer[3], 1: dev.kv_buffer[4], 3: draft.kv_buffer[0]}
+    for t in sources.values():
+        t.view(torch.uint8).random_(0, 256)
+    h, d1, d2 = slots(host, dev)
+    (expected,) = _u8(fill_canary(host))
+    for hl, src in sources.items():
+        expected[h, hl] = src.view(torch.uint8)[d1].reshape(expected[h, hl].shape).to(expected.device)
+    host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
+    assert same_bytes(host.kv_buffer, expected), "owned layers, padding and draft slot as SGLang lays them out"
+    want = draft.kv_buffer[0].clone()
+    want[d2] = want[d1]
+    host.load_to_device_per_layer(draft, *placed(io_backend, h, d2, H.DEVICE), 5, io_backend, is_draft=True)
+    assert same_bytes(draft.kv_buffer[0], want)
+
+
 def test_off_runs_sglang_original(hooked, monkeypatch):
     """``off``: SGLang's stock dispatch (MLA page_first + direct is one of its ValueError cells)."""
     monkeypatch.setenv("HICACHE_SGLANG", "off")
