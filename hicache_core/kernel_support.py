@@ -142,9 +142,10 @@ class IndexMemo:
     An engine passes the same index tensors to every per-layer call of a batch
     (80 ``load_layer`` calls with one pair of tensors); with a memo the copy is
     made once.  A hit needs the *same tensor object* with an unchanged version
-    counter, so an in-place change (``idx[0] = 5``) is seen and copied again;
-    tensors without a version counter (made under ``torch.inference_mode``) are
-    never memoised.  The copy is reused only on the stream that made it (another
+    counter, so an in-place change (``idx[0] = 5``) is seen and copied again
+    (writes that bypass torch, e.g. through a NumPy view, are not); tensors
+    without a version counter (made under ``torch.inference_mode``) are never
+    memoised.  The copy is reused only on the stream that made it (another
     stream could read it before the copy lands).
     """
 

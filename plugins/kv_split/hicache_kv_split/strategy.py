@@ -101,6 +101,8 @@ class _Prepared:
     programs: Budget
     capacity: int
     page_size: int
+    launch: Any  # hicache_kv_split.kernels.launch_kv_split (imported at prepare: no Triton import at registration)
+    dynamic: tuple[int, ...]  # its per-call argument positions
 
 
 def _next_pow2(n: int) -> int:
@@ -167,7 +169,10 @@ class KVSplitKernelStrategy(DirectionalStrategy):
                 groups.append(self._group(binding, tables[i], None))
                 i += 1
         programs = sm_budgets(self.programs, binding.device, backup=BACKUP_PROGRAMS, load=LOAD_PROGRAMS)
-        binding.scratch[_SCRATCH] = _Prepared(tuple(groups), programs, binding.spec.capacity, binding.spec.page_size)
+        from .kernels import DYNAMIC_ARGS, launch_kv_split
+
+        binding.scratch[_SCRATCH] = _Prepared(tuple(groups), programs, binding.spec.capacity, binding.spec.page_size,
+                                              launch_kv_split, DYNAMIC_ARGS)
         logger.debug("%s: %d launch group(s) %s, programs %s", NAME, len(groups),
                      [g.names for g in groups], programs)
 
@@ -218,8 +223,6 @@ class KVSplitKernelStrategy(DirectionalStrategy):
     # -- transfers ---------------------------------------------------------------
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
-        from .kernels import DYNAMIC_ARGS, launch_kv_split
-
         prep: _Prepared = binding.scratch[_SCRATCH]
         n = int(host_indices.numel())
         if n == 0:
@@ -231,20 +234,20 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         device = binding.device
         if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):  # launch on the pool's device and its current stream
-                self._launch(prep, h, d, n, pages, layer, to_host, launch_kv_split, DYNAMIC_ARGS)
+                self._launch(prep, h, d, n, pages, layer, to_host)
         else:
-            self._launch(prep, h, d, n, pages, layer, to_host, launch_kv_split, DYNAMIC_ARGS)
+            self._launch(prep, h, d, n, pages, layer, to_host)
 
     @staticmethod
     def _launch(prep: "_Prepared", h: torch.Tensor, d: torch.Tensor, n: int, pages: int, layer: int | None,
-                to_host: bool, launch_kv_split: Any, dynamic: tuple[int, ...]) -> None:
+                to_host: bool) -> None:
         for g in prep.groups:
             ent = g.entries(layer)
             if ent is None:
                 continue
             items = pages * ent.numel()
-            launch_kv_split(min(prep.programs.for_direction(to_host), items), (
+            prep.launch(min(prep.programs.for_direction(to_host), items), (
                 g.anchor, h, d, ent, g.dev_off, g.dev_stride, g.host_off_a, g.host_off_b,
                 n, ent.numel(), items, g.rows, prep.capacity, g.page_a, g.page_b,
                 prep.page_size, g.row, g.split, g.tokens, g.block, g.vec, to_host,  # PS ROW SPLIT TOKENS BLOCK VEC TO_HOST
-            ), num_warps=NUM_WARPS, static_key=g.keys[to_host], dynamic=dynamic)
+            ), num_warps=NUM_WARPS, static_key=g.keys[to_host], dynamic=prep.dynamic)
