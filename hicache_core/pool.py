@@ -132,7 +132,7 @@ class HostKVPool:
         Per-layer calls of one batch pass the same tensors; checking the values
         of CPU indices once per batch instead of once per layer saves most of
         the host time of a ``load_layer`` with CPU indices.  Writes that bypass
-        torch's version counter (a NumPy view) are not seen; every strategy still
+        torch's version counter (a NumPy view) are not seen; every built-in strategy still
         keeps out-of-range indices away from memory (kernels mask them, the
         generic backends range-check what they read), so a stale check can never
         cause an out-of-bounds access.
