@@ -1,7 +1,8 @@
-"""Fixtures for the SGLang bridge tests: SGLang's real pool classes on CPU.
+"""Fixtures for the SGLang bridge tests: SGLang's real pool classes, on CPU or on a GPU.
 
-The whole directory is skipped when sglang is not installed.  Triton kernels
-run under the interpreter when no CUDA device is present.
+The whole directory is skipped when sglang is not installed.  Device pools live
+on CUDA when it is present (``HICACHE_SGLANG_TEST_DEVICE`` overrides); without
+it Triton kernels run under the interpreter.
 """
 
 from __future__ import annotations
