@@ -13,6 +13,7 @@ is an int64 offset from it, in *words* of :attr:`SegmentTable.word` bytes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ __all__ = [
     "kernel_indices",
     "IndexMemo",
     "index_memos",
+    "transfer_indices",
+    "on_pool_device",
     "tensor_version",
     "require_pinned",
     "sm_budget",
@@ -198,6 +201,22 @@ def kernel_indices(t: torch.Tensor, device: torch.device, memo: IndexMemo | None
             memo.store(t, stream, out)
         return out
     return t if t.is_contiguous() else t.contiguous()
+
+
+def transfer_indices(binding: PoolBinding, host_indices: torch.Tensor,
+                     device_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both index tensors of a transfer as kernels read them (:func:`kernel_indices`, with the
+    pool's :func:`index_memos`, so per-layer calls with the same tensors copy them once)."""
+    memo_h, memo_d = index_memos(binding)
+    device = binding.device
+    return kernel_indices(host_indices, device, memo_h), kernel_indices(device_indices, device, memo_d)
+
+
+def on_pool_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """A context that makes ``device`` current for a launch (its current stream then), when it is not already."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def require_pinned(binding: PoolBinding, strategy: str) -> None:

@@ -23,8 +23,8 @@ from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
-    index_memos,
-    kernel_indices,
+    on_pool_device,
+    transfer_indices,
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
@@ -227,16 +227,9 @@ class KVSplitKernelStrategy(DirectionalStrategy):
         n = int(host_indices.numel())
         if n == 0:
             return
-        memo_h, memo_d = index_memos(binding)
-        h = kernel_indices(host_indices, binding.device, memo_h)
-        d = kernel_indices(device_indices, binding.device, memo_d)
-        pages = math.ceil(n / prep.page_size)
-        device = binding.device
-        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):  # launch on the pool's device and its current stream
-                self._launch(prep, h, d, n, pages, layer, to_host)
-        else:
-            self._launch(prep, h, d, n, pages, layer, to_host)
+        h, d = transfer_indices(binding, host_indices, device_indices)
+        with on_pool_device(binding.device):
+            self._launch(prep, h, d, n, math.ceil(n / prep.page_size), layer, to_host)
 
     @staticmethod
     def _launch(prep: "_Prepared", h: torch.Tensor, d: torch.Tensor, n: int, pages: int, layer: int | None,

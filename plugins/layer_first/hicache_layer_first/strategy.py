@@ -21,8 +21,8 @@ from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec, Spe
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
-    index_memos,
-    kernel_indices,
+    on_pool_device,
+    transfer_indices,
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
@@ -189,14 +189,8 @@ class LayerFirstKernelStrategy(DirectionalStrategy):
         if host_indices.numel() == 0:
             return
         prep: Prepared = binding.scratch[self.name]
-        device = binding.device
-        memo_h, memo_d = index_memos(binding)
-        h = kernel_indices(host_indices, device, memo_h)
-        d = kernel_indices(device_indices, device, memo_d)
-        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                self._launch_all(prep, h, d, layer, to_host)
-        else:
+        h, d = transfer_indices(binding, host_indices, device_indices)
+        with on_pool_device(binding.device):
             self._launch_all(prep, h, d, layer, to_host)
 
     @staticmethod

@@ -36,8 +36,8 @@ from hicache_core.errors import HostBufferError
 from hicache_core.kernel_support import (
     SegmentTable,
     access_word,
-    index_memos,
-    kernel_indices,
+    on_pool_device,
+    transfer_indices,
     kernel_unsupported_reason,
     require_pinned,
     segment_tables,
@@ -181,16 +181,9 @@ class _PageMajorKernelStrategy(DirectionalStrategy):
         if n == 0:
             return
         state: _State = binding.scratch[self.name]
-        device = binding.device
-        memo_h, memo_d = index_memos(binding)
-        h = kernel_indices(host_indices, device, memo_h)
-        d = kernel_indices(device_indices, device, memo_d)
-        spec = binding.spec
-        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):  # launch on the pool's device and its current stream
-                self._launch_all(state, spec, h, d, n, layer, to_host)
-        else:
-            self._launch_all(state, spec, h, d, n, layer, to_host)
+        h, d = transfer_indices(binding, host_indices, device_indices)
+        with on_pool_device(binding.device):
+            self._launch_all(state, binding.spec, h, d, n, layer, to_host)
 
     def _launch_all(self, state: _State, spec: PoolSpec, h: torch.Tensor, d: torch.Tensor, n: int,
                     layer: int | None, to_host: bool) -> None:
