@@ -316,7 +316,8 @@ def test_verify_timed_structure(capsys):
         for s in ("no", "yes")
     ]
     for c in cells:
-        assert len(c) == 8 and all(re.fullmatch(r"\d+\.\d\d", x) and float(x) > 0 for x in c[6:]), c
+        # Structure only: on a loaded machine a tiny transfer may time at 0.00 GB/s (CI must never flake on speed).
+        assert len(c) == 8 and all(re.fullmatch(r"\d+\.\d\d", x) for x in c[6:]), c
 
 
 def test_verify_json(capsys):
