@@ -1,4 +1,4 @@
-"""The core's own plugin: generic ``reference`` and ``direct`` strategies for any layout.
+"""The core's own plugin: generic ``reference``, ``direct`` and ``auto`` strategies for any layout.
 
 Registered through the ``hicache`` entry-point group like every other plugin.
 """
@@ -19,10 +19,16 @@ def _reference() -> Strategy:
     return ReferenceStrategy()
 
 
-def _direct() -> Strategy:
+def _direct(**options: object) -> Strategy:
     from .backends.direct import DirectStrategy
 
-    return DirectStrategy()
+    return DirectStrategy(**options)  # type: ignore[arg-type]
+
+
+def _auto(**options: object) -> Strategy:
+    from .backends.auto import AutoStrategy
+
+    return AutoStrategy(**options)  # type: ignore[arg-type]
 
 
 @hookimpl
@@ -31,3 +37,5 @@ def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> Non
                           description="torch indexing on any device; the oracle"))
     register(StrategyInfo("core.direct", "direct", (ANY_LAYOUT,), _direct,
                           description="copy-engine copies over coalesced runs derived from layout strides"))
+    register(StrategyInfo("core.auto", "auto", (ANY_LAYOUT,), _auto,
+                          description="copy engine where its blocks reach the GPU's calibrated size, else the layout's kernel"))

@@ -1,119 +1,103 @@
-"""``direct``: copy-engine copies over coalesced contiguous runs.
+"""``direct``: the copy engine, over coalesced runs or through a short device-side relayout.
 
 Runs are derived from the layout's addressing alone, so any layout with
-declared strides is served.  Adjacent rows that are contiguous on both sides
-are merged into one copy; the structure of the runs is computed once per
-segment and call, then shifted per layer.  On CUDA the copies are submitted in
-one batch (``cudaMemcpyBatchAsync``) when the runtime offers it, else one
-``copy_`` per run; on the CPU each run is a ``memmove``.  Index tensors are
-moved to the CPU (device-resident indices therefore synchronise).
+declared strides is served.  Two routes, picked per call from the byte sizes
+the copy engine would see:
+
+* **plain**: one copy per maximal run that is contiguous on both sides
+  (adjacent rows merged), straight between device rows and host slots.
+* **staged**: when the plain runs are small (e.g. one 1152-byte row per token
+  in a token-major host layout, or the split parts of a row) but whole host
+  pages are large contiguous blocks, the rows are relaid on the device into a
+  bounded staging buffer holding those pages' host image (D2D at HBM speed, a
+  few short torch kernels per layer), and the copy engine moves whole page
+  blocks; loads run the other way.  See :mod:`.staging`.
+
+Descriptor arrays are int64 tensors built with vectorised torch arithmetic
+and handed to ``cudaMemcpyBatchAsync`` in one call (:mod:`.cudart`); nothing
+is converted element by element.  Everything derived from one pair of index
+tensors is memoised per pool (:class:`~.plans.PlanCache`), so the per-layer
+calls of a load burst cost one memo lookup and one runtime call each.  Index
+tensors are read on the CPU (device-resident indices therefore synchronise
+once per new pair).  On CPU pools every copy is a ``memmove``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 
 import torch
 
-from ..binding import BoundSegment, PoolBinding
-from ..errors import IndexRangeError
+from ..binding import PoolBinding
+from ..errors import SpecError
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
-from .common import as_long, selected
 from .memcpy import BatchCopier
+from .plans import PlanCache, Submission, coalesce
+from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
-__all__ = ["DirectStrategy", "coalesce"]
+__all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "STAGING_MODES"]
 
-
-def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge equal-size copies ``src[k] -> dst[k]`` (byte offsets, in order) into maximal runs.
-
-    Returns ``(dst_starts, src_starts, lengths)``.
-    """
-    if dst.numel() == 0:
-        return dst, src, dst
-    brk = torch.ones_like(dst, dtype=torch.bool)
-    brk[1:] = (dst[1:] - dst[:-1] != nbytes) | (src[1:] - src[:-1] != nbytes)
-    starts = brk.nonzero().squeeze(1)
-    counts = torch.diff(starts, append=torch.tensor([dst.numel()]))
-    return dst[starts], src[starts], counts * nbytes
-
-
-@dataclass(frozen=True)
-class _Entry:
-    host_base: int  # address of the segment's host layer slot (offset included)
-    dev_base: int  # address of device row 0
-    dev_stride: int
-
-
-def _storage_base(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _check_bounds(binding: PoolBinding, h: torch.Tensor, d: torch.Tensor) -> None:
-    if h.numel() == 0:
-        return
-    rows = binding.device_rows
-    if int(h.min()) < 0 or int(h.max()) >= binding.spec.capacity or int(d.min()) < 0 or int(d.max()) >= rows:
-        raise IndexRangeError(
-            f"direct: host_indices must lie in 0..{binding.spec.capacity - 1} and device_indices in 0..{rows - 1}; "
-            "nothing was copied"
-        )
+#: ``auto`` (default: staged where it gives the copy engine larger blocks), ``always``
+#: (wherever whole pages allow it) or ``never``.
+ENV_STAGING = "HICACHE_DIRECT_STAGING"
+#: Bytes of device staging per stream (default 256 MiB); larger calls go in chunks.
+ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
+STAGING_MODES = ("auto", "always", "never")
 
 
 class DirectStrategy(DirectionalStrategy):
-    """Copy-engine transfers; plain ``memmove`` on CPU."""
+    """Copy-engine transfers (``memmove`` on CPU).
+
+    :param staging: ``auto``, ``always`` or ``never`` (default: ``$HICACHE_DIRECT_STAGING`` or ``auto``).
+    :param staging_bytes: device staging budget per stream, in bytes.
+    """
+
+    def __init__(self, staging: str | None = None, staging_bytes: int | None = None) -> None:
+        mode = staging if staging is not None else (os.environ.get(ENV_STAGING, "auto").strip().lower() or "auto")
+        if mode not in STAGING_MODES:
+            raise SpecError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
+        self.staging = mode
+        if staging_bytes is None:
+            raw = os.environ.get(ENV_STAGING_BYTES, "").strip()
+            try:
+                staging_bytes = int(raw) if raw else DEFAULT_STAGING_BYTES
+            except ValueError:
+                raise SpecError(f"{ENV_STAGING_BYTES}={raw!r}: give a byte count, e.g. 268435456") from None
+        if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
+            raise SpecError(f"direct staging_bytes={staging_bytes!r}: give a positive byte count")
+        self.staging_bytes = staging_bytes
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
-        if spec.device.type == "cuda" and not BatchCopier.available_on_cuda():
-            return "direct on CUDA submits copies through cuda-bindings, which is not installed (pip install cuda-bindings)"
-        if spec.device.type not in ("cuda", "cpu"):
+        if spec.device.type == "cuda":
+            why = BatchCopier.unavailable_on_cuda()
+            return None if why is None else f"direct on CUDA: {why}"
+        if spec.device.type != "cpu":
             return f"direct serves CUDA and CPU pools, not {spec.device.type}"
         return None
 
     def prepare(self, binding: PoolBinding) -> None:
-        table = {}
-        for seg in binding.segments:
-            a = seg.segment.addressing
-            hbase = seg.host_flat.data_ptr() + a.offset
-            table[id(seg)] = [
-                _Entry(hbase + seg.host_layers[e] * a.layer, seg.dev_ptrs[e], seg.dev_strides[e])
-                for e in range(len(seg.device_layers))
-            ]
-        binding.scratch["direct.entries"] = table
-        binding.scratch["direct.copier"] = BatchCopier(binding.device)
+        copier = BatchCopier(binding.device)
+        binding.scratch["direct.copier"] = copier
+        binding.scratch["direct.plans"] = PlanCache(binding, self.staging, self.staging_bytes)
+        binding.scratch["direct.staging"] = StagingBuffers(binding.device)
 
-    def _runs(
-        self, seg: BoundSegment, h: torch.Tensor, d: torch.Tensor, stride: int, ps: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = seg.segment.addressing
-        nch = a.chunks(seg.width)
-        chunk = torch.arange(nch, dtype=torch.int64)
-        host = ((h // ps) * a.page + (h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
-        dev = (d * stride).unsqueeze(1) + chunk * a.chunk_bytes
-        return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
+    def submission(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                   layer: int | None) -> Submission:
+        """What a transfer of these indices would submit (memoised); ``auto`` reads its block sizes."""
+        copier: BatchCopier = binding.scratch["direct.copier"]
+        plans: PlanCache = binding.scratch["direct.plans"]
+        return plans.get(host_indices, device_indices, copier.stream()).submission(layer)
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
-        h = as_long(host_indices, "cpu")
-        d = as_long(device_indices, "cpu")
-        _check_bounds(binding, h, d)  # indices are on the CPU now: never copy to unchecked addresses
-        ps = binding.spec.page_size
-        entries = binding.scratch["direct.entries"]
         copier: BatchCopier = binding.scratch["direct.copier"]
-        dsts, srcs, lens = [], [], []
-        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        for seg, e in selected(binding, layer):
-            ent = entries[id(seg)][e]
-            key = (id(seg), ent.dev_stride)
-            if key not in cache:
-                cache[key] = self._runs(seg, h, d, ent.dev_stride, ps)
-            hr, dr, n = cache[key]
-            host_ptrs, dev_ptrs = hr + ent.host_base, dr + ent.dev_base
-            dsts.append(host_ptrs if to_host else dev_ptrs)
-            srcs.append(dev_ptrs if to_host else host_ptrs)
-            lens.append(n)
-        if dsts:
-            copier.copy(torch.cat(dsts), torch.cat(srcs), torch.cat(lens), to_host=to_host)
-
+        stream = copier.stream()
+        sub = binding.scratch["direct.plans"].get(host_indices, device_indices, stream).submission(layer)
+        if sub.staged is None:
+            dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
+            copier.copy(dst, src, sub.lens, stream)
+            return
+        buffers: StagingBuffers = binding.scratch["direct.staging"]
+        sub.staged.run(binding, copier, buffers.get(stream, sub.staged.chunk_bytes), stream, to_host=to_host)

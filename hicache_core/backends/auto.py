@@ -1,0 +1,99 @@
+"""``auto``: the copy engine where its blocks are large enough, else the layout's kernel.
+
+Per pool, both candidates are prepared on the pool's buffers: the core's
+``direct`` (copy engine, plain or staged) and whatever serves
+``(layout, "kernel", sharded)`` in the default registry.  Per call, ``auto``
+asks ``direct`` which mean block size it would submit for these indices and
+layer (memoised with the plan) and compares it with the calibrated threshold
+of the direction (:mod:`hicache_core.calibration`): at or above it the copy
+engine serves the call (no SM held, so the forward pass keeps the GPU), below
+it the kernel does.  With only one candidate available, that one serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..binding import PoolBinding
+from ..calibration import Calibration, load_calibration
+from ..layout import Layout
+from ..spec import PoolSpec
+from ..strategy import Strategy
+from .direct import DirectStrategy
+
+__all__ = ["AutoStrategy"]
+
+logger = logging.getLogger(__name__)
+
+
+def _kernel_for(spec: PoolSpec, layout: Layout, options: dict[str, Any]) -> tuple[Strategy | None, str]:
+    from ..registry import default_registry
+
+    res, rejected = default_registry().try_resolve(spec, layout.name, "kernel", options=options or None)
+    if res is None:
+        why = "; ".join(f"{n}: {w}" for n, w in rejected) or f"no kernel strategy is registered for {layout.name!r}"
+        return None, why
+    return res.strategy, res.info.name
+
+
+class AutoStrategy:
+    """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
+
+    :param staging: passed to :class:`DirectStrategy`.
+    :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
+    """
+
+    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, **kernel_options: Any) -> None:
+        self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes)
+        self._kernel_options = kernel_options
+        self.direct: DirectStrategy | None = None
+        self.kernel: Strategy | None = None
+        self.kernel_name = ""
+        self.calibration: Calibration | None = None
+
+    def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        direct = self._direct_factory()
+        why_direct = direct.supports(spec, layout)
+        kernel, why_kernel = _kernel_for(spec, layout, self._kernel_options)
+        if why_direct is not None and kernel is None:
+            return f"neither candidate serves: direct: {why_direct}; kernel: {why_kernel}"
+        self.direct = direct if why_direct is None else None
+        self.kernel = kernel
+        self.kernel_name = why_kernel if kernel is not None else ""
+        return None
+
+    def prepare(self, binding: PoolBinding) -> None:
+        if self.direct is None and self.kernel is None:
+            self.supports(binding.spec, binding.layout)
+        if self.direct is not None:
+            self.direct.prepare(binding)
+        if self.kernel is not None:
+            self.kernel.prepare(binding)
+        self.calibration = load_calibration(binding.device)
+        logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
+                     self.direct is not None, self.kernel_name or None, self.calibration)
+
+    def pick(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+             layer: int | None, *, to_host: bool) -> Strategy:
+        """The candidate that serves this call."""
+        if self.kernel is None:
+            assert self.direct is not None
+            return self.direct
+        if self.direct is None:
+            return self.kernel
+        sub = self.direct.submission(binding, host_indices, device_indices, layer)
+        assert self.calibration is not None
+        return self.direct if sub.mean_block >= self.calibration.min_block(to_host) else self.kernel
+
+    def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+               layer: int | None) -> None:
+        self.pick(binding, host_indices, device_indices, layer, to_host=True).backup(
+            binding, host_indices, device_indices, layer)
+
+    def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+             layer: int | None) -> None:
+        self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
+            binding, host_indices, device_indices, layer)

@@ -1,0 +1,191 @@
+"""The CUDA runtime the process already loaded, through ctypes: batched async copies of raw addresses.
+
+Descriptor arrays are passed as the data pointers of contiguous CPU int64
+tensors, so submitting ``n`` copies costs no per-element Python object.  The
+runtime is the one torch loaded (found in ``/proc/self/maps``), so streams and
+the primary context are shared with torch; no ``cuda-bindings`` needed.
+
+``cudaMemcpyBatchAsync`` changed signature in CUDA 13 (the ``failIdx``
+argument was removed); the signature is chosen from ``cudaRuntimeGetVersion``.
+Where the batch entry point is missing (CUDA < 12.8) copies go one
+``cudaMemcpyAsync`` per descriptor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import logging
+import os
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD"]
+
+logger = logging.getLogger(__name__)
+
+#: ``cudaStreamPerThread``: a blocking stream, ordered with the legacy default stream.
+STREAM_PER_THREAD = 2
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing infers the direction)
+_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+_BATCH_CHUNK = 1 << 20  # descriptors per runtime call; bounds the runtime's own copy of the arrays
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``struct cudaMemcpyAttributes`` (identical in CUDA 12.8 and 13.x headers)."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_uint),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+def _loaded_cudart_paths() -> list[str]:
+    """Paths of every ``libcudart`` mapped into this process (torch's own first)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line and "/" in line}
+    except OSError:
+        return []
+    return sorted(paths)
+
+
+def _candidate_paths() -> list[str]:
+    out = _loaded_cudart_paths()
+    found = ctypes.util.find_library("cudart")
+    if found:
+        out.append(found)
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    out += sorted(glob.glob(os.path.join(torch_lib, "libcudart*.so*")))
+    return out
+
+
+class CudaRuntime:
+    """Thin typed wrapper over the few runtime calls the copy engine path needs."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._lib = lib
+        ver = ctypes.c_int(0)
+        lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaRuntimeGetVersion(ctypes.byref(ver))
+        self.version = int(ver.value)
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
+        lib.cudaMemcpyAsync.restype = ctypes.c_int
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
+        if self._batch is not None:
+            if self.version >= 13000:
+                self._batch.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp]
+            else:  # 12.8/12.9: ..., size_t numAttrs, size_t* failIdx, cudaStream_t
+                self._batch.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp, vp]
+            self._batch.restype = ctypes.c_int
+        self._attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
+        self._attr_idx = (ctypes.c_size_t * 1)(0)
+        self._fail_idx = threading.local()
+
+    @property
+    def has_batch(self) -> bool:
+        """Whether ``cudaMemcpyBatchAsync`` is available (CUDA runtime >= 12.8)."""
+        return self._batch is not None
+
+    def error_string(self, code: int) -> str:
+        msg = self._lib.cudaGetErrorString(code)
+        return msg.decode() if msg else f"cudaError {code}"
+
+    def _raise(self, call: str, code: int) -> None:
+        raise RuntimeError(f"{call} failed: {self.error_string(code)} (cudaError {code}); nothing further was submitted")
+
+    def copy_batch(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
+        """Enqueue ``sizes[i]`` bytes ``srcs[i] -> dsts[i]`` on ``stream``.
+
+        :param dsts: contiguous CPU int64 tensor of destination addresses.
+        :param srcs: same, source addresses.
+        :param sizes: same, byte counts (all > 0).
+        :param stream: a ``cudaStream_t`` value; the legacy stream (0) is
+            replaced by the per-thread default stream, which the batch API
+            accepts and which is ordered with the legacy stream.
+        """
+        n = int(dsts.numel())
+        if n == 0:
+            return
+        if self._batch is None:
+            self._copy_each(dsts, srcs, sizes, stream)
+            return
+        stream = stream or STREAM_PER_THREAD
+        d, s, z = dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr()
+        for start in range(0, n, _BATCH_CHUNK):
+            count = min(_BATCH_CHUNK, n - start)
+            off = start * 8
+            if self.version >= 13000:
+                err = self._batch(d + off, s + off, z + off, count, ctypes.byref(self._attrs), self._attr_idx, 1, stream)
+            else:
+                fail = getattr(self._fail_idx, "v", None)
+                if fail is None:
+                    fail = self._fail_idx.v = ctypes.c_size_t(0)
+                err = self._batch(d + off, s + off, z + off, count, ctypes.byref(self._attrs), self._attr_idx, 1,
+                                  ctypes.byref(fail), stream)
+            if err:
+                self._raise("cudaMemcpyBatchAsync", err)
+
+    def _copy_each(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
+        for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            err = self._lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream)
+            if err:
+                self._raise("cudaMemcpyAsync", err)
+
+
+_lock = threading.Lock()
+_runtime: Optional[CudaRuntime] = None
+_failure: Optional[str] = None
+
+
+def _load() -> None:
+    global _runtime, _failure
+    if not torch.cuda.is_available():
+        _failure = "CUDA is not available to torch"
+        return
+    torch.cuda.init()  # make torch load its runtime so /proc/self/maps shows it
+    errors = []
+    for path in _candidate_paths():
+        try:
+            lib = ctypes.CDLL(path)
+            rt = CudaRuntime(lib, path)
+        except (OSError, AttributeError) as exc:
+            errors.append(f"{path}: {exc}")
+            continue
+        _runtime = rt
+        logger.debug("hicache copy engine: %s (runtime %d, batch=%s)", path, rt.version, rt.has_batch)
+        return
+    _failure = "no usable libcudart found in this process or next to torch" + (f" ({'; '.join(errors)})" if errors else "")
+
+
+def runtime() -> CudaRuntime:
+    """The process's CUDA runtime (loaded once); raises ``RuntimeError`` naming why not."""
+    if _runtime is None and _failure is None:
+        with _lock:
+            if _runtime is None and _failure is None:
+                _load()
+    if _runtime is None:
+        raise RuntimeError(f"the copy engine path needs the CUDA runtime: {_failure}")
+    return _runtime
+
+
+def runtime_unavailable_reason() -> str | None:
+    """``None`` when :func:`runtime` works, else why not (one line)."""
+    try:
+        runtime()
+    except RuntimeError as exc:
+        return str(exc)
+    return None

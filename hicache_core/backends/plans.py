@@ -1,0 +1,208 @@
+"""Copy plans of the ``direct`` backend: descriptor arrays per pair of index tensors, memoised.
+
+A :class:`Plan` holds everything one ``(host_indices, device_indices)`` pair
+needs: the indices on the CPU (range-checked once), the coalesced runs of
+every segment, and a :class:`Submission` per layer selection, built on first
+use.  A :class:`PlanCache` keeps the last few plans of a pool; a hit needs the
+same tensor objects with unchanged version counters on the same stream, so
+the per-layer calls of a batch share one plan.  Tensors changed behind torch's
+back (a NumPy view) are not seen: pass new tensors then.  Tensors without a
+version counter (inference mode) are never memoised.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..binding import BoundSegment, PoolBinding
+from ..errors import IndexRangeError
+from ..validate import tensor_version
+from .common import as_long
+
+if TYPE_CHECKING:
+    from .staging import StagedRoute
+
+__all__ = ["coalesce", "Submission", "Plan", "PlanCache", "MEMO_SLOTS"]
+
+#: Plans kept per pool (an engine's backup and load threads each hold one pair).
+MEMO_SLOTS = 8
+#: ``auto`` staging: stage when plain runs average below this many bytes ...
+STAGE_BELOW = 64 * 1024
+#: ... and staging makes the copy engine's blocks at least this many times larger.
+STAGE_GAIN = 2
+
+
+def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge equal-size copies ``src[k] -> dst[k]`` (byte offsets, in order) into maximal runs.
+
+    Returns ``(dst_starts, src_starts, lengths)``.
+    """
+    if dst.numel() == 0:
+        return dst, src, dst
+    brk = torch.ones_like(dst, dtype=torch.bool)
+    brk[1:] = (dst[1:] - dst[:-1] != nbytes) | (src[1:] - src[:-1] != nbytes)
+    starts = brk.nonzero().squeeze(1)
+    counts = torch.diff(starts, append=torch.tensor([dst.numel()]))
+    return dst[starts], src[starts], counts * nbytes
+
+
+@dataclass
+class Submission:
+    """What one transfer submits: plain runs (``host``/``dev``/``lens``) or a staged route."""
+
+    host: torch.Tensor
+    dev: torch.Tensor
+    lens: torch.Tensor
+    staged: StagedRoute | None = None
+
+    @property
+    def count(self) -> int:
+        """Copy-engine descriptors per transfer."""
+        return self.staged.count if self.staged is not None else int(self.lens.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy engine moves per transfer."""
+        return self.staged.nbytes if self.staged is not None else int(self.lens.sum())
+
+    @property
+    def mean_block(self) -> float:
+        """Mean bytes per copy-engine descriptor (what decides copy-engine efficiency)."""
+        return self.nbytes / self.count if self.count else 0.0
+
+
+def _host_base(seg: BoundSegment, e: int) -> int:
+    a = seg.segment.addressing
+    return seg.host_flat.data_ptr() + a.offset + seg.host_layers[e] * a.layer
+
+
+class Plan:
+    """Descriptor arrays for one pair of index tensors, per layer selection."""
+
+    def __init__(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 staging: str, staging_bytes: int) -> None:
+        self.binding = binding
+        self.h = as_long(host_indices, "cpu")
+        self.d = as_long(device_indices, "cpu")
+        rows, cap = binding.device_rows, binding.spec.capacity
+        if self.h.numel() and (int(self.h.min()) < 0 or int(self.h.max()) >= cap
+                               or int(self.d.min()) < 0 or int(self.d.max()) >= rows):
+            raise IndexRangeError(
+                f"direct: host_indices must lie in 0..{cap - 1} and device_indices in 0..{rows - 1}; nothing was copied"
+            )
+        # the device copy the staged relayout indexes with (made on the caller's stream)
+        on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
+        self._d_dev: torch.Tensor | None = device_indices.to(torch.int64) if on_dev else None
+        self.staging, self.staging_bytes = staging, staging_bytes
+        self._runs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+        self._subs: dict[int | None, Submission] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def d_dev(self) -> torch.Tensor:
+        if self._d_dev is None:
+            self._d_dev = self.d.to(self.binding.device)
+        return self._d_dev
+
+    def submission(self, layer: int | None) -> Submission:
+        sub = self._subs.get(layer)
+        if sub is None:
+            with self._lock:
+                sub = self._subs.get(layer)
+                if sub is None:
+                    sub = self._build(layer)
+                    self._subs[layer] = sub
+        return sub
+
+    # -- plain runs -------------------------------------------------------------------
+    def _seg_runs(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (si, stride)
+        runs = self._runs.get(key)
+        if runs is None:
+            a = seg.segment.addressing
+            ps = self.binding.spec.page_size
+            chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
+            host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
+            dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
+            runs = self._runs[key] = coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
+        return runs
+
+    def _table(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
+        """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry."""
+        key = (si, stride)
+        table = self._tables.get(key)
+        if table is None:
+            group = [e for e in range(len(seg.device_layers)) if seg.dev_strides[e] == stride]
+            hr, dr, n = self._seg_runs(si, seg, stride)
+            hb = torch.tensor([_host_base(seg, e) for e in group], dtype=torch.int64)
+            db = torch.tensor([seg.dev_ptrs[e] for e in group], dtype=torch.int64)
+            table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n,
+                                         {e: i for i, e in enumerate(group)})
+        return table
+
+    def _plain(self, layer: int | None) -> Submission:
+        """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
+        burst of per-layer calls builds the tables once and then only picks rows."""
+        hosts, devs, lens = [], [], []
+        for si, seg in enumerate(self.binding.segments):
+            entries = seg.entries(layer)
+            for stride in sorted({seg.dev_strides[e] for e in entries}):
+                hm, dm, n, row = self._table(si, seg, stride)
+                rows = [row[e] for e in entries if seg.dev_strides[e] == stride]
+                if len(rows) == hm.shape[0]:
+                    hosts.append(hm.reshape(-1)); devs.append(dm.reshape(-1)); lens.append(n.repeat(len(rows)))
+                else:
+                    for r in rows:
+                        hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
+        if not hosts:
+            empty = torch.empty(0, dtype=torch.int64)
+            return Submission(empty, empty, empty)
+        if len(hosts) == 1:
+            return Submission(hosts[0], devs[0], lens[0])
+        return Submission(torch.cat(hosts), torch.cat(devs), torch.cat(lens))
+
+    def _build(self, layer: int | None) -> Submission:
+        plain = self._plain(layer)
+        if self.staging == "never" or self.h.numel() == 0:
+            return plain
+        if self.staging == "auto" and (plain.mean_block >= STAGE_BELOW or plain.count == 0):
+            return plain
+        from .staging import StagedRoute
+
+        route = StagedRoute.build(self.binding, self.h, lambda: self.d_dev, layer, self.staging_bytes)
+        if route is None:
+            return plain
+        staged = Submission(plain.host, plain.dev, plain.lens, route)
+        if self.staging == "auto" and staged.mean_block < STAGE_GAIN * plain.mean_block:
+            return plain
+        return staged
+
+
+class PlanCache:
+    """The last :data:`MEMO_SLOTS` plans of one pool, keyed by index tensors, versions and stream."""
+
+    def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int) -> None:
+        self.binding = binding
+        self.staging, self.staging_bytes = staging, staging_bytes
+        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
+        self._lock = threading.Lock()
+
+    def get(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan:
+        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
+        memo = hv is not None and dv is not None
+        if memo:
+            with self._lock:
+                for h, hv0, d, dv0, s, plan in self._slots:
+                    if h is host_indices and d is device_indices and hv0 == hv and dv0 == dv and s == stream:
+                        return plan
+        plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes)
+        if memo:
+            with self._lock:
+                self._slots.insert(0, (host_indices, hv, device_indices, dv, stream, plan))  # type: ignore[arg-type]
+                del self._slots[MEMO_SLOTS:]
+        return plan

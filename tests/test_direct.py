@@ -1,0 +1,112 @@
+"""The copy-engine ``direct`` backend: both routes bit-exact on every layout, plan memos, options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
+from hicache_core.backends.direct import DirectStrategy
+from hicache_core.backends.plans import Plan
+from hicache_core.backends.staging import page_image
+from hicache_core.errors import IndexRangeError, SpecError
+from hicache_core.testing.conformance import CASES, check_strategy
+
+REG = create_registry()
+LAYOUTS = sorted(REG.layouts)
+FAST_CASES = [c for c in CASES if c.id in (
+    "mla576-bf16-ps16-strided", "mla576-bf16-ps64-splitdev", "mla576-fp8-ps16-sharded5of2r1",
+    "mla576-bf16-ps4-sharded5of2r1-padded-drafts", "mla-dsa-extra-ps4", "mha-bf16-ps16-vdim-strided",
+    "mha-fp32-ps64-sharded3of2r0", "mha-fp16-ps128-drafts", "mla576-bf16-ps1")]
+
+
+def _served(case, layout: str) -> bool:
+    spec = case.build(torch.device("cpu"))
+    return REG.try_resolve(spec, layout, "direct")[0] is not None
+
+
+@pytest.mark.parametrize("staging", ["always", "never", "auto"])
+@pytest.mark.parametrize("chunk", ["one-page", "default"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=[c.id for c in FAST_CASES])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_both_routes(monkeypatch, layout, case, staging, chunk):
+    if not _served(case, layout):
+        pytest.skip(f"{layout} does not hold {case.id}")
+    monkeypatch.setenv("HICACHE_DIRECT_STAGING", staging)
+    if chunk == "one-page":
+        monkeypatch.setenv("HICACHE_STAGING_BYTES", "1")  # one page per chunk: the chunk loop runs
+    for variant in ("shuffled-i64", "reversed-i64-dev", "one-page-i32"):
+        check_strategy(REG, case, layout, "direct", variant=variant, strategy="core.direct")
+    check_strategy(REG, case, layout, "direct", strategy="core.direct", per_layer_backup=True)
+
+
+def _mla_pool(layout: str, *, staging: str, ps: int = 16, layers: int = 4, pages: int = 8) -> HostKVPool:
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages)
+    dev = {"kv": [torch.zeros(ps * pages, 1, 576, dtype=torch.bfloat16) for _ in range(layers)]}
+    return HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": staging})
+
+
+def _submission(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None):
+    assert isinstance(pool.strategy, DirectStrategy)
+    return pool.strategy.submission(pool.binding, h, d, layer)
+
+
+@pytest.mark.parametrize("layout", [x for x in ("page_first", "page_first_direct", "layer_first") if x in LAYOUTS])
+def test_auto_stages_only_where_blocks_grow(layout):
+    pool = _mla_pool(layout, staging="auto", ps=64, pages=4)
+    h = torch.arange(128, 192)  # one page
+    d = torch.arange(64, 128)
+    sub = _submission(pool, h, d, None)
+    if layout == "page_first":
+        # token-major host: plain runs are one 1152-byte row; a staged page is 64 tokens x 4 layers x 1152 bytes
+        assert sub.staged is not None and sub.mean_block == 64 * 4 * 1152
+    else:
+        # page-contiguous per layer on both sides: plain runs are already 73.7 KB pages, nothing to gain
+        assert sub.staged is None and sub.mean_block == 64 * 1152
+    assert sub.nbytes == 64 * 4 * 1152
+    layer = _submission(pool, h, d, 2)
+    assert layer.staged is None and layer.nbytes == 64 * 1152  # one layer of page_first: staging cannot grow rows
+
+
+def test_plan_memo_follows_tensor_identity_and_version():
+    pool = _mla_pool(LAYOUTS[0], staging="never")
+    h, d = torch.arange(16), torch.arange(16)
+    first = _submission(pool, h, d, 1)
+    assert _submission(pool, h, d, 1) is first
+    assert _submission(pool, h.clone(), d, 1) is not first  # another tensor object
+    d.add_(16)  # in place: version counter moves
+    again = _submission(pool, h, d, 1)
+    assert again is not first and int(again.dev[0] - first.dev[0]) == 16 * 1152
+    with torch.inference_mode():
+        hi, di = torch.arange(16), torch.arange(16)
+    assert _submission(pool, hi, di, 1) is not _submission(pool, hi, di, 1)  # never memoised
+
+
+def test_plan_range_checks_device_values():
+    pool = _mla_pool(LAYOUTS[0], staging="never")
+    with pytest.raises(IndexRangeError, match="device_indices in 0..127; nothing was copied"):
+        Plan(pool.binding, torch.arange(16), torch.arange(120, 136), "never", 1)
+
+
+@pytest.mark.parametrize("bad", [{"staging": "sometimes"}, {"staging_bytes": 0}, {"staging_bytes": "1MB"}])
+def test_bad_options_raise_spec_error(bad):
+    with pytest.raises(SpecError, match="direct staging"):
+        DirectStrategy(**bad)
+
+
+def test_bad_env_raises_spec_error(monkeypatch):
+    monkeypatch.setenv("HICACHE_STAGING_BYTES", "lots")
+    with pytest.raises(SpecError, match="HICACHE_STAGING_BYTES='lots'"):
+        DirectStrategy()
+
+
+@pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
+def test_page_image_merges_owned_layers_only():
+    pool = _mla_pool("page_first", staging="always", ps=4, layers=4, pages=2)
+    seg = pool.binding.segments[0]
+    starts, lens = page_image(seg, [0, 1, 2, 3], 4)
+    assert starts.tolist() == [0] and lens.tolist() == [4 * 4 * 1152]  # the whole page, one block
+    starts, lens = page_image(seg, [1], 4)  # one layer of a token-major page: one row per token
+    assert starts.tolist() == [1152 + t * 4 * 1152 for t in range(4)] and lens.tolist() == [1152] * 4
