@@ -59,7 +59,11 @@ SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
 #: measurement would take minutes per configuration (small pages), so it is skipped.
 MAX_DIRECT_COPIES = 200_000
 
-OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers")
+OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst")
+#: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps).
+GEMM_OPS = ("backup_all_layers", "load_burst")
+#: ``direct`` variants: strategy options per label (``--direct-variants``).
+DIRECT_VARIANTS = {"auto": {"staging": "auto"}, "never": {"staging": "never"}, "always": {"staging": "always"}}
 
 
 @dataclass
@@ -79,6 +83,8 @@ class BenchRow:
     ratio: float
     host_us: float
     gemm_slowdown: float | None = None
+    variant: str = ""
+    served_by: str = ""
 
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
@@ -104,6 +110,27 @@ def _host_us(fn: Callable[[], object], reps: int) -> float:
         times.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def _burst_host_us(calls: list[Callable[[], object]], reps: int) -> float:
+    """Median host time of one call inside back-to-back bursts (no synchronisation between calls)."""
+    times = []
+    for _ in range(reps):
+        for fn in calls:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None, to_host: bool) -> str:
+    """For ``auto``: the candidate serving this call; else the pool's strategy."""
+    pick = getattr(pool.strategy, "pick", None)
+    if pick is None:
+        return pool.strategy_name
+    chosen = pick(pool.binding, h, d, layer, to_host=to_host)
+    return "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
 
 
 class _Memcpy:
@@ -204,6 +231,15 @@ def _targets(reg: Registry, spec: PoolSpec, layouts: Iterable[str] | None, backe
     return out
 
 
+def _configs(backend: str, programs: list[int | None], direct_variants: list[str]) -> list[tuple[str, dict[str, Any] | None]]:
+    """(variant label, strategy options) to measure for one backend."""
+    if backend == "kernel":
+        return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
+    if backend == "direct":
+        return [(f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
+    return [("", None)]
+
+
 def run_bench(
     *,
     shapes: list[str],
@@ -215,6 +251,7 @@ def run_bench(
     ops: list[str] = OPS,  # type: ignore[assignment]
     reps: int = 20,
     gemm: bool = False,
+    direct_variants: list[str] = ("auto",),  # type: ignore[assignment]
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
     sink: Callable[[BenchRow], None] | None = None,
@@ -242,35 +279,42 @@ def run_bench(
                         continue
                     plan = reg.layout(layout).plan(spec)
                     host = allocate_host_buffers(plan, pin_memory=True)
-                    budgets = programs if backend == "kernel" else [None]
-                    for budget in budgets:
-                        opts = {"programs": budget} if budget is not None else None
+                    for variant, opts in _configs(backend, programs, list(direct_variants)):
+                        budget = opts.get("programs") if opts else None
                         pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name,
                                           strategy_options=opts, registry=reg, validate="shapes")
                         _check(pool, dev, h, s, d)
-                        layer0 = spec.layer_map.device_layers[len(spec.layer_map.device_layers) // 2]
-                        per_layer = spec.bytes_per_token // len(spec.layer_map.device_layers) * n
-                        calls: dict[str, tuple[Callable[[], Any], int, bool]] = {
-                            "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True),
-                            "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True),
-                            "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False),
-                            "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False),
+                        owned = spec.layer_map.device_layers
+                        layer0 = owned[len(owned) // 2]
+                        per_layer = spec.bytes_per_token // len(owned) * n
+                        burst = [lambda lay=lay: pool.load_layer(lay, h, d) for lay in owned]
+                        calls: dict[str, tuple[Callable[[], Any], int, bool, int | None]] = {
+                            "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True, None),
+                            "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True, layer0),
+                            "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False, layer0),
+                            "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False, None),
+                            "load_burst": (lambda: [f() for f in burst], spec.bytes_per_token * n, False, layer0),
                         }
                         for op in ops:
-                            fn, nbytes, to_host = calls[op]
+                            fn, nbytes, to_host, lay = calls[op]
                             ms = _median_ms(fn, reps)
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
-                            slow = _gemm_slowdown(fn) if gemm and op == "backup_all_layers" else None
+                            slow = _gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
+                            host_us = (_burst_host_us(burst, max(3, reps // 4)) if op == "load_burst"
+                                       else _host_us(fn, max(5, reps // 2)))
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
-                                           gbps / base, _host_us(fn, max(5, reps // 2)), slow)
+                                           gbps / base, host_us, slow, variant,
+                                           _served_by(pool, h, s if to_host else d, lay, to_host))
                             rows.append(row)
                             if sink:
                                 sink(row)
                             if progress:
-                                progress(f"{shape} {layout}/{backend} ps={ps} n={n} P={budget} {op}: "
+                                progress(f"{shape} {layout}/{backend} {variant} ps={ps} n={n} {op}: "
                                          f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
-                                         + (f" gemm +{slow * 100:.1f}%" if slow is not None else ""))
+                                         + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
+                                         + (f" via {row.served_by}" if backend == "auto" else ""))
+                        del pool
                     del host
                 del dev
     return rows
@@ -321,10 +365,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--page-sizes", default="1,64")
     p.add_argument("--programs", default="4,8,16,0", help="SM budgets for kernel strategies; 0 = strategy default")
     p.add_argument("--layouts", default="", help="comma list (default: all installed)")
-    p.add_argument("--io-backends", default="kernel,direct")
+    p.add_argument("--io-backends", default="kernel,direct,auto")
+    p.add_argument("--direct-variants", default="auto", help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)}")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--gemm", action="store_true", help="measure GEMM slowdown during backup_all_layers")
+    p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
     p.add_argument("--plot-only", default="", help="render the plot of an existing bench.json and exit")
     p.set_defaults(func=_cmd)
 
@@ -364,6 +409,7 @@ def _cmd(args: argparse.Namespace) -> int:
         shapes=args.shapes.split(","), tokens=_ints(args.tokens), page_sizes=_ints(args.page_sizes),
         programs=[p or None for p in _ints(args.programs)], layouts=[x for x in args.layouts.split(",") if x] or None,
         backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
+        direct_variants=args.direct_variants.split(","),
         progress=progress, sink=sink,
     )
     plot(done, os.path.join(args.out, "bench.png"))

@@ -511,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
         from . import bench
 
         bench.add_parser(sub)
+    from . import calibration
+
+    calibration.add_parser(sub)
     return parser
 
 
