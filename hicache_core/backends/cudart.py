@@ -31,7 +31,12 @@ logger = logging.getLogger(__name__)
 STREAM_PER_THREAD = 2
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault (unified addressing infers the direction)
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
-_BATCH_CHUNK = 1 << 20  # descriptors per runtime call; bounds the runtime's own copy of the arrays
+#: Descriptors per runtime call.  The runtime starts copying only when a call returns, so one
+#: huge batch leaves the link idle while the host submits (~0.5 us per descriptor on an H200:
+#: 2 ms for the 3904 pages of a 61-layer backup, 0.72 of memcpy).  A small first call starts the
+#: copy engine within microseconds; later calls grow, so the host stays ahead of the link.
+_FIRST_CHUNK = 16
+_MAX_CHUNK = 512
 
 
 class _MemLocation(ctypes.Structure):
@@ -125,9 +130,12 @@ class CudaRuntime:
             return
         stream = stream or STREAM_PER_THREAD
         d, s, z = dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr()
-        for start in range(0, n, _BATCH_CHUNK):
-            count = min(_BATCH_CHUNK, n - start)
+        start, chunk = 0, _FIRST_CHUNK
+        while start < n:
+            count = min(chunk, n - start)
             off = start * 8
+            start += count
+            chunk = min(_MAX_CHUNK, chunk * 4)
             if self.version >= 13000:
                 err = self._batch(d + off, s + off, z + off, count, ctypes.byref(self._attrs), self._attr_idx, 1, stream)
             else:

@@ -42,7 +42,7 @@ __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ST
 #: ``auto`` (default: staged where it gives the copy engine larger blocks), ``always``
 #: (wherever whole pages allow it) or ``never``.
 ENV_STAGING = "HICACHE_DIRECT_STAGING"
-#: Bytes of device staging per stream (default 256 MiB); larger calls go in chunks.
+#: Bytes of device staging per stream (default 128 MiB, two halves); larger calls go in chunks.
 ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
 STAGING_MODES = ("auto", "always", "never")
 
@@ -64,7 +64,7 @@ class DirectStrategy(DirectionalStrategy):
             try:
                 staging_bytes = int(raw) if raw else DEFAULT_STAGING_BYTES
             except ValueError:
-                raise SpecError(f"{ENV_STAGING_BYTES}={raw!r}: give a byte count, e.g. 268435456") from None
+                raise SpecError(f"{ENV_STAGING_BYTES}={raw!r}: give a byte count, e.g. 134217728") from None
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
             raise SpecError(f"direct staging_bytes={staging_bytes!r}: give a positive byte count")
         self.staging_bytes = staging_bytes
@@ -99,5 +99,4 @@ class DirectStrategy(DirectionalStrategy):
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
             copier.copy(dst, src, sub.lens, stream)
             return
-        buffers: StagingBuffers = binding.scratch["direct.staging"]
-        sub.staged.run(binding, copier, buffers.get(stream, sub.staged.chunk_bytes), stream, to_host=to_host)
+        sub.staged.run(binding, copier, binding.scratch["direct.staging"], stream, to_host=to_host)

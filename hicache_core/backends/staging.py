@@ -13,8 +13,11 @@ byte touched), so that:
 * load: the copy engine moves the blocks into the image; per layer the rows
   are scattered from it to the device rows.
 
-Everything is enqueued on one stream, chunk after chunk, so the staging
-buffer (bounded by ``staging_bytes``) is reused safely.  The route exists only
+On CUDA the staging buffer (``staging_bytes``) is split in two halves and
+the relayout runs on a side stream, so the relayout of one chunk overlaps the
+copy-engine transfer of the previous one; events order every reuse of a half,
+and the caller's stream waits for the side stream before anything after the
+transfer runs.  On the CPU the chunks run one after the other.  The route exists only
 when the host indices are whole, aligned pages (as the allocator hands them
 out); otherwise ``direct`` uses plain runs.
 """
@@ -34,9 +37,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StagedRoute", "StagingBuffers", "page_image", "DEFAULT_STAGING_BYTES"]
 
-#: Device staging per stream.  256 MiB holds the whole all-layer image of 4096 MLA
-#: tokens (61 x 576 bf16 = 288 MB) in two chunks.
-DEFAULT_STAGING_BYTES = 256 << 20
+#: Device staging per stream: two 64 MiB halves, so a 288 MB all-layer MLA backup
+#: (61 x 576 bf16, 4096 tokens) runs in 5 pipelined chunks.
+DEFAULT_STAGING_BYTES = 128 << 20
 
 
 def page_image(seg: BoundSegment, host_layers: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +83,7 @@ class StagedRoute:
         self._d_dev = d_dev
         self.images = images
         per_page = sum(im.span for im in images)
-        self.chunk_pages = max(1, min(int(pages.numel()), staging_bytes // per_page))
+        self.chunk_pages = max(1, min(int(pages.numel()), staging_bytes // 2 // per_page))
         self.chunk_bytes = self.chunk_pages * per_page
         self.count = int(pages.numel()) * sum(int(im.lens.numel()) for im in images)
         self.nbytes = int(pages.numel()) * sum(int(im.lens.sum()) for im in images)
@@ -121,24 +124,69 @@ class StagedRoute:
             return None
         return cls(binding, pages, d_dev, images, staging_bytes)
 
-    def run(self, binding: PoolBinding, copier: BatchCopier, staging: torch.Tensor, stream: int, *, to_host: bool) -> None:
-        """Enqueue the whole transfer, chunk by chunk, on the current stream."""
-        ps = binding.spec.page_size
+    def _chunk(self, p0: int, p1: int, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host addresses, image addresses (image at ``base``) and lengths of pages ``p0:p1``."""
+        return (self._host[p0:p1].reshape(-1), (self._rel[p0:p1] + base).reshape(-1), self._lens[p0:p1].reshape(-1))
+
+    def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
+        """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
+        if binding.device.type != "cuda":
+            self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
+            return
+        self._run_pipelined(copier, buffers, stream, to_host=to_host)
+
+    def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, *, to_host: bool) -> None:
+        ps = self.binding.spec.page_size
         n = int(self.pages.numel())
-        base = staging.data_ptr()
         d_dev = self._d_dev()
         for p0 in range(0, n, self.chunk_pages):
             p1 = min(n, p0 + self.chunk_pages)
+            host, img, lens = self._chunk(p0, p1, staging.data_ptr())
             rows = d_dev[p0 * ps : p1 * ps]
-            host = self._host[p0:p1].reshape(-1)
-            img = (self._rel[p0:p1] + base).reshape(-1)
-            lens = self._lens[p0:p1].reshape(-1)
             if to_host:
                 self._relayout(staging, rows, p1 - p0, to_image=True)
-                copier.copy(host, img, lens, stream)
+                copier.copy(host, img, lens)
             else:
-                copier.copy(img, host, lens, stream)
+                copier.copy(img, host, lens)
                 self._relayout(staging, rows, p1 - p0, to_image=False)
+
+    def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
+        ps = self.binding.spec.page_size
+        n = int(self.pages.numel())
+        device = self.binding.device
+        main = torch.cuda.current_stream(device)
+        side = buffers.side_stream(stream)
+        staging = buffers.get(stream, 2 * self.chunk_bytes)
+        halves = (staging[: self.chunk_bytes], staging[self.chunk_bytes : 2 * self.chunk_bytes])
+        d_dev = self._d_dev()
+        d_dev.record_stream(side)
+        staging.record_stream(side)
+        free: list[torch.cuda.Event | None] = [None, None]
+        side.wait_stream(main)  # rows written (backup) or indices made (load) by earlier work
+        for k, p0 in enumerate(range(0, n, self.chunk_pages)):
+            p1 = min(n, p0 + self.chunk_pages)
+            half = halves[k % 2]
+            host, img, lens = self._chunk(p0, p1, half.data_ptr())
+            rows = d_dev[p0 * ps : p1 * ps]
+            if to_host:
+                with torch.cuda.stream(side):
+                    if free[k % 2] is not None:
+                        side.wait_event(free[k % 2])  # the copy engine has read this half
+                    self._relayout(half, rows, p1 - p0, to_image=True)
+                    ready = side.record_event()
+                main.wait_event(ready)
+                copier.copy(host, img, lens, stream)
+                free[k % 2] = main.record_event()
+            else:
+                if free[k % 2] is not None:
+                    main.wait_event(free[k % 2])  # the scatter has read this half
+                copier.copy(img, host, lens, stream)
+                landed = main.record_event()
+                with torch.cuda.stream(side):
+                    side.wait_event(landed)
+                    self._relayout(half, rows, p1 - p0, to_image=False)
+                    free[k % 2] = side.record_event()
+        main.wait_stream(side)
 
     def _relayout(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, *, to_image: bool) -> None:
         ps = self.binding.spec.page_size
@@ -151,23 +199,34 @@ class StagedRoute:
                 view = staging.as_strided((npages, ps, nch, cb), (im.span, a.token, a.chunk_stride or cb, 1), start)
                 dev = im.seg.device_rows[e]
                 if to_image:
-                    view.copy_(dev[rows].view(npages, ps, nch, cb))
+                    view.copy_(torch.index_select(dev, 0, rows).view(npages, ps, nch, cb))
                 else:
-                    dev[rows] = view.reshape(npages * ps, im.seg.width)
+                    dev.index_copy_(0, rows, view.reshape(npages * ps, im.seg.width))
             region += self.chunk_pages * im.span
 
 
 class StagingBuffers:
-    """One staging buffer per stream of a pool, grown on demand (never shared across streams)."""
+    """One staging buffer and one side stream per caller stream of a pool, grown on demand."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffers: dict[int, torch.Tensor] = {}
+        self._sides: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
+
+    def side_stream(self, stream: int) -> torch.cuda.Stream:
+        """The relayout stream paired with the caller's stream ``stream``."""
+        with self._lock:
+            side = self._sides.get(stream)
+            if side is None:
+                side = self._sides[stream] = torch.cuda.Stream(self.device)
+            return side
 
     def get(self, stream: int, nbytes: int) -> torch.Tensor:
         with self._lock:
             buf = self._buffers.get(stream)
             if buf is None or buf.numel() < nbytes:
+                if buf is not None and self.device.type == "cuda":
+                    buf.record_stream(self.side_stream(stream))  # a pending relayout may still read it
                 buf = self._buffers[stream] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return buf
