@@ -316,19 +316,21 @@ def main(argv: list[str] | None = None) -> int:
     if len(gpus) < 2 or max(gpus) >= have:
         print(f"two_gpu: needs the GPUs {gpus} (at least two); this machine has {have}", file=sys.stderr)
         return 2
-    registered = set(create_registry().io_backends)
-    backends = [b for b in args.io_backends.split(",") if b in registered]
-    left_out = [b for b in args.io_backends.split(",") if b and b not in registered]
+    reg = create_registry()
+    backends = [b for b in args.io_backends.split(",") if b in reg.io_backends]
+    left_out = [b for b in args.io_backends.split(",") if b and b not in reg.io_backends]
+    layouts = [x for x in args.layouts.split(",") if x in reg.layouts]
+    left_out += [x for x in args.layouts.split(",") if x and x not in reg.layouts]
     topo = topology()
     cpus = cpu_affinity(topo["topo"], gpus) if args.bind == "topo" else {}
     names = [torch.cuda.get_device_name(g) for g in gpus]
     meta = dict(shape=SHAPE, page_size=args.page_size, tokens=_ints(args.tokens), gpus=gpus, gpu_names=names,
                 gpus_desc=f"{len(gpus)} x {names[0]}", torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
-                argv=sys.argv[1:], backends=backends, backends_not_registered=left_out,
-                layouts=[x for x in args.layouts.split(",") if x], seconds=args.seconds, indices="on the GPU",
+                argv=sys.argv[1:], backends=backends, not_installed=left_out,
+                layouts=layouts, seconds=args.seconds, indices="on the GPU",
                 cpu_binding={str(g): f"{c[0]}..{c[-1]} ({len(c)} CPUs)" for g, c in cpus.items()} or "none")
     print("nvidia-smi topo -m:\n" + topo["topo"] + "\n\n" + topo["links"] + "\n", flush=True)
-    print(f"backends {backends} (not registered: {left_out}); CPU binding {meta['cpu_binding']}", flush=True)
+    print(f"layouts {layouts}, backends {backends} (not installed: {left_out}); CPU binding {meta['cpu_binding']}", flush=True)
     cfg = dict(tokens=meta["tokens"], page_size=args.page_size, layouts=meta["layouts"], backends=backends,
                seconds=args.seconds, workers=len(gpus), cpus={str(g): c for g, c in cpus.items()})
     ctx = mp.get_context("spawn")

@@ -27,5 +27,5 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$((275 - (SECONDS - t0))); [ $left -gt ${BENCH_TIMEOUT:-150} ] && left=${BENCH_TIMEOUT:-150}
   [ $left -lt 20 ] && left=20  # the benchmark keeps what it measured when its --timeout ends it
   timeout $((left + 15)) python3 benchmarks/two_gpu.py --out "$OUT" --timeout $left ${BENCH_ARGS:-} >"$OUT/two_gpu.log" 2>&1
-  echo "two_gpu rc=$? ($((SECONDS - t0)) s in all)"; grep -v "^GPU[0-9]" "$OUT/two_gpu.log" | tail -60
+  echo "two_gpu rc=$? ($((SECONDS - t0)) s in all)"; grep -v "^GPU[0-9]" "$OUT/two_gpu.log" | tail -100
 fi
