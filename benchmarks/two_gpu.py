@@ -270,6 +270,11 @@ def _f(x: float | None, fmt: str = "{:.1f}") -> str:
 
 def markdown(per_gpu: list[dict[str, Any]], agg: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"### Two GPUs at once: {meta['shape']}, page {meta['page_size']}, {meta['gpus_desc']}", ""]
+    if "seconds" in meta:
+        bind = meta["cpu_binding"]
+        bind = ", ".join(f"GPU{g} CPUs {c}" for g, c in bind.items()) if isinstance(bind, dict) else bind
+        lines += [f"One process per GPU (CPU binding: {bind}), timed runs of ~{meta['seconds']} s "
+                  f"(CUDA events), index tensors {meta['indices']}, {meta['date']}, torch {meta['torch']}.", ""]
     lines += ["Per GPU (GB/s; ratio = that GPU's GB/s over its own pinned memcpy of the same bytes, same condition):", ""]
     lines += ["| tokens | op | layout | strategy | GPU | alone | both at once | memcpy alone | memcpy both | "
               "ratio alone | ratio both |", "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -22,6 +22,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   HICACHE_CP_TEST_TIMEOUT=${CP_TIMEOUT:-100} timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
     tests/gpu "$@" >"$OUT/gpu_two_tests.log" 2>&1
   echo "tests/gpu rc=$? ($((SECONDS - t0)) s so far)"; tail -25 "$OUT/gpu_two_tests.log"
+  # the copy engine's staged route on every layout (the variable selects it where the backend knows it)
+  { echo; echo "== HICACHE_DIRECT_STAGING=always: direct and auto off the current device =="
+    HICACHE_DIRECT_STAGING=always timeout 60 python3 -m pytest -q -p no:cacheprovider -rs \
+      tests/gpu/test_off_current_device.py -k "direct or auto"; echo "rc=$?"; } >>"$OUT/gpu_two_tests.log" 2>&1
+  tail -4 "$OUT/gpu_two_tests.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   left=$((275 - (SECONDS - t0))); [ $left -gt ${BENCH_TIMEOUT:-150} ] && left=${BENCH_TIMEOUT:-150}

@@ -17,8 +17,9 @@ from hicache_core.testing.conformance import CANARY, Case, clone_buffers, fill_c
 __all__ = ["GATE_SPINS", "StreamGate", "cuda_devices", "skip_reason", "strategy_targets", "current_on", "pick_rows",
            "rows_of", "resolve_or_skip", "gated_round_trip", "remove_guards"]
 
-#: Polls of the gate flag before the gate opens by itself (a safety net, ~10-30 s on an H200:
-#: only a transfer that synchronises the host with the gated stream would ever wait that long).
+#: Polls of the gate flag before the gate opens by itself: a safety net of several seconds (one
+#: poll is an L2 round trip, 0.1-1 us), against milliseconds between closing and opening it in a
+#: passing test; only a transfer that synchronises the host with the gated stream waits that long.
 GATE_SPINS = 30_000_000
 
 
@@ -195,9 +196,17 @@ def gated_round_trip(reg: Registry, case: Case, layout: str, backend: str, strat
     ref_dev = clone_buffers(dev)
     pool = HostKVPool(spec, layout, backend, dev, registry=reg, strategy=strategy, pin_memory=True, validate="shapes")
     ref = HostKVPool(spec, layout, "reference", ref_dev, registry=reg, strategy="core.reference", pin_memory=False)
+    h, src, dst = pick_rows(spec, gen)
+    layers = range(spec.layer_map.num_device_layers)
+    # Warm up ungated (kernels compile, plans are built): back up and load the source rows onto
+    # themselves, which leaves the device bytes as they were; the canaries are written afterwards.
+    pool.backup_all_layers(h, src)
+    for layer in layers:
+        pool.load_layer(layer, h, src)
+    for d in range(torch.cuda.device_count()):  # wherever the warm-up went, it is over (or has faulted)
+        torch.cuda.synchronize(d)
     fill_canary(pool)
     fill_canary(ref)
-    h, src, dst = pick_rows(spec, gen)
     ref.backup_all_layers(h, src)
     original, dst_before = rows_of(dev, src), rows_of(dev, dst)
     canary_page = torch.arange(spec.page_size)
@@ -205,7 +214,6 @@ def gated_round_trip(reg: Registry, case: Case, layout: str, backend: str, strat
     torch.cuda.synchronize(device)
     stream = torch.cuda.Stream(device)
     gate = StreamGate(stream)
-    layers = range(spec.layer_map.num_device_layers)
     with current_on(current, stream):
         gate.close()
         try:
