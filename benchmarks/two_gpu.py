@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             done.add(gpu)
     incomplete = len(done) < len(gpus)
     for p in procs:
-        p.join(timeout=5)
+        p.join(timeout=0.1 if incomplete else 10)
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
