@@ -7,7 +7,7 @@ import pkgutil
 import pytest
 import torch
 
-from hicache_core.integrations.sglang import HOOK_TARGETS, current_mode, load_plugin
+from hicache_core.integrations.sglang import HOOK_TARGETS, load_plugin
 from hicache_core.integrations.sglang.mode import stock_serves
 from helpers import same_bytes
 from test_transfers import make_pools, slots
@@ -51,15 +51,6 @@ def test_load_plugin_is_idempotent(sglang_hooks):
         assert _ours(sglang_hooks, target) == 1
         assert _attr(target) is wrapped[target]
         assert _attr(target).__wrapped__ is originals[target]
-
-
-@pytest.mark.parametrize("value,mode", [(None, "all"), ("gaps", "gaps"), ("OFF", "off"), ("bogus", "all")])
-def test_mode_switch(monkeypatch, value, mode):
-    if value is None:
-        monkeypatch.delenv("HICACHE_SGLANG", raising=False)
-    else:
-        monkeypatch.setenv("HICACHE_SGLANG", value)
-    assert current_mode() == mode
 
 
 def test_gaps_serves_only_stock_gaps_where_stock_kernels_exist():

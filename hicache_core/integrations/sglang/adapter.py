@@ -24,12 +24,9 @@ from ...pool import HostKVPool
 from ...registry import default_registry
 from ...spec import MLA, Component, LayerMap, PoolSpec
 
-__all__ = ["Unsupported", "Described", "Bridge", "pool_kind", "describe", "bridge_for", "IO_BACKENDS", "ENV_VALIDATE_DEFAULT"]
+__all__ = ["Unsupported", "Described", "Bridge", "pool_kind", "describe", "bridge_for", "ENV_VALIDATE_DEFAULT"]
 
 logger = logging.getLogger(__name__)
-
-#: SGLang io_backend -> hicache io_backend (exact keys: no fallback between them).
-IO_BACKENDS = {"kernel": "kernel", "direct": "direct"}
 
 #: Index validation for bridged pools unless ``HICACHE_VALIDATE`` says otherwise:
 #: CPU-resident indices are always checked; device-resident ones (kernel io)
@@ -236,30 +233,28 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         host_buffers = _reshape_host(plan.buffers, d.host_buffers)
         validate = os.environ.get("HICACHE_VALIDATE", ENV_VALIDATE_DEFAULT)
         bridge.described = d
-        bridge.pool = HostKVPool(d.spec, host.layout, IO_BACKENDS[io_backend], d.device_buffers,
+        bridge.pool = HostKVPool(d.spec, host.layout, io_backend, d.device_buffers,
                                  host_buffers=host_buffers, registry=reg, validate=validate)
-        logger.info("hicache: %s %s (layout=%s, io_backend=%s, sharded=%s) served by %s",
+        logger.info("hicache: %s %s (layout=%s, hicache io_backend=%s, sharded=%s) served by %s",
                     type(host).__qualname__, d.spec.describe(), host.layout, io_backend, d.spec.sharded,
                     bridge.pool.strategy_name)
     except (Unsupported, HicacheError) as exc:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.info("hicache: %s (layout=%s, io_backend=%s) left to SGLang: %s",
+        logger.info("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",
                     type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
     except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.warning("hicache: %s (layout=%s, io_backend=%s) left to SGLang after an unexpected error",
+        logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang after an unexpected error",
                        type(host).__qualname__, getattr(host, "layout", "?"), io_backend, exc_info=True)
     return bridge
 
 
 def bridge_for(host: Any, device_pool: Any, io_backend: str) -> Bridge:
-    """The cached :class:`Bridge` of ``host`` for ``device_pool`` and ``io_backend`` (built on first use).
+    """The cached :class:`Bridge` of ``host`` for ``device_pool`` and the hicache ``io_backend`` (built on first use).
 
     Cached on the SGLang object, keyed by the device pool's identity (``None``:
     the device tensors the host pool captured at construction).
     """
-    if io_backend not in IO_BACKENDS:
-        return Bridge(device_pool, reason=f"io_backend {io_backend!r} has no hicache counterpart")
     cache = host.__dict__.setdefault(_CACHE_ATTR, {})
     key = (id(device_pool), io_backend)
     hit = cache.get(key)

@@ -14,13 +14,15 @@ import torch
 
 from ...errors import TransferArgumentError
 from ...pool import HostKVPool
+from ...registry import default_registry
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
-from .mode import BACKUP, BACKUP_LAYER, LOAD, current_mode, stock_serves
+from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache_io_backend
 
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
 logger = logging.getLogger(__name__)
+_fell_back: set[tuple[str, str]] = set()
 
 
 def _sharded(host: Any, kind: str) -> bool:
@@ -31,6 +33,24 @@ def _sharded(host: Any, kind: str) -> bool:
     return False
 
 
+def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
+    """The hicache io_backend for this call per the mode (and table); the exact mapping when the
+    chosen one has no strategy for this layout."""
+    sharded = _sharded(host, kind)
+    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op,
+                                can_use_jit=bool(getattr(host, "can_use_jit", False)))
+    exact = IO_BACKENDS.get(io_backend)
+    if chosen is None or chosen == exact or exact is None:
+        return chosen
+    if default_registry().candidates(host.layout, chosen, sharded):
+        return chosen
+    if (host.layout, chosen) not in _fell_back:
+        _fell_back.add((host.layout, chosen))
+        logger.info("hicache: no %r strategy for layout %r; SGLang %r cells use hicache %r", chosen, host.layout,
+                    io_backend, exact)
+    return exact
+
+
 def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft: bool = False) -> Bridge | None:
     """The bridge serving this call, or ``None`` (SGLang's original runs).
 
@@ -38,18 +58,15 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     device pool (DSA indexer) or of the captured tensors (MLA/MHA, which SGLang
     itself uses for drafts) already holds the draft's layer.
     """
-    mode = current_mode()
     kind = pool_kind(host)
-    if mode == "off" or kind is None:
-        return None
-    if mode == "gaps" and stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
-                                       can_use_jit=bool(getattr(host, "can_use_jit", False))):
+    backend = None if kind is None else _backend(host, kind, io_backend, op)
+    if backend is None:
         return None
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
         device_pool = host.device_pool
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
-    bridge = bridge_for(host, device_pool, io_backend)
+    bridge = bridge_for(host, device_pool, backend)
     return bridge if bridge.pool is not None else None
 
 

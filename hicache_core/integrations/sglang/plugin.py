@@ -13,6 +13,8 @@ import logging
 from typing import Callable
 
 from . import hooks
+from .mode import current_mode
+from .takeover import active_table
 
 __all__ = ["load_plugin", "HOOK_TARGETS"]
 
@@ -41,6 +43,11 @@ def load_plugin() -> None:
     SGLang's ``load_plugins`` applies hooks after running every plugin; applying
     here as well makes a direct call (tests, engines embedding SGLang) effective.
     Already-applied targets are skipped by SGLang itself.
+
+    :raises TakeoverTableError: in ``measured`` mode, after the hooks are in
+        place, when the takeover table is unreadable or malformed (SGLang logs
+        it as a plugin error; until it is fixed the hooks serve only the cells
+        SGLang cannot).
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -50,3 +57,5 @@ def load_plugin() -> None:
         HookRegistry.register(target, hook, HookType.AROUND)
     HookRegistry.apply_hooks()
     logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS))
+    if current_mode() == "measured":
+        active_table()
