@@ -17,12 +17,15 @@ from ...pool import HostKVPool
 from ...registry import default_registry
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
-from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache_io_backend
+from .plugin_layouts import init_plugin_layout, wants_plugin_layout
+from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache_io_backend, stock_serves
 
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
 logger = logging.getLogger(__name__)
-_fell_back: set[tuple[str, str]] = set()
+_fell_back: set[tuple[str, str, str]] = set()
+#: The hicache io_backend of last resort for cells SGLang cannot serve (generic: serves every layout).
+GAP_FALLBACK = "direct"
 
 
 def _sharded(host: Any, kind: str) -> bool:
@@ -34,21 +37,27 @@ def _sharded(host: Any, kind: str) -> bool:
 
 
 def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
-    """The hicache io_backend for this call per the mode (and table); the exact mapping when the
-    chosen one has no strategy for this layout."""
+    """The hicache io_backend for this call per the mode (and table).
+
+    When the chosen one has no strategy for the layout: the exact mapping, then,
+    for a cell SGLang cannot serve at all (a plugin layout with no kernel under
+    SGLang's default ``kernel`` io, say), the core's generic ``direct``.
+    """
     sharded = _sharded(host, kind)
-    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op,
-                                can_use_jit=bool(getattr(host, "can_use_jit", False)))
-    exact = IO_BACKENDS.get(io_backend)
-    if chosen is None or chosen == exact or exact is None:
-        return chosen
-    if default_registry().candidates(host.layout, chosen, sharded):
-        return chosen
-    if (host.layout, chosen) not in _fell_back:
-        _fell_back.add((host.layout, chosen))
-        logger.info("hicache: no %r strategy for layout %r; SGLang %r cells use hicache %r", chosen, host.layout,
-                    io_backend, exact)
-    return exact
+    jit = bool(getattr(host, "can_use_jit", False))
+    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    if chosen is None:
+        return None
+    gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    registry = default_registry()
+    for backend in dict.fromkeys((chosen, IO_BACKENDS[io_backend], GAP_FALLBACK if gap else chosen)):
+        if registry.candidates(host.layout, backend, sharded):
+            if backend != chosen and (host.layout, chosen, backend) not in _fell_back:
+                _fell_back.add((host.layout, chosen, backend))
+                logger.info("hicache: no %r strategy for layout %r; SGLang %r calls use hicache %r", chosen,
+                            host.layout, io_backend, backend)
+            return backend
+    return chosen  # nothing registered: the build fails, is logged, and SGLang's original runs
 
 
 def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft: bool = False) -> Bridge | None:
@@ -151,7 +160,12 @@ def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_i
 
 
 def init_kv_buffer(original: Callable, self: Any) -> Any:
-    """``init_kv_buffer``: allocate ``page_first_kv_split`` where SGLang cannot (CUDA/CPU); else SGLang's."""
-    if current_mode() == "off" or not wants_kv_split_takeover(self):
+    """``init_kv_buffer``: allocate ``page_first_kv_split`` where SGLang cannot (CUDA/CPU) and every
+    hicache plugin layout SGLang does not know; else SGLang's."""
+    if current_mode() == "off":
         return original(self)
-    return init_kv_split_buffer(self)
+    if wants_kv_split_takeover(self):
+        return init_kv_split_buffer(self)
+    if wants_plugin_layout(self):
+        return init_plugin_layout(self)
+    return original(self)
