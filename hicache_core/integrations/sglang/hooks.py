@@ -14,7 +14,7 @@ import torch
 
 from ...errors import TransferArgumentError
 from ...pool import HostKVPool
-from ...registry import default_registry
+from ...registry import Registry, default_registry
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
 from .plugin_layouts import init_plugin_layout, wants_plugin_layout
@@ -23,7 +23,7 @@ from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
 logger = logging.getLogger(__name__)
-_fell_back: set[tuple[str, str, str]] = set()
+_resolved: dict[tuple[Any, ...], str] = {}  # (registry, layout, chosen, io_backend, gap, sharded) -> io_backend
 #: The hicache io_backend of last resort for cells SGLang cannot serve (generic: serves every layout).
 GAP_FALLBACK = "direct"
 
@@ -50,12 +50,19 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
         return None
     gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
     registry = default_registry()
+    key = (registry, host.layout, chosen, io_backend, gap, sharded)
+    hit = _resolved.get(key)
+    if hit is None:
+        hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
+    return hit
+
+
+def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool, sharded: bool) -> str:
     for backend in dict.fromkeys((chosen, IO_BACKENDS[io_backend], GAP_FALLBACK if gap else chosen)):
-        if registry.candidates(host.layout, backend, sharded):
-            if backend != chosen and (host.layout, chosen, backend) not in _fell_back:
-                _fell_back.add((host.layout, chosen, backend))
+        if registry.candidates(layout, backend, sharded):
+            if backend != chosen:
                 logger.info("hicache: no %r strategy for layout %r; SGLang %r calls use hicache %r", chosen,
-                            host.layout, io_backend, backend)
+                            layout, io_backend, backend)
             return backend
     return chosen  # nothing registered: the build fails, is logged, and SGLang's original runs
 
