@@ -121,6 +121,29 @@ def test_layout_that_cannot_hold_the_pool_fails_clearly(hooked):
         make_pools("mha", "nowhere")
 
 
+def test_plugin_layout_allocated_by_its_plan_through_sglangs_allocator(hooked, plugin_layouts, monkeypatch):
+    from sglang.srt.mem_cache.pool_host import common
+
+    calls = []
+    real = common.ALLOC_MEMORY_FUNCS[H.DEVICE]
+
+    def spy(dims, **kw):
+        calls.append((dims, kw))
+        return real(dims, **kw)
+
+    monkeypatch.setitem(common.ALLOC_MEMORY_FUNCS, H.DEVICE, spy)
+    dev, host = make_pools("mha", KV_STACKED)
+    (dims, kw), = calls
+    assert kw["dtype"] == torch.uint8 and kw["pin_memory"] == host.pin_memory and kw["allocator"] is host.allocator
+    kv = host._hicache_host_buffers["kv"]
+    row = host.head_num * host.head_dim
+    assert tuple(kv.shape) == (2, host.layer_num, host.size, row) and kv.dtype == host.dtype
+    assert kv.untyped_storage().data_ptr() == host.kv_buffer.untyped_storage().data_ptr()
+    assert tuple(host.kv_buffer.shape[:2]) == (2, host.layer_num) and host.kv_buffer.numel() >= kv.numel()
+    item = host.dtype.itemsize
+    assert (host.token_stride_size, host.layout_dim) == (row * item, row * item * host.layer_num)
+
+
 # --- storage tier end to end ---------------------------------------------------------------
 
 CASES = [(k, lay) for k in ("mla", "mla_sharded", "mha") for lay in (*H.LAYOUTS, KV_STACKED)] + [("mha", "page_head")]
