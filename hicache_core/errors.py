@@ -31,6 +31,8 @@ __all__ = [
     "LayerIdError",
     "DeviceBufferError",
     "HostBufferError",
+    "ConfigError",
+    "TakeoverTableError",
 ]
 
 
@@ -132,3 +134,14 @@ class DeviceBufferError(TransferArgumentError):
 
 class HostBufferError(TransferArgumentError):
     """Host buffers do not match the layout (shape, dtype, pinning)."""
+
+
+# --- configuration --------------------------------------------------------
+
+
+class ConfigError(HicacheError, ValueError):
+    """An environment setting or configuration file has a value hicache cannot use."""
+
+
+class TakeoverTableError(ConfigError):
+    """The SGLang takeover table (shipped or ``HICACHE_SGLANG_TABLE``) is unreadable or malformed."""

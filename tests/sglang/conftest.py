@@ -42,9 +42,9 @@ def sglang_hooks():
     """Snapshot SGLang's hook registry and the hooked class attributes; restore them afterwards."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from hicache_core.integrations.sglang import HOOK_TARGETS
+    from hicache_core.integrations.sglang import AFTER_TARGETS, HOOK_TARGETS
 
-    saved = {t: _target_owner(t) for t in HOOK_TARGETS}
+    saved = {t: _target_owner(t) for t in (*HOOK_TARGETS, *AFTER_TARGETS)}
     attrs = {t: owner.__dict__[attr] for t, (owner, attr) in saved.items()}
     hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
     patched = set(HookRegistry._patched)

@@ -59,13 +59,18 @@ def slots(host, dev):
     return h, d1, d2
 
 
-def roundtrip(kind: str, layout: str, io_backend: str) -> None:
+def random_pools(kind: str, layout: str):
+    """Pools with random device bytes in every owned layer: ``(dev, host, layers, h, d1, d2)`` (see :func:`slots`)."""
     dev, host = make_pools(kind, layout)
     layers = owned_layers(kind, host, dev)
     for d, _ in layers:
         for t in device_layer(kind, dev, d):
             t.random_(0, 256)
-    h, d1, d2 = slots(host, dev)
+    return (dev, host, layers, *slots(host, dev))
+
+
+def roundtrip(kind: str, layout: str, io_backend: str) -> None:
+    dev, host, layers, h, d1, d2 = random_pools(kind, layout)
     expected = _u8(fill_canary(host))
     view_kind = "mha" if kind == "mha" else "mla"
     for d, hl in layers:

@@ -8,7 +8,8 @@ classes with SGLang's ``HookRegistry``.  No SGLang source is patched.  See
 
 from __future__ import annotations
 
-from .mode import ENV_MODE, MODES, current_mode
-from .plugin import HOOK_TARGETS, load_plugin
+from .mode import DEFAULT_MODE, ENV_MODE, MODES, current_mode
+from .plugin import AFTER_TARGETS, HOOK_TARGETS, load_plugin
+from .takeover import ENV_TABLE, load_table
 
-__all__ = ["load_plugin", "HOOK_TARGETS", "ENV_MODE", "MODES", "current_mode"]
+__all__ = ["load_plugin", "HOOK_TARGETS", "AFTER_TARGETS", "ENV_MODE", "ENV_TABLE", "MODES", "DEFAULT_MODE", "current_mode", "load_table"]

@@ -24,12 +24,12 @@ from ...pool import HostKVPool
 from ...registry import default_registry
 from ...spec import MLA, Component, LayerMap, PoolSpec
 
-__all__ = ["Unsupported", "Described", "Bridge", "pool_kind", "describe", "bridge_for", "IO_BACKENDS", "ENV_VALIDATE_DEFAULT"]
+__all__ = [
+    "Unsupported", "Described", "Bridge", "pool_kind", "describe", "mha_spec", "bridge_for", "ENV_VALIDATE_DEFAULT",
+    "HOST_BUFFERS_ATTR",
+]
 
 logger = logging.getLogger(__name__)
-
-#: SGLang io_backend -> hicache io_backend (exact keys: no fallback between them).
-IO_BACKENDS = {"kernel": "kernel", "direct": "direct"}
 
 #: Index validation for bridged pools unless ``HICACHE_VALIDATE`` says otherwise:
 #: CPU-resident indices are always checked; device-resident ones (kernel io)
@@ -42,6 +42,8 @@ _KINDS = {
     ("sglang.srt.mem_cache.pool_host.dsa", "DSAIndexerPoolHost"): "dsa_indexer",
 }
 _CACHE_ATTR = "_hicache_bridges"
+#: Attribute of an SGLang host pool holding the host buffers we allocated (plugin layouts).
+HOST_BUFFERS_ATTR = "_hicache_host_buffers"
 _BUILD_LOCK = threading.Lock()
 
 
@@ -125,11 +127,27 @@ def _describe_mla(host: Any, device_pool: Any) -> Described:
         page_size=host.page_size, capacity=host.size, row_bytes=host.kv_cache_dim * item if packed else None,
         device=_dev_of({"kv": layers}),
     )
-    hb = {"kv": host.kv_buffer}
+    hb = {"kv": getattr(host, "kv_buffer", None)}
     if host.layout == "page_first_kv_split":
         hb = {"kv": host.k_buffer, "latent": host.k_buffer, "rope": getattr(host, "v_buffer", None)}
-    return Described("mla", spec, {"kv": layers}, {k: v for k, v in hb.items() if v is not None},
+    return Described("mla", spec, {"kv": layers}, _host_buffers(host, hb),
                      frozenset(owned), frozenset(range(n_dev, n_dev + n_draft)))
+
+
+def _host_buffers(host: Any, sglang: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Our host buffers: those we allocated for a plugin layout (:mod:`.plugin_layouts`), else SGLang's tensors."""
+    ours = host.__dict__.get(HOST_BUFFERS_ATTR)
+    return dict(ours) if ours is not None else {k: v for k, v in sglang.items() if v is not None}
+
+
+def mha_spec(host: Any, device: torch.device) -> PoolSpec:
+    """The spec of an SGLang MHA host pool (target layers then packed drafts) on ``device``."""
+    n_dev = int(host.target_layer_num)
+    return PoolSpec.mha(
+        layer_map=LayerMap.unsharded(n_dev, draft_layers=int(host.layer_num) - n_dev), head_num=host.head_num,
+        head_dim=host.head_dim, v_head_dim=host.v_head_dim, dtype=host.dtype, page_size=host.page_size,
+        capacity=host.size, device=device,
+    )
 
 
 def _describe_mha(host: Any, device_pool: Any) -> Described:
@@ -146,12 +164,8 @@ def _describe_mha(host: Any, device_pool: Any) -> Described:
         v = list(device_pool.v_buffer[:n_dev]) + list(host.device_v_buffers[n_dev:])
     else:
         k, v = list(host.device_k_buffers), list(host.device_v_buffers)
-    spec = PoolSpec.mha(
-        layer_map=LayerMap.unsharded(n_dev, draft_layers=n_draft), head_num=host.head_num, head_dim=host.head_dim,
-        v_head_dim=host.v_head_dim, dtype=host.dtype, page_size=host.page_size, capacity=host.size,
-        device=_dev_of({"k": k}),
-    )
-    return Described("mha", spec, {"k": k, "v": v}, {"k": host.k_buffer, "v": host.v_buffer},
+    spec = mha_spec(host, _dev_of({"k": k}))
+    return Described("mha", spec, {"k": k, "v": v}, _host_buffers(host, {"k": host.k_buffer, "v": host.v_buffer}),
                      frozenset(range(n_dev)), frozenset(range(n_dev, n_dev + n_draft)))
 
 
@@ -236,30 +250,28 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         host_buffers = _reshape_host(plan.buffers, d.host_buffers)
         validate = os.environ.get("HICACHE_VALIDATE", ENV_VALIDATE_DEFAULT)
         bridge.described = d
-        bridge.pool = HostKVPool(d.spec, host.layout, IO_BACKENDS[io_backend], d.device_buffers,
+        bridge.pool = HostKVPool(d.spec, host.layout, io_backend, d.device_buffers,
                                  host_buffers=host_buffers, registry=reg, validate=validate)
-        logger.info("hicache: %s %s (layout=%s, io_backend=%s, sharded=%s) served by %s",
+        logger.info("hicache: %s %s (layout=%s, hicache io_backend=%s, sharded=%s) served by %s",
                     type(host).__qualname__, d.spec.describe(), host.layout, io_backend, d.spec.sharded,
                     bridge.pool.strategy_name)
     except (Unsupported, HicacheError) as exc:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.info("hicache: %s (layout=%s, io_backend=%s) left to SGLang: %s",
+        logger.info("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",
                     type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
     except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.warning("hicache: %s (layout=%s, io_backend=%s) left to SGLang after an unexpected error",
+        logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang after an unexpected error",
                        type(host).__qualname__, getattr(host, "layout", "?"), io_backend, exc_info=True)
     return bridge
 
 
 def bridge_for(host: Any, device_pool: Any, io_backend: str) -> Bridge:
-    """The cached :class:`Bridge` of ``host`` for ``device_pool`` and ``io_backend`` (built on first use).
+    """The cached :class:`Bridge` of ``host`` for ``device_pool`` and the hicache ``io_backend`` (built on first use).
 
     Cached on the SGLang object, keyed by the device pool's identity (``None``:
     the device tensors the host pool captured at construction).
     """
-    if io_backend not in IO_BACKENDS:
-        return Bridge(device_pool, reason=f"io_backend {io_backend!r} has no hicache counterpart")
     cache = host.__dict__.setdefault(_CACHE_ATTR, {})
     key = (id(device_pool), io_backend)
     hit = cache.get(key)

@@ -23,7 +23,7 @@ import torch
 
 from .adapter import pool_kind
 
-__all__ = ["wants_kv_split_takeover", "init_kv_split_buffer"]
+__all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "alloc_host"]
 
 KV_SPLIT = "page_first_kv_split"
 
@@ -38,7 +38,8 @@ def wants_kv_split_takeover(host: Any) -> bool:
     return kind == "mha"
 
 
-def _alloc(host: Any, dims: tuple[int, ...], dtype: torch.dtype, granularity: int | None) -> torch.Tensor:
+def alloc_host(host: Any, dims: tuple[int, ...], dtype: torch.dtype, granularity: int | None) -> torch.Tensor:
+    """A host tensor from SGLang's own allocator function for ``host`` (pinned/registered as SGLang does)."""
     from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 
     alloc = ALLOC_MEMORY_FUNCS[host._transfer_device.type]
@@ -50,11 +51,11 @@ def _mla(host: Any) -> torch.Tensor:
     P, L, ps, item = host.page_num, host.layer_num, host.page_size, host.dtype.itemsize
     packed = host.kv_cache_dim != host.kv_lora_rank + host.qk_rope_head_dim or bool(host.dsa_kv_cache_store_fp8)
     k_width = host.kv_cache_dim if packed else host.kv_lora_rank
-    host.k_buffer = _alloc(host, (P, L, ps, 1, k_width), host.dtype, ps * L * k_width * item)
+    host.k_buffer = alloc_host(host, (P, L, ps, 1, k_width), host.dtype, ps * L * k_width * item)
     host.v_buffer = None
     if not packed:
         rope = host.qk_rope_head_dim
-        host.v_buffer = _alloc(host, (P, L, ps, 1, rope), host.dtype, ps * L * rope * item)
+        host.v_buffer = alloc_host(host, (P, L, ps, 1, rope), host.dtype, ps * L * rope * item)
     host.index_k_buffer = None
     host.index_k_scale_buffer = None
     host.token_stride_size = host.kv_cache_dim * item
@@ -69,7 +70,7 @@ def _mha(host: Any) -> torch.Tensor:
     host.token_stride_size = host.head_num * host.head_dim * host.dtype.itemsize
     host.layout_dim = host.token_stride_size * L
     dims = (2, P, L, ps, host.head_num, host.head_dim)
-    return _alloc(host, dims, host.dtype, ps * host.layout_dim)
+    return alloc_host(host, dims, host.dtype, ps * host.layout_dim)
 
 
 def init_kv_split_buffer(host: Any) -> torch.Tensor:

@@ -14,13 +14,18 @@ import torch
 
 from ...errors import TransferArgumentError
 from ...pool import HostKVPool
+from ...registry import Registry, default_registry
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
-from .mode import BACKUP, BACKUP_LAYER, LOAD, current_mode, stock_serves
+from .plugin_layouts import init_plugin_layout, wants_plugin_layout
+from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache_io_backend, stock_serves
 
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
 logger = logging.getLogger(__name__)
+_resolved: dict[tuple[Any, ...], str] = {}  # (registry, layout, chosen, io_backend, gap, sharded) -> io_backend
+#: The hicache io_backend of last resort for cells SGLang cannot serve (generic: serves every layout).
+GAP_FALLBACK = "direct"
 
 
 def _sharded(host: Any, kind: str) -> bool:
@@ -31,6 +36,37 @@ def _sharded(host: Any, kind: str) -> bool:
     return False
 
 
+def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
+    """The hicache io_backend for this call per the mode (and table).
+
+    When the chosen one has no strategy for the layout: the exact mapping, then,
+    for a cell SGLang cannot serve at all (a plugin layout with no kernel under
+    SGLang's default ``kernel`` io, say), the core's generic ``direct``.
+    """
+    sharded = _sharded(host, kind)
+    jit = bool(getattr(host, "can_use_jit", False))
+    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    if chosen is None:
+        return None
+    gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    registry = default_registry()
+    key = (registry, host.layout, chosen, io_backend, gap, sharded)
+    hit = _resolved.get(key)
+    if hit is None:
+        hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
+    return hit
+
+
+def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool, sharded: bool) -> str:
+    for backend in dict.fromkeys((chosen, IO_BACKENDS[io_backend], GAP_FALLBACK if gap else chosen)):
+        if registry.candidates(layout, backend, sharded):
+            if backend != chosen:
+                logger.info("hicache: no %r strategy for layout %r; SGLang %r calls use hicache %r", chosen,
+                            layout, io_backend, backend)
+            return backend
+    return chosen  # nothing registered: the build fails, is logged, and SGLang's original runs
+
+
 def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft: bool = False) -> Bridge | None:
     """The bridge serving this call, or ``None`` (SGLang's original runs).
 
@@ -38,18 +74,15 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     device pool (DSA indexer) or of the captured tensors (MLA/MHA, which SGLang
     itself uses for drafts) already holds the draft's layer.
     """
-    mode = current_mode()
     kind = pool_kind(host)
-    if mode == "off" or kind is None:
-        return None
-    if mode == "gaps" and stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
-                                       can_use_jit=bool(getattr(host, "can_use_jit", False))):
+    backend = None if kind is None else _backend(host, kind, io_backend, op)
+    if backend is None:
         return None
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
         device_pool = host.device_pool
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
-    bridge = bridge_for(host, device_pool, io_backend)
+    bridge = bridge_for(host, device_pool, backend)
     return bridge if bridge.pool is not None else None
 
 
@@ -134,7 +167,12 @@ def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_i
 
 
 def init_kv_buffer(original: Callable, self: Any) -> Any:
-    """``init_kv_buffer``: allocate ``page_first_kv_split`` where SGLang cannot (CUDA/CPU); else SGLang's."""
-    if current_mode() == "off" or not wants_kv_split_takeover(self):
+    """``init_kv_buffer``: allocate ``page_first_kv_split`` where SGLang cannot (CUDA/CPU) and every
+    hicache plugin layout SGLang does not know; else SGLang's."""
+    if current_mode() == "off":
         return original(self)
-    return init_kv_split_buffer(self)
+    if wants_kv_split_takeover(self):
+        return init_kv_split_buffer(self)
+    if wants_plugin_layout(self):
+        return init_plugin_layout(self)
+    return original(self)

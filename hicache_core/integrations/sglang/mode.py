@@ -1,8 +1,13 @@
-"""The takeover switch and SGLang 0.5.23's own support matrix (for ``gaps`` mode).
+"""The takeover switch and SGLang 0.5.23's own support matrix.
 
 ``HICACHE_SGLANG`` (read at every call, so it can change at run time):
 
-``all`` (default)
+``measured`` (default)
+    the cells SGLang cannot serve (as ``gaps``) plus the cells the takeover
+    table (:mod:`.takeover`) marks as measured better; the table may also name
+    the hicache io_backend that serves a cell (SGLang ``kernel`` served by
+    hicache ``direct``, say).
+``all``
     our strategies serve every (layout, io_backend, sharded) cell they resolve.
 ``gaps``
     only cells SGLang's stock code cannot serve: the ``ValueError`` cells of its
@@ -19,12 +24,23 @@ import logging
 import os
 import sys
 
-__all__ = ["ENV_MODE", "MODES", "current_mode", "stock_serves", "stock_kernels_available"]
+from ...errors import ConfigError, TakeoverTableError
+from .takeover import Cell, active_table
+
+__all__ = [
+    "ENV_MODE", "MODES", "DEFAULT_MODE", "IO_BACKENDS", "parse_mode", "current_mode", "stock_serves",
+    "stock_kernels_available", "hicache_io_backend",
+]
 
 logger = logging.getLogger(__name__)
 
 ENV_MODE = "HICACHE_SGLANG"
-MODES = ("all", "gaps", "off")
+MODES = ("measured", "all", "gaps", "off")
+DEFAULT_MODE = "measured"
+
+#: SGLang io_backend -> the hicache io_backend of the same mechanism (``all``/``gaps``,
+#: and ``measured`` cells the table does not re-map).  ``kernel_ascend`` has none.
+IO_BACKENDS = {"kernel": "kernel", "direct": "direct"}
 
 #: Operations as the bridge names them.
 BACKUP, BACKUP_LAYER, LOAD = "backup", "backup_layer", "load"
@@ -37,15 +53,27 @@ _POOL_MODULES = {
 _warned: set[str] = set()
 
 
+def parse_mode(value: str | None) -> str:
+    """The mode named by ``value`` (case and surrounding blanks ignored; empty or ``None``: the default).
+
+    :raises ConfigError: ``value`` names no mode.
+    """
+    mode = (value or "").strip().lower() or DEFAULT_MODE
+    if mode not in MODES:
+        raise ConfigError(f"{ENV_MODE}={value!r} is not a mode; use one of {', '.join(MODES)}")
+    return mode
+
+
 def current_mode() -> str:
-    """The takeover mode from :data:`ENV_MODE`; an unknown value counts as ``all`` (logged once)."""
-    value = os.environ.get(ENV_MODE, "all").strip().lower() or "all"
-    if value not in MODES:
-        if value not in _warned:
-            _warned.add(value)
-            logger.warning("%s=%r is not one of %s; using 'all'", ENV_MODE, value, MODES)
-        return "all"
-    return value
+    """The takeover mode from :data:`ENV_MODE`; an unknown value counts as the default (logged once)."""
+    value = os.environ.get(ENV_MODE)
+    try:
+        return parse_mode(value)
+    except ConfigError as exc:
+        if str(value) not in _warned:
+            _warned.add(str(value))
+            logger.error("%s; using %r", exc, DEFAULT_MODE)
+        return DEFAULT_MODE
 
 
 def stock_kernels_available(kind: str) -> bool:
@@ -111,3 +139,41 @@ def stock_serves(
     if kind == "dsa_indexer":
         return _indexer_cell(layout, io_backend, sharded, op)
     return False
+
+
+def _table_backend(cell: Cell) -> str | None:
+    """What the takeover table assigns to ``cell``; a broken table assigns nothing (logged once per message)."""
+    try:
+        return active_table().serving(cell)
+    except TakeoverTableError as exc:
+        if str(exc) not in _warned:
+            _warned.add(str(exc))
+            logger.error("%s; hicache serves only the cells SGLang cannot until it is fixed", exc)
+        return None
+
+
+def hicache_io_backend(
+    mode: str, kind: str, layout: str, io_backend: str, sharded: bool, op: str, *, can_use_jit: bool = False,
+    kernels_available: bool | None = None,
+) -> str | None:
+    """The hicache io_backend that serves this call, or ``None`` (SGLang's original runs).
+
+    :param mode: one of :data:`MODES`.
+    :param io_backend: SGLang's io_backend of the call.
+    :param op: ``backup``, ``backup_layer`` or ``load`` (the table's ``backup`` covers both backups).
+    Other parameters as :func:`stock_serves`.  The caller falls back to
+    :data:`IO_BACKENDS` when the table's io_backend has no strategy for the key.
+    """
+    exact = IO_BACKENDS.get(io_backend)
+    if mode == "off" or exact is None:
+        return None
+    if mode == "all":
+        return exact
+    gap = not stock_serves(kind, layout, io_backend, sharded, op, can_use_jit=can_use_jit,
+                           kernels_available=kernels_available)
+    if mode == "measured":
+        cell = Cell(kind, layout, io_backend, sharded, LOAD if op == LOAD else BACKUP)
+        chosen = _table_backend(cell)
+        if chosen is not None:
+            return chosen
+    return exact if gap else None

@@ -1,9 +1,11 @@
 """``load_plugin``: SGLang's ``sglang.srt.plugins`` entry point.
 
 Registers AROUND hooks with SGLang's ``HookRegistry`` on the concrete host-pool
-classes.  Idempotent: a second call in the same process (SGLang calls its
+classes (transfers, ``init_kv_buffer``, the storage-tier page API) and an AFTER
+hook on ``ServerArgs.add_cli_args`` (hicache's layouts as ``--hicache-mem-layout``
+choices).  Idempotent: a second call in the same process (SGLang calls its
 plugins once per process -- scheduler, detokenizer, workers) registers
-nothing twice.  Imports only SGLang's hook registry; the pool modules are
+nothing twice.  Imports only SGLang's hook registry; the target modules are
 imported by ``HookRegistry.apply_hooks`` when it resolves the targets.
 """
 
@@ -12,16 +14,21 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from . import hooks
+from . import hooks, storage
+from .plugin_layouts import extend_layout_choices
+from .mode import current_mode
+from .takeover import active_table
 
-__all__ = ["load_plugin", "HOOK_TARGETS"]
+__all__ = ["load_plugin", "HOOK_TARGETS", "AFTER_TARGETS"]
 
 logger = logging.getLogger(__name__)
 
 _PH = "sglang.srt.mem_cache.pool_host"
+_PAGE_CLASSES = ("mla.MLATokenToKVPoolHost", "mha.MHATokenToKVPoolHost")
 
 #: Dotted SGLang target -> our AROUND hook.
 HOOK_TARGETS: dict[str, Callable] = {
+    **{f"{_PH}.{cls}.{name}": getattr(storage, name) for cls in _PAGE_CLASSES for name in storage.PAGE_METHODS},
     f"{_PH}.mla.MLATokenToKVPoolHost.init_kv_buffer": hooks.init_kv_buffer,
     f"{_PH}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": hooks.backup_all,
     f"{_PH}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": hooks.load_layer,
@@ -33,6 +40,10 @@ HOOK_TARGETS: dict[str, Callable] = {
     f"{_PH}.dsa.DSAIndexerPoolHost.load_to_device_per_layer": hooks.load_layer,
     f"{_PH}.dsa.DSAIndexerPoolHost._backup_from_device_per_layer": hooks.backup_layer_indexer,
 }
+#: Dotted SGLang target -> our AFTER hook.
+AFTER_TARGETS: dict[str, Callable] = {
+    "sglang.srt.server_args.ServerArgs.add_cli_args": extend_layout_choices,
+}
 
 
 def load_plugin() -> None:
@@ -41,12 +52,20 @@ def load_plugin() -> None:
     SGLang's ``load_plugins`` applies hooks after running every plugin; applying
     here as well makes a direct call (tests, engines embedding SGLang) effective.
     Already-applied targets are skipped by SGLang itself.
+
+    :raises TakeoverTableError: in ``measured`` mode, after the hooks are in
+        place, when the takeover table is unreadable or malformed (SGLang logs
+        it as a plugin error; until it is fixed the hooks serve only the cells
+        SGLang cannot).
     """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in HOOK_TARGETS.items():
-        if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
-            continue
-        HookRegistry.register(target, hook, HookType.AROUND)
+    for targets, kind in ((HOOK_TARGETS, HookType.AROUND), (AFTER_TARGETS, HookType.AFTER)):
+        for target, hook in targets.items():
+            if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
+                continue
+            HookRegistry.register(target, hook, kind)
     HookRegistry.apply_hooks()
-    logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS))
+    logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS) + len(AFTER_TARGETS))
+    if current_mode() == "measured":
+        active_table()

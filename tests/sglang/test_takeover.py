@@ -1,0 +1,227 @@
+"""The default takeover policy: ``measured`` mode, the takeover table and its validation."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from hicache_core.errors import ConfigError, TakeoverTableError
+from hicache_core.integrations.sglang import load_plugin, mode
+from hicache_core.integrations.sglang.mode import hicache_io_backend, parse_mode
+from hicache_core.integrations.sglang.takeover import SHIPPED_TABLE, Cell, load_table
+from helpers import same_bytes
+from test_transfers import make_pools, slots
+
+ENTRY = {
+    "kind": "mla", "layout": "layer_first", "sglang_io_backend": "kernel", "sharded": False, "op": "load",
+    "take_over": True, "hicache_io_backend": "direct",
+    "sglang": {"copy_ratio": 0.69, "gemm_slowdown_pct": 1}, "hicache": {"copy_ratio": 0.80, "gemm_slowdown_pct": 1},
+    "source": "test", "date": "2026-11-30",
+}
+
+
+def write_table(tmp_path, entries, name="table.json", **top):
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": "hicache-sglang-takeover/1", "entries": entries, **top}))
+    return path
+
+
+def entry(**changes):
+    out = copy.deepcopy(ENTRY)
+    out.update(changes)
+    return out
+
+
+def decide(mode_, *cell, **kw):
+    return hicache_io_backend(mode_, *cell, kernels_available=True, **kw)
+
+
+# --- the shipped table ------------------------------------------------------------------
+
+
+def test_shipped_table_is_valid_and_takes_over_no_stock_cell():
+    table = load_table(SHIPPED_TABLE)
+    cells = {(c.layout, c.op) for c in table.entries}
+    assert cells == {("layer_first", "backup"), ("page_first", "backup"), ("layer_first", "load"),
+                     ("page_first", "load")}
+    assert all(c.kind == "mla" and c.sglang_io_backend == "kernel" and not c.sharded for c in table.entries)
+    assert not any(e.take_over for e in table.entries.values())
+    lf_backup = table.entries[Cell("mla", "layer_first", "kernel", False, "backup")]
+    assert (lf_backup.sglang, lf_backup.hicache) == ({"copy_ratio": 0.94, "gemm_slowdown_pct": 14.0},
+                                                     {"copy_ratio": 0.93, "gemm_slowdown_pct": 21.0})
+
+
+@pytest.mark.parametrize("cell,want", [
+    (("mla", "layer_first", "kernel", False, "backup"), None),  # stock serves, hicache measured worse
+    (("mla", "page_first", "kernel", False, "load"), None),
+    (("mla", "layer_first", "direct", True, "backup_layer"), None),  # stock, not measured
+    (("mla", "page_first", "direct", False, "backup"), "direct"),  # SGLang ValueError: a gap
+    (("mla", "page_first", "kernel", True, "backup_layer"), "kernel"),  # gap without the JIT kernel
+    (("mla", "page_first_kv_split", "kernel", True, "load"), "kernel"),
+    (("mha", "page_first_direct", "kernel", False, "load"), "kernel"),
+    (("dsa_indexer", "page_first", "direct", True, "backup_layer"), "direct"),
+    (("mla", "layer_first", "kernel_ascend", False, "backup"), None),
+])
+def test_measured_default_with_the_shipped_table(monkeypatch, cell, want):
+    monkeypatch.delenv("HICACHE_SGLANG_TABLE", raising=False)
+    assert decide("measured", *cell) == want
+
+
+def test_other_modes():
+    stock = ("mla", "layer_first", "kernel", False, "backup")
+    gap = ("mla", "page_first", "direct", False, "backup")
+    assert [decide(m, *stock) for m in ("all", "gaps", "off")] == ["kernel", None, None]
+    assert [decide(m, *gap) for m in ("all", "gaps", "off")] == ["direct", "direct", None]
+    assert decide("all", "mla", "layer_first", "kernel_ascend", False, "backup") is None
+    # No stock kernels on this platform: every cell is a gap, served with the exact io_backend.
+    assert hicache_io_backend("measured", *stock, kernels_available=False) == "kernel"
+
+
+# --- a user table -----------------------------------------------------------------------
+
+
+def test_user_table_takes_over_one_op_with_another_io_backend(tmp_path, monkeypatch):
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(write_table(tmp_path, [entry()])))
+    assert decide("measured", "mla", "layer_first", "kernel", False, "load") == "direct"
+    assert decide("measured", "mla", "layer_first", "kernel", False, "backup") is None  # the other op stays
+    assert decide("measured", "mla", "layer_first", "kernel", True, "load") is None  # sharded is another cell
+    assert decide("all", "mla", "layer_first", "kernel", False, "load") == "kernel"  # all ignores the table
+
+
+def test_backup_entries_cover_sharded_per_layer_backups(tmp_path, monkeypatch):
+    table = write_table(tmp_path, [entry(op="backup", sharded=True, hicache_io_backend="auto")])
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
+    assert decide("measured", "mla", "layer_first", "kernel", True, "backup_layer") == "auto"
+    assert decide("measured", "mla", "layer_first", "kernel", True, "backup") == "auto"
+
+
+def test_a_gap_cell_may_be_remapped_by_the_table(tmp_path, monkeypatch):
+    table = write_table(tmp_path, [entry(layout="page_first_direct", op="backup", hicache_io_backend="direct")])
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
+    assert decide("measured", "mla", "page_first_direct", "kernel", False, "backup") == "direct"
+
+
+# --- validation: every error names the file -----------------------------------------------
+
+
+@pytest.mark.parametrize("entries,message", [
+    ([entry(take_over=True, hicache={"copy_ratio": 0.95, "gemm_slowdown_pct": 5})],
+     "entries[0] mla/layer_first/kernel/sharded=False/load: take_over is true but hicache is worse on "
+     "gemm_slowdown_pct 5 vs SGLang 1; set take_over to false"),
+    ([entry(), entry()], "entries[1]: duplicates the cell"),
+    ([{k: v for k, v in ENTRY.items() if k != "source"}], "entries[0]: missing 'source'"),
+    ([entry(take_ovr=True)], "entries[0]: unknown key(s) 'take_ovr'"),
+    ([entry(op="restore")], "entries[0]: 'op' must be one of backup, load, got 'restore'"),
+    ([entry(sglang_io_backend="kernel_ascend")], "'sglang_io_backend' must be one of kernel, direct"),
+    ([entry(sharded="no")], "'sharded' must be true or false, got 'no'"),
+    ([entry(take_over=1)], "'take_over' must be true or false, got 1"),
+    ([entry(date="30/11/2026")], "'date' must be YYYY-MM-DD, got '30/11/2026'"),
+    ([entry(hicache={"copy_ratio": "fast"})], "hicache.copy_ratio must be a number, got 'fast'"),
+    ([entry(sglang={"speed": 1})], "unknown metric 'speed' in 'sglang'"),
+    ([entry(hicache={"copy_ratio": 0.8})], "'sglang' and 'hicache' must hold the same metrics"),
+    ([entry(sglang={})], "'sglang' must be a non-empty object of metrics"),
+    (["mla"], "entries[0]: must be an object, got str"),
+])
+def test_bad_entries(tmp_path, entries, message):
+    path = write_table(tmp_path, entries)
+    with pytest.raises(TakeoverTableError, match="takeover table ") as err:
+        load_table(path)
+    assert str(err.value).startswith(f"takeover table {path}: ")
+    assert message in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(TakeoverTableError) as err:
+        load_table(missing)
+    assert str(err.value).startswith(f"takeover table {missing}: cannot read it")
+    assert "HICACHE_SGLANG_TABLE" in str(err.value)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "hicache-sglang-takeover/1",\n "entries": [}')
+    with pytest.raises(TakeoverTableError, match=f"takeover table {broken}: line 2 column 14: not valid JSON"):
+        load_table(broken)
+    with pytest.raises(TakeoverTableError, match="must be an object with \"format\": 'hicache-sglang-takeover/1', "
+                                                 "got 'v0'"):
+        load_table(write_table(tmp_path, [], "v0.json", format="v0"))
+    with pytest.raises(TakeoverTableError, match=r"needs a list 'entries' .* \(unknown: cells\)"):
+        load_table(write_table(tmp_path, [], "extra.json", cells=[]))
+
+
+def test_a_bad_table_serves_only_gaps_and_fails_the_plugin_load(tmp_path, monkeypatch, sglang_hooks, caplog):
+    path = write_table(tmp_path, [entry(op="restore")])
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(path))
+    monkeypatch.delenv("HICACHE_SGLANG", raising=False)
+    with pytest.raises(TakeoverTableError, match=f"takeover table {path}: entries\\[0\\]"):
+        load_plugin()
+    assert decide("measured", "mla", "layer_first", "kernel", False, "load") is None
+    assert decide("measured", "mla", "page_first", "direct", False, "backup") == "direct"
+    assert f"takeover table {path}" in caplog.text
+    path.write_text(json.dumps({"format": "hicache-sglang-takeover/1", "entries": [ENTRY]}))  # fixed: picked up
+    assert decide("measured", "mla", "layer_first", "kernel", False, "load") == "direct"
+
+
+# --- the mode ---------------------------------------------------------------------------
+
+
+def test_unknown_mode():
+    with pytest.raises(ConfigError, match="HICACHE_SGLANG='everything' is not a mode; use one of measured, all, "
+                                          "gaps, off"):
+        parse_mode("everything")
+    assert [parse_mode(v) for v in (None, "", " ALL ", "Measured")] == ["measured", "measured", "all", "measured"]
+
+
+@pytest.mark.parametrize("value,want", [(None, "measured"), ("gaps", "gaps"), ("OFF", "off"), ("bogus", "measured")])
+def test_current_mode(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("HICACHE_SGLANG", raising=False)
+    else:
+        monkeypatch.setenv("HICACHE_SGLANG", value)
+    assert mode.current_mode() == want
+
+
+# --- through SGLang's classes -----------------------------------------------------------
+
+
+@pytest.fixture
+def stock_kernels(monkeypatch):
+    """Pretend SGLang's stock kernels are importable (CPU): stock cells are then left to SGLang, whose
+    original raises its CPU ``NameError`` -- proof that the call was not ours."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: SGLang's NameError proves which side served the call")
+    monkeypatch.setattr(mode, "stock_kernels_available", lambda kind: True)
+
+
+def test_measured_leaves_stock_cells_to_sglang_and_serves_gaps(hooked, monkeypatch, stock_kernels):
+    monkeypatch.setenv("HICACHE_SGLANG", "measured")
+    monkeypatch.delenv("HICACHE_SGLANG_TABLE", raising=False)
+    dev, host = make_pools("mla", "layer_first")
+    h, d1, _ = slots(host, dev)
+    with pytest.raises(NameError, match="transfer_kv_direct"):
+        host.backup_from_device_all_layer(dev, h, d1, "direct")
+    dev, host = make_pools("mla", "page_first")  # direct + page_first: SGLang's ValueError cell
+    h, d1, _ = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "direct")
+    assert same_bytes(host.kv_buffer[h, 1], dev.kv_buffer[1][d1])
+
+
+@pytest.mark.parametrize("table_backend,served_by", [("direct", "direct"), ("auto", "kernel")])
+def test_table_maps_sglang_kernel_to_another_hicache_backend(hooked, monkeypatch, stock_kernels, tmp_path,
+                                                             table_backend, served_by):
+    """SGLang ``kernel`` served by the table's hicache io_backend; one with no strategy for the layout
+    (``auto`` here) falls back to the exact mapping."""
+    table = write_table(tmp_path, [entry(op="backup", hicache_io_backend=table_backend)])
+    monkeypatch.setenv("HICACHE_SGLANG", "measured")
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
+    dev, host = make_pools("mla", "layer_first")
+    for t in dev.kv_buffer:
+        t.random_(0, 256)
+    h, d1, _ = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    for layer in range(dev.layer_num):
+        assert same_bytes(host.kv_buffer[layer, h], dev.kv_buffer[layer][d1])
+    assert [k[1] for k in host._hicache_bridges] == [served_by]
+    with pytest.raises(NameError, match="transfer_kv_per_layer_mla"):  # load: not in the table, stock
+        host.load_to_device_per_layer(dev, h, d1, 0, "kernel")
