@@ -169,12 +169,13 @@ def _yn(b: bool) -> str:
 def _no_cuda_note(device: torch.device | str) -> str:
     """A note for tables computed for a CUDA device on a machine without one ('' otherwise)."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        return "; CUDA is not available on this machine: this is what would serve on a CUDA machine"
+        return "CUDA is not available on this machine, so none of this can run here"
     return ""
 
 
 def _pool_lines(kinds: Sequence[str], device: torch.device | str) -> list[str]:
-    lines = [f"pools (device {torch.device(device)}{_no_cuda_note(device)}):"]
+    note = _no_cuda_note(device)
+    lines = [f"pools (device {torch.device(device)}{'; ' + note if note else ''}):"]
     for kind in kinds:
         for sharded in (False, True):
             lines.append(f"  {kind}{' sharded' if sharded else ''}: {representative_spec(kind, sharded, device).describe()}")
@@ -513,7 +514,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(f"hicache explain: {exc}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
         return 2
     note = _no_cuda_note(args.device)
-    print("\n".join(lines + ([f"note{note}"] if note else [])))
+    print("\n".join(lines + ([f"note: {note}"] if note else [])))
     if ok:
         return 0
     try:
