@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up of this checkout in .venv (editable installs), quiet unless a step fails.
 #
-#   bash dev/bootstrap.sh          the main job: torch, hicache-core and the three layout plugins
+#   bash dev/bootstrap.sh          the main job: torch, hicache-core[interpret] (numpy: Triton's CPU interpreter;
+#                                  torch also warns at import without it) and the three layout plugins
 #   bash dev/bootstrap.sh --test   also what the tests need: pytest, numpy, Triton, the test plugins
 #                                  (tests/plugins), the example plugin (examples/hicache_example) and
 #                                  SGLang 0.5.23 with the packages its pool modules import
@@ -37,7 +38,7 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check --no-input)
 step "pip and setuptools" "${PIP[@]}" --upgrade pip "setuptools>=77"
 step "torch (${HICACHE_TORCH:-torch==2.13.0})" "${PIP[@]}" "${HICACHE_TORCH:-torch==2.13.0}"
 step "hicache-core and the layout plugins" "${PIP[@]}" --no-build-isolation \
-  -e . -e plugins/layer_first -e plugins/page_first -e plugins/kv_split
+  -e '.[interpret]' -e plugins/layer_first -e plugins/page_first -e plugins/kv_split
 if [ "$TEST" = 1 ]; then
   step "test dependencies, test plugins and the example plugin" "${PIP[@]}" --no-build-isolation \
     -e '.[test]' -e tests/plugins/page_head -e tests/plugins/fake_vendor -e examples/hicache_example

@@ -639,7 +639,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_version() -> str:
+def _version_text() -> str:
     return f"hicache {_version('hicache-core') or __version__}"
 
 
@@ -755,7 +755,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction, argparse.ArgumentParser
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hicache`` (``bench`` is added when :mod:`hicache_core.bench` exists)."""
     parser = argparse.ArgumentParser(prog="hicache", description="hicache: KV cache host pools in any layout.")
-    parser.add_argument("--version", action="version", version=_cmd_version())
+    parser.add_argument("--version", action="version", version=_version_text())
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log INFO (-v) or DEBUG (-vv) to stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _common()
