@@ -502,11 +502,14 @@ def test_trace_is_printed(capsys, monkeypatch):
 
     monkeypatch.setenv("HICACHE_TRACE", "1")
     logger = logging.getLogger("hicache_core.registry")
-    monkeypatch.setattr(logger, "level", logger.level)
     root = logging.getLogger()
     handler = logging.StreamHandler()  # what basicConfig would install, writing to the captured stderr
     monkeypatch.setattr(root, "handlers", [handler])
-    rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
+    level = logger.level
+    try:
+        rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
+    finally:
+        logger.setLevel(level)  # setLevel also clears logging's level cache
     assert rc == 0
     assert ("hicache: (page_head, direct, sharded=False) mha [k:32B+v:32B] x 4 layers, page 16 -> core.direct "
             "from hicache-core 0.1.0") in err
