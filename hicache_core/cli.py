@@ -1,11 +1,16 @@
-"""The ``hicache`` command: ``plugins``, ``matrix``, ``explain``, ``verify`` (and ``bench`` when installed).
+"""The ``hicache`` command: ``plugins``, ``matrix``, ``explain``, ``verify``, ``doctor`` (and ``bench``).
 
-Results go to stdout, diagnostics through :mod:`logging` (stderr).  Every
-command builds a fresh registry from the environment, so ``HICACHE_PLUGINS``,
-``HICACHE_DISABLE_PLUGINS``, ``HICACHE_STRATEGY`` and ``HICACHE_TRACE`` apply.
+Results go to stdout, diagnostics through :mod:`logging` (stderr); ``verify``
+shows progress on stderr when it is a terminal.  Every command builds a fresh
+registry from the environment, so ``HICACHE_PLUGINS``, ``HICACHE_DISABLE_PLUGINS``,
+``HICACHE_STRATEGY`` and ``HICACHE_TRACE`` apply (``HICACHE_TRACE=1`` prints
+each resolution on stderr).
 
 Exit codes: 0 success; 1 ``verify`` found a failing cell; 2 a usage, registry
-or resolution error (``explain`` on a miss).
+or resolution error (unknown names, ``explain`` on a miss, no CUDA for ``bench``).
+
+Each subcommand is one ``_cmd_<name>(args) -> int`` plus one ``_parser_<name>(sub)``
+listed in :data:`SUBCOMMANDS`; adding a subcommand is adding such a pair.
 
 Examples::
 
@@ -13,12 +18,15 @@ Examples::
     hicache matrix --kind mla
     hicache explain --layout page_first --io-backend kernel --sharded --kind mla
     hicache verify --tokens 4096
+    hicache doctor
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -26,19 +34,21 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TextIO
 
 import torch
 
 from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
-from .registry import ENV_STRATEGY, Registry, create_registry
+from . import __version__
+from .registry import ENV_STRATEGY, ENV_TRACE, Registry, create_registry
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
 
-__all__ = ["main", "build_parser", "representative_spec", "Cell", "matrix_cells", "VerifyRow", "verify_cells"]
+__all__ = ["main", "build_parser", "representative_spec", "Cell", "matrix_cells", "VerifyRow", "verify_cells",
+           "doctor_lines", "UsageError", "SUBCOMMANDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +56,17 @@ KINDS = (MHA, MLA)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.uint8}
 NO_LAYOUT = (
     "no layout is installed: hicache-core alone gives generic backends and no layouts; "
-    "install a layout plugin (e.g. pip install hicache-layer-first hicache-page-first hicache-kv-split)"
+    "install a layout plugin from the hicache source tree (e.g. pip install ./plugins/layer_first "
+    "./plugins/page_first ./plugins/kv_split)"
 )
+#: What a PASS of ``verify`` proved.
+PASS_MEANS = (
+    "PASS: random KV backed up through the strategy is byte-identical to the reference backend's host buffers "
+    "(canary-filled slots untouched), and loading every layer back into other device slots returns the original "
+    "rows (small pools, shuffled int64 and device-resident int32 indices; --all-cases runs the whole kit)."
+)
+CPU_GBPS = "GB/s on cpu time host-memory copies in Python; they say nothing about GPU transfer speed."
+INTERPRET_EXTRA = "pip install 'hicache-core[interpret]'"
 #: Layers of every representative pool; the sharded one is rank 1 of 2 (layers 2-3).
 LAYERS = 4
 #: Default tokens of the timed pool in ``verify`` (CPU copies are Python loops: keep them small).
@@ -147,8 +166,16 @@ def _yn(b: bool) -> str:
     return "yes" if b else "no"
 
 
+def _no_cuda_note(device: torch.device | str) -> str:
+    """A note for tables computed for a CUDA device on a machine without one ('' otherwise)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available on this machine, so none of this can run here"
+    return ""
+
+
 def _pool_lines(kinds: Sequence[str], device: torch.device | str) -> list[str]:
-    lines = [f"pools (device {torch.device(device)}):"]
+    note = _no_cuda_note(device)
+    lines = [f"pools (device {torch.device(device)}{'; ' + note if note else ''}):"]
     for kind in kinds:
         for sharded in (False, True):
             lines.append(f"  {kind}{' sharded' if sharded else ''}: {representative_spec(kind, sharded, device).describe()}")
@@ -194,18 +221,25 @@ def explain_lines(reg: Registry, spec: PoolSpec, layout: str, io_backend: str, o
     layout_why = why.get(f"layout {layout}")
     if layout_why:
         lines.append(f"layout check: rejected: {layout_why}")
+    if env_pick and not override and env_pick not in names:
+        lines.append(f"{ENV_STRATEGY}={env_pick}: not a candidate for this key, ignored")
     lines.append("candidates, in order:" if cands else f"candidates: none; {why.get('(none)', '')}".rstrip("; "))
+    chosen_at = names.index(res.info.name) if res is not None else len(names)
     for i, info in enumerate(cands, 1):
         if layout_why:
             state = "not tried (the layout rejects this pool)"
         elif pick and pick in names and info.name != pick:
             state = f"skipped ({pick_src}={pick})"
+        elif override and override not in names:
+            state = f"not tried (--strategy names {override!r}, not a candidate)"
         elif res is not None and info.name == res.info.name:
             state = "chosen"
         elif info.name in why:
             state = f"rejected: {why[info.name]}"
-        else:
+        elif i - 1 > chosen_at:
             state = "not tried (an earlier candidate serves)"
+        else:
+            state = "not tried"
         kind = "generic" if info.generic else "exact"
         lines.append(f"  {i}. {info.name} ({kind}; {reg.strategies[info.name][1].label}): {state}")
     if override and override not in names:
@@ -319,17 +353,44 @@ def verify_cell(reg: Registry, cell: Cell, device: torch.device, *, tokens: int,
 
 
 def verify_cells(reg: Registry, cells: Sequence[Cell], device: torch.device, *, tokens: int, reps: int,
-                 timing: bool = True, all_cases: bool = False) -> list[VerifyRow]:
-    """Verify every cell that has a candidate strategy (cells with none are left out)."""
+                 timing: bool = True, all_cases: bool = False,
+                 progress: Callable[[int, int, Cell], None] | None = None) -> list[VerifyRow]:
+    """Verify every cell that has a candidate strategy (cells with none are left out).
+
+    ``progress(done, total, cell)`` is called before each cell is verified.
+    """
+    todo = [c for c in cells if c.candidates]
     out = []
-    for cell in cells:
-        if not cell.candidates:
-            continue
+    for i, cell in enumerate(todo):
+        if progress is not None:
+            progress(i, len(todo), cell)
         row = verify_cell(reg, cell, device, tokens=tokens, reps=reps, timing=timing, all_cases=all_cases)
-        logger.info("verify %s/%s/%s/%s: %s %s", cell.layout, cell.io_backend, _yn(cell.sharded), cell.kind,
-                    row.result, row.note)
+        logger.info("verify %s: %s %s", _cell_name(cell), row.result, row.note)
         out.append(row)
     return out
+
+
+def _cell_name(cell: Cell) -> str:
+    return f"{cell.layout}/{cell.io_backend}/{'sharded' if cell.sharded else 'unsharded'}/{cell.kind}"
+
+
+class _Progress:
+    """``[ 3/68] layout/io_backend/sharded/kind`` rewritten in place on a terminal's stderr."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.width = 0
+
+    def __call__(self, done: int, total: int, cell: Cell) -> None:
+        text = f"[{done + 1:>{len(str(total))}}/{total}] verifying {_cell_name(cell)}"
+        self.stream.write("\r" + text.ljust(self.width))
+        self.stream.flush()
+        self.width = len(text)
+
+    def clear(self) -> None:
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
 
 
 def _gbps(x: float | None) -> str:
@@ -337,20 +398,23 @@ def _gbps(x: float | None) -> str:
 
 
 def render_verify(rows: Sequence[VerifyRow], device: torch.device, timed: Sequence[PoolSpec]) -> str:
-    """The verify table: one row per cell, notes for skips and failures."""
+    """The verify table with notes for skips and failures, then what PASS means, then the summary line."""
     notes = _Notes()
     table = [[r.layout, r.io_backend, _yn(r.sharded), r.kind, r.strategy or "-", r.result,
               _gbps(r.backup_gbps), _gbps(r.load_gbps), notes.mark(r.note) if r.note else ""] for r in rows]
     counts = {k: sum(1 for r in rows if r.result == k) for k in ("PASS", "FAIL", "SKIP")}
-    lines = [f"verify on {device}: {_n(len(rows), 'cell')}, {counts['PASS']} passed, {counts['FAIL']} failed, "
-             f"{counts['SKIP']} skipped"]
-    lines += [f"timed pool: {t.describe()}, {t.capacity} tokens (sharded cells: owned layers)" for t in timed] or \
+    lines = [f"timed pool: {t.describe()}, {t.capacity} tokens (sharded cells: owned layers)" for t in timed] or \
         ["timing: off"]
     lines.append("")
     lines += _table(["layout", "io_backend", "sharded", "kind", "strategy", "result", "backup GB/s", "load GB/s", ""],
                     table)
     if notes.texts:
         lines += ["", "notes:"] + notes.lines()
+    lines += ["", PASS_MEANS]
+    if timed and device.type == "cpu":
+        lines.append(CPU_GBPS)
+    lines.append(f"verify on {device}: {_n(len(rows), 'cell')}, {counts['PASS']} passed, {counts['FAIL']} failed, "
+                 f"{counts['SKIP']} skipped")
     return "\n".join(lines)
 
 
@@ -402,15 +466,34 @@ def _kinds(args: argparse.Namespace) -> list[str]:
     return [k for k in KINDS if not args.kind or k in args.kind]
 
 
+class UsageError(Exception):
+    """A name or value the user passed that cannot be used; printed as ``hicache <cmd>: <message>``, exit 2."""
+
+
+def _check_names(reg: Registry, what: str, given: Sequence[str] | None, known: Iterable[str]) -> None:
+    """Raise :class:`UsageError` for the first name of ``given`` that is not in ``known``, with near matches."""
+    known = list(known)
+    for name in given or ():
+        if name not in known:
+            hint = _close(name, known)
+            raise UsageError(f"unknown {what} {name!r}.\n{reg.inventory()}" + (f"\n{hint}" if hint else ""))
+
+
+def _check_filters(reg: Registry, args: argparse.Namespace) -> None:
+    _check_names(reg, "layout", args.layout, reg.layouts)
+    _check_names(reg, "io_backend", args.io_backend, reg.io_backends)
+
+
 def _cmd_matrix(args: argparse.Namespace) -> int:
     reg = _registry()
+    _check_filters(reg, args)
     kinds = _kinds(args)
-    device = torch.device(args.device)
+    device = args.device
     cells = matrix_cells(reg, kinds=kinds, device=device, layouts=args.layout, io_backends=args.io_backend)
     if args.json:
-        data = {"device": str(device), "operations": list(OPERATIONS), "cells": [
-            {**asdict(c), "operations": {op: c.strategy for op in OPERATIONS}, "reason": c.reason or None}
-            for c in cells]}
+        data = {"device": str(device), "cuda_available": torch.cuda.is_available(), "operations": list(OPERATIONS),
+                "cells": [{**asdict(c), "operations": {op: c.strategy for op in OPERATIONS},
+                           "reason": c.reason or None} for c in cells]}
         print(json.dumps(data, indent=1))
         return 0
     if not reg.layouts:
@@ -430,7 +513,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         hint = _close(args.layout, reg.layouts)
         print(f"hicache explain: {exc}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    note = _no_cuda_note(args.device)
+    print("\n".join(lines + ([f"note: {note}"] if note else [])))
     if ok:
         return 0
     try:
@@ -441,12 +525,23 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 2
 
 
+def _interpreter_problem() -> str | None:
+    """Why kernel cells cannot run in Triton's interpreter although ``TRITON_INTERPRET=1``, or ``None``."""
+    if interpreting() and importlib.util.find_spec("numpy") is None:
+        return f"TRITON_INTERPRET=1 needs numpy, which is not installed: {INTERPRET_EXTRA}"
+    return None
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     reg = _registry()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_filters(reg, args)
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"hicache verify: --device {device} but CUDA is not available", file=sys.stderr)
-        return 2
+        raise UsageError(f"--device {device} but CUDA is not available")
+    if device.type == "cpu":
+        problem = _interpreter_problem()
+        if problem:
+            raise UsageError(problem)
     if not reg.layouts:
         print(NO_LAYOUT)
         return 0
@@ -454,8 +549,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     tokens = args.tokens or VERIFY_TOKENS.get(device.type, VERIFY_TOKENS["cpu"])
     reps = args.reps or VERIFY_REPS.get(device.type, VERIFY_REPS["cpu"])
     cells = matrix_cells(reg, kinds=kinds, device=device, layouts=args.layout, io_backends=args.io_backend)
-    rows = verify_cells(reg, cells, device, tokens=tokens, reps=reps, timing=not args.no_timing,
-                        all_cases=args.all_cases)
+    progress = _Progress(sys.stderr) if sys.stderr.isatty() and not args.json else None
+    try:
+        rows = verify_cells(reg, cells, device, tokens=tokens, reps=reps, timing=not args.no_timing,
+                            all_cases=args.all_cases, progress=progress)
+    finally:
+        if progress is not None:
+            progress.clear()
     if args.json:
         print(json.dumps({"device": str(device), "tokens": tokens, "rows": [asdict(r) for r in rows]}, indent=1))
     else:
@@ -465,7 +565,113 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if any(r.result == "FAIL" for r in rows) else 0
 
 
+# -- doctor --------------------------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _module_version(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "installed"))
+    except Exception as exc:  # a broken install is reported, not raised
+        return f"installed but fails to import: {_first_line(exc)}"
+
+
+def _cudart_paths() -> list[str]:
+    """Paths of the CUDA runtime libraries mapped into this process (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "libcudart" in ln and "/" in ln})
+    except OSError:
+        return []
+
+
+def doctor_lines(reg: Registry) -> list[str]:
+    """The environment report of ``hicache doctor``: one fact per line, then the cells this machine skips."""
+    cuda = torch.cuda.is_available()
+    lines = [f"hicache-core {_version('hicache-core') or '(not installed as a distribution)'}, "
+             f"Python {sys.version.split()[0]}, torch {torch.__version__} "
+             f"(CUDA build: {torch.version.cuda or 'no'})"]
+    if cuda:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        lines.append(f"CUDA: available, {_n(torch.cuda.device_count(), 'device')} ({', '.join(names)})")
+        torch.cuda.init()
+        paths = _cudart_paths()
+        lines.append("copy engine (direct): CUDA runtime " + (", ".join(paths) if paths else
+                                                            "not found among this process's libraries"))
+    else:
+        lines.append("CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)")
+        lines.append("copy engine (direct): memmove on CPU pools (no CUDA runtime needed)")
+    triton = _module_version("triton")
+    lines.append(f"Triton: {triton}" if triton else "Triton: not installed (pip install triton); kernel cells skip")
+    numpy = _module_version("numpy")
+    interp = "on (TRITON_INTERPRET=1)" if interpreting() else "off"
+    lines.append(f"Triton interpreter: {interp}; numpy: {numpy or f'not installed (the interpreter needs it: {INTERPRET_EXTRA})'}")
+    lines.append(f"plugins: {_n(len(reg.plugins), 'plugin')} ({sum(1 for p in reg.plugins if p.error)} broken), "
+                 f"layouts: {', '.join(sorted(reg.layouts)) or '(none)'}; io_backends: {', '.join(reg.io_backends) or '(none)'}")
+    lines += [f"  BROKEN {p.name} ({p.label}): {p.error}" for p in reg.plugins if p.error]
+    if not reg.layouts:
+        return lines + [NO_LAYOUT]
+    device = torch.device("cuda" if cuda else "cpu")
+    cells = [c for c in matrix_cells(reg, device=device) if c.candidates]
+    skipped = [c for c in cells if c.strategy is None]
+    lines.append(f"verify on {device}: {len(cells) - len(skipped)} of {_n(len(cells), 'cell')} will run, "
+                 f"{len(skipped)} will be skipped" + (":" if skipped else ""))
+    by_reason: dict[str, list[Cell]] = {}
+    for c in skipped:
+        by_reason.setdefault(c.reason, []).append(c)
+    for reason, group in by_reason.items():
+        lines.append(f"  {_n(len(group), 'cell')} ({', '.join(sorted({f'{c.layout}/{c.io_backend}' for c in group}))}): "
+                     f"{reason}")
+    problem = _interpreter_problem()
+    if problem and device.type == "cpu":
+        lines.append(f"problem: {problem}")
+    return lines
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    print("\n".join(doctor_lines(_registry())))
+    return 0
+
+
+def _version_text() -> str:
+    return f"hicache {_version('hicache-core') or __version__}"
+
+
 # -- parser --------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
+    return device
+
+
+def _common() -> argparse.ArgumentParser:
+    """Options every subcommand also accepts after its name (``hicache verify -v``)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log INFO (-v) or DEBUG (-vv) to stderr")
+    return common
+
+
 def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", action="extend", nargs="+", choices=KINDS, help="pool kinds (default: all)")
     p.add_argument("--layout", action="append", help="only this layout (repeatable)")
@@ -473,59 +679,115 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON instead of the table")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``hicache`` (``bench`` is added when :mod:`hicache_core.bench` exists)."""
-    parser = argparse.ArgumentParser(prog="hicache", description="hicache: KV cache host pools in any layout.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log INFO (-v) or DEBUG (-vv) to stderr")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("plugins", help="loaded plugins and what each registers")
+def _parser_plugins(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("plugins", parents=[common], help="loaded plugins and what each registers")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plugins)
 
-    p = sub.add_parser("matrix", help="support table: layout x io_backend x sharded x kind x operation")
+
+def _parser_matrix(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("matrix", parents=[common],
+                       help="support table: layout x io_backend x sharded x kind x operation")
     _add_filters(p)
-    p.add_argument("--device", default="cpu", help="device of the representative pools (default: cpu)")
+    p.add_argument("--device", type=_device, default=torch.device("cpu"),
+                   help="device of the representative pools (default: cpu)")
     p.set_defaults(func=_cmd_matrix)
 
-    p = sub.add_parser("explain", help="how one (layout, io_backend, sharded) key resolves, and why")
+
+def _parser_explain(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("explain", parents=[common], help="how one (layout, io_backend, sharded) key resolves, and why")
     p.add_argument("--layout", required=True)
     p.add_argument("--io-backend", required=True)
     p.add_argument("--sharded", action="store_true", help="layer-sharded device pool (rank 1 of 2)")
     p.add_argument("--kind", choices=KINDS, default=MHA)
     p.add_argument("--dtype", choices=sorted(DTYPES), help="pool dtype (default: fp16 for mha, bf16 for mla)")
     p.add_argument("--strategy", help="strategy name to use instead of the default pick")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=_device, default=torch.device("cpu"))
     p.set_defaults(func=_cmd_explain)
 
-    p = sub.add_parser("verify", help="round-trip random KV through every resolvable cell; PASS/FAIL and GB/s")
+
+def _parser_verify(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("verify", parents=[common],
+                       help="round-trip random KV through every resolvable cell; PASS/FAIL and GB/s")
     _add_filters(p)
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--tokens", type=int, default=None, help=f"tokens of the timed pool (default {VERIFY_TOKENS})")
-    p.add_argument("--reps", type=int, default=None, help=f"timed repetitions (default {VERIFY_REPS})")
+    p.add_argument("--device", type=_device, default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--tokens", type=_positive_int, default=None,
+                   help=f"tokens of the timed pool (default {VERIFY_TOKENS})")
+    p.add_argument("--reps", type=_positive_int, default=None, help=f"timed repetitions (default {VERIFY_REPS})")
     p.add_argument("--no-timing", action="store_true", help="conformance only")
     p.add_argument("--all-cases", action="store_true", help="also every matching conformance-kit case and index variant")
     p.set_defaults(func=_cmd_verify)
 
-    if importlib.util.find_spec(f"{__package__}.bench") is not None:
-        from . import bench
 
-        bench.add_parser(sub)
+def _parser_doctor(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("doctor", parents=[common],
+                       help="torch/CUDA, Triton, interpreter, numpy, copy engine, and which verify cells will skip")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _needs_cuda(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Wrap ``bench``: without CUDA it is a usage error, before anything is written."""
+    def run(args: argparse.Namespace) -> int:
+        if not getattr(args, "plot_only", "") and not torch.cuda.is_available():
+            raise UsageError("needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)")
+        return func(args)
+    return run
+
+
+def _parser_bench(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    if importlib.util.find_spec(f"{__package__}.bench") is None:
+        return
+    from . import bench
+
+    bench.add_parser(sub)
+    p = sub.choices["bench"]
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="log INFO (-v) or DEBUG (-vv) to stderr")
+    p.set_defaults(func=_needs_cuda(p.get_default("func")))
+
+
+def _parser_calibrate(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from . import calibration
 
     calibration.add_parser(sub)
+    p = sub.choices["calibrate"]
+    p.set_defaults(func=_needs_cuda(p.get_default("func")))
+
+
+#: One parser builder per subcommand, in ``--help`` order.
+SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction, argparse.ArgumentParser], None], ...] = (
+    _parser_plugins, _parser_matrix, _parser_explain, _parser_verify, _parser_doctor, _parser_bench,
+    _parser_calibrate,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hicache`` (``bench`` is added when :mod:`hicache_core.bench` exists)."""
+    parser = argparse.ArgumentParser(prog="hicache", description="hicache: KV cache host pools in any layout.")
+    parser.add_argument("--version", action="version", version=_version_text())
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log INFO (-v) or DEBUG (-vv) to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = _common()
+    for add in SUBCOMMANDS:
+        add(sub, common)
     return parser
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    if os.environ.get(ENV_TRACE, "") not in ("", "0"):  # resolutions are INFO records of the registry
+        logging.getLogger(f"{__package__}.registry").setLevel(min(level, logging.INFO))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``hicache``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.verbose)
     try:
         return int(args.func(args))
-    except RegistryError as exc:
+    except (RegistryError, UsageError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. ``hicache verify | head``: stop quietly

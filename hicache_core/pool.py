@@ -96,6 +96,11 @@ class HostKVPool:
         ]
         logger.debug("HostKVPool %s via %s", spec.describe(), self.resolution.info.name)
 
+    def __repr__(self) -> str:
+        return (f"HostKVPool({self.spec.describe()}, layout={self.layout!r}, io_backend={self.io_backend!r}, "
+                f"strategy={self.strategy_name!r}, device={self.spec.device}, "
+                f"free={self.available_size()}/{self.spec.capacity} slots)")
+
     # -- properties ----------------------------------------------------------
     @property
     def layout(self) -> str:

@@ -8,6 +8,8 @@ other plugins are installed.
 from __future__ import annotations
 
 import importlib.util
+import io
+import sys
 import json
 import re
 from typing import Callable
@@ -68,7 +70,7 @@ def test_plugins_core_alone_says_no_layout(capsys, monkeypatch):
     assert out.splitlines()[-2:] == [
         "1 plugin (0 broken), 0 layouts, 2 strategies; io_backends: direct, reference",
         "no layout is installed: hicache-core alone gives generic backends and no layouts; install a layout plugin "
-        "(e.g. pip install hicache-layer-first hicache-page-first hicache-kv-split)",
+        "from the hicache source tree (e.g. pip install ./plugins/layer_first ./plugins/page_first ./plugins/kv_split)",
     ]
     rc, out, _ = run(capsys, "matrix")
     assert rc == 0 and out.startswith("no layout is installed: hicache-core alone gives generic backends and no layouts")
@@ -289,27 +291,29 @@ page_head  reference   yes      mla   -                    SKIP    -            
 
 notes:
 [1] {MLA_REASON}
+
+{cli.PASS_MEANS}
 """
 
 
 def test_verify_without_timing(capsys):
     rc, out, err = run(capsys, "verify", "--device", "cpu", "--no-timing")
-    assert rc == 0
-    assert out == "verify on cpu: 12 cells, 6 passed, 0 failed, 6 skipped\ntiming: off\n\n" + VERIFY_TABLE
+    assert rc == 0 and err == ""  # no progress when stderr is not a terminal
+    assert out == "timing: off\n\n" + VERIFY_TABLE + "verify on cpu: 12 cells, 6 passed, 0 failed, 6 skipped\n"
 
 
 def test_verify_timed_structure(capsys):
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--kind", "mha", "--tokens", "64", "--reps", "1")
     assert rc == 0
     lines = out.splitlines()
-    assert lines[:3] == [
-        "verify on cpu: 6 cells, 6 passed, 0 failed, 0 skipped",
+    assert lines[:2] == [
         "timed pool: mha [k:2048B+v:2048B] x 4 layers, page 16, 64 tokens (sharded cells: owned layers)",
         "",
     ]
-    assert lines[3].split() == ["layout", "io_backend", "sharded", "kind", "strategy", "result", "backup", "GB/s",
+    assert lines[2].split() == ["layout", "io_backend", "sharded", "kind", "strategy", "result", "backup", "GB/s",
                                 "load", "GB/s"]
-    cells = [ln.split() for ln in lines[4:]]
+    assert lines[-4:] == ["", cli.PASS_MEANS, cli.CPU_GBPS, "verify on cpu: 6 cells, 6 passed, 0 failed, 0 skipped"]
+    cells = [ln.split() for ln in lines[3:-4]]
     assert [c[:6] for c in cells] == [
         ["page_head", b, s, "mha", name, "PASS"]
         for b, name in (("direct", "core.direct"), ("fakedma", "test_vendor.fakedma"), ("reference", "core.reference"))
@@ -358,8 +362,7 @@ def test_verify_fails_a_wrong_strategy(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("lossy", _LossyPlugin())]))
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "lossy", "--kind", "mha", "--no-timing")
     assert rc == 1
-    assert out == """\
-verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped
+    assert out == f"""\
 timing: off
 
 layout     io_backend  sharded  kind  strategy    result  backup GB/s  load GB/s
@@ -367,6 +370,9 @@ page_head  lossy       no       mha   lossy.drop  FAIL    -            -        
 
 notes:
 [1] AssertionError: load_layer: k[layer 0] differs from the reference at rows [32, 33, 34, 35, 36]
+
+{cli.PASS_MEANS}
+verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped
 """
 
 
@@ -385,13 +391,13 @@ def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("k", _FakeKernelPlugin())]))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
-    assert rc == 0 and out.splitlines()[-1] == (
+    assert rc == 0 and out.splitlines()[-5] == (
         "[1] fake.kernel: Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); the pool is on cpu")
-    assert "SKIP" in out.splitlines()[4]
+    assert "SKIP" in out.splitlines()[3]
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
-    assert rc == 0 and out.splitlines()[-1] == "[1] not timed: Triton interpreter (TRITON_INTERPRET=1)"
-    assert out.splitlines()[4].split()[:6] == ["page_head", "kernel", "no", "mha", "fake.kernel", "PASS"]
+    assert rc == 0 and out.splitlines()[-5] == "[1] not timed: Triton interpreter (TRITON_INTERPRET=1)"
+    assert out.splitlines()[3].split()[:6] == ["page_head", "kernel", "no", "mha", "fake.kernel", "PASS"]
 
 
 def test_verify_refuses_missing_cuda(capsys):
@@ -407,7 +413,7 @@ def test_bench_hook_only_when_the_module_exists(monkeypatch):
     assert ("bench" in sub.choices) == (importlib.util.find_spec("hicache_core.bench") is not None)
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["explain", "matrix", "plugins", "verify"]
+    assert sorted(sub.choices) == ["doctor", "explain", "matrix", "plugins", "verify"]
 
 
 def test_usage_errors_exit_2(capsys):
@@ -415,3 +421,140 @@ def test_usage_errors_exit_2(capsys):
         cli.main(["explain", "--layout", "page_head"])
     assert exc.value.code == 2
     assert "the following arguments are required: --io-backend" in capsys.readouterr().err
+
+
+# -- first contact -----------------------------------------------------------------
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out == "hicache 0.1.0\n"
+
+
+def test_verbose_after_the_subcommand(capsys):
+    assert cli.build_parser().parse_args(["matrix", "-vv"]).verbose == 2
+    assert cli.build_parser().parse_args(["-v", "matrix"]).verbose == 1
+    assert cli.build_parser().parse_args(["matrix"]).verbose == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["verify", "--tokens", "0"], "argument --tokens: '0' is not a positive integer"),
+    (["verify", "--tokens", "-5"], "argument --tokens: '-5' is not a positive integer"),
+    (["verify", "--reps", "0"], "argument --reps: '0' is not a positive integer"),
+    (["verify", "--reps", "x"], "argument --reps: 'x' is not a positive integer"),
+    (["verify", "--device", "tpu"], "argument --device: 'tpu': use cpu, cuda or cuda:N"),
+    (["matrix", "--device", "mps"], "argument --device: 'mps': use cpu, cuda or cuda:N"),
+])
+def test_bad_values_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == f"hicache {argv[0]}: error: {message}"
+
+
+@pytest.mark.parametrize("command", ["matrix", "verify"])
+def test_unknown_names_are_usage_errors(capsys, command):
+    rc, out, err = run(capsys, command, "--layout", "page_hed")
+    assert rc == 2 and out == ""
+    assert err == f"hicache {command}: unknown layout 'page_hed'.\n{INVENTORY}\ndid you mean: page_head?\n"
+    rc, out, err = run(capsys, command, "--io-backend", "nope")
+    assert rc == 2 and out == ""
+    assert err == f"hicache {command}: unknown io_backend 'nope'.\n{INVENTORY}\n"
+
+
+def test_bench_needs_cuda(capsys, tmp_path):
+    if torch.cuda.is_available() or importlib.util.find_spec("hicache_core.bench") is None:
+        pytest.skip("CUDA is available or bench is not installed")
+    rc, out, err = run(capsys, "bench", "--out", str(tmp_path / "results"))
+    assert rc == 2 and out == ""
+    assert err == "hicache bench: needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)\n"
+    assert not (tmp_path / "results").exists()
+
+
+def test_explain_strategy_that_is_no_candidate(capsys):
+    rc, out, _ = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct", "--strategy", "nope")
+    assert rc == 2 and out.splitlines()[-2:] == [
+        "  1. core.direct (generic; hicache-core 0.1.0): not tried (--strategy names 'nope', not a candidate)",
+        "--strategy nope: not a candidate for this key; candidates: ['core.direct']",
+    ]
+
+
+def test_explain_environment_pick_that_is_no_candidate(capsys, monkeypatch):
+    monkeypatch.setenv("HICACHE_STRATEGY", "zz.other")
+    rc, out, _ = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
+    assert rc == 0 and out.splitlines()[3:6] == [
+        "HICACHE_STRATEGY=zz.other: not a candidate for this key, ignored",
+        "candidates, in order:",
+        "  1. core.direct (generic; hicache-core 0.1.0): chosen",
+    ]
+
+
+def test_matrix_on_cuda_without_cuda_says_so(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    rc, out, _ = run(capsys, "matrix", "--device", "cuda", "--kind", "mha", "--io-backend", "direct")
+    assert rc == 0 and out.splitlines()[0] == (
+        "pools (device cuda; CUDA is not available on this machine, so none of this can run here):")
+    rc, out, _ = run(capsys, "explain", "--device", "cuda", "--layout", "page_head", "--io-backend", "reference")
+    assert rc == 0 and out.splitlines()[-1] == "note: CUDA is not available on this machine, so none of this can run here"
+
+
+def test_trace_is_printed(capsys, monkeypatch):
+    import logging
+
+    monkeypatch.setenv("HICACHE_TRACE", "1")
+    logger = logging.getLogger("hicache_core.registry")
+    root = logging.getLogger()
+    handler = logging.StreamHandler()  # what basicConfig would install, writing to the captured stderr
+    monkeypatch.setattr(root, "handlers", [handler])
+    level = logger.level
+    try:
+        rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
+    finally:
+        logger.setLevel(level)  # setLevel also clears logging's level cache
+    assert rc == 0
+    assert ("hicache: (page_head, direct, sharded=False) mha [k:32B+v:32B] x 4 layers, page 16 -> core.direct "
+            "from hicache-core 0.1.0") in err
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_verify_progress_on_a_terminal(capsys, monkeypatch):
+    tty = _Tty()
+    monkeypatch.setattr(cli.sys, "stderr", tty)
+    rc, out, _ = run(capsys, "verify", "--device", "cpu", "--no-timing", "--kind", "mha", "--io-backend", "direct")
+    assert rc == 0 and out.splitlines()[-1] == "verify on cpu: 2 cells, 2 passed, 0 failed, 0 skipped"
+    first = "[1/2] verifying page_head/direct/unsharded/mha"
+    second = "[2/2] verifying page_head/direct/sharded/mha  "  # padded over the longer previous text
+    assert tty.getvalue() == f"\r{first}\r{second}\r{' ' * len(second.rstrip())}\r"
+
+
+def test_verify_interpreter_without_numpy(capsys, monkeypatch):
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "numpy" else real(name, *a))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    rc, out, err = run(capsys, "verify", "--device", "cpu")
+    assert rc == 2 and out == ""
+    assert err == ("hicache verify: TRITON_INTERPRET=1 needs numpy, which is not installed: "
+                   "pip install 'hicache-core[interpret]'\n")
+
+
+def test_doctor(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc, out, err = run(capsys, "doctor")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"hicache-core 0.1.0, Python {sys.version.split()[0]}, torch {torch.__version__}")
+    assert lines[5] == "plugins: 3 plugins (0 broken), layouts: page_head; io_backends: direct, fakedma, reference"
+    assert lines[4].startswith("Triton interpreter: off; numpy: ")
+    if not torch.cuda.is_available():
+        assert lines[1:3] == [
+            "CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)",
+            "copy engine (direct): memmove on CPU pools (no CUDA runtime needed)",
+        ]
+        assert lines[6:] == [
+            "verify on cpu: 6 of 12 cells will run, 6 will be skipped:",
+            f"  6 cells (page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
+            "page_head stores per-head rows of MHA pools only; this pool is 'mla'",
+        ]

@@ -1,0 +1,68 @@
+"""The out-of-tree example plugin (examples/hicache_example): installed by the test set-up, served, bounds-safe.
+
+The conformance kit runs on it with the rest of the suite (``hicache_core/testing``, every installed layout).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+import torch
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
+from hicache_core.kernel_support import interpreting
+
+pytestmark = pytest.mark.skipif(
+    not any(ep.name == "example" for ep in importlib.metadata.entry_points(group="hicache")),
+    reason="examples/hicache_example is not installed (bash dev/bootstrap.sh --test installs it)",
+)
+
+
+def test_example_registers_its_layout_and_two_strategies() -> None:
+    reg = create_registry(env={"HICACHE_PLUGINS": "core,example"})
+    assert sorted(reg.layouts) == ["example_packed"]
+    assert sorted(reg.plugins[1].strategies) == ["example.engine", "example.kernel"]
+
+
+@pytest.mark.parametrize("io_backend", ["example_engine", "kernel"])
+def test_out_of_range_device_resident_indices_touch_nothing(io_backend: str) -> None:
+    device = "cuda" if io_backend == "kernel" and torch.cuda.is_available() else "cpu"
+    if device == "cpu" and io_backend == "kernel" and not interpreting():
+        pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=1, head_dim=8, dtype=torch.float16, page_size=4,
+                        capacity=8, device=device)
+    gen = torch.Generator().manual_seed(0)
+    dev = {c: [torch.randint(-100, 100, (12, 1, 8), generator=gen).half().to(device) for _ in range(2)] for c in "kv"}
+
+    def snapshot() -> dict[str, list[torch.Tensor]]:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return {c: [t.cpu().clone() for t in dev[c]] for c in "kv"}
+
+    pool = HostKVPool(spec, "example_packed", io_backend, dev, registry=create_registry(
+        env={"HICACHE_PLUGINS": "core,example"}), validate="shapes")
+    host = pool.host_buffers["packed"]
+    host.fill_(0xA5)
+    # The pool range-checks CPU indices; calling the strategy directly, as with device-resident indices
+    # under validate="shapes", leaves the out-of-range rows to the strategy.
+    strategy = pool.strategy
+    h = torch.tensor([0, 1, 2, 99], dtype=torch.int64, device=device)
+    d = torch.tensor([4, 5, -1, 6], dtype=torch.int64, device=device)
+    strategy.backup(pool.binding, h, d, None)
+    original = snapshot()
+    rows = host.view(2, 8, 2, 16)  # [layer, slot, component, 16 bytes]
+    for layer in range(2):
+        for c, comp in enumerate("kv"):
+            for slot, row in ((0, 4), (1, 5)):
+                assert torch.equal(rows[layer, slot, c], original[comp][layer][row, 0].view(torch.uint8))
+    assert bool((rows[:, 2:] == 0xA5).all())
+    h = torch.tensor([0, 50, 1, 1], device=device)
+    d = torch.tensor([8, 9, 12, -3], device=device)
+    strategy.load(pool.binding, h, d, 1)
+    after = snapshot()
+    for c in "kv":
+        for layer in range(2):
+            changed = [r for r in range(12) if not torch.equal(after[c][layer][r], original[c][layer][r])]
+            assert changed == ([8] if layer == 1 and not torch.equal(original[c][1][8], original[c][1][4]) else [])
+    assert torch.equal(after["k"][1][8, 0].view(torch.uint8), rows[1, 0, 0])

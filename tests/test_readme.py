@@ -1,0 +1,26 @@
+"""The README's CPU example runs verbatim (in a fresh interpreter, with the installed plugins)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _cpu_example() -> str:
+    text = README.read_text()
+    use = text[text.index("## Use"):]
+    assert use.splitlines()[2] == "On a CPU (this runs as written after the first command above):"
+    return re.search(r"```python\n(.*?)```", use, re.S).group(1)
+
+
+def test_readme_cpu_example_runs_as_written() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    out = subprocess.run([sys.executable, "-c", _cpu_example()], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ("HostKVPool(mha [k:256B+v:256B] x 4 layers, page 16, layout='layer_first', "
+                          "io_backend='direct', strategy='core.direct', device=cpu, free=256/256 slots)\n")
