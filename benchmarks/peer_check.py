@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["PeerMismatch", "ALL_OPS", "check_bit_exact"]
+__all__ = ["PeerMismatch", "ALL_OPS", "check_bit_exact", "sync"]
 
 #: Operations a target may support (``load_burst`` is ``load_layer`` over every layer).
 ALL_OPS = ("backup_all_layers", "load_layer", "load_burst")
@@ -24,7 +24,7 @@ class PeerMismatch(AssertionError):
     """A target's bytes differ from the reference backend's; nothing of it is timed."""
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -79,7 +79,7 @@ def check_bit_exact(
     if "backup_all_layers" in ops:
         target.backup_all_layers(host_indices, device_src)
         truth.backup_all_layers(host_indices, device_src)
-        _sync(device)
+        sync(device)
         for name, buf in host.items():
             diff = _first_difference(buf, want[name], device)
             if diff:
@@ -94,12 +94,12 @@ def check_bit_exact(
             _randomize_rows(t, device_dst)
         before = {n: t.clone() for n, t in tensors.items()}
         target.load_layer(layer, host_indices, device_dst)
-        _sync(device)
+        sync(device)
         got = {n: t.clone() for n, t in tensors.items()}
         for n, t in tensors.items():
             t.copy_(before[n])
         truth.load_layer(layer, host_indices, device_dst)
-        _sync(device)
+        sync(device)
         for n, t in tensors.items():
             diff = _first_difference(got[n], t, device)
             if diff:

@@ -53,6 +53,7 @@ class LmcacheMultiLayer:
 
     ops_supported = ("backup_all_layers", "load_layer", "load_burst")
     contiguous_host = True
+    note = "LMCache: host slots contiguous (its memory object); grid over every token, no SM budget"
 
     def __init__(self, ops: Any, spec: PoolSpec, layout: str, dev: dict[str, list[torch.Tensor | None]],
                  host: dict[str, torch.Tensor]) -> None:

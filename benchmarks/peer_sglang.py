@@ -125,11 +125,11 @@ def prepare(keys: list[tuple], progress: Callable[[str], None]) -> SglangKit:
     kit = SglangKit()
     try:
         kit.ops, kit.direct_error = _import_ops()
+        from sglang.kernels.jit.utils import parallel_compile
     except Exception as e:  # noqa: BLE001
-        kit.import_error = f"importing sglang.kernels.ops.kvcache.hicache failed: {type(e).__name__}: {e}"
+        kit.import_error = f"importing SGLang's JIT kernel launchers failed: {type(e).__name__}: {e}"
         progress(kit.import_error)
         return kit
-    from sglang.kernels.jit.utils import parallel_compile
 
     todo: list[tuple[tuple, Callable[[], Any]]] = []
     for key in keys:
@@ -221,6 +221,7 @@ class SglangStaged:
 
     ops_supported = ("backup_all_layers",)
     contiguous_host = False
+    note = "relayout kernel (CTAs shown) into a device staging buffer, then copy-engine DMA"
 
     def __init__(self, kit: SglangKit, spec: PoolSpec, layout: str, dev: dict[str, list[torch.Tensor | None]],
                  host: dict[str, torch.Tensor]) -> None:

@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import peer_lmcache, peer_sglang  # noqa: E402
-from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact  # noqa: E402
+from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
     SHAPES,
     _device_buffers,
@@ -283,7 +283,7 @@ class _Writer:
     def add(self, row: PeerRow) -> None:
         self.rows.append(asdict(row))
         with open(self.path, "w") as f:
-            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1)
+            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1, default=str)
         self.progress(_line(self.rows[-1]))
 
 
@@ -332,7 +332,8 @@ def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostK
         gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
         try:
             m = _measure(args, fn, n_calls, nbytes, to_host, memcpy, gemm)
-            writer.add(PeerRow(**base, op=op, ctas=target.ctas(op), bytes=nbytes, bit_exact=True, **m))
+            note = "; ".join(x for x in (getattr(target, "note", None), m.pop("note")) if x) or None
+            writer.add(PeerRow(**base, op=op, ctas=target.ctas(op), bytes=nbytes, bit_exact=True, note=note, **m))
         except Exception as e:  # noqa: BLE001
             writer.add(PeerRow(**base, op=op, status="error", bit_exact=True, error=f"{type(e).__name__}: {e}"))
 
@@ -384,17 +385,22 @@ def run_peers(args: argparse.Namespace, progress: Callable[[str], None] | None =
 def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec: PoolSpec, shape: str, layout: str,
                 dev: dict[str, list[torch.Tensor | None]], idx: dict[str, torch.Tensor], memcpy: _Memcpy,
                 writer: _Writer, deadline: float) -> None:
-    targets = (_our_targets(args, reg, spec, layout) if "hicache" in args.peers else []) \
-        + _sglang_targets(args, kit, layout) + _lmcache_targets(lm, layout)
     common = {"layout": layout, "shape": shape, "kind": _describe(spec), "tokens": spec.capacity,
               "page_size": spec.page_size}
+    if layout not in reg.layouts:
+        writer.add(PeerRow(peer="*", variant="*", op="-", status="error", **common,
+                           error=f"layout {layout!r} is not installed; installed: {sorted(reg.layouts)}"))
+        return
+    targets = (_our_targets(args, reg, spec, layout) if "hicache" in args.peers else []) \
+        + _sglang_targets(args, kit, layout) + _lmcache_targets(lm, layout)
     if time.monotonic() > deadline:
         for ts in targets:
             writer.add(PeerRow(peer=ts.peer, variant=ts.variant, op="-", status="skipped", note="time budget", **common))
         return
     plan = reg.layout(layout).plan(spec)
     fused = layout == "layer_first" and spec.kind == "mha"  # LMCache's [2, L, S, row] memory object
-    host = peer_lmcache.fused_host(spec, pin=True) if fused else allocate_host_buffers(plan, pin_memory=True)
+    pin = spec.device.type == "cuda"
+    host = peer_lmcache.fused_host(spec, pin=pin) if fused else allocate_host_buffers(plan, pin_memory=pin)
     truth = HostKVPool(spec, layout, "reference", dev, host_buffers=allocate_host_buffers(plan, pin_memory=False),
                        registry=reg)
     ctx = Ctx(spec, layout, dev, host, reg)
@@ -404,7 +410,7 @@ def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec
             writer.add(PeerRow(**base, op="-", status="skipped", note="time budget"))
             continue
         _run_target(args, ts, ctx, truth, idx, memcpy, base, writer, deadline)
-        torch.cuda.synchronize()
+        sync(spec.device)
 
 
 # -- output ---------------------------------------------------------------------------
@@ -420,7 +426,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         exact = {True: "yes", False: "**no**", None: ""}[r["bit_exact"]]
         if r["status"] == "ok":
-            cells = [_fmt(r["ctas"], "d") if r["ctas"] is not None else "all", _fmt(r["gbps"], ".1f"),
+            cells = [_fmt(r["ctas"], "d") if r["ctas"] is not None else "?", _fmt(r["gbps"], ".1f"),
                      _fmt(r["ratio"], ".3f"),
                      _fmt(r["gemm_slowdown"] * 100 if r["gemm_slowdown"] is not None else None, "+.1f"),
                      _fmt(r["host_us"], ".1f")]
