@@ -190,8 +190,13 @@ class SglangJit:
         self.tma, self.quota = tma, quota
         self.sides = _Sides(spec, layout, dev, host)
         self.module = kit.module(("tma", quota) if tma else ("jit", self.sides.row, quota))
-        if tma and not self.module.fits_device(torch.cuda.current_device()):
-            raise RuntimeError(f"SGLang's TMA kernel (quota {quota}) does not fit this device (fits_device False)")
+        if tma:
+            chunk = kit.ops.hicache_tma_rows_per_chunk(self.sides.row)
+            if spec.page_size % chunk:  # SGLang's use_hicache_tma_kernel takes the register kernel then
+                raise ValueError(f"SGLang uses its TMA kernel only when pages tile its {chunk}-row chunks; "
+                                 f"page_size {spec.page_size} does not")
+            if not self.module.fits_device(torch.cuda.current_device()):
+                raise RuntimeError(f"SGLang's TMA kernel (quota {quota}) does not fit this device (fits_device False)")
         self.host_buffers = host
 
     def ctas(self, op: str) -> int:

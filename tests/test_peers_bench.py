@@ -322,3 +322,63 @@ def test_runner_skips_targets_past_the_time_budget(tmp_path, monkeypatch):
 def test_runner_names_a_missing_layout(tmp_path, monkeypatch):
     rows = _run_layout(tmp_path, monkeypatch, ["--peers", "hicache"], "no_such_layout")
     assert rows[0][3] == "error" and rows[0][5].startswith("layout 'no_such_layout' is not installed; installed: [")
+
+
+class _FakeSglangModule:
+    """SGLang's JIT launchers' contract (sglang/kernels/ops/kvcache/hicache.py) in torch: pointer tables are
+    resolved to the tensors they were built from, strides are checked, rows copied."""
+
+    def __init__(self, tensors, tma: bool):
+        self.by_ptr = {t.data_ptr(): t for t in tensors}
+        self.tma = tma
+
+    def _all(self, dsts, idx_d, srcs, idx_s, src_stride, dst_stride, *row):
+        assert len(row) == (1 if self.tma else 0)
+        for ptr_d, ptr_s in zip(dsts, srcs):
+            for p_d, p_s in zip(ptr_d.tolist(), ptr_s.tolist()):
+                d, s = self.by_ptr[p_d], self.by_ptr[p_s]
+                assert (s.stride(0) * s.element_size(), d.stride(0) * d.element_size()) == (src_stride, dst_stride)
+                d[idx_d] = s[idx_s]
+
+    def launch_all_mla(self, ptr_dst, idx_d, ptr_src, idx_s, src_stride, dst_stride, *row):
+        self._all([ptr_dst], idx_d, [ptr_src], idx_s, src_stride, dst_stride, *row)
+
+    def launch_all(self, k_dst, v_dst, idx_d, k_src, v_src, idx_s, src_stride, dst_stride, *row):
+        self._all([k_dst, v_dst], idx_d, [k_src, v_src], idx_s, src_stride, dst_stride, *row)
+
+    def launch_one_mla(self, dst, idx_d, src, idx_s):
+        dst[idx_d] = src[idx_s]
+
+    def launch_one(self, k_dst, v_dst, idx_d, k_src, v_src, idx_s):
+        k_dst[idx_d], v_dst[idx_d] = k_src[idx_s], v_src[idx_s]
+
+    def fits_device(self, device):
+        return True
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("make", [_mla, _mha])
+def test_sglang_adapter_passes_sglangs_arguments(make, layout, tma, monkeypatch):
+    spec = make()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    host = allocate_host_buffers(create_registry().layout(layout).plan(spec), pin_memory=False)
+    views = peer_sglang._Sides(spec, layout, dev, host).host_layers
+    module = _FakeSglangModule([t for ts in dev.values() for t in ts] + [v for vs in views.values() for v in vs], tma)
+    row = spec.components[0].row_bytes
+    kit = peer_sglang.SglangKit(ops=types.SimpleNamespace(hicache_tma_rows_per_chunk=lambda r: 2),
+                                modules={("tma", 4) if tma else ("jit", row, 4): module})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    peer = peer_sglang.SglangJit(kit, tma, 4, spec, layout, dev, host)
+    check_bit_exact(peer, _ref(spec, layout, dev), dev, h, s, d, label="sglang")
+    assert peer.ctas("load_layer") == 4
+
+
+def test_sglang_tma_needs_pages_that_tile_its_chunks():
+    spec = _mla()
+    kit = peer_sglang.SglangKit(ops=types.SimpleNamespace(hicache_tma_rows_per_chunk=lambda r: 8),
+                                modules={("tma", 4): _FakeSglangModule([], True)})
+    host = allocate_host_buffers(create_registry().layout("page_first").plan(spec), pin_memory=False)
+    with pytest.raises(ValueError, match="only when pages tile its 8-row chunks; page_size 4 does not"):
+        peer_sglang.SglangJit(kit, True, 4, spec, "page_first", _dev(spec), host)
