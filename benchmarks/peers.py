@@ -371,22 +371,39 @@ def run_peers(args: argparse.Namespace, progress: Callable[[str], None] | None =
     gen = torch.Generator().manual_seed(0)
     for (shape, n), spec in specs.items():
         layouts = [lay for s, t, lay in grid if (s, t) == (shape, n)]
-        dev = _device_buffers(spec, 2 * n + args.page_size) if time.monotonic() < deadline else {}
-        h, s, d = _indices(spec, gen)
-        idx = {"h": h, "s": s, "d": d, "h_contig": torch.arange(n, device=device)}
+        try:
+            dev = _device_buffers(spec, 2 * n + args.page_size) if time.monotonic() < deadline else {}
+            h, s, d = _indices(spec, gen)
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next cell may fit)
+            _cell_failed(writer, spec, shape, layouts, e)
+            continue
+        idx = {"h": h, "s": s, "d": d, "h_contig": torch.arange(n, device=spec.device)}
         for layout in layouts:
-            _run_layout(args, reg, kit, lm, spec, shape, layout, dev, idx, memcpy, writer, deadline)
+            try:
+                _run_layout(args, reg, kit, lm, spec, shape, layout, dev, idx, memcpy, writer, deadline)
+            except Exception as e:  # noqa: BLE001
+                _cell_failed(writer, spec, shape, [layout], e)
         del dev
         torch.cuda.empty_cache()
     say(f"done: {len(writer.rows)} rows in {writer.path}")
     return writer.rows
 
 
+def _common(spec: PoolSpec, shape: str, layout: str) -> dict[str, Any]:
+    return {"layout": layout, "shape": shape, "kind": _describe(spec), "tokens": spec.capacity,
+            "page_size": spec.page_size}
+
+
+def _cell_failed(writer: _Writer, spec: PoolSpec, shape: str, layouts: list[str], e: Exception) -> None:
+    for layout in layouts:
+        writer.add(PeerRow(peer="*", variant="*", op="-", status="error", error=f"{type(e).__name__}: {e}",
+                           **_common(spec, shape, layout)))
+
+
 def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec: PoolSpec, shape: str, layout: str,
                 dev: dict[str, list[torch.Tensor | None]], idx: dict[str, torch.Tensor], memcpy: _Memcpy,
                 writer: _Writer, deadline: float) -> None:
-    common = {"layout": layout, "shape": shape, "kind": _describe(spec), "tokens": spec.capacity,
-              "page_size": spec.page_size}
+    common = _common(spec, shape, layout)
     if layout not in reg.layouts:
         writer.add(PeerRow(peer="*", variant="*", op="-", status="error", **common,
                            error=f"layout {layout!r} is not installed; installed: {sorted(reg.layouts)}"))

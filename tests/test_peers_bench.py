@@ -382,3 +382,28 @@ def test_sglang_tma_needs_pages_that_tile_its_chunks():
     host = allocate_host_buffers(create_registry().layout("page_first").plan(spec), pin_memory=False)
     with pytest.raises(ValueError, match="only when pages tile its 8-row chunks; page_size 4 does not"):
         peer_sglang.SglangJit(kit, True, 4, spec, "page_first", _dev(spec), host)
+
+
+def test_run_peers_writes_every_cell_in_order(tmp_path, monkeypatch):
+    """The whole loop with the CUDA-only parts replaced: a CPU shape, CPU indices, fake timing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P, "_meta", lambda args, notes: {"notes": notes})
+    monkeypatch.setattr(P, "_measure", _fake_measure)
+    monkeypatch.setattr(P, "_indices", lambda spec, gen: _idx())
+    monkeypatch.setitem(P.SHAPES, "tiny-mla", lambda n, ps, device: _mla())
+    monkeypatch.setitem(P.SHAPES, "tiny-huge", lambda n, ps, device: _mla())
+    real = P._device_buffers
+    monkeypatch.setattr(P, "_device_buffers", lambda spec, rows: real(spec, rows) if rows < 100 else 1 / 0)
+    args = P.parse_args(["--out", str(tmp_path), "--cells", f"tiny-mla@{CAP},tiny-huge@1000", "--page-size", str(PS),
+                         "--io-backends", "reference,nope", "--peers", "hicache", "--ops", "load_layer"])
+    rows = P.run_peers(args, progress=lambda _: None)
+    assert [(r["shape"], r["layout"], r["peer"], r["op"], r["status"]) for r in rows] == [
+        ("tiny-mla", "layer_first", "hicache", "load_layer", "ok"),
+        ("tiny-mla", "page_first", "hicache", "load_layer", "ok"),
+        ("tiny-huge", "layer_first", "*", "-", "error"),
+        ("tiny-huge", "page_first", "*", "-", "error"),
+    ]
+    assert rows[2]["error"] == "ZeroDivisionError: division by zero"
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["rows"] == rows
+    assert data["meta"]["notes"] == ["io_backend 'nope' is not registered here; its rows are skipped"]
