@@ -1,0 +1,466 @@
+"""Peer benchmark: hicache's strategies beside SGLang's and LMCache's transfer kernels.
+
+Same process, same pools, same bytes: for each cell (shape, tokens; page 64, random
+page order on both sides) and host layout, every target moves rows between the same
+device tensors and the same pinned host tensors, and is checked bit-exact against
+hicache's ``reference`` backend (:mod:`benchmarks.peer_check`) before it is timed.
+
+Targets: hicache ``kernel`` (each ``--programs`` budget), ``auto`` (when registered),
+``direct``; SGLang's generic JIT kernel and its TMA kernel at each quota, its staged
+``page_first`` write-back, its direct path (:mod:`benchmarks.peer_sglang`); LMCache's
+multi-layer kernel (:mod:`benchmarks.peer_lmcache`).  A target that cannot run gets a
+row with the error; nothing aborts the run.
+
+Operations: ``backup_all_layers`` (D2H, all layers, one call), ``load_layer`` (H2D, one
+layer), ``load_burst`` (H2D, ``load_layer`` of every layer back to back, as a forward
+pass issues them).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
+direction, CTAs/programs, slowdown of a bf16 GEMM on another stream while the operation
+runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time per
+call (per layer call for bursts), bit-exact.  Rows go to ``<out>/peers.json`` after
+every row; a markdown table is printed at the end.  ``--time-budget`` seconds after the
+start, remaining targets are recorded as skipped.
+
+Usage (CUDA machine, SGLang/LMCache installed as ``dev/gpu_peers.sh`` does)::
+
+    python -m benchmarks.peers --out results --time-budget 360
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import peer_lmcache, peer_sglang  # noqa: E402
+from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  # noqa: E402
+from hicache_core.bench import (  # noqa: E402
+    SHAPES,
+    _device_buffers,
+    _gemm_slowdown,
+    _host_us,
+    _indices,
+    _median_ms,
+    _Memcpy,
+    _targets,
+)
+from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
+from hicache_core.registry import Registry, create_registry  # noqa: E402
+from hicache_core.spec import PoolSpec  # noqa: E402
+
+__all__ = ["PeerRow", "ROW_FIELDS", "DEFAULT_CELLS", "add_arguments", "parse_args", "plan_grid", "run_peers",
+           "markdown", "main"]
+
+#: Most important first: a run cut short by its time budget still has them.
+DEFAULT_CELLS = "mla61x576-bf16@4096,mla61x656-fp8@4096,mha80x8x128-bf16@4096,mla61x576-bf16@32768"
+DEFAULT_LAYOUTS = "layer_first,page_first"
+JSON_NAME = "peers.json"
+
+
+@dataclass
+class PeerRow:
+    """One row of ``peers.json``.  ``status``: ok, error, mismatch, skipped, unsupported."""
+
+    peer: str
+    variant: str
+    layout: str
+    shape: str
+    kind: str
+    tokens: int
+    page_size: int
+    op: str
+    status: str
+    ctas: int | None = None
+    bytes: int | None = None
+    ms: float | None = None
+    gbps: float | None = None
+    memcpy_gbps: float | None = None
+    ratio: float | None = None
+    gemm_slowdown: float | None = None
+    host_us: float | None = None
+    bit_exact: bool | None = None
+    error: str | None = None
+    note: str | None = None
+
+
+ROW_FIELDS = tuple(PeerRow.__dataclass_fields__)
+
+
+# -- arguments and grid -----------------------------------------------------------
+def _csv(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in _csv(s)]
+
+
+def _cells(s: str) -> list[tuple[str, int]]:
+    out = []
+    for item in _csv(s):
+        shape, sep, tokens = item.partition("@")
+        if not sep or shape not in SHAPES or not tokens.isdigit():
+            raise argparse.ArgumentTypeError(f"cell {item!r}: use SHAPE@TOKENS with SHAPE in {sorted(SHAPES)}")
+        out.append((shape, int(tokens)))
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The peer benchmark's options (for ``hicache bench --peers`` or this module's ``main``)."""
+    p.add_argument("--out", default="peers-results", help=f"folder for {JSON_NAME}")
+    p.add_argument("--cells", type=_cells, default=_cells(DEFAULT_CELLS),
+                   help=f"comma list of SHAPE@TOKENS, run in this order (default {DEFAULT_CELLS})")
+    p.add_argument("--layouts", type=_csv, default=_csv(DEFAULT_LAYOUTS))
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--programs", type=_ints, default=[0, 8],
+                   help="SM budgets of hicache kernel strategies; 0 = strategy default")
+    p.add_argument("--io-backends", type=_csv, default=["kernel", "auto", "direct"],
+                   help="hicache io_backends; ones not registered are noted and skipped")
+    p.add_argument("--sglang-quotas", type=_ints, default=[2, 8], help="CTAs of SGLang's generic JIT kernel (2 = its default)")
+    p.add_argument("--sglang-tma-quotas", type=_ints, default=[4, 8], help="CTAs of SGLang's TMA kernel (4 = its default)")
+    p.add_argument("--peers", type=_csv, default=["hicache", "sglang", "lmcache"])
+    p.add_argument("--ops", type=_csv, default=list(ALL_OPS))
+    p.add_argument("--gemm-ops", type=_csv, default=["backup_all_layers", "load_burst"])
+    p.add_argument("--gemm-max-tokens", type=int, default=4096, help="measure GEMM slowdown only up to this many tokens")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--op-budget-ms", type=float, default=1500.0, help="fewer reps (>= 3) for slow operations")
+    p.add_argument("--slow-ms", type=float, default=1000.0, help="an operation slower than this per call is not timed")
+    p.add_argument("--time-budget", type=float, default=400.0, help="seconds; later targets are recorded as skipped")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    if unknown := [op for op in args.ops if op not in ALL_OPS]:
+        p.error(f"--ops {unknown}: choose from {list(ALL_OPS)}")
+    return args
+
+
+def plan_grid(cells: list[tuple[str, int]], layouts: list[str]) -> list[tuple[str, int, str]]:
+    """``(shape, tokens, layout)`` in run order: cells in the order given, each over ``layouts``."""
+    return [(shape, tokens, layout) for shape, tokens in cells for layout in layouts]
+
+
+# -- targets ----------------------------------------------------------------------
+@dataclass
+class Ctx:
+    """Buffers of one (cell, layout), shared by every target."""
+
+    spec: PoolSpec
+    layout: str
+    dev: dict[str, list[torch.Tensor | None]]
+    host: dict[str, torch.Tensor]
+    reg: Registry
+
+
+@dataclass
+class TargetSpec:
+    peer: str
+    variant: str
+    build: Callable[[Ctx], Any]
+
+
+class Ours:
+    """A hicache pool on the shared buffers, as a benchmark target."""
+
+    ops_supported = ALL_OPS
+    contiguous_host = False
+
+    def __init__(self, ctx: Ctx, backend: str, strategy: str, programs: int | None) -> None:
+        opts = {"programs": programs} if programs else None
+        self.pool = HostKVPool(ctx.spec, ctx.layout, backend, ctx.dev, host_buffers=ctx.host, strategy=strategy,
+                               strategy_options=opts, registry=ctx.reg, validate="shapes")
+        self.host_buffers = self.pool.host_buffers
+        self.backend = backend
+
+    def ctas(self, op: str) -> int | None:
+        if self.backend == "direct":
+            return 0
+        budget = getattr(self.pool.binding.scratch.get(self.pool.strategy_name), "programs", None)
+        return budget.for_direction(op.startswith("backup")) if hasattr(budget, "for_direction") else budget
+
+    def backup_all_layers(self, h: torch.Tensor, s: torch.Tensor) -> None:
+        self.pool.backup_all_layers(h, s)
+
+    def load_layer(self, layer: int, h: torch.Tensor, d: torch.Tensor) -> None:
+        self.pool.load_layer(layer, h, d)
+
+
+def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout: str) -> list[TargetSpec]:
+    out = []
+    backends = [b for b in args.io_backends if b in reg.io_backends]
+    for _, backend, name in _targets(reg, spec, [layout], backends):
+        for p in args.programs if backend == "kernel" else [0]:
+            variant = f"{backend} {name}" + (f" P={p}" if p else " default" if backend == "kernel" else "")
+            out.append(TargetSpec("hicache", variant, lambda c, b=backend, n=name, p=p: Ours(c, b, n, p or None)))
+    return out
+
+
+def _sglang_targets(args: argparse.Namespace, kit: peer_sglang.SglangKit | None, layout: str) -> list[TargetSpec]:
+    def failing(msg: str) -> Callable[[Ctx], Any]:
+        def build(_: Ctx) -> Any:
+            raise RuntimeError(msg)
+        return build
+
+    if kit is None:
+        return []
+    if kit.import_error:
+        return [TargetSpec("sglang", "jit/tma", failing(kit.import_error))]
+    out: list[TargetSpec] = []
+    if layout in peer_sglang.JIT_LAYOUTS:
+        default_q, default_tma = int(kit.ops.DEFAULT_BLOCK_QUOTA), int(kit.ops.TMA_BLOCK_QUOTA)
+        for q in args.sglang_quotas:
+            tag = f"q={q}" + (" (default)" if q == default_q else "")
+            out.append(TargetSpec("sglang-jit", tag, lambda c, q=q: peer_sglang.SglangJit(kit, False, q, c.spec, c.layout,
+                                                                                         c.dev, c.host)))
+        for q in args.sglang_tma_quotas:
+            tag = f"q={q}" + (" (default)" if q == default_tma else "")
+            out.append(TargetSpec("sglang-tma", tag, lambda c, q=q: peer_sglang.SglangJit(kit, True, q, c.spec, c.layout,
+                                                                                         c.dev, c.host)))
+    if layout == "page_first":
+        out.append(TargetSpec("sglang-staged", "default", lambda c: peer_sglang.SglangStaged(kit, c.spec, c.layout,
+                                                                                             c.dev, c.host)))
+    if layout == "layer_first" and kit.direct_error:
+        out.append(TargetSpec("sglang-direct", "transfer_kv_direct", failing(kit.direct_error)))
+    return out
+
+
+def _lmcache_targets(lm: tuple[Any, str | None] | None, layout: str) -> list[TargetSpec]:
+    if lm is None or layout != "layer_first":
+        return []
+    ops, err = lm
+
+    def build(c: Ctx) -> Any:
+        if ops is None:
+            raise RuntimeError(f"LMCache's CUDA ops do not import: {err}")
+        return peer_lmcache.LmcacheMultiLayer(ops, c.spec, c.layout, c.dev, c.host)
+    return [TargetSpec("lmcache", "multi_layer_kv_transfer_unilateral", build)]
+
+
+# -- measurement --------------------------------------------------------------------
+def _describe(spec: PoolSpec) -> str:
+    return f"{spec.kind} {len(spec.layer_map.device_layers)}x" + "+".join(f"{c.row_bytes}B" for c in spec.components)
+
+
+def _measure(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes: int, to_host: bool,
+             memcpy: _Memcpy, gemm: bool) -> dict[str, Any]:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    probe_ms = (time.perf_counter() - t0) * 1e3
+    if probe_ms > args.slow_ms:
+        return {"status": "skipped", "gbps": nbytes / probe_ms / 1e6, "ms": probe_ms,
+                "note": f"one call took {probe_ms:.0f} ms (> --slow-ms); GB/s from that call, not timed further"}
+    reps = max(3, min(args.reps, int(args.op_budget_ms / max(probe_ms, 1e-3))))
+    ms = _median_ms(fn, reps)
+    base = memcpy.gbps(nbytes, to_host, args.reps)
+    gbps = nbytes / ms / 1e6
+    return {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
+            "host_us": _host_us(fn, max(5, reps // 2)) / calls, "gemm_slowdown": _gemm_slowdown(fn) if gemm else None,
+            "note": None if reps == args.reps else f"{reps} reps"}
+
+
+class _Writer:
+    """Rewrites ``<out>/peers.json`` after every row, so a killed run keeps its rows."""
+
+    def __init__(self, out: str, meta: dict[str, Any], progress: Callable[[str], None]) -> None:
+        os.makedirs(out, exist_ok=True)
+        self.path = os.path.join(out, JSON_NAME)
+        self.meta, self.rows, self.progress = meta, [], progress
+
+    def add(self, row: PeerRow) -> None:
+        self.rows.append(asdict(row))
+        with open(self.path, "w") as f:
+            json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1, default=str)
+        self.progress(_line(self.rows[-1]))
+
+
+def _line(r: dict[str, Any]) -> str:
+    head = f"{r['peer']} {r['variant']} {r['layout']} {r['shape']} n={r['tokens']} {r['op']}"
+    if r["status"] != "ok":
+        return f"{head}: {r['status'].upper()} {r['error'] or r['note'] or ''}"[:600]
+    gemm = f" gemm {r['gemm_slowdown'] * 100:+.1f}%" if r["gemm_slowdown"] is not None else ""
+    return f"{head}: {r['gbps']:.1f} GB/s ratio {r['ratio']:.3f} CTAs {r['ctas']} host {r['host_us']:.0f}us{gemm}"
+
+
+def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, torch.Tensor],
+                memcpy: _Memcpy, base: dict[str, Any], writer: _Writer, deadline: float) -> None:
+    spec = ctx.spec
+    try:
+        target = ts.build(ctx)
+        h = idx["h_contig"] if target.contiguous_host else idx["h"]
+        check_bit_exact(target, truth, ctx.dev, h, idx["s"], idx["d"], label=f"{ts.peer} {ts.variant}")
+    except PeerMismatch as e:
+        writer.add(PeerRow(**base, op="-", status="mismatch", bit_exact=False, error=str(e)))
+        return
+    except Exception as e:  # noqa: BLE001
+        writer.add(PeerRow(**base, op="-", status="error", error=f"{type(e).__name__}: {e}"))
+        return
+    layers = spec.layer_map.device_layers
+    mid = layers[len(layers) // 2]
+    total = spec.bytes_per_token * spec.capacity
+
+    def burst() -> None:
+        for layer in layers:
+            target.load_layer(layer, h, idx["d"])
+
+    calls = {
+        "backup_all_layers": (lambda: target.backup_all_layers(h, idx["s"]), 1, total, True),
+        "load_layer": (lambda: target.load_layer(mid, h, idx["d"]), 1, total // len(layers), False),
+        "load_burst": (burst, len(layers), total, False),
+    }
+    for op in args.ops:
+        if op not in target.ops_supported:
+            writer.add(PeerRow(**base, op=op, status="unsupported", note=f"{ts.peer} has no {op} here"))
+            continue
+        if time.monotonic() > deadline:
+            writer.add(PeerRow(**base, op=op, status="skipped", bit_exact=True, note="time budget"))
+            continue
+        fn, n_calls, nbytes, to_host = calls[op]
+        gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
+        try:
+            m = _measure(args, fn, n_calls, nbytes, to_host, memcpy, gemm)
+            note = "; ".join(x for x in (getattr(target, "note", None), m.pop("note")) if x) or None
+            writer.add(PeerRow(**base, op=op, ctas=target.ctas(op), bytes=nbytes, bit_exact=True, note=note, **m))
+        except Exception as e:  # noqa: BLE001
+            writer.add(PeerRow(**base, op=op, status="error", bit_exact=True, error=f"{type(e).__name__}: {e}"))
+
+
+def _meta(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M"), "argv": sys.argv[1:], "notes": notes,
+            "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+def run_peers(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run the grid of ``args`` (see :func:`add_arguments`); returns the rows written to ``peers.json``.  CUDA only."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the peer benchmark needs a CUDA device")
+    say = progress or (lambda msg: print(f"[peers] {msg}", file=sys.stderr, flush=True))
+    deadline = time.monotonic() + args.time_budget
+    reg = create_registry()
+    notes = [f"io_backend {b!r} is not registered here; its rows are skipped"
+             for b in args.io_backends if b not in reg.io_backends]
+    device = torch.device("cuda")
+    grid = plan_grid(args.cells, args.layouts)
+    specs = {(shape, n): SHAPES[shape](n, args.page_size, device) for shape, n, _ in grid}
+    kit = None
+    if "sglang" in args.peers:
+        keys = peer_sglang.module_keys(list(specs.values()), args.sglang_quotas, args.sglang_tma_quotas)
+        kit = peer_sglang.prepare(keys, say)
+    lm = peer_lmcache.load_ops() if "lmcache" in args.peers else None
+    if lm is not None:
+        notes.append(f"lmcache ops: {getattr(lm[0], '__file__', None) or lm[1]}")
+    writer = _Writer(args.out, _meta(args, notes), say)
+    for note in notes:
+        say(note)
+    memcpy = _Memcpy()
+    gen = torch.Generator().manual_seed(0)
+    for (shape, n), spec in specs.items():
+        layouts = [lay for s, t, lay in grid if (s, t) == (shape, n)]
+        try:
+            dev = _device_buffers(spec, 2 * n + args.page_size) if time.monotonic() < deadline else {}
+            h, s, d = _indices(spec, gen)
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next cell may fit)
+            _cell_failed(writer, spec, shape, layouts, e)
+            continue
+        idx = {"h": h, "s": s, "d": d, "h_contig": torch.arange(n, device=spec.device)}
+        for layout in layouts:
+            try:
+                _run_layout(args, reg, kit, lm, spec, shape, layout, dev, idx, memcpy, writer, deadline)
+            except Exception as e:  # noqa: BLE001
+                _cell_failed(writer, spec, shape, [layout], e)
+        del dev
+        torch.cuda.empty_cache()
+    say(f"done: {len(writer.rows)} rows in {writer.path}")
+    return writer.rows
+
+
+def _common(spec: PoolSpec, shape: str, layout: str) -> dict[str, Any]:
+    return {"layout": layout, "shape": shape, "kind": _describe(spec), "tokens": spec.capacity,
+            "page_size": spec.page_size}
+
+
+def _cell_failed(writer: _Writer, spec: PoolSpec, shape: str, layouts: list[str], e: Exception) -> None:
+    for layout in layouts:
+        writer.add(PeerRow(peer="*", variant="*", op="-", status="error", error=f"{type(e).__name__}: {e}",
+                           **_common(spec, shape, layout)))
+
+
+def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec: PoolSpec, shape: str, layout: str,
+                dev: dict[str, list[torch.Tensor | None]], idx: dict[str, torch.Tensor], memcpy: _Memcpy,
+                writer: _Writer, deadline: float) -> None:
+    common = _common(spec, shape, layout)
+    if layout not in reg.layouts:
+        writer.add(PeerRow(peer="*", variant="*", op="-", status="error", **common,
+                           error=f"layout {layout!r} is not installed; installed: {sorted(reg.layouts)}"))
+        return
+    targets = (_our_targets(args, reg, spec, layout) if "hicache" in args.peers else []) \
+        + _sglang_targets(args, kit, layout) + _lmcache_targets(lm, layout)
+    if time.monotonic() > deadline:
+        for ts in targets:
+            writer.add(PeerRow(peer=ts.peer, variant=ts.variant, op="-", status="skipped", note="time budget", **common))
+        return
+    plan = reg.layout(layout).plan(spec)
+    fused = layout == "layer_first" and spec.kind == "mha"  # LMCache's [2, L, S, row] memory object
+    pin = spec.device.type == "cuda"
+    host = peer_lmcache.fused_host(spec, pin=pin) if fused else allocate_host_buffers(plan, pin_memory=pin)
+    truth = HostKVPool(spec, layout, "reference", dev, host_buffers=allocate_host_buffers(plan, pin_memory=False),
+                       registry=reg)
+    ctx = Ctx(spec, layout, dev, host, reg)
+    for ts in targets:
+        base = {"peer": ts.peer, "variant": ts.variant, **common}
+        if time.monotonic() > deadline:
+            writer.add(PeerRow(**base, op="-", status="skipped", note="time budget"))
+            continue
+        _run_target(args, ts, ctx, truth, idx, memcpy, base, writer, deadline)
+        sync(spec.device)
+
+
+# -- output ---------------------------------------------------------------------------
+def _fmt(v: Any, spec: str) -> str:
+    return "" if v is None else format(v, spec)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a markdown table (columns as in docs/performance.md's peer section)."""
+    head = ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
+            "| host µs/call | bit-exact |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        exact = {True: "yes", False: "**no**", None: ""}[r["bit_exact"]]
+        if r["status"] == "ok":
+            cells = [_fmt(r["ctas"], "d") if r["ctas"] is not None else "?", _fmt(r["gbps"], ".1f"),
+                     _fmt(r["ratio"], ".3f"),
+                     _fmt(r["gemm_slowdown"] * 100 if r["gemm_slowdown"] is not None else None, "+.1f"),
+                     _fmt(r["host_us"], ".1f")]
+        else:
+            why = (r["error"] or r["note"] or "").replace("|", "/").replace("\n", " ")[:160]
+            cells = [f"{r['status']}: {why}", "", "", "", ""]
+        lines.append(f"| {r['peer']} {r['variant']} | {r['layout']} | {r['kind']} | {r['tokens']} | {r['op']} | "
+                     + " | ".join(cells) + f" | {exact} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = run_peers(args)
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

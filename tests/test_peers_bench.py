@@ -1,0 +1,409 @@
+"""CPU tests of the peer benchmark (benchmarks/peers.py): options, grid order, the bit-exact
+pre-check (hicache's reference backend standing in for a peer), the JSON rows and the table.
+The timing itself needs CUDA and runs on the GPU machine (dev/gpu_peers.sh)."""
+
+from __future__ import annotations
+
+import json
+import types
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from benchmarks import peer_lmcache, peer_sglang
+from benchmarks import peers as P
+from benchmarks.peer_check import PeerMismatch, check_bit_exact
+from hicache_core.pool import HostKVPool, allocate_host_buffers
+from hicache_core.registry import create_registry
+from hicache_core.spec import LayerMap, PoolSpec
+
+PS, CAP, LAYERS = 4, 16, 3
+
+
+def _mla() -> PoolSpec:
+    return PoolSpec.mla(layer_map=LayerMap.unsharded(LAYERS), kv_lora_rank=8, qk_rope_head_dim=4,
+                        dtype=torch.bfloat16, page_size=PS, capacity=CAP, device="cpu")
+
+
+def _mha() -> PoolSpec:
+    return PoolSpec.mha(layer_map=LayerMap.unsharded(LAYERS), head_num=2, head_dim=4, dtype=torch.bfloat16,
+                        page_size=PS, capacity=CAP, device="cpu")
+
+
+def _dev(spec: PoolSpec, rows: int = 2 * CAP + PS) -> dict[str, list[torch.Tensor | None]]:
+    g = torch.Generator().manual_seed(1)
+    return {c.name: [torch.randint(0, 256, (rows, c.row_bytes), dtype=torch.uint8, generator=g).view(c.dtype)
+                     for _ in range(LAYERS)] for c in spec.components}
+
+
+def _idx() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random host pages; device backup source and load target pages disjoint."""
+    g = torch.Generator().manual_seed(2)
+    ex = lambda p: (p.unsqueeze(1) * PS + torch.arange(PS)).reshape(-1)  # noqa: E731
+    hp, dp = torch.randperm(CAP // PS, generator=g), torch.randperm(2 * CAP // PS, generator=g)
+    return ex(hp), ex(dp[: CAP // PS]), ex(dp[CAP // PS :])
+
+
+def _ref(spec: PoolSpec, layout: str, dev, host=None) -> HostKVPool:
+    reg = create_registry()
+    host = host if host is not None else allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=False)
+    return HostKVPool(spec, layout, "reference", dev, host_buffers=host, registry=reg)
+
+
+# -- options and grid ---------------------------------------------------------------
+def test_defaults_run_key_cells_first():
+    args = P.parse_args([])
+    assert args.cells == [("mla61x576-bf16", 4096), ("mla61x656-fp8", 4096), ("mha80x8x128-bf16", 4096),
+                          ("mla61x576-bf16", 32768)]
+    assert (args.layouts, args.programs, args.sglang_quotas, args.sglang_tma_quotas) == (
+        ["layer_first", "page_first"], [0, 8], [2, 8], [4, 8])
+    assert args.ops == ["backup_all_layers", "load_layer", "load_burst"]
+    assert (args.page_size, args.time_budget, args.io_backends) == (64, 400.0, ["kernel", "auto", "direct"])
+    grid = P.plan_grid(args.cells, args.layouts)
+    assert grid[:2] == [("mla61x576-bf16", 4096, "layer_first"), ("mla61x576-bf16", 4096, "page_first")]
+    assert grid[-1] == ("mla61x576-bf16", 32768, "page_first") and len(grid) == 8
+
+
+def test_options_parse():
+    args = P.parse_args(["--cells", "mha80x8x128-bf16@1024", "--programs", "2,4", "--sglang-quotas", "2",
+                         "--ops", "load_layer", "--time-budget", "5", "--peers", "hicache"])
+    assert (args.cells, args.programs, args.sglang_quotas, args.ops, args.time_budget, args.peers) == (
+        [("mha80x8x128-bf16", 1024)], [2, 4], [2], ["load_layer"], 5.0, ["hicache"])
+
+
+@pytest.mark.parametrize("cell", ["mla61x576-bf16", "nope@4096", "mla61x576-bf16@many"])
+def test_bad_cell_is_refused(cell, capsys):
+    with pytest.raises(SystemExit):
+        P.parse_args(["--cells", cell])
+    assert f"cell {cell!r}: use SHAPE@TOKENS with SHAPE in [" in capsys.readouterr().err
+
+
+def test_bad_op_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        P.parse_args(["--ops", "load_layer,copy"])
+    assert "--ops ['copy']: choose from ['backup_all_layers', 'load_layer', 'load_burst']" in capsys.readouterr().err
+
+
+# -- bit-exact pre-check ----------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("make", [_mla, _mha])
+def test_reference_as_peer_passes(layout, make):
+    spec = make()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    reg = create_registry()
+    host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=False)
+    target = P.Ours(P.Ctx(spec, layout, dev, host, reg), "reference", "core.reference", None)
+    check_bit_exact(target, _ref(spec, layout, dev), dev, h, s, d, label="ref")
+    for name, buf in target.host_buffers.items():  # the peer really wrote the rows, where the layout says
+        rows = buf[:, h] if layout == "layer_first" else buf[h].transpose(0, 1)
+        want = torch.stack([t[s] for t in dev[name]])
+        assert torch.equal(rows.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
+class _Corrupt:
+    """The reference backend, plus one wrong byte: after backups (host) or after the load of layer 2 (device)."""
+
+    ops_supported = ("backup_all_layers", "load_layer")
+
+    def __init__(self, pool: HostKVPool, where: str, dev) -> None:
+        self.pool, self.where, self.dev, self.host_buffers = pool, where, dev, pool.host_buffers
+
+    def backup_all_layers(self, h, s):
+        self.pool.backup_all_layers(h, s)
+        if self.where == "backup":
+            self.host_buffers["kv"].view(-1).view(torch.uint8)[7] ^= 1
+
+    def load_layer(self, layer, h, d):
+        self.pool.load_layer(layer, h, d)
+        if self.where == "load" and layer == 2:
+            self.dev["kv"][layer][int(d[0])].view(torch.uint8)[3] ^= 1
+
+
+def test_backup_mismatch_raises():
+    spec = _mla()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    peer = _Corrupt(_ref(spec, "page_first", dev), "backup", dev)
+    with pytest.raises(PeerMismatch) as e:
+        check_bit_exact(peer, _ref(spec, "page_first", dev), dev, h, s, d, label="bad peer")
+    nbytes = CAP * LAYERS * spec.components[0].row_bytes
+    assert str(e.value) == ("bad peer: backup_all_layers wrote host buffer 'kv' differently from the reference "
+                            f"backend: 1 of {nbytes} bytes differ (first at byte 7)")
+
+
+def test_load_mismatch_raises():
+    spec = _mla()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    peer = _Corrupt(_ref(spec, "layer_first", dev), "load", dev)
+    with pytest.raises(PeerMismatch) as e:
+        check_bit_exact(peer, _ref(spec, "layer_first", dev), dev, h, s, d, label="bad peer")
+    row = spec.components[0].row_bytes
+    assert str(e.value) == ("bad peer: load_layer(2) wrote device 'kv' differently from the reference backend: "
+                            f"1 of {(2 * CAP + PS) * row} bytes differ (first at byte {int(d[0]) * row + 3})")
+
+
+def test_only_supported_ops_are_checked():
+    spec = _mla()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    ref = _ref(spec, "page_first", dev)
+    peer = types.SimpleNamespace(ops_supported=("backup_all_layers",), host_buffers=ref.host_buffers,
+                                 backup_all_layers=ref.backup_all_layers, load_layer=None)
+    check_bit_exact(peer, _ref(spec, "page_first", dev), dev, h, s, d, label="backup only")  # load_layer not called
+
+
+# -- peer adapters on CPU (pointer plumbing; the kernels need CUDA) ------------------------------
+class _FakeLmcacheOps:
+    """LMCache's ``multi_layer_kv_transfer_unilateral`` semantics in torch, resolving pointers to our tensors."""
+
+    EngineKVFormat = types.SimpleNamespace(NL_X_NBBS_ONE_HS="mla", TWO_X_NL_X_NBBS_NH_HS="mha")
+    TransferDirection = types.SimpleNamespace(D2H="d2h", H2D="h2d")
+
+    def __init__(self, dev):
+        self.by_ptr = {t.data_ptr(): t for ts in dev.values() for t in ts}
+
+    def multi_layer_kv_transfer_unilateral(self, kv, ptrs, slots, device, rows, direction, fmt):
+        kvs, layers = kv.shape[0], kv.shape[1]
+        assert (fmt, len(ptrs)) == ("mla" if kvs == 1 else "mha", kvs * layers)
+        for i, p in enumerate(ptrs.tolist()):
+            t = self.by_ptr[p]
+            assert t.shape[0] == rows
+            if direction == "d2h":
+                kv[i // layers, i % layers] = t[slots]
+            else:
+                t[slots] = kv[i // layers, i % layers]
+
+
+@pytest.mark.parametrize("make", [_mla, _mha])
+def test_lmcache_adapter_moves_our_rows(make):
+    spec = make()
+    dev = _dev(spec)
+    _, s, d = _idx()
+    host = peer_lmcache.fused_host(spec, pin=False)
+    peer = peer_lmcache.LmcacheMultiLayer(_FakeLmcacheOps(dev), spec, "layer_first", dev, host)
+    check_bit_exact(peer, _ref(spec, "layer_first", dev), dev, torch.arange(CAP), s, d, label="lmcache")
+    assert peer.ops_supported == (P.ALL_OPS if spec.kind == "mla" else ("backup_all_layers",))
+
+
+def test_lmcache_adapter_needs_one_mha_object():
+    spec = _mha()
+    dev = _dev(spec)
+    host = allocate_host_buffers(create_registry().layout("layer_first").plan(spec), pin_memory=False)
+    with pytest.raises(ValueError, match=r"MHA host k and v must be the halves of one \[2, L, S, row\] tensor"):
+        peer_lmcache.LmcacheMultiLayer(_FakeLmcacheOps(dev), spec, "layer_first", dev, host)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_sglang_pointer_tables_follow_sglang_host_views(layout):
+    spec = _mha()
+    dev = _dev(spec)
+    host = allocate_host_buffers(create_registry().layout(layout).plan(spec), pin_memory=False)
+    sides = peer_sglang._Sides(spec, layout, dev, host)
+    row = spec.components[0].row_bytes
+    for i, name in enumerate(("k", "v")):
+        # SGLang's host pool: kv_buffer[i] (layer_first) or kv_buffer.transpose(0, 1)[i] (page_first)
+        views = host[name] if layout == "layer_first" else host[name].transpose(0, 1)
+        assert sides.host_ptrs[i].tolist() == [views[j].data_ptr() for j in range(LAYERS)]
+        assert sides.dev_ptrs[i].tolist() == [t.data_ptr() for t in dev[name]]
+    assert sides.host_stride == (row if layout == "layer_first" else row * LAYERS)
+
+
+def test_sglang_targets_per_layout():
+    ops = types.SimpleNamespace(DEFAULT_BLOCK_QUOTA=2, TMA_BLOCK_QUOTA=4)
+    kit = peer_sglang.SglangKit(ops=ops, direct_error="no sgl_kernel")
+    args = P.parse_args([])
+    names = lambda layout: [(t.peer, t.variant) for t in P._sglang_targets(args, kit, layout)]  # noqa: E731
+    jit = [("sglang-jit", "q=2 (default)"), ("sglang-jit", "q=8"), ("sglang-tma", "q=4 (default)"),
+           ("sglang-tma", "q=8")]
+    assert names("layer_first") == jit + [("sglang-direct", "transfer_kv_direct")]
+    assert names("page_first") == jit + [("sglang-staged", "default")]
+    assert names("page_first_direct") == []
+    failed = P._sglang_targets(args, peer_sglang.SglangKit(import_error="boom"), "layer_first")
+    with pytest.raises(RuntimeError, match="^boom$"):
+        failed[0].build(None)
+
+
+def test_fp8_656_rows_are_refused_by_sglangs_generic_kernel_rule():
+    ops = types.SimpleNamespace(_default_unroll=lambda row: 2, _tiles_across_lanes=lambda row, u: row % 128 == 0,
+                                GROUP_BYTES=(128,))
+    with pytest.raises(ValueError, match=r"does not take 656-byte rows on CUDA: its copy groups are \(128,\) bytes"):
+        peer_sglang._builder(ops, ("jit", 656, 2))
+    assert callable(peer_sglang._builder(ops, ("jit", 1152, 2)))
+
+
+# -- output -----------------------------------------------------------------------------
+def _row(**kw) -> P.PeerRow:
+    base = dict(peer="sglang-jit", variant="q=2 (default)", layout="layer_first", shape="mla61x576-bf16",
+                kind="mla 61x1152B", tokens=4096, page_size=64)
+    return P.PeerRow(**{**base, **kw})
+
+
+def test_json_rows_have_the_schema(tmp_path):
+    lines: list[str] = []
+    w = P._Writer(str(tmp_path), {"gpu": "x"}, lines.append)
+    w.add(_row(op="load_layer", status="ok", ctas=2, bytes=4_718_592, ms=0.1, gbps=47.2, memcpy_gbps=55.0,
+               ratio=0.858, host_us=12.5, bit_exact=True))
+    w.add(_row(op="-", status="error", error="RuntimeError: nvcc failed"))
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["meta"] == {"gpu": "x"}
+    assert [tuple(r) for r in data["rows"]] == [P.ROW_FIELDS, P.ROW_FIELDS]
+    assert data["rows"][1]["status"] == "error" and data["rows"][1]["bit_exact"] is None
+    assert lines == [
+        "sglang-jit q=2 (default) layer_first mla61x576-bf16 n=4096 load_layer: 47.2 GB/s ratio 0.858 CTAs 2 host 12us",
+        "sglang-jit q=2 (default) layer_first mla61x576-bf16 n=4096 -: ERROR RuntimeError: nvcc failed",
+    ]
+
+
+def test_markdown_table():
+    rows = [asdict(_row(op="backup_all_layers", status="ok", ctas=2, gbps=51.84, ratio=0.9412, gemm_slowdown=0.142,
+                          host_us=20.04, bit_exact=True)),
+            asdict(_row(peer="lmcache", variant="multi", op="-", status="error", error="ImportError: a | b"))]
+    assert P.markdown(rows).splitlines() == [
+        "| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
+        "| host µs/call | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| sglang-jit q=2 (default) | layer_first | mla 61x1152B | 4096 | backup_all_layers | 2 | 51.8 | 0.941 | +14.2 "
+        "| 20.0 | yes |",
+        "| lmcache multi | layer_first | mla 61x1152B | 4096 | - | error: ImportError: a / b |  |  |  |  |  |",
+    ]
+
+
+# -- the runner's bookkeeping (timing replaced: it needs CUDA) ------------------------------
+def _fake_measure(args, fn, calls, nbytes, to_host, memcpy, gemm):
+    fn()
+    return {"status": "ok", "ms": 1.0, "gbps": nbytes / 1e6, "memcpy_gbps": 50.0, "ratio": nbytes / 5e7,
+            "host_us": 3.0, "gemm_slowdown": 0.1 if gemm else None, "note": None}
+
+
+def _run_layout(tmp_path, monkeypatch, argv, layout, *, kit=None, lm=None, deadline=float("inf")):
+    monkeypatch.setattr(P, "_measure", _fake_measure)
+    args = P.parse_args(["--out", str(tmp_path), *argv])
+    spec = _mla()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    idx = {"h": h, "s": s, "d": d, "h_contig": torch.arange(CAP)}
+    writer = P._Writer(str(tmp_path), {}, lambda _: None)
+    P._run_layout(args, create_registry(), kit, lm, spec, "mla-test", layout, dev, idx, None, writer, deadline)
+    return [(r["peer"], r["variant"], r["op"], r["status"], r["bit_exact"], r["error"] or r["note"]) for r in writer.rows]
+
+
+def test_runner_checks_then_times_every_op(tmp_path, monkeypatch):
+    rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference,nope", "--peers", "hicache"], "page_first")
+    assert rows == [("hicache", "reference core.reference", op, "ok", True, None) for op in P.ALL_OPS]
+
+
+def test_runner_records_peers_that_cannot_run(tmp_path, monkeypatch):
+    rows = _run_layout(tmp_path, monkeypatch, ["--peers", "sglang,lmcache", "--ops", "load_layer"], "layer_first",
+                       kit=peer_sglang.SglangKit(import_error="no tvm_ffi"), lm=(None, "import lmcache.c_ops: nope"))
+    assert rows == [("sglang", "jit/tma", "-", "error", None, "RuntimeError: no tvm_ffi"),
+                    ("lmcache", "multi_layer_kv_transfer_unilateral", "-", "error", None,
+                     "RuntimeError: LMCache's CUDA ops do not import: import lmcache.c_ops: nope")]
+
+
+def test_runner_records_a_mismatching_peer_untimed(tmp_path, monkeypatch):
+    ops = _FakeLmcacheOps({})
+    ops.multi_layer_kv_transfer_unilateral = lambda *a: None  # moves nothing
+    rows = _run_layout(tmp_path, monkeypatch, ["--peers", "lmcache"], "layer_first", lm=(ops, None))
+    assert len(rows) == 1 and rows[0][:5] == ("lmcache", "multi_layer_kv_transfer_unilateral", "-", "mismatch", False)
+    assert rows[0][5].startswith("lmcache multi_layer_kv_transfer_unilateral: backup_all_layers wrote host buffer 'kv' "
+                                 "differently from the reference backend: ")
+
+
+def test_runner_skips_targets_past_the_time_budget(tmp_path, monkeypatch):
+    rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference", "--peers", "hicache,lmcache"],
+                       "layer_first", lm=(None, "x"), deadline=0.0)
+    assert rows == [("hicache", "reference core.reference", "-", "skipped", None, "time budget"),
+                    ("lmcache", "multi_layer_kv_transfer_unilateral", "-", "skipped", None, "time budget")]
+
+
+def test_runner_names_a_missing_layout(tmp_path, monkeypatch):
+    rows = _run_layout(tmp_path, monkeypatch, ["--peers", "hicache"], "no_such_layout")
+    assert rows[0][3] == "error" and rows[0][5].startswith("layout 'no_such_layout' is not installed; installed: [")
+
+
+class _FakeSglangModule:
+    """SGLang's JIT launchers' contract (sglang/kernels/ops/kvcache/hicache.py) in torch: pointer tables are
+    resolved to the tensors they were built from, strides are checked, rows copied."""
+
+    def __init__(self, tensors, tma: bool):
+        self.by_ptr = {t.data_ptr(): t for t in tensors}
+        self.tma = tma
+
+    def _all(self, dsts, idx_d, srcs, idx_s, src_stride, dst_stride, *row):
+        assert len(row) == (1 if self.tma else 0)
+        for ptr_d, ptr_s in zip(dsts, srcs):
+            for p_d, p_s in zip(ptr_d.tolist(), ptr_s.tolist()):
+                d, s = self.by_ptr[p_d], self.by_ptr[p_s]
+                assert (s.stride(0) * s.element_size(), d.stride(0) * d.element_size()) == (src_stride, dst_stride)
+                d[idx_d] = s[idx_s]
+
+    def launch_all_mla(self, ptr_dst, idx_d, ptr_src, idx_s, src_stride, dst_stride, *row):
+        self._all([ptr_dst], idx_d, [ptr_src], idx_s, src_stride, dst_stride, *row)
+
+    def launch_all(self, k_dst, v_dst, idx_d, k_src, v_src, idx_s, src_stride, dst_stride, *row):
+        self._all([k_dst, v_dst], idx_d, [k_src, v_src], idx_s, src_stride, dst_stride, *row)
+
+    def launch_one_mla(self, dst, idx_d, src, idx_s):
+        dst[idx_d] = src[idx_s]
+
+    def launch_one(self, k_dst, v_dst, idx_d, k_src, v_src, idx_s):
+        k_dst[idx_d], v_dst[idx_d] = k_src[idx_s], v_src[idx_s]
+
+    def fits_device(self, device):
+        return True
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("make", [_mla, _mha])
+def test_sglang_adapter_passes_sglangs_arguments(make, layout, tma, monkeypatch):
+    spec = make()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    host = allocate_host_buffers(create_registry().layout(layout).plan(spec), pin_memory=False)
+    views = peer_sglang._Sides(spec, layout, dev, host).host_layers
+    module = _FakeSglangModule([t for ts in dev.values() for t in ts] + [v for vs in views.values() for v in vs], tma)
+    row = spec.components[0].row_bytes
+    kit = peer_sglang.SglangKit(ops=types.SimpleNamespace(hicache_tma_rows_per_chunk=lambda r: 2),
+                                modules={("tma", 4) if tma else ("jit", row, 4): module})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    peer = peer_sglang.SglangJit(kit, tma, 4, spec, layout, dev, host)
+    check_bit_exact(peer, _ref(spec, layout, dev), dev, h, s, d, label="sglang")
+    assert peer.ctas("load_layer") == 4
+
+
+def test_sglang_tma_needs_pages_that_tile_its_chunks():
+    spec = _mla()
+    kit = peer_sglang.SglangKit(ops=types.SimpleNamespace(hicache_tma_rows_per_chunk=lambda r: 8),
+                                modules={("tma", 4): _FakeSglangModule([], True)})
+    host = allocate_host_buffers(create_registry().layout("page_first").plan(spec), pin_memory=False)
+    with pytest.raises(ValueError, match="only when pages tile its 8-row chunks; page_size 4 does not"):
+        peer_sglang.SglangJit(kit, True, 4, spec, "page_first", _dev(spec), host)
+
+
+def test_run_peers_writes_every_cell_in_order(tmp_path, monkeypatch):
+    """The whole loop with the CUDA-only parts replaced: a CPU shape, CPU indices, fake timing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(P, "_meta", lambda args, notes: {"notes": notes})
+    monkeypatch.setattr(P, "_measure", _fake_measure)
+    monkeypatch.setattr(P, "_indices", lambda spec, gen: _idx())
+    monkeypatch.setitem(P.SHAPES, "tiny-mla", lambda n, ps, device: _mla())
+    monkeypatch.setitem(P.SHAPES, "tiny-huge", lambda n, ps, device: _mla())
+    real = P._device_buffers
+    monkeypatch.setattr(P, "_device_buffers", lambda spec, rows: real(spec, rows) if rows < 100 else 1 / 0)
+    args = P.parse_args(["--out", str(tmp_path), "--cells", f"tiny-mla@{CAP},tiny-huge@1000", "--page-size", str(PS),
+                         "--io-backends", "reference,nope", "--peers", "hicache", "--ops", "load_layer"])
+    rows = P.run_peers(args, progress=lambda _: None)
+    assert [(r["shape"], r["layout"], r["peer"], r["op"], r["status"]) for r in rows] == [
+        ("tiny-mla", "layer_first", "hicache", "load_layer", "ok"),
+        ("tiny-mla", "page_first", "hicache", "load_layer", "ok"),
+        ("tiny-huge", "layer_first", "*", "-", "error"),
+        ("tiny-huge", "page_first", "*", "-", "error"),
+    ]
+    assert rows[2]["error"] == "ZeroDivisionError: division by zero"
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["rows"] == rows
+    assert data["meta"]["notes"] == ["io_backend 'nope' is not registered here; its rows are skipped"]
