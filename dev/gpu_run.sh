@@ -21,7 +21,7 @@ for step in "$@"; do
       echo "calibrate rc=$?"; cat "$OUT/calibrate.log" | tail -16 ;;
     bench-ce) timeout ${T_BENCH:-300} hicache bench --out "$OUT/ce" --shapes ${SHAPES:-mla61x576-bf16,mha80x8x128-bf16} \
         --layouts ${LAYOUTS:-layer_first,page_first,page_first_direct,page_first_kv_split} --tokens ${TOKENS:-4096} --page-sizes ${PAGES:-64} --programs 0 --io-backends kernel,direct,auto \
-        --direct-variants auto,never --reps ${REPS:-10} ${GEMM:---gemm} >"$OUT/bench_ce.log" 2>&1
+        --direct-variants ${DVARIANTS:-auto} --reps ${REPS:-10} ${GEMM:---gemm} >"$OUT/bench_ce.log" 2>&1
       echo "bench-ce rc=$?"; grep -v "^hicache bench" "$OUT/bench_ce.log" | tail -80 ;;
   esac
 done
