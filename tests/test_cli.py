@@ -28,6 +28,7 @@ INVENTORY = """\
 installed layouts:
   page_head (hicache-test-page-head 0.1.0)
 installed io_backends:
+  auto (hicache-core 0.1.0)
   direct (hicache-core 0.1.0)
   fakedma (hicache-test-vendor 0.1.0)
   reference (hicache-core 0.1.0)"""
@@ -52,6 +53,7 @@ def test_plugins(capsys):
     assert rc == 0 and err == ""
     assert out == f"""\
 core (hicache-core 0.1.0)
+  strategy core.auto [io_backend=auto layouts=* sharded=both]: copy engine where its blocks reach the GPU's calibrated size, else the layout's kernel
   strategy core.direct [io_backend=direct layouts=* sharded=both]: copy-engine copies over coalesced runs derived from layout strides
   strategy core.reference [io_backend=reference layouts=* sharded=both]: torch indexing on any device; the oracle
 fake_vendor (hicache-test-vendor 0.1.0)
@@ -59,7 +61,7 @@ fake_vendor (hicache-test-vendor 0.1.0)
 page_head (hicache-test-page-head 0.1.0)
   layout page_head: {PAGE_HEAD_DESC}
 
-3 plugins (0 broken), 1 layout, 3 strategies; io_backends: direct, fakedma, reference
+3 plugins (0 broken), 1 layout, 4 strategies; io_backends: auto, direct, fakedma, reference
 """
 
 
@@ -68,7 +70,7 @@ def test_plugins_core_alone_says_no_layout(capsys, monkeypatch):
     rc, out, _ = run(capsys, "plugins")
     assert rc == 0
     assert out.splitlines()[-2:] == [
-        "1 plugin (0 broken), 0 layouts, 2 strategies; io_backends: direct, reference",
+        "1 plugin (0 broken), 0 layouts, 3 strategies; io_backends: auto, direct, reference",
         "no layout is installed: hicache-core alone gives generic backends and no layouts; install a layout plugin "
         "from the hicache source tree (e.g. pip install ./plugins/layer_first ./plugins/page_first ./plugins/kv_split)",
     ]
@@ -88,7 +90,7 @@ def test_plugins_lists_broken_plugin(capsys, monkeypatch):
     assert rc == 0
     lines = out.splitlines()
     assert "raiser (<local> -): BROKEN, registration failed: RuntimeError: boom" in lines
-    assert lines[-1] == "4 plugins (1 broken), 1 layout, 3 strategies; io_backends: direct, fakedma, reference"
+    assert lines[-1] == "4 plugins (1 broken), 1 layout, 4 strategies; io_backends: auto, direct, fakedma, reference"
 
 
 def test_plugins_json(capsys):
@@ -122,10 +124,14 @@ pools (device cpu):
 def test_matrix(capsys):
     rc, out, err = run(capsys, "matrix")
     assert rc == 0 and err == ""
-    d, v, r = "core.direct" + " " * 10, "test_vendor.fakedma  ", "core.reference" + " " * 7
+    a, d, v, r = "core.auto" + " " * 12, "core.direct" + " " * 10, "test_vendor.fakedma  ", "core.reference" + " " * 7
     none = "-" + " " * 20
     assert out == POOLS + f"""
 layout     io_backend  sharded  kind  backup_all_layers    backup_layer         load_layer           load_all_layers
+page_head  auto        no       mha   {a}{a}{a}core.auto
+page_head  auto        no       mla   {none}{none}{none}-                    [1]
+page_head  auto        yes      mha   {a}{a}{a}core.auto
+page_head  auto        yes      mla   {none}{none}{none}-                    [1]
 page_head  direct      no       mha   {d}{d}{d}core.direct
 page_head  direct      no       mla   {none}{none}{none}-                    [1]
 page_head  direct      yes      mha   {d}{d}{d}core.direct
@@ -139,7 +145,7 @@ page_head  reference   no       mla   {none}{none}{none}-                    [1]
 page_head  reference   yes      mha   {r}{r}{r}core.reference
 page_head  reference   yes      mla   {none}{none}{none}-                    [1]
 
-6 of 12 cells served; '-': nothing serves the cell, because:
+8 of 16 cells served; '-': nothing serves the cell, because:
 [1] {MLA_REASON}
 """
 
@@ -214,7 +220,7 @@ candidates, in order:
     assert err == f"""\
 hicache explain: no strategy serves (layout='page_head', io_backend='fakedma', sharded=False) for mha [k:64B+v:64B] x 4 layers, page 16:
   test_vendor.fakedma: {reason}
-nearest working alternatives: --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
+nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
 {INVENTORY}
 """
 
@@ -246,7 +252,8 @@ def test_explain_near_misses(capsys):
     assert rc == 2
     assert out.splitlines()[-1] == "candidates: none; no strategy is registered for io_backend 'dirct' and this layout"
     assert err.endswith("did you mean: direct?\n")
-    assert ("nearest working alternatives: --layout page_head --io-backend direct (core.direct), --layout page_head "
+    assert ("nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head "
+            "--io-backend direct (core.direct), --layout page_head "
             "--io-backend fakedma (test_vendor.fakedma), --layout page_head --io-backend reference (core.reference)"
             ) in err.splitlines()
 
@@ -276,6 +283,10 @@ def test_explain_override_and_environment_pick(capsys, monkeypatch):
 # -- verify ------------------------------------------------------------------------
 VERIFY_TABLE = f"""\
 layout     io_backend  sharded  kind  strategy             result  backup GB/s  load GB/s
+page_head  auto        no       mha   core.auto            PASS    -            -
+page_head  auto        no       mla   -                    SKIP    -            -          [1]
+page_head  auto        yes      mha   core.auto            PASS    -            -
+page_head  auto        yes      mla   -                    SKIP    -            -          [1]
 page_head  direct      no       mha   core.direct          PASS    -            -
 page_head  direct      no       mla   -                    SKIP    -            -          [1]
 page_head  direct      yes      mha   core.direct          PASS    -            -
@@ -299,7 +310,7 @@ notes:
 def test_verify_without_timing(capsys):
     rc, out, err = run(capsys, "verify", "--device", "cpu", "--no-timing")
     assert rc == 0 and err == ""  # no progress when stderr is not a terminal
-    assert out == "timing: off\n\n" + VERIFY_TABLE + "verify on cpu: 12 cells, 6 passed, 0 failed, 6 skipped\n"
+    assert out == "timing: off\n\n" + VERIFY_TABLE + "verify on cpu: 16 cells, 8 passed, 0 failed, 8 skipped\n"
 
 
 def test_verify_timed_structure(capsys):
@@ -312,11 +323,12 @@ def test_verify_timed_structure(capsys):
     ]
     assert lines[2].split() == ["layout", "io_backend", "sharded", "kind", "strategy", "result", "backup", "GB/s",
                                 "load", "GB/s"]
-    assert lines[-4:] == ["", cli.PASS_MEANS, cli.CPU_GBPS, "verify on cpu: 6 cells, 6 passed, 0 failed, 0 skipped"]
+    assert lines[-4:] == ["", cli.PASS_MEANS, cli.CPU_GBPS, "verify on cpu: 8 cells, 8 passed, 0 failed, 0 skipped"]
     cells = [ln.split() for ln in lines[3:-4]]
     assert [c[:6] for c in cells] == [
         ["page_head", b, s, "mha", name, "PASS"]
-        for b, name in (("direct", "core.direct"), ("fakedma", "test_vendor.fakedma"), ("reference", "core.reference"))
+        for b, name in (("auto", "core.auto"), ("direct", "core.direct"), ("fakedma", "test_vendor.fakedma"),
+                        ("reference", "core.reference"))
         for s in ("no", "yes")
     ]
     for c in cells:
@@ -413,7 +425,7 @@ def test_bench_hook_only_when_the_module_exists(monkeypatch):
     assert ("bench" in sub.choices) == (importlib.util.find_spec("hicache_core.bench") is not None)
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    assert sorted(sub.choices) == ["doctor", "explain", "matrix", "plugins", "verify"]
+    assert sorted(sub.choices) == ["calibrate", "doctor", "explain", "matrix", "plugins", "verify"]
 
 
 def test_usage_errors_exit_2(capsys):
@@ -546,7 +558,7 @@ def test_doctor(capsys, monkeypatch):
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith(f"hicache-core 0.1.0, Python {sys.version.split()[0]}, torch {torch.__version__}")
-    assert lines[5] == "plugins: 3 plugins (0 broken), layouts: page_head; io_backends: direct, fakedma, reference"
+    assert lines[5] == "plugins: 3 plugins (0 broken), layouts: page_head; io_backends: auto, direct, fakedma, reference"
     assert lines[4].startswith("Triton interpreter: off; numpy: ")
     if not torch.cuda.is_available():
         assert lines[1:3] == [
@@ -554,7 +566,7 @@ def test_doctor(capsys, monkeypatch):
             "copy engine (direct): memmove on CPU pools (no CUDA runtime needed)",
         ]
         assert lines[6:] == [
-            "verify on cpu: 6 of 12 cells will run, 6 will be skipped:",
-            f"  6 cells (page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
+            "verify on cpu: 8 of 16 cells will run, 8 will be skipped:",
+            f"  8 cells (page_head/auto, page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
             "page_head stores per-head rows of MHA pools only; this pool is 'mla'",
         ]

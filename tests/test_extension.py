@@ -104,7 +104,7 @@ def test_matrix_shows_page_head_served_by_reference_and_direct(capsys, monkeypat
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("page_head")]
     assert rows == [
         ["page_head", backend, sharded, "mha", *[f"core.{backend}"] * 4]
-        for backend in ("direct", "reference") for sharded in ("no", "yes")
+        for backend in ("auto", "direct", "reference") for sharded in ("no", "yes")
     ]
 
 

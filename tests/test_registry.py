@@ -214,7 +214,7 @@ def test_allow_list_names_a_missing_plugin():
 def test_allow_list():
     reg = create_registry(env={"HICACHE_PLUGINS": "core, page_head"})
     assert [p.name for p in reg.plugins] == ["core", "page_head"]
-    assert reg.io_backends == ["direct", "reference"]
+    assert reg.io_backends == ["auto", "direct", "reference"]
 
 
 def test_block_list():
@@ -305,10 +305,11 @@ def test_resolution_error_lists_rejections_plugins_and_alternatives():
     assert str(exc.value) == """\
 no strategy serves (layout='page_head', io_backend='fakedma', sharded=False) for mha [k:64B+v:64B] x 4 layers, page 4:
   test_vendor.fakedma: fakedma moves 1- and 2-byte element pools only; components ['k', 'v'] are float32
-nearest working alternatives: --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
+nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
 installed layouts:
   page_head (hicache-test-page-head 0.1.0)
 installed io_backends:
+  auto (hicache-core 0.1.0)
   direct (hicache-core 0.1.0)
   fakedma (hicache-test-vendor 0.1.0)
   reference (hicache-core 0.1.0)"""
