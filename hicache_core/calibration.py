@@ -40,20 +40,27 @@ class Calibration:
     :param d2h_min_block: smallest mean block (bytes) for which backups use the copy engine.
     :param h2d_min_block: same for loads.
     :param source: where the numbers come from (a date and command, or ``shipped``).
+    :param submit_us: host time to submit one copy-engine descriptor, microseconds.
+    :param link_gbps: pinned memcpy GB/s of the host link (the pace the host must keep up with).
     """
 
     gpu: str
     d2h_min_block: int
     h2d_min_block: int
     source: str
+    submit_us: float = 0.8
+    link_gbps: float = 55.0
 
     def min_block(self, to_host: bool) -> int:
         return self.d2h_min_block if to_host else self.h2d_min_block
 
 
-#: Shipped thresholds (H200, PCIe Gen5 x16, random block order; docs/performance.md):
-#: D2H needs >= 32 KB blocks for >= 0.95 of memcpy; H2D reaches 0.85-0.89 at 9 KB and 0.99 at 36 KB.
-DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=16 * 1024, source="shipped (H200)")
+#: Shipped thresholds (H200, PCIe Gen5 x16, random block order; docs/performance.md): with the
+#: host's submission hidden, D2H needs >= 32 KB blocks for >= 0.95 of memcpy; H2D reaches 0.85-0.89
+#: at 9 KB and 0.99 at 36 KB.  Submitting costs ~0.8 us per descriptor, so ``auto`` also requires
+#: the estimated host time of a call to fit in its transfer time at link speed.
+DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=16 * 1024, source="shipped (H200)",
+                      submit_us=0.8, link_gbps=55.0)
 
 
 def calibration_path() -> str:
@@ -77,7 +84,8 @@ def load_calibration(device: torch.device) -> Calibration:
     if entry is None:
         return DEFAULT
     try:
-        return Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)))
+        return Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)),
+                           float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)))
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("hicache: calibration %s entry %r is malformed (%s); using shipped defaults", path, gpu, exc)
         return DEFAULT
@@ -98,7 +106,11 @@ def _time_ms(fn: Any, reps: int) -> float:
 
 
 def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[dict[str, float]]:
-    """Copy-engine ratio to pinned memcpy for random blocks of each size, both directions."""
+    """Copy-engine ratio to pinned memcpy for random blocks of each size, both directions.
+
+    The stream is held by a GPU sleep while the host submits, so the ratio is the copy
+    engine's own efficiency; the host's submission time per descriptor is reported apart.
+    """
     from .backends.cudart import runtime
 
     rt = runtime()
@@ -116,12 +128,21 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
             srcs = (off if to_host else perm) + src_t.data_ptr()
             lens = torch.full((n,), block, dtype=torch.int64)
             stream = int(torch.cuda.current_stream().cuda_stream)
-            t0 = time.perf_counter()
-            rt.copy_batch(dsts, srcs, lens, stream)
-            submit_us = (time.perf_counter() - t0) * 1e6 / n
-            gbps = n * block / _time_ms(lambda: rt.copy_batch(dsts, srcs, lens, stream), reps) / 1e6
+            times, submits = [], []
+            for _ in range(reps + 1):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(2e6 + 3000 * n))  # ~1 ms + ~1.5 us per descriptor at ~2 GHz
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                t0 = time.perf_counter()
+                rt.copy_batch(dsts, srcs, lens, stream)
+                submits.append((time.perf_counter() - t0) * 1e6 / n)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            gbps = n * block / statistics.median(times[1:]) / 1e6
             out.append({"to_host": to_host, "block": block, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
-                        "submit_us_per_block": submit_us})
+                        "submit_us_per_block": statistics.median(submits[1:])})
     return out
 
 
@@ -150,7 +171,9 @@ def _cmd(args: argparse.Namespace) -> int:
     gpu = torch.cuda.get_device_name()
     cal = Calibration(gpu, _threshold(rows, True, args.target, DEFAULT.d2h_min_block),
                       _threshold(rows, False, args.target, DEFAULT.h2d_min_block),
-                      f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}")
+                      f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
+                      statistics.median(r["submit_us_per_block"] for r in rows),
+                      statistics.median(r["memcpy_gbps"] for r in rows))
     path = args.out or calibration_path()
     try:
         with open(path) as f:

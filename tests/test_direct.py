@@ -110,3 +110,28 @@ def test_page_image_merges_owned_layers_only():
     assert starts.tolist() == [0] and lens.tolist() == [4 * 4 * 1152]  # the whole page, one block
     starts, lens = page_image(seg, [1], 4)  # one layer of a token-major page: one row per token
     assert starts.tolist() == [1152 + t * 4 * 1152 for t in range(4)] and lens.tolist() == [1152] * 4
+
+
+@pytest.mark.skipif("page_first" not in LAYOUTS or "layer_first" not in LAYOUTS, reason="needs the layout plugins")
+def test_auto_picks_copy_engine_only_for_large_fed_blocks():
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    kernel = object()  # stands in for the layout's kernel strategy: only its identity matters here
+    h, d = torch.arange(0, 1024), torch.arange(1024, 2048)  # 16 pages: enough bytes to hide 8 relayout launches
+    picks = {}
+    for layout in ("layer_first", "page_first"):
+        pool = _mla_pool(layout, staging="auto", ps=64, layers=4, pages=32)
+        auto = AutoStrategy()
+        auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel, DEFAULT
+        for layer in (None, 1):
+            chosen = auto.pick(pool.binding, h, d, layer, to_host=True)
+            picks[layout, layer] = "direct" if chosen is pool.strategy else "kernel"
+    # layer_first: whole 73.7 KB pages; page_first all layers: staged 295 KB pages; page_first one layer: 1152 B rows
+    assert picks == {("layer_first", None): "direct", ("layer_first", 1): "direct",
+                     ("page_first", None): "direct", ("page_first", 1): "kernel"}
+    small = _mla_pool("page_first", staging="auto", ps=64, layers=4, pages=32)
+    auto = AutoStrategy()
+    auto.direct, auto.kernel, auto.calibration = small.strategy, kernel, DEFAULT
+    # one page: the 8 relayout launches (~80 us of host time) outlast its 1.2 MB at link speed
+    assert auto.pick(small.binding, h[:64], d[:64], None, to_host=True) is kernel

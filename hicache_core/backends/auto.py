@@ -5,9 +5,11 @@ Per pool, both candidates are prepared on the pool's buffers: the core's
 ``(layout, "kernel", sharded)`` in the default registry.  Per call, ``auto``
 asks ``direct`` which mean block size it would submit for these indices and
 layer (memoised with the plan) and compares it with the calibrated threshold
-of the direction (:mod:`hicache_core.calibration`): at or above it the copy
-engine serves the call (no SM held, so the forward pass keeps the GPU), below
-it the kernel does.  With only one candidate available, that one serves.
+of the direction (:mod:`hicache_core.calibration`), and whether the host can
+feed it: the estimated host time of the call (descriptors, and the relayout
+launches of a staged route) must fit in the call's transfer time at link
+speed.  Then the copy engine serves the call (no SM held, so the forward pass
+keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 """
 
 from __future__ import annotations
@@ -85,8 +87,10 @@ class AutoStrategy:
         if self.direct is None:
             return self.kernel
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
-        assert self.calibration is not None
-        return self.direct if sub.mean_block >= self.calibration.min_block(to_host) else self.kernel
+        cal = self.calibration
+        assert cal is not None
+        fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+        return self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:

@@ -69,6 +69,13 @@ class Submission:
         """Bytes the copy engine moves per transfer."""
         return self.staged.nbytes if self.staged is not None else int(self.lens.sum())
 
+    def host_us(self, submit_us: float) -> float:
+        """Estimated host time to submit this transfer (``submit_us`` per copy-engine descriptor)."""
+        from .staging import LAUNCH_US
+
+        launches = self.staged.chunks * self.staged.launches_per_chunk if self.staged is not None else 0
+        return self.count * submit_us + launches * LAUNCH_US
+
     @property
     def mean_block(self) -> float:
         """Mean bytes per copy-engine descriptor (what decides copy-engine efficiency)."""

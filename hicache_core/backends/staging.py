@@ -37,9 +37,14 @@ if TYPE_CHECKING:
 
 __all__ = ["StagedRoute", "StagingBuffers", "page_image", "DEFAULT_STAGING_BYTES"]
 
-#: Device staging per stream: two 64 MiB halves, so a 288 MB all-layer MLA backup
-#: (61 x 576 bf16, 4096 tokens) runs in 5 pipelined chunks.
-DEFAULT_STAGING_BYTES = 128 << 20
+#: Device staging per stream (two halves): at most 512 MiB.
+DEFAULT_STAGING_BYTES = 512 << 20
+#: Host time of one relayout op (a torch launch) and bytes per chunk it should cover.  Every chunk
+#: costs two launches per layer entry; measured on an H200 host at ~10 us each, so a chunk must
+#: carry >= ~1 MB per launch for the host to stay ahead of a 55 GB/s link (else it is host-bound:
+#: 64 MiB chunks of an 80-layer MHA page_first backup ran at 0.30 of memcpy).
+LAUNCH_US = 10.0
+BYTES_PER_LAUNCH = 1 << 20
 
 
 def page_image(seg: BoundSegment, host_layers: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +88,12 @@ class StagedRoute:
         self._d_dev = d_dev
         self.images = images
         per_page = sum(im.span for im in images)
-        self.chunk_pages = max(1, min(int(pages.numel()), staging_bytes // 2 // per_page))
+        self.launches_per_chunk = 2 * sum(len(im.entries) for im in images)
+        want = max(staging_bytes // 2 // 2, self.launches_per_chunk * BYTES_PER_LAUNCH)  # per half
+        self.chunk_pages = max(1, min(int(pages.numel()), min(want, staging_bytes // 2) // per_page))
         self.chunk_bytes = self.chunk_pages * per_page
         self.count = int(pages.numel()) * sum(int(im.lens.numel()) for im in images)
+        self.chunks = -(-int(pages.numel()) // self.chunk_pages)
         self.nbytes = int(pages.numel()) * sum(int(im.lens.sum()) for im in images)
         # host addresses and image offsets of every block, page-major; per chunk a slice
         host, rel, lens = [], [], []
