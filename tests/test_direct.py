@@ -118,10 +118,10 @@ def test_auto_picks_copy_engine_only_for_large_fed_blocks():
     from hicache_core.calibration import DEFAULT
 
     kernel = object()  # stands in for the layout's kernel strategy: only its identity matters here
-    h, d = torch.arange(0, 1024), torch.arange(1024, 2048)  # 16 pages: enough bytes to hide 8 relayout launches
+    h, d = torch.arange(0, 2048), torch.arange(2048, 4096)  # 32 pages: enough bytes to hide 8 relayout launches
     picks = {}
     for layout in ("layer_first", "page_first"):
-        pool = _mla_pool(layout, staging="auto", ps=64, layers=4, pages=32)
+        pool = _mla_pool(layout, staging="auto", ps=64, layers=4, pages=64)
         auto = AutoStrategy()
         auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel, DEFAULT
         for layer in (None, 1):
@@ -130,7 +130,7 @@ def test_auto_picks_copy_engine_only_for_large_fed_blocks():
     # layer_first: whole 73.7 KB pages; page_first all layers: staged 295 KB pages; page_first one layer: 1152 B rows
     assert picks == {("layer_first", None): "direct", ("layer_first", 1): "direct",
                      ("page_first", None): "direct", ("page_first", 1): "kernel"}
-    small = _mla_pool("page_first", staging="auto", ps=64, layers=4, pages=32)
+    small = _mla_pool("page_first", staging="auto", ps=64, layers=4, pages=64)
     auto = AutoStrategy()
     auto.direct, auto.kernel, auto.calibration = small.strategy, kernel, DEFAULT
     # one page: the 8 relayout launches (~80 us of host time) outlast its 1.2 MB at link speed
