@@ -23,7 +23,7 @@ import torch
 from .binding import BoundSegment, PoolBinding
 from .errors import HostBufferError
 from .spec import PoolSpec
-from .validate import tensor_version
+from .validate import parse_programs, tensor_version
 
 __all__ = [
     "SegmentTable",
@@ -263,14 +263,14 @@ def sm_budgets(explicit: int | None, device: torch.device, *, backup: int, load:
     directions when given; else ``HICACHE_KERNEL_PROGRAMS`` for both when set; else the
     per-direction defaults.  Environment and defaults are capped as :func:`sm_budget` does."""
     if explicit is not None:
-        return Budget.uniform(explicit)
+        return Budget.uniform(parse_programs(explicit, "programs"))
     return Budget(sm_budget(backup, device), sm_budget(load, device))
 
 
 def sm_budget(default: int, device: torch.device) -> int:
     """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (at most 4x the SM count)."""
     env = os.environ.get(ENV_PROGRAMS)
-    n = int(env) if env else default
+    n = parse_programs(env, ENV_PROGRAMS) if env else default
     if device.type == "cuda":
         n = min(n, torch.cuda.get_device_properties(device).multi_processor_count * 4)
     return max(1, n)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Mapping
 
 import torch
 
 from .errors import (
+    ConfigError,
     DeviceBufferError,
     DuplicateIndexError,
     HostBufferError,
@@ -22,7 +24,7 @@ from .errors import (
 from .spec import PoolSpec
 
 __all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffers", "check_host_buffers_disjoint",
-           "byte_storage"]
+           "byte_storage", "parse_programs"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -199,3 +201,22 @@ def check_host_buffers_disjoint(host_buffers: Mapping[str, torch.Tensor]) -> Non
             )
         if end > reach:
             reach, owner = end, name
+
+
+def parse_programs(value: object, source: str) -> int:
+    """A kernel program count (SM budget) from ``source`` (an option or environment variable): an int >= 1.
+
+    :raises ConfigError: anything else (``"abc"``, ``"-3"``, ``0``, ``2.5``), naming ``source``.
+    """
+    n: int | None = None
+    if isinstance(value, str):
+        n = int(value.strip()) if value.strip().lstrip("+-").isdigit() else None
+    elif not isinstance(value, bool):
+        try:
+            n = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            n = None
+    if n is None or n < 1:
+        raise ConfigError(f"{source}={value!r}: the number of kernel programs must be an integer >= 1 (e.g. 8); "
+                          "fix or unset it")
+    return n
