@@ -195,8 +195,9 @@ def check_host_buffers_disjoint(host_buffers: Mapping[str, torch.Tensor]) -> Non
     reach, owner = 0, ""
     for start, end, name in spans:
         if start < reach:
+            first, second = sorted((owner, name))
             raise HostBufferError(
-                f"host buffers {owner!r} and {name!r} share memory ({min(reach, end) - start} bytes overlap); each "
+                f"host buffers {first!r} and {second!r} share memory ({min(reach, end) - start} bytes overlap); each "
                 "buffer the layout plans needs its own memory: pass separate tensors"
             )
         if end > reach:
