@@ -320,7 +320,8 @@ def sglang_threads(s: Subject, args: argparse.Namespace, device: torch.device) -
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=backup_thread, name="backup"), threading.Thread(target=load_thread, name="load")]
+    threads = [threading.Thread(target=backup_thread, name="backup", daemon=True),
+               threading.Thread(target=load_thread, name="load", daemon=True)]  # a hang must not keep the process
     t0 = time.perf_counter()
     for t in threads:
         t.start()
