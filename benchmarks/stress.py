@@ -353,14 +353,25 @@ def memory(device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         out["cuda_allocated"] = torch.cuda.memory_allocated(device)
         out["cuda_reserved"] = torch.cuda.memory_reserved(device)
-        host_stats = getattr(torch.cuda, "host_memory_stats", None)
-        if host_stats is not None:
-            try:
-                st = host_stats()
-                out["pinned_allocated"] = int(st.get("allocated_bytes.current", st.get("allocated_bytes.all.current", 0)))
-                out["pinned_reserved"] = int(st.get("reserved_bytes.current", st.get("reserved_bytes.all.current", 0)))
-            except RuntimeError:
-                pass
+        host_stats = getattr(torch.cuda, "host_memory_stats", None)  # pinned (caching host allocator)
+        try:
+            st = host_stats() if host_stats is not None else {}
+        except RuntimeError:
+            st = {}
+        for key, name in (("allocated_bytes.all.current", "pinned_allocated"), ("allocated_bytes.current", "pinned_allocated"),
+                          ("reserved_bytes.all.current", "pinned_reserved"), ("reserved_bytes.current", "pinned_reserved")):
+            if key in st and name not in out:
+                out[name] = int(st[key])
+    return out
+
+
+def rss_bytes() -> int | None:
+    """Resident set size of this process (informational: the allocator may keep freed pages)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
     return out
 
 
@@ -384,7 +395,8 @@ def lifecycles(target: tuple[str, str, str], args: argparse.Namespace, device: t
     end = memory(device)
     growth = {k: end[k] - start.get(k, end[k]) for k in end}
     return {"target": ":".join(target), "lifecycles": args.lifecycles, "after_warmup": start, "end": end,
-            "growth": growth, "leak": any(v > 0 for v in growth.values())}
+            "growth": growth, "leak": any(v > 0 for v in growth.values()), "rss_bytes_end": rss_bytes(),
+            "pinned_reported": "pinned_allocated" in end or device.type != "cuda"}
 
 
 # --- main --------------------------------------------------------------------------------------
