@@ -147,9 +147,10 @@ def check_device_buffers(spec: PoolSpec, device_buffers: object) -> None:
     """
     if not isinstance(device_buffers, Mapping):
         n = len(device_buffers) if hasattr(device_buffers, "__len__") else "?"  # type: ignore[arg-type]
+        example = ", ".join(f"{c.name!r}: {c.name}_layers" for c in spec.components)
         raise DeviceBufferError(
             f"device_buffers must be a mapping of component (or part) name -> per-layer tensor list, got a "
-            f"{type(device_buffers).__name__} of {n} items; pass e.g. {{'k': k_layers, 'v': v_layers}}"
+            f"{type(device_buffers).__name__} of {n} items; pass e.g. {{{example}}}"
         )
     dtypes = {c.name: c.dtype for c in spec.components}
     dtypes.update({p.name: c.dtype for c in spec.components for p in c.parts})

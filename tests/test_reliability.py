@@ -157,6 +157,17 @@ def test_device_buffers_as_a_list_do_not_dump_tensors() -> None:
         "items; pass e.g. {'k': k_layers, 'v': v_layers}")
 
 
+def test_mla_device_buffers_as_a_list_do_not_dump_tensors() -> None:
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=8, qk_rope_head_dim=4, dtype=torch.bfloat16,
+                        page_size=PS, capacity=CAP)
+    layers = [torch.zeros(ROWS, 12, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(DeviceBufferError) as exc:
+        HostKVPool(spec, "page_first", "direct", [layers])  # type: ignore[arg-type]
+    assert str(exc.value) == (
+        "device_buffers must be a mapping of component (or part) name -> per-layer tensor list, got a list of 1 "
+        "items; pass e.g. {'kv': kv_layers}")
+
+
 def test_device_buffer_entries() -> None:
     spec = make_spec()
     cases = [
