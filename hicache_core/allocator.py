@@ -6,7 +6,16 @@ import threading
 
 import torch
 
-from .errors import DoubleFreeError, ForeignSlotError, PageAlignmentError, PageMultipleError, PoolExhaustedError
+from .errors import (
+    AllocatorArgumentError,
+    AllocSizeError,
+    DoubleFreeError,
+    ForeignSlotError,
+    FreePageError,
+    PoolExhaustedError,
+    SpecError,
+)
+from .spec import as_int as _as_int
 
 __all__ = ["PageAllocator"]
 
@@ -17,10 +26,14 @@ class PageAllocator:
     ``alloc(n)`` returns ``n`` CPU int64 slots made of ``n // page_size`` whole
     pages (lowest free pages first).  ``free`` takes back whole pages.  Double
     frees, slots outside the pool, partial pages and exhaustion raise.  All
-    methods are thread-safe.
+    methods are thread-safe.  A call that raises changes nothing.
     """
 
     def __init__(self, capacity: int, page_size: int) -> None:
+        page_size = _as_int(page_size, "page_size", SpecError)
+        capacity = _as_int(capacity, "capacity", SpecError)
+        if page_size < 1 or capacity < page_size or capacity % page_size:
+            raise SpecError(f"capacity={capacity} must be a positive multiple of page_size={page_size} (>= 1)")
         self.capacity = capacity
         self.page_size = page_size
         self.num_pages = capacity // page_size
@@ -36,11 +49,13 @@ class PageAllocator:
     def alloc(self, need_size: int) -> torch.Tensor:
         """``need_size`` slots (a multiple of ``page_size``) as a CPU int64 tensor.
 
-        :raises PageMultipleError: ``need_size`` is not a positive multiple of ``page_size``.
+        :raises AllocatorArgumentError: ``need_size`` is not an int (float, str, ``None``, bool).
+        :raises AllocSizeError: ``need_size`` is not a positive multiple of ``page_size``.
         :raises PoolExhaustedError: fewer than ``need_size`` slots are free.
         """
+        need_size = _as_int(need_size, "alloc(need_size)", AllocatorArgumentError)
         if need_size <= 0 or need_size % self.page_size:
-            raise PageMultipleError(
+            raise AllocSizeError(
                 f"alloc(need_size={need_size}): need_size must be a positive multiple of page_size={self.page_size}"
             )
         pages = need_size // self.page_size
@@ -66,12 +81,14 @@ class PageAllocator:
     def free(self, indices: torch.Tensor) -> int:
         """Return whole pages of slots; returns the number of slots freed.
 
+        :raises AllocatorArgumentError: ``indices`` is not a torch.Tensor of an integer dtype
+            (a list, a NumPy array, floats, bools) or its values cannot be read (meta tensor).
         :raises ForeignSlotError: a slot lies outside ``0..capacity-1``.
-        :raises PageMultipleError: the count is not a multiple of ``page_size``.
-        :raises PageAlignmentError: the slots are not whole pages.
-        :raises DoubleFreeError: a page is not currently allocated (or repeated).
+        :raises AllocSizeError: the count is not a multiple of ``page_size``.
+        :raises FreePageError: the slots are not whole pages.
+        :raises DoubleFreeError: a page is not currently allocated, or appears twice in ``indices``.
         """
-        idx = indices.reshape(-1).to("cpu", torch.int64)
+        idx = _slot_values(indices)
         if idx.numel() == 0:
             return 0
         if int(idx.min()) < 0 or int(idx.max()) >= self.capacity:
@@ -80,22 +97,49 @@ class PageAllocator:
                 "these slots do not belong to this pool"
             )
         if idx.numel() % self.page_size:
-            raise PageMultipleError(f"free(indices): {idx.numel()} slots is not a multiple of page_size={self.page_size}")
+            raise AllocSizeError(f"free(indices): {idx.numel()} slots is not a multiple of page_size={self.page_size}")
         pages = idx.view(-1, self.page_size)
         expected = pages[:, :1] + torch.arange(self.page_size)
         if not torch.equal(pages, expected) or bool((pages[:, 0] % self.page_size).ne(0).any()):
-            raise PageAlignmentError("free(indices): slots must be whole pages as returned by alloc")
+            raise FreePageError("free(indices): slots must be whole pages as returned by alloc")
         page_ids = pages[:, 0] // self.page_size
+        uniq, counts = page_ids.unique(return_counts=True)
+        if bool((counts > 1).any()):
+            raise DoubleFreeError(
+                f"free(indices): pages {uniq[counts > 1][:4].tolist()} appear more than once in this call; "
+                "pass each page once"
+            )
         with self._lock:
-            if page_ids.unique().numel() != page_ids.numel() or not bool(self._used[page_ids].all()):
-                bad = page_ids[~self._used[page_ids]][:4].tolist() or page_ids.tolist()[:4]
+            if not bool(self._used[page_ids].all()):
+                bad = page_ids[~self._used[page_ids]][:4].tolist()
                 raise DoubleFreeError(f"free(indices): pages {bad} are not allocated (double free?)")
             self._used[page_ids] = False
             self._free = torch.cat([self._free, page_ids])
         return idx.numel()
+
+    def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
+        """A bool mask: which of ``page_ids`` (CPU int64, in range) are currently allocated."""
+        with self._lock:
+            return self._used[page_ids].clone()
 
     def clear(self) -> None:
         """Free everything."""
         with self._lock:
             self._used.zero_()
             self._free = torch.arange(self.num_pages, dtype=torch.int64)
+
+
+def _slot_values(indices: object) -> torch.Tensor:
+    """``free``'s argument as flat CPU int64 slot values, refusing anything that would be truncated or guessed."""
+    if not isinstance(indices, torch.Tensor):
+        raise AllocatorArgumentError(
+            f"free(indices) must be a torch.Tensor of integer slots as alloc returned them, got {type(indices).__name__}; "
+            "wrap it with torch.as_tensor(..., dtype=torch.int64)"
+        )
+    if indices.dtype == torch.bool or indices.dtype.is_floating_point or indices.dtype.is_complex:
+        raise AllocatorArgumentError(
+            f"free(indices) must hold integer slots, got {indices.dtype}; pass the int64 tensor alloc returned"
+        )
+    if indices.device.type == "meta":
+        raise AllocatorArgumentError("free(indices) is a meta tensor, whose values cannot be read; pass the slots alloc returned")
+    return indices.reshape(-1).to("cpu", torch.int64)

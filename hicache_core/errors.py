@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "HicacheError",
+    "ConfigError",
     "RegistryError",
     "DuplicateRegistrationError",
     "PluginLoadError",
@@ -20,6 +21,9 @@ __all__ = [
     "PoolExhaustedError",
     "DoubleFreeError",
     "ForeignSlotError",
+    "AllocatorArgumentError",
+    "AllocSizeError",
+    "FreePageError",
     "TransferArgumentError",
     "IndexShapeError",
     "IndexLengthMismatchError",
@@ -29,6 +33,8 @@ __all__ = [
     "IndexRangeError",
     "IndexDeviceError",
     "LayerIdError",
+    "DuplicateIndexError",
+    "UnallocatedSlotError",
     "DeviceBufferError",
     "HostBufferError",
     "ConfigError",
@@ -40,6 +46,10 @@ class HicacheError(Exception):
     """Base class of every error raised by hicache."""
 
 
+class ConfigError(HicacheError, ValueError):
+    """An environment switch (``HICACHE_*``) or a strategy option has a value hicache cannot use."""
+
+
 # --- registry -------------------------------------------------------------
 
 
@@ -48,7 +58,11 @@ class RegistryError(HicacheError):
 
 
 class DuplicateRegistrationError(RegistryError):
-    """Two distributions registered the same layout name or strategy key."""
+    """Two distributions registered the same layout name, strategy name or strategy key.
+
+    Raised when a pool asks for the layout or key involved; every other layout
+    and key keeps working (see :attr:`hicache_core.registry.Registry.conflicts`).
+    """
 
 
 class PluginLoadError(RegistryError):
@@ -87,6 +101,10 @@ class DoubleFreeError(AllocatorError):
 
 class ForeignSlotError(AllocatorError):
     """A slot outside this pool's capacity was passed to ``free``."""
+
+
+class AllocatorArgumentError(AllocatorError, TypeError):
+    """``alloc``'s size is not an int, or ``free``'s indices are not an integer tensor with readable values."""
 
 
 # --- transfer arguments ---------------------------------------------------
@@ -133,14 +151,29 @@ class DeviceBufferError(TransferArgumentError):
 
 
 class HostBufferError(TransferArgumentError):
-    """Host buffers do not match the layout (shape, dtype, pinning)."""
+    """Host buffers do not match the layout (shape, dtype, pinning), or two of them share memory."""
 
 
-# --- configuration --------------------------------------------------------
+class DuplicateIndexError(TransferArgumentError):
+    """A transfer writes one row twice: a host page repeats in a backup, or a device row in a load."""
 
 
-class ConfigError(HicacheError, ValueError):
-    """An environment setting or configuration file has a value hicache cannot use."""
+class UnallocatedSlotError(TransferArgumentError):
+    """``validate="strict"``: a transfer names host slots this pool's allocator has not handed out."""
+
+
+# --- allocator errors that are also index-shape errors -----------------------
+
+
+class AllocSizeError(AllocatorError, PageMultipleError):
+    """``alloc(n)`` or ``free`` of a count that is not a positive multiple of ``page_size``."""
+
+
+class FreePageError(AllocatorError, PageAlignmentError):
+    """``free`` of slots that are not whole pages as ``alloc`` returned them."""
+
+
+# --- configuration files ------------------------------------------------------
 
 
 class TakeoverTableError(ConfigError):

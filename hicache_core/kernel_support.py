@@ -23,7 +23,7 @@ import torch
 from .binding import BoundSegment, PoolBinding
 from .errors import HostBufferError
 from .spec import PoolSpec
-from .validate import tensor_version
+from .validate import parse_programs, tensor_version
 
 __all__ = [
     "SegmentTable",
@@ -146,31 +146,41 @@ class IndexMemo:
     (80 ``load_layer`` calls with one pair of tensors); with a memo the copy is
     made once.  A hit needs the *same tensor object* with an unchanged version
     counter, so an in-place change (``idx[0] = 5``) is seen and copied again
-    (writes that bypass torch, e.g. through a NumPy view, are not); tensors
-    without a version counter (made under ``torch.inference_mode``) are never
-    memoised.  The copy is reused only on the stream that made it (another
+    (writes that bypass torch, through ``.data`` or a NumPy view, are not: a pool
+    built with ``validate="full"`` or ``"strict"`` therefore disables its memos);
+    tensors without a version counter (made under ``torch.inference_mode``) are
+    never memoised.  The copy is reused only on the stream that made it (another
     stream could read it before the copy lands).
+
+    Thread-safe: the entry is one immutable tuple, replaced whole by
+    :meth:`store` and read once by :meth:`lookup`, so a lookup never pairs one
+    thread's source tensor with another thread's copy (an engine's load and
+    backup threads share one pool).
+
+    :param enabled: ``False`` makes every lookup miss and every store a no-op.
     """
 
-    __slots__ = ("src", "version", "stream", "out")
+    __slots__ = ("_entry", "enabled")
 
-    def __init__(self) -> None:
-        self.src: torch.Tensor | None = None
-        self.version: int | None = None
-        self.stream: int | None = None
-        self.out: torch.Tensor | None = None
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        # (source tensor, its version, stream, device copy): one snapshot, replaced atomically
+        self._entry: tuple[torch.Tensor, int, int | None, torch.Tensor] | None = None
 
     def lookup(self, t: torch.Tensor, stream: int | None) -> torch.Tensor | None:
-        if t is self.src and self.out is not None and stream == self.stream and tensor_version(t) == self.version:
-            return self.out
+        """The copy stored for ``t`` on ``stream`` if ``t`` is unchanged since, else ``None``."""
+        entry = self._entry  # read once: the checks and the result come from the same store
+        if entry is None or not self.enabled:
+            return None
+        src, version, made_on, out = entry
+        if t is src and stream == made_on and tensor_version(t) == version:
+            return out
         return None
 
     def store(self, t: torch.Tensor, stream: int | None, out: torch.Tensor) -> None:
+        """Remember ``out`` as ``t``'s copy on ``stream`` (forgets everything when ``t`` has no version counter)."""
         version = tensor_version(t)
-        if version is None:
-            self.src, self.version, self.stream, self.out = None, None, None, None
-        else:
-            self.src, self.version, self.stream, self.out = t, version, stream, out
+        self._entry = None if version is None or not self.enabled else (t, version, stream, out)
 
 
 def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:
@@ -253,14 +263,14 @@ def sm_budgets(explicit: int | None, device: torch.device, *, backup: int, load:
     directions when given; else ``HICACHE_KERNEL_PROGRAMS`` for both when set; else the
     per-direction defaults.  Environment and defaults are capped as :func:`sm_budget` does."""
     if explicit is not None:
-        return Budget.uniform(explicit)
+        return Budget.uniform(parse_programs(explicit, "programs"))
     return Budget(sm_budget(backup, device), sm_budget(load, device))
 
 
 def sm_budget(default: int, device: torch.device) -> int:
     """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (at most 4x the SM count)."""
     env = os.environ.get(ENV_PROGRAMS)
-    n = int(env) if env else default
+    n = parse_programs(env, ENV_PROGRAMS) if env else default
     if device.type == "cuda":
         n = min(n, torch.cuda.get_device_properties(device).multi_processor_count * 4)
     return max(1, n)

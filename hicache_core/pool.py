@@ -10,11 +10,12 @@ import torch
 
 from .allocator import PageAllocator
 from .binding import PoolBinding, bind, flat_bytes
-from .errors import HostBufferError, SpecError
+from .errors import HostBufferError, SpecError, UnallocatedSlotError
+from .kernel_support import IndexMemo
 from .layout import HostPlan, page_blocks
 from .registry import Registry, Resolution, default_registry
 from .spec import PoolSpec
-from .validate import check_indices, check_layer, tensor_version
+from .validate import check_device_buffers, check_host_buffers_disjoint, check_indices, check_layer, tensor_version
 
 __all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE"]
 
@@ -25,8 +26,14 @@ logger = logging.getLogger(__name__)
 #: synchronisation per call; every strategy still keeps them in bounds (kernels
 #: mask every access, ``direct`` and ``reference`` check after reading them), so a
 #: bad index never touches memory out of bounds.  ``full`` checks device-resident
-#: values up front too (one synchronisation per call).
+#: values up front too (one synchronisation per call) and memoises nothing (writes
+#: through ``.data`` or a NumPy view do not bump torch's version counter, so a
+#: memo could reuse a stale check or device copy).  ``strict`` is ``full`` plus a
+#: check that every host slot is allocated in this pool's allocator (engines that
+#: allocate host slots themselves must not use it).
 ENV_VALIDATE = "HICACHE_VALIDATE"
+
+VALIDATE_LEVELS = ("shapes", "full", "strict")
 
 
 def allocate_host_buffers(plan: HostPlan, *, pin_memory: bool) -> dict[str, torch.Tensor]:
@@ -54,8 +61,14 @@ class HostKVPool:
     :param strategy_options: keyword arguments for the strategy's factory (e.g.
         ``{"programs": 8}``, the SM budget of kernel strategies).
     :param registry: registry to resolve in (default: the process-wide one).
-    :param validate: ``shapes`` (default, no host synchronisation) or ``full``
-        (see :data:`ENV_VALIDATE`).
+    :param validate: ``shapes`` (default, no host synchronisation), ``full`` or
+        ``strict`` (see :data:`ENV_VALIDATE`).
+
+    Transfers only enqueue work on the current stream of the pool's device;
+    :meth:`get_page`, :meth:`set_page` and the bytes behind :meth:`page_pointers`
+    are read and written by the host at once.  Synchronise the stream(s) the
+    transfers were enqueued on before reading or writing a page, or pass
+    ``synchronize=True``.
     """
 
     def __init__(
@@ -77,14 +90,19 @@ class HostKVPool:
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
         self.validate = validate or os.environ.get(ENV_VALIDATE, "shapes")
-        if self.validate not in ("full", "shapes"):
-            raise SpecError(f"validate={self.validate!r}: use 'full' or 'shapes'")
-        self._checked: tuple[torch.Tensor, int, torch.Tensor, int] | None = None
+        if self.validate not in VALIDATE_LEVELS:
+            raise SpecError(f"validate={self.validate!r}: use 'shapes', 'full' or 'strict'")
+        self._checked: tuple[torch.Tensor, int, torch.Tensor, int, bool] | None = None
         plan: HostPlan = self.resolution.layout.plan(spec)
+        check_device_buffers(spec, device_buffers)
         if host_buffers is None:
             pin = torch.cuda.is_available() if pin_memory is None else pin_memory
             host_buffers = allocate_host_buffers(plan, pin_memory=pin)
+        else:
+            check_host_buffers_disjoint(host_buffers)
         self.binding: PoolBinding = bind(spec, self.resolution.layout, plan, host_buffers, device_buffers)
+        if self.validate != "shapes":  # no memo may skip a check or reuse a copy (see ENV_VALIDATE)
+            self.binding.scratch["core.index_memos"] = (IndexMemo(enabled=False), IndexMemo(enabled=False))
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)
@@ -123,6 +141,10 @@ class HostKVPool:
         """Page-aligned host slots; see :meth:`PageAllocator.alloc`."""
         return self.allocator.alloc(need_size)
 
+    def try_alloc(self, need_size: int) -> torch.Tensor | None:
+        """Like :meth:`alloc`, but ``None`` when the pool is exhausted; see :meth:`PageAllocator.try_alloc`."""
+        return self.allocator.try_alloc(need_size)
+
     def free(self, indices: torch.Tensor) -> int:
         """Return slots; see :meth:`PageAllocator.free`."""
         return self.allocator.free(indices)
@@ -131,38 +153,56 @@ class HostKVPool:
         return self.allocator.available_size()
 
     # -- transfers ---------------------------------------------------------------
-    def _check(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
-        """Validate the indices, unless they are the very tensors the previous call validated, unchanged.
+    def _check(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, to_host: bool) -> None:
+        """Validate the indices, unless they are the very tensors the previous call in the same
+        direction validated, unchanged.
 
         Per-layer calls of one batch pass the same tensors; checking the values
         of CPU indices once per batch instead of once per layer saves most of
         the host time of a ``load_layer`` with CPU indices.  Writes that bypass
-        torch's version counter (a NumPy view) are not seen; every built-in strategy still
+        torch's version counter (``.data``, a NumPy view) are not seen, which is why
+        ``validate="full"`` memoises nothing; every built-in strategy still
         keeps out-of-range indices away from memory (kernels mask them, the
         generic backends range-check what they read), so a stale check can never
-        cause an out-of-bounds access.
+        cause an out-of-bounds access.  The rows a transfer writes (host pages of
+        a backup, device rows of a load) must not repeat.
         """
-        last = self._checked
-        if (last is not None and last[0] is host_indices and last[2] is device_indices
+        last = self._checked  # one snapshot: another thread may replace it
+        if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)):
             return
-        full = self.validate == "full"
+        full = self.validate != "shapes"
         def values(t: object) -> bool:
             return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
+        host_values = values(host_indices)
         check_indices(self.spec, host_indices, device_indices, self.binding.device_rows,
-                      host_values=values(host_indices), device_values=values(device_indices))
+                      host_values=host_values, device_values=values(device_indices),
+                      unique_host=to_host, unique_device=not to_host)
+        if self.validate == "strict":
+            self._check_allocated(host_indices)
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
-        self._checked = (host_indices, hv, device_indices, dv) if hv is not None and dv is not None else None
+        memo = not full and hv is not None and dv is not None
+        self._checked = (host_indices, hv, device_indices, dv, to_host) if memo else None
+
+    def _check_allocated(self, host_indices: torch.Tensor) -> None:
+        pages = host_indices.reshape(-1, self.spec.page_size)[:, 0].to("cpu", torch.int64) // self.spec.page_size
+        bad = pages[~self.allocator.allocated(pages)]
+        if bad.numel():
+            raise UnallocatedSlotError(
+                f"host_indices name pages {bad.unique()[:4].tolist()} that this pool has not allocated (freed or never "
+                "allocated; validate='strict'); use slots from alloc(), or validate='full' when the engine allocates "
+                "host slots itself"
+            )
 
     def backup_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """D2H: every owned layer's rows ``device_indices`` -> host slots ``host_indices``."""
-        self._check(host_indices, device_indices)
+        self._check(host_indices, device_indices, to_host=True)
         self.strategy.backup(self.binding, host_indices, device_indices, None)
 
     def backup_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """D2H of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
         layer = check_layer(self.spec, layer_id)
-        self._check(host_indices, device_indices)
+        self._check(host_indices, device_indices, to_host=True)
         if not self.spec.layer_map.owns(layer):
             return False
         self.strategy.backup(self.binding, host_indices, device_indices, layer)
@@ -171,7 +211,7 @@ class HostKVPool:
     def load_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """H2D of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
         layer = check_layer(self.spec, layer_id)
-        self._check(host_indices, device_indices)
+        self._check(host_indices, device_indices, to_host=False)
         if not self.spec.layer_map.owns(layer):
             return False
         self.strategy.load(self.binding, host_indices, device_indices, layer)
@@ -179,7 +219,7 @@ class HostKVPool:
 
     def load_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """H2D: every owned layer."""
-        self._check(host_indices, device_indices)
+        self._check(host_indices, device_indices, to_host=False)
         self.strategy.load(self.binding, host_indices, device_indices, None)
 
     # -- page views for storage tiers ---------------------------------------------
@@ -202,20 +242,38 @@ class HostKVPool:
         """Bytes of one page across every segment and host layer."""
         return sum(n for _, _, blocks in self._page_segments for _, n in blocks)
 
-    def get_page(self, page: int) -> torch.Tensor:
-        """A copy of ``page``'s bytes, flat uint8 (blocks in :meth:`page_pointers` order)."""
+    def _synchronize(self) -> None:
+        if self.spec.device.type == "cuda":
+            torch.cuda.synchronize(self.spec.device)
+
+    def get_page(self, page: int, *, synchronize: bool = False) -> torch.Tensor:
+        """A copy of ``page``'s bytes, flat uint8 (blocks in :meth:`page_pointers` order).
+
+        The host bytes are read now: a backup still queued on a stream is not seen.
+        ``synchronize=True`` first waits for all work on the pool's device
+        (``torch.cuda.synchronize``); otherwise synchronise the backup's stream yourself.
+        """
         self._check_page(page)
+        if synchronize:
+            self._synchronize()
         parts = []
         for flat, stride, blocks in self._page_segments:
             base = page * stride
             parts += [flat[base + off : base + off + n] for off, n in blocks]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
-    def set_page(self, page: int, data: torch.Tensor) -> None:
-        """Write a flat page (as :meth:`get_page` returns it) back into ``page``."""
+    def set_page(self, page: int, data: torch.Tensor, *, synchronize: bool = False) -> None:
+        """Write a flat page (as :meth:`get_page` returns it) back into ``page``.
+
+        The host bytes are written now: a load of this page still queued on a
+        stream may read old or new bytes.  ``synchronize=True`` first waits for all
+        work on the pool's device; otherwise synchronise the load's stream yourself.
+        """
         self._check_page(page)
         if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.numel() * data.element_size() != self.page_bytes:
             raise HostBufferError(f"data must be a CPU tensor of {self.page_bytes} bytes (page_bytes)")
+        if synchronize:
+            self._synchronize()
         flat = data.reshape(-1).view(torch.uint8)
         pos = 0
         for host, stride, blocks in self._page_segments:

@@ -13,7 +13,13 @@ Environment switches (read when a registry is created):
 ``HICACHE_DISABLE_PLUGINS``
     comma-separated block-list of entry-point names.
 ``HICACHE_STRATEGY``
-    strategy name preferred wherever it is a candidate (see :meth:`Registry.resolve`).
+    strategy name preferred wherever it is a candidate (see :meth:`Registry.resolve`);
+    a name no plugin registers makes every resolution raise :class:`ResolutionError`.
+
+Two plugins registering the same layout name, strategy name or exact key do not
+break the registry: the names and keys involved are recorded in
+:attr:`Registry.conflicts` and raise :class:`DuplicateRegistrationError` when a
+pool asks for them; everything else keeps working.
 ``HICACHE_TRACE``
     ``1`` logs every resolution (and pluggy hook calls) at INFO level.
 """
@@ -40,7 +46,7 @@ if sys.version_info >= (3, 10):
 else:  # pragma: no cover - exercised only on Python 3.9
     from importlib_metadata import EntryPoint, entry_points
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginRecord", "Resolution", "Registry", "create_registry"]
+__all__ = ["ENTRY_POINT_GROUP", "PluginRecord", "Conflict", "Resolution", "Registry", "create_registry"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,42 @@ class PluginRecord:
     @property
     def label(self) -> str:
         return f"{self.dist} {self.version}"
+
+
+@dataclass
+class Conflict:
+    """One name or key that several plugins registered; unusable until all but one are removed.
+
+    :param kind: ``"layout"`` (a layout name), ``"strategy"`` (a strategy name) or
+        ``"key"`` (an exact ``(layout, io_backend, sharded)`` registration).
+    :param name: the layout or strategy name, or ``"(layout='x', io_backend='y', sharded=False)"``.
+    :param plugins: every plugin that registered it, first registration first.
+    :param details: what each plugin registered under it, parallel to ``plugins``
+        (e.g. the strategy name of each side of a key conflict).
+    """
+
+    kind: str
+    name: str
+    plugins: list[PluginRecord]
+    details: list[str] = field(default_factory=list)
+    infos: list[StrategyInfo] = field(default_factory=list, repr=False)  # strategy conflicts: every side
+
+    @property
+    def entry_points(self) -> list[str]:
+        """Entry-point names of the plugins involved: what ``HICACHE_DISABLE_PLUGINS`` takes."""
+        return [p.name for p in self.plugins]
+
+    @property
+    def message(self) -> str:
+        sides = " and ".join(
+            f"{p.label} (entry point {p.name!r}{', ' + d if d else ''})"
+            for p, d in zip(self.plugins, self.details or [""] * len(self.plugins))
+        )
+        what = {"layout": "layout", "strategy": "strategy name", "key": "key"}[self.kind]
+        shown = self.name if self.kind == "key" else repr(self.name)
+        return (f"{what} {shown} is registered by {sides}; it cannot be used until all but one are removed: "
+                f"uninstall one distribution or set {ENV_BLOCK}={self.entry_points[-1]} "
+                f"(or {' / '.join(self.entry_points[:-1])})")
 
 
 @dataclass(frozen=True)
@@ -102,6 +144,8 @@ class Registry:
         self.layouts: dict[str, tuple[Layout, PluginRecord]] = {}
         self.strategies: dict[str, tuple[StrategyInfo, PluginRecord]] = {}
         self._exact: dict[tuple[str, str, bool], str] = {}
+        #: every duplicate registration, in the order found (see :class:`Conflict`)
+        self.conflicts: list[Conflict] = []
         self.trace = self.env.get(ENV_TRACE, "") not in ("", "0")
         if self.trace:
             self.pm.trace.root.setwriter(lambda msg: logger.info("pluggy: %s", msg.rstrip()))
@@ -178,38 +222,69 @@ class Registry:
         if self.pm.is_registered(plugin):
             self.pm.unregister(plugin)
 
+    def _conflict(self, kind: str, name: str, first: tuple[PluginRecord, str] | None,
+                  record: PluginRecord, detail: str = "") -> Conflict:
+        """Record (or extend) the conflict on ``name``; ``first`` is the registration it collides with."""
+        for c in self.conflicts:
+            if c.kind == kind and c.name == name:
+                break
+        else:
+            assert first is not None
+            c = Conflict(kind, name, [first[0]], [first[1]])
+            self.conflicts.append(c)
+        c.plugins.append(record)
+        c.details.append(detail)
+        logger.warning("hicache: %s", c.message)
+        return c
+
+    def _conflict_on(self, kind: str, name: str) -> Conflict | None:
+        return next((c for c in self.conflicts if c.kind == kind and c.name == name), None)
+
     def _add_layout(self, layout: Layout, record: PluginRecord) -> None:
-        if layout.name in self.layouts:
-            other = self.layouts[layout.name][1]
-            raise DuplicateRegistrationError(
-                f"layout {layout.name!r} is registered by both {other.label} (plugin {other.name!r}) and "
-                f"{record.label} (plugin {record.name!r}); uninstall one or block it with {ENV_BLOCK}"
-            )
+        if layout.name in self.layouts or self._conflict_on("layout", layout.name):
+            first = self.layouts.pop(layout.name, None)
+            self._conflict("layout", layout.name, first and (first[1], ""), record)
+            return
         self.layouts[layout.name] = (layout, record)
         record.layouts.append(layout.name)
 
     def _add_strategy(self, info: StrategyInfo, record: PluginRecord) -> None:
-        if info.name in self.strategies:
-            other = self.strategies[info.name][1]
-            raise DuplicateRegistrationError(
-                f"strategy name {info.name!r} is registered by both {other.label} and {record.label}"
-            )
+        if info.name in self.strategies or self._conflict_on("strategy", info.name):
+            first = self.strategies.pop(info.name, None)
+            self._exact = {k: v for k, v in self._exact.items() if v != info.name}
+            c = self._conflict("strategy", info.name, first and (first[1], ""), record)
+            c.infos += ([first[0]] if first else []) + [info]
+            return
         if not info.generic:
             for layout in info.layouts:
                 for sharded in info.sharded:
                     key = (layout, info.io_backend, sharded)
-                    if key in self._exact:
-                        other = self.strategies[self._exact[key]][1]
-                        raise DuplicateRegistrationError(
-                            f"key (layout={layout!r}, io_backend={info.io_backend!r}, sharded={sharded}) is "
-                            f"registered by both {other.label} (strategy {self._exact[key]!r}) and {record.label} "
-                            f"(strategy {info.name!r}); uninstall one or block it with {ENV_BLOCK}"
-                        )
-            for layout in info.layouts:
-                for sharded in info.sharded:
-                    self._exact[(layout, info.io_backend, sharded)] = info.name
+                    if key in self._exact or self._conflict_on("key", _key_name(key)):
+                        first_name = self._exact.get(key)
+                        first = first_name and (self.strategies[first_name][1], f"strategy {first_name!r}")
+                        self._conflict("key", _key_name(key), first, record, f"strategy {info.name!r}")
+                    else:
+                        self._exact[key] = info.name
         self.strategies[info.name] = (info, record)
         record.strategies.append(info.name)
+
+    def conflict_for(self, layout: str, io_backend: str, sharded: bool) -> Conflict | None:
+        """The conflict that makes the key ``(layout, io_backend, sharded)`` unusable, if any.
+
+        A key is involved when its layout name is contested, when it is an exact key
+        two strategies registered, or when a contested strategy name would be a
+        candidate for it.
+        """
+        key = (layout, io_backend, sharded)
+        for c in self.conflicts:
+            if (c.kind == "layout" and c.name == layout) or (c.kind == "key" and c.name == _key_name(key)):
+                return c
+            if c.kind == "strategy" and any(
+                i.io_backend == io_backend and sharded in i.sharded and (i.generic or layout in i.layouts)
+                for i in c.infos
+            ):
+                return c
+        return None
 
     # -- queries ---------------------------------------------------------------
     @property
@@ -217,7 +292,14 @@ class Registry:
         return sorted({info.io_backend for info, _ in self.strategies.values()})
 
     def layout(self, name: str) -> Layout:
-        """The layout called ``name``; :class:`UnknownLayoutError` lists what is installed."""
+        """The layout called ``name``.
+
+        :raises DuplicateRegistrationError: two plugins registered ``name``.
+        :raises UnknownLayoutError: no plugin did; the message lists what is installed.
+        """
+        conflict = self._conflict_on("layout", name)
+        if conflict is not None:
+            raise DuplicateRegistrationError(conflict.message)
         if name not in self.layouts:
             raise UnknownLayoutError(f"unknown layout {name!r}.\n{self.inventory()}")
         return self.layouts[name][0]
@@ -247,6 +329,9 @@ class Registry:
         if broken:
             lines.append("broken plugins (skipped):")
             lines += [f"  {p.name} ({p.label}): {p.error}" for p in broken]
+        if self.conflicts:
+            lines.append("conflicting registrations (unusable until one side is removed):")
+            lines += [f"  {c.message}" for c in self.conflicts]
         return "\n".join(lines)
 
     def try_resolve(
@@ -260,13 +345,19 @@ class Registry:
         """
         lay = self.layout(layout)
         key_sharded = spec.sharded
+        conflict = self.conflict_for(layout, io_backend, key_sharded)
+        if conflict is not None:
+            raise DuplicateRegistrationError(conflict.message)
         cands = self.candidates(layout, io_backend, key_sharded)
         rejected: list[tuple[str, str]] = []
         reason = lay.check(spec)
         if reason:
             return None, [(f"layout {layout}", reason)]
         if override is None:
-            env_pick = self.env.get(ENV_STRATEGY)
+            env_pick = self.env.get(ENV_STRATEGY, "").strip()
+            if env_pick and env_pick not in self.strategies:
+                return None, [(env_pick, f"{ENV_STRATEGY}={env_pick!r} names no registered strategy; registered: "
+                                         f"{sorted(self.strategies)}. Fix or unset {ENV_STRATEGY}")]
             if env_pick and any(c.name == env_pick for c in cands):
                 cands = [c for c in cands if c.name == env_pick]
         else:
@@ -325,12 +416,17 @@ class Registry:
         pairs = [(layout, b) for b in self.io_backends if b != io_backend]
         pairs += [(lay, io_backend) for lay in sorted(self.layouts) if lay != layout]
         for lay, backend in pairs:
-            if lay not in self.layouts:
+            if lay not in self.layouts or self.conflict_for(lay, backend, spec.sharded) is not None:
                 continue
             res, _ = self.try_resolve(spec, lay, backend)
             if res is not None:
                 out.append(f"--layout {lay} --io-backend {backend} ({res.info.name})")
         return out
+
+
+def _key_name(key: tuple[str, str, bool]) -> str:
+    layout, io_backend, sharded = key
+    return f"(layout={layout!r}, io_backend={io_backend!r}, sharded={sharded})"
 
 
 def create_registry(

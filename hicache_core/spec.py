@@ -9,6 +9,7 @@ as a DSA indexer key), the page size, the host capacity and a
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -16,10 +17,29 @@ import torch
 
 from .errors import SpecError
 
-__all__ = ["LayerMap", "Component", "Part", "PoolSpec", "MHA", "MLA", "shard_range"]
+__all__ = ["LayerMap", "Component", "Part", "PoolSpec", "MHA", "MLA", "shard_range", "as_int"]
 
 MHA = "mha"
 MLA = "mla"
+
+
+def as_int(value: object, name: str, error: type[Exception] = SpecError) -> int:
+    """``value`` as an int (anything with ``__index__``, e.g. NumPy ints), else ``error`` naming ``name``.
+
+    Floats, strings, ``None`` and bools are refused rather than truncated or guessed.
+    """
+    if isinstance(value, bool):
+        raise error(f"{name} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise error(f"{name} must be an int, got {type(value).__name__} {value!r}; pass a whole number") from None
+
+
+def _check_dtype(dtype: object, where: str) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype):
+        raise SpecError(f"{where}: dtype must be a torch.dtype (e.g. torch.bfloat16), got {type(dtype).__name__} {dtype!r}")
+    return dtype
 
 
 def shard_range(num_layers: int, shards: int, rank: int) -> tuple[int, int]:
@@ -61,7 +81,9 @@ class LayerMap:
     _slots: dict[int, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        layers = tuple(int(x) for x in self.device_layers)
+        object.__setattr__(self, "num_device_layers", as_int(self.num_device_layers, "LayerMap num_device_layers"))
+        object.__setattr__(self, "host_layer_num", as_int(self.host_layer_num, "LayerMap host_layer_num"))
+        layers = tuple(as_int(x, "LayerMap device_layers entry") for x in self.device_layers)
         object.__setattr__(self, "device_layers", layers)
         if len(set(layers)) != len(layers):
             raise SpecError(f"layer map device_layers has duplicates: {layers}; each device layer maps to one host slot")
@@ -74,7 +96,8 @@ class LayerMap:
                 f"host_layer_num={self.host_layer_num} is smaller than the {len(layers)} owned layers; "
                 "pass host_layer_num >= len(device_layers)"
             )
-        slots = tuple(range(len(layers))) if self.host_slots is None else tuple(int(x) for x in self.host_slots)
+        slots = (tuple(range(len(layers))) if self.host_slots is None
+                 else tuple(as_int(x, "LayerMap host_slots entry") for x in self.host_slots))
         if len(slots) != len(layers) or len(set(slots)) != len(slots) or any(not 0 <= h < self.host_layer_num for h in slots):
             raise SpecError(
                 f"layer map host_slots {slots} must give each of the {len(layers)} owned layers its own slot in "
@@ -148,7 +171,8 @@ class Component:
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = torch.empty((), dtype=_check_dtype(self.dtype, f"component {self.name!r}")).element_size()
+        object.__setattr__(self, "row_bytes", as_int(self.row_bytes, f"component {self.name!r} row_bytes"))
         if self.row_bytes <= 0 or self.row_bytes % item:
             raise SpecError(
                 f"component {self.name!r}: row_bytes={self.row_bytes} must be a positive multiple of the "
@@ -195,6 +219,13 @@ class PoolSpec:
         if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
         object.__setattr__(self, "device", dev)
+        if not isinstance(self.layer_map, LayerMap):
+            raise SpecError(
+                f"layer_map must be a LayerMap, got {type(self.layer_map).__name__} {self.layer_map!r}; "
+                "pass e.g. LayerMap.unsharded(num_layers)"
+            )
+        object.__setattr__(self, "page_size", as_int(self.page_size, "page_size"))
+        object.__setattr__(self, "capacity", as_int(self.capacity, "capacity"))
         if self.page_size < 1:
             raise SpecError(f"page_size={self.page_size} must be >= 1")
         if self.capacity < self.page_size or self.capacity % self.page_size:
@@ -208,6 +239,11 @@ class PoolSpec:
         for comp in self.components:
             if comp.layers is not None and any(not 0 <= x < self.layer_map.num_device_layers for x in comp.layers):
                 raise SpecError(f"component {comp.name!r} layers {comp.layers} exceed the device layers")
+        if not any(self.component_map(c.name).host_layer_num for c in self.components):
+            raise SpecError(
+                f"the layer map has no host layer slot for any component (host_layer_num="
+                f"{self.layer_map.host_layer_num}), so every page would be 0 bytes; give it at least one layer"
+            )
 
     # -- convenience constructors -------------------------------------------
     @classmethod
@@ -225,8 +261,9 @@ class PoolSpec:
         extra: Sequence[Component] = (),
     ) -> "PoolSpec":
         """An MHA pool: components ``k`` (``head_num x head_dim``) and ``v`` (``head_num x v_head_dim``)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        vd = head_dim if v_head_dim is None else v_head_dim
+        item = torch.empty((), dtype=_check_dtype(dtype, "PoolSpec.mha")).element_size()
+        head_num, head_dim = as_int(head_num, "head_num"), as_int(head_dim, "head_dim")
+        vd = head_dim if v_head_dim is None else as_int(v_head_dim, "v_head_dim")
         comps = (Component("k", head_num * head_dim * item, dtype), Component("v", head_num * vd * item, dtype))
         return cls(MHA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device), head_num)
 
@@ -249,7 +286,9 @@ class PoolSpec:
         ``row_bytes`` overrides the row size for packed FP8 rows (e.g. 656 bytes of
         uint8); such a row has no parts (layouts that store parts apart keep it whole).
         """
-        item = torch.empty((), dtype=dtype).element_size()
+        item = torch.empty((), dtype=_check_dtype(dtype, "PoolSpec.mla")).element_size()
+        kv_lora_rank = as_int(kv_lora_rank, "kv_lora_rank")
+        qk_rope_head_dim = as_int(qk_rope_head_dim, "qk_rope_head_dim")
         rope = qk_rope_head_dim * item
         row = row_bytes if row_bytes is not None else (kv_lora_rank + qk_rope_head_dim) * item
         split = row_bytes is None and qk_rope_head_dim > 0 and kv_lora_rank > 0

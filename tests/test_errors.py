@@ -317,7 +317,7 @@ def test_override_strategy_not_a_candidate() -> None:
 
 def test_bad_validate_mode() -> None:
     spec = make_spec()
-    with pytest.raises(SpecError, match=r"validate='all': use 'full' or 'shapes'"):
+    with pytest.raises(SpecError, match=r"^validate='all': use 'shapes', 'full' or 'strict'$"):
         HostKVPool(spec, "layer_first", "direct", make_device(spec), validate="all")
 
 

@@ -136,30 +136,56 @@ def test_exact_registration_beats_generic_ones():
 
 
 # -- duplicates ------------------------------------------------------------------------
-def test_duplicate_layout_names_both_distributions():
+def test_duplicate_layout_fails_only_that_layout_and_names_both_entry_points():
     from hicache_test_page_head.layout import PageHeadLayout
 
+    env = {"HICACHE_PLUGINS": BASE["HICACHE_PLUGINS"] + ",page_first"}
+    reg = create_registry(env=env, plugins=[("copycat", layouts(PageHeadLayout()))])
+    msg = ("layout 'page_head' is registered by hicache-test-page-head 0.1.0 (entry point 'page_head') and "
+           "<local> - (entry point 'copycat'); it cannot be used until all but one are removed: uninstall one "
+           "distribution or set HICACHE_DISABLE_PLUGINS=copycat (or page_head)")
     with pytest.raises(DuplicateRegistrationError) as exc:
-        create_registry(env=BASE, plugins=[("copycat", layouts(PageHeadLayout()))])
-    assert str(exc.value) == (
-        "layout 'page_head' is registered by both hicache-test-page-head 0.1.0 (plugin 'page_head') and "
-        "<local> - (plugin 'copycat'); uninstall one or block it with HICACHE_DISABLE_PLUGINS")
+        reg.resolve(mha(), "page_head", "direct")
+    assert str(exc.value) == msg
+    [conflict] = reg.conflicts
+    assert (conflict.kind, conflict.name, conflict.entry_points) == ("layout", "page_head", ["page_head", "copycat"])
+    assert conflict.message == msg
+    assert reg.resolve(mha(), "page_first", "direct").info.name == "core.direct"  # unrelated layouts still work
+    assert reg.resolve(mha(), "page_first_direct", "fakedma").info.name == "test_vendor.fakedma"
+    assert "conflicting registrations (unusable until one side is removed):\n  " + msg in reg.inventory()
 
 
-def test_duplicate_exact_key_names_both_distributions():
+def test_duplicate_exact_key_fails_only_that_key():
     clash = StrategyInfo("other.dma", "fakedma", ("page_head",), DirectStrategy, (False,))
+    reg = create_registry(env=BASE, plugins=[("clash", strategies(clash))])
     with pytest.raises(DuplicateRegistrationError) as exc:
-        create_registry(env=BASE, plugins=[("clash", strategies(clash))])
+        reg.resolve(mha(), "page_head", "fakedma")
     assert str(exc.value) == (
-        "key (layout='page_head', io_backend='fakedma', sharded=False) is registered by both "
-        "hicache-test-vendor 0.1.0 (strategy 'test_vendor.fakedma') and <local> - (strategy 'other.dma'); "
-        "uninstall one or block it with HICACHE_DISABLE_PLUGINS")
+        "key (layout='page_head', io_backend='fakedma', sharded=False) is registered by hicache-test-vendor 0.1.0 "
+        "(entry point 'fake_vendor', strategy 'test_vendor.fakedma') and <local> - (entry point 'clash', strategy "
+        "'other.dma'); it cannot be used until all but one are removed: uninstall one distribution or set "
+        "HICACHE_DISABLE_PLUGINS=clash (or fake_vendor)")
+    assert reg.conflicts[0].entry_points == ["fake_vendor", "clash"]
+    assert reg.resolve(mha(sharded=True), "page_head", "fakedma").info.name == "test_vendor.fakedma"  # other key
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+    assert reg.resolve(mha(sharded=True), "page_head", "direct").info.name == "core.direct"
 
 
-def test_duplicate_strategy_name():
-    with pytest.raises(DuplicateRegistrationError, match="strategy name 'core.direct' is registered by both "
-                                                          r"hicache-core 0.1.0 and <local> -"):
-        create_registry(env=BASE, plugins=[("again", strategies(generic("core.direct", "direct")))])
+def test_duplicate_strategy_name_fails_only_the_keys_it_serves():
+    reg = create_registry(env=BASE, plugins=[("again", strategies(generic("core.direct", "direct")))])
+    with pytest.raises(DuplicateRegistrationError, match=r"^strategy name 'core.direct' is registered by "
+                                                         r"hicache-core 0.1.0 \(entry point 'core'\) and <local> - "
+                                                         r"\(entry point 'again'\); .* HICACHE_DISABLE_PLUGINS=again"):
+        reg.resolve(mha(), "page_head", "direct")
+    assert reg.resolve(mha(), "page_head", "reference").info.name == "core.reference"
+    assert [(c.kind, c.name) for c in reg.conflicts] == [("strategy", "core.direct")]
+
+
+def test_bogus_strategy_environment_variable_is_an_error():
+    reg = create_registry(env={**BASE, "HICACHE_STRATEGY": "bogus"})
+    with pytest.raises(ResolutionError, match=r"  bogus: HICACHE_STRATEGY='bogus' names no registered strategy; "
+                                              r"registered: \[.*'core.direct'.*\]\. Fix or unset HICACHE_STRATEGY"):
+        reg.resolve(mha(), "page_head", "direct")
 
 
 def test_blocking_one_side_of_a_duplicate_resolves_it():

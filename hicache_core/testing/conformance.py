@@ -13,11 +13,13 @@ buffers with fresh random bytes, then
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..kernel_support import kernel_unsupported_reason
 from ..pool import HostKVPool
 from ..registry import Registry
 from ..spec import Component, LayerMap, PoolSpec
@@ -69,6 +71,12 @@ CASES: tuple[Case, ...] = (
     Case("mha-bf16-ps16-vdim-strided", _mha(LayerMap.unsharded(2), 16, 3, vd=4, dtype=torch.bfloat16), strided=True),
     Case("mha-fp32-ps64-sharded3of2r0", _mha(LayerMap.sharded_cp(3, 2, 0), 64, 2, hd=4, dtype=torch.float32)),
     Case("mha-fp16-ps128-drafts", _mha(LayerMap.unsharded(2, draft_layers=1), 128, 2, heads=1)),
+    # more MHA shapes, so that MHA-only layouts get as much coverage as MLA ones
+    Case("mha-bf16-ps8-heads4-strided", _mha(LayerMap.unsharded(2), 8, 3, heads=4, dtype=torch.bfloat16), strided=True),
+    Case("mha-fp8-ps16-heads4", _mha(LayerMap.unsharded(2), 16, 2, heads=4, hd=16, dtype=torch.uint8)),
+    Case("mha-fp16-ps4-sharded4of2r0-drafts", _mha(LayerMap.sharded_cp(4, 2, 0, draft_layers=1), 4, 4)),
+    Case("mha-bf16-ps2-sharded5of2r1-padded-drafts",
+         _mha(LayerMap.sharded_cp(5, 2, 1, draft_layers=1, pad_to_largest=True), 2, 6, vd=4, dtype=torch.bfloat16)),
 )
 
 #: (id, picks host pages and device slots, index dtype, indices on the pool's device?)
@@ -256,4 +264,48 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
 
 
-__all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary"]
+#: Attribute a strategy class may set: regular expressions matching the ``supports()``
+#: reasons it deliberately gives.  The kit fails any other rejection of a built-in case.
+DECLARED_REJECTIONS = "conformance_rejects"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a target does not serve a case: ``kind`` is ``declared`` (the layout's check, the
+    registration, or a pattern the strategy declares), ``environment`` (the strategy cannot run
+    here, e.g. no GPU and no Triton interpreter) or ``undeclared`` (a failure)."""
+
+    kind: str
+    reason: str
+
+
+def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: str, strategy: str,
+                       device: torch.device | str = "cpu") -> Rejection | None:
+    """``None`` when ``strategy`` serves ``case`` in ``layout``, else why not and whether that was declared."""
+    spec = case.build(torch.device(device))
+    res, rejected = registry.try_resolve(spec, layout, io_backend, override=strategy)
+    if res is not None:
+        return None
+    for name, why in rejected:
+        if name.startswith("layout ") or "not a candidate" in why:
+            return Rejection("declared", why)  # the layout's check, or the strategy's registration
+        if name != strategy:
+            continue
+        if why == kernel_unsupported_reason(spec):
+            return Rejection("environment", why)
+        info = registry.strategies[strategy][0]
+        patterns = getattr(info.factory, DECLARED_REJECTIONS, None)
+        if patterns is None:  # a factory function: ask what it builds
+            try:
+                patterns = getattr(info.factory(), DECLARED_REJECTIONS, ())
+            except Exception:  # the rejection itself already tells why it cannot be built
+                patterns = ()
+        if any(re.search(p, why) for p in patterns):
+            return Rejection("declared", why)
+        return Rejection("undeclared", f"{strategy} rejected {case.id} with a reason it does not declare: {why!r} "
+                                       f"(list the reasons it may give in {DECLARED_REJECTIONS} on its class)")
+    return Rejection("undeclared", f"{strategy} did not resolve for {case.id}: {rejected}")
+
+
+__all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary", "classify_rejection", "Rejection",
+            "DECLARED_REJECTIONS"]

@@ -4,10 +4,17 @@ Tests that take the ``hicache_target`` argument are parametrized over every
 (layout, io_backend, strategy) the installed registry serves, filtered by
 ``--hicache-layout`` / ``--hicache-io-backend`` / ``--hicache-strategy``;
 ``hicache_case`` over :data:`CASES`; ``hicache_variant`` over index variants.
+
+A name given to ``--hicache-layout`` / ``--hicache-io-backend`` / ``--hicache-strategy``
+that the registry does not have is a usage error.  Without a CUDA device the kit sets
+``TRITON_INTERPRET=1`` itself (kernel strategies then run in Triton's CPU interpreter),
+and the end of the run says so, as well as every strategy it could not run here.
 """
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -24,6 +31,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--hicache-strategy", action="append", default=[], help="only this strategy name (repeatable)")
     group.addoption("--hicache-device", default=None, help="device for device buffers (default: cuda if available)")
     group.addoption("--hicache-case", action="append", default=[], help="only case ids containing this text")
+
+
+_ENVIRONMENT_SKIPS: Counter[tuple[str, str]] = Counter()
+_STATE: dict[str, bool] = {"interpreter_set": False}
+
+
+def record_environment_skip(strategy: str, reason: str) -> None:
+    """Count a case skipped because ``strategy`` cannot run on this machine (reported at the end)."""
+    _ENVIRONMENT_SKIPS[(strategy, reason)] += 1
+
+
+def _use_interpreter_without_gpu() -> None:
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "") in ("", "0"):
+        os.environ["TRITON_INTERPRET"] = "1"
+        _STATE["interpreter_set"] = True
+
+
+def _check_selection(config: pytest.Config, reg: Any) -> None:
+    known = {"--hicache-layout": sorted(reg.layouts), "--hicache-io-backend": reg.io_backends,
+             "--hicache-strategy": sorted(reg.strategies)}
+    for option, names in known.items():
+        unknown = [x for x in config.getoption(option) if x not in names]
+        if unknown:
+            raise pytest.UsageError(f"{option} {', '.join(unknown)}: not installed; installed: {', '.join(names)}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if any(config.getoption(o) for o in ("--hicache-layout", "--hicache-io-backend", "--hicache-strategy")):
+        _check_selection(config, create_registry())
 
 
 def _targets(config: pytest.Config) -> list[tuple[str, str, str]]:
@@ -57,6 +93,7 @@ def hicache_registry() -> Any:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     cfg = metafunc.config
     if "hicache_target" in metafunc.fixturenames:
+        _use_interpreter_without_gpu()  # before any strategy factory imports Triton
         targets = _targets(cfg)
         metafunc.parametrize("hicache_target", targets, ids=["-".join(t) for t in targets])
     if "hicache_case" in metafunc.fixturenames:
@@ -65,3 +102,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("hicache_case", cases, ids=[c.id for c in cases])
     if "hicache_variant" in metafunc.fixturenames:
         metafunc.parametrize("hicache_variant", INDEX_VARIANTS)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _STATE["interpreter_set"]:
+        terminalreporter.write_line(
+            "hicache conformance kit: no CUDA device, so it set TRITON_INTERPRET=1: kernel strategies ran in "
+            "Triton's CPU interpreter (correctness only; run on a GPU for the real kernels)", yellow=True, bold=True)
+    if _ENVIRONMENT_SKIPS:
+        terminalreporter.write_line(
+            "hicache conformance kit: WARNING: these strategies could not run on this machine and were NOT tested:",
+            red=True, bold=True)
+        for (strategy, reason), n in sorted(_ENVIRONMENT_SKIPS.items()):
+            terminalreporter.write_line(f"  {strategy}: {n} cases skipped: {reason}", red=True)

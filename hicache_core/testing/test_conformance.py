@@ -1,21 +1,30 @@
-"""The conformance suite.  ``pytest --pyargs hicache_core.testing [--hicache-layout L ...]``."""
+"""The conformance suite.  ``pytest --pyargs hicache_core.testing [--hicache-layout L ...]``.
+
+A case a target rejects is skipped only when the rejection is declared (the layout's
+``check``, the strategy's registration, or a pattern in the strategy class's
+``conformance_rejects``) or comes from the environment (a kernel strategy without a
+GPU or Triton interpreter; counted and reported at the end of the run).  Any other
+rejection fails.
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from hicache_core.errors import ResolutionError
-from hicache_core.testing.conformance import check_load_all, check_strategy
+from hicache_core.testing.conformance import check_load_all, check_strategy, classify_rejection
+from hicache_core.testing.plugin import record_environment_skip
 
 
 def _run(fn, registry, case, target, device, **kw):
     layout, backend, strategy = target
-    try:
+    rejection = classify_rejection(registry, case, layout, backend, strategy, device)
+    if rejection is None:
         return fn(registry, case, layout, backend, device=device, strategy=strategy, **kw)
-    except ResolutionError as exc:
-        if "not a candidate" in str(exc) or "rejected" in str(exc) or "no strategy serves" in str(exc):
-            pytest.skip(f"{strategy} does not serve {case.id}: {str(exc).splitlines()[1].strip()}")
-        raise
+    if rejection.kind == "undeclared":
+        pytest.fail(rejection.reason)
+    if rejection.kind == "environment":
+        record_environment_skip(strategy, rejection.reason)
+    pytest.skip(f"{strategy} does not serve {case.id}: {rejection.reason}")
 
 
 def test_round_trip(hicache_registry, hicache_target, hicache_case, hicache_variant, hicache_device):

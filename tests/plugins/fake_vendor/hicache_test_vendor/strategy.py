@@ -24,6 +24,9 @@ class Call:
 class FakeDmaStrategy:
     """Delegates to :class:`DirectStrategy`; ``calls`` lists what it was asked to do, in order."""
 
+    #: the rejections the conformance kit may see (any other rejection of a kit case fails)
+    conformance_rejects = (r"^fakedma moves 1- and 2-byte element pools only",)
+
     def __init__(self) -> None:
         self.calls: list[Call] = []
         self._inner = DirectStrategy()

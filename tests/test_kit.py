@@ -1,0 +1,95 @@
+"""The conformance kit itself: undeclared rejections fail, environment skips are reported, bad
+selections are one usage error, and MHA-only layouts get MHA cases."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable
+
+import pytest
+import torch
+
+from hicache_core import StrategyInfo, create_registry, hookimpl
+from hicache_core.backends.direct import DirectStrategy
+from hicache_core.testing.conformance import CASES, classify_rejection
+
+ENV = {"HICACHE_PLUGINS": "core,page_head,fake_vendor,layer_first"}
+CASE = {c.id: c for c in CASES}
+
+
+class RejectsEverything(DirectStrategy):
+    def supports(self, spec, layout):  # type: ignore[no-untyped-def]
+        return "refuses every pool"
+
+
+class DeclaresItsRejection(RejectsEverything):
+    conformance_rejects = (r"^refuses every pool$",)
+
+
+def plugin(*infos: StrategyInfo) -> object:
+    class Plugin:
+        @hookimpl
+        def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
+            for info in infos:
+                register(info)
+
+    return Plugin()
+
+
+def test_an_undeclared_rejection_is_a_failure_and_a_declared_one_a_skip() -> None:
+    reg = create_registry(env=ENV, plugins=[("bad", plugin(
+        StrategyInfo("bad.all", "nope", ("page_head",), RejectsEverything),
+        StrategyInfo("bad.declared", "nope2", ("page_head",), DeclaresItsRejection)))])
+    case = CASE["mha-fp16-ps1"]
+    r = classify_rejection(reg, case, "page_head", "nope", "bad.all")
+    assert r is not None and r.kind == "undeclared"
+    assert r.reason == ("bad.all rejected mha-fp16-ps1 with a reason it does not declare: 'refuses every pool' "
+                        "(list the reasons it may give in conformance_rejects on its class)")
+    r = classify_rejection(reg, case, "page_head", "nope2", "bad.declared")
+    assert r is not None and (r.kind, r.reason) == ("declared", "refuses every pool")
+    r = classify_rejection(reg, CASE["mla576-bf16-ps1"], "page_head", "direct", "core.direct")
+    assert r is not None and r.kind == "declared" and "page_head stores per-head rows of MHA pools only" in r.reason
+    assert classify_rejection(reg, case, "page_head", "direct", "core.direct") is None
+
+
+def test_a_kernel_strategy_without_gpu_or_interpreter_is_an_environment_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("kernels can run here")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reg = create_registry(env=ENV)
+    r = classify_rejection(reg, CASE["mha-fp16-ps1"], "layer_first", "kernel", "layer_first.kernel")
+    assert r is not None and r.kind == "environment"
+    assert r.reason.startswith("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+
+
+def test_mha_only_layouts_get_as_many_cases_as_mla_ones() -> None:
+    reg = create_registry(env=ENV)
+    layout = reg.layout("page_head")
+    served = [c.id for c in CASES if layout.check(c.build(torch.device("cpu"))) is None]
+    assert len(served) >= len(CASES) // 2 and len(served) == 8
+
+
+def _kit(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+                           "--pyargs", "hicache_core.testing", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_an_unknown_selection_is_one_usage_error() -> None:
+    out = _kit("--hicache-layout", "page_lastt")
+    assert out.returncode == 4
+    assert "ERROR: --hicache-layout page_lastt: not installed; installed: layer_first, " in out.stderr
+
+
+def test_the_kit_sets_the_interpreter_itself_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    out = _kit("--hicache-layout", "layer_first", "--hicache-io-backend", "kernel", "--hicache-case",
+               "mha-fp16-ps1", "-k", "load_all_layers")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 passed" in out.stdout  # mha-fp16-ps1 and mha-fp16-ps128-drafts
+    assert ("hicache conformance kit: no CUDA device, so it set TRITON_INTERPRET=1: kernel strategies ran in "
+            "Triton's CPU interpreter") in out.stdout
