@@ -37,7 +37,6 @@ __all__ = [
     "UnallocatedSlotError",
     "DeviceBufferError",
     "HostBufferError",
-    "ConfigError",
     "TakeoverTableError",
 ]
 

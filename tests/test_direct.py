@@ -9,7 +9,7 @@ from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.plans import Plan
 from hicache_core.backends.staging import page_image
-from hicache_core.errors import IndexRangeError, SpecError
+from hicache_core.errors import ConfigError, IndexRangeError
 from hicache_core.testing.conformance import CASES, check_strategy
 
 REG = create_registry()
@@ -91,14 +91,14 @@ def test_plan_range_checks_device_values():
 
 
 @pytest.mark.parametrize("bad", [{"staging": "sometimes"}, {"staging_bytes": 0}, {"staging_bytes": "1MB"}])
-def test_bad_options_raise_spec_error(bad):
-    with pytest.raises(SpecError, match="direct staging"):
+def test_bad_options_raise_config_error(bad):
+    with pytest.raises(ConfigError, match="direct staging"):
         DirectStrategy(**bad)
 
 
-def test_bad_env_raises_spec_error(monkeypatch):
+def test_bad_env_raises_config_error(monkeypatch):
     monkeypatch.setenv("HICACHE_STAGING_BYTES", "lots")
-    with pytest.raises(SpecError, match="HICACHE_STAGING_BYTES='lots'"):
+    with pytest.raises(ConfigError, match="HICACHE_STAGING_BYTES='lots'"):
         DirectStrategy()
 
 

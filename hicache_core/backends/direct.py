@@ -29,7 +29,7 @@ import os
 import torch
 
 from ..binding import PoolBinding
-from ..errors import SpecError
+from ..errors import ConfigError
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
@@ -57,16 +57,16 @@ class DirectStrategy(DirectionalStrategy):
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None) -> None:
         mode = staging if staging is not None else (os.environ.get(ENV_STAGING, "auto").strip().lower() or "auto")
         if mode not in STAGING_MODES:
-            raise SpecError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
+            raise ConfigError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
         self.staging = mode
         if staging_bytes is None:
             raw = os.environ.get(ENV_STAGING_BYTES, "").strip()
             try:
                 staging_bytes = int(raw) if raw else DEFAULT_STAGING_BYTES
             except ValueError:
-                raise SpecError(f"{ENV_STAGING_BYTES}={raw!r}: give a byte count, e.g. 134217728") from None
+                raise ConfigError(f"{ENV_STAGING_BYTES}={raw!r}: give a byte count, e.g. 134217728") from None
         if isinstance(staging_bytes, bool) or not isinstance(staging_bytes, int) or staging_bytes < 1:
-            raise SpecError(f"direct staging_bytes={staging_bytes!r}: give a positive byte count")
+            raise ConfigError(f"direct staging_bytes={staging_bytes!r}: give a positive byte count")
         self.staging_bytes = staging_bytes
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
