@@ -207,11 +207,11 @@ def test_measured_leaves_stock_cells_to_sglang_and_serves_gaps(hooked, monkeypat
     assert same_bytes(host.kv_buffer[h, 1], dev.kv_buffer[1][d1])
 
 
-@pytest.mark.parametrize("table_backend,served_by", [("direct", "direct"), ("auto", "kernel")])
+@pytest.mark.parametrize("table_backend,served_by", [("direct", "direct"), ("auto", "auto"), ("vendorx", "kernel")])
 def test_table_maps_sglang_kernel_to_another_hicache_backend(hooked, monkeypatch, stock_kernels, tmp_path,
                                                              table_backend, served_by):
     """SGLang ``kernel`` served by the table's hicache io_backend; one with no strategy for the layout
-    (``auto`` here) falls back to the exact mapping."""
+    (``vendorx`` here) falls back to the exact mapping."""
     table = write_table(tmp_path, [entry(op="backup", hicache_io_backend=table_backend)])
     monkeypatch.setenv("HICACHE_SGLANG", "measured")
     monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
