@@ -113,7 +113,9 @@ class Plan:
     @property
     def d_dev(self) -> torch.Tensor:
         if self._d_dev is None:
-            self._d_dev = self.d.to(self.binding.device)
+            # through pinned memory, so the copy is enqueued on the current stream without waiting for it
+            src = self.d.pin_memory() if self.binding.device.type == "cuda" else self.d
+            self._d_dev = src.to(self.binding.device, non_blocking=True)
         return self._d_dev
 
     def submission(self, layer: int | None) -> Submission:
