@@ -221,7 +221,7 @@ def explain_lines(reg: Registry, spec: PoolSpec, layout: str, io_backend: str, o
     layout_why = why.get(f"layout {layout}")
     if layout_why:
         lines.append(f"layout check: rejected: {layout_why}")
-    if env_pick and not override and env_pick not in names:
+    if env_pick and not override and env_pick not in names and env_pick in reg.strategies:
         lines.append(f"{ENV_STRATEGY}={env_pick}: not a candidate for this key, ignored")
     lines.append("candidates, in order:" if cands else f"candidates: none; {why.get('(none)', '')}".rstrip("; "))
     chosen_at = names.index(res.info.name) if res is not None else len(names)

@@ -368,6 +368,8 @@ class Registry:
         for info in cands:
             try:
                 strategy = info.factory(**(options or {}))
+                if hasattr(strategy, "use_registry"):  # composite strategies resolve their parts here
+                    strategy.use_registry(self)
                 why = strategy.supports(spec, lay)
             except Exception as exc:  # a broken factory rejects its strategy, not the registry
                 why = f"failed to load: {type(exc).__name__}: {exc}"

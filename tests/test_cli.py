@@ -490,10 +490,10 @@ def test_explain_strategy_that_is_no_candidate(capsys):
 
 
 def test_explain_environment_pick_that_is_no_candidate(capsys, monkeypatch):
-    monkeypatch.setenv("HICACHE_STRATEGY", "zz.other")
+    monkeypatch.setenv("HICACHE_STRATEGY", "core.reference")  # registered, serves other keys
     rc, out, _ = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
     assert rc == 0 and out.splitlines()[3:6] == [
-        "HICACHE_STRATEGY=zz.other: not a candidate for this key, ignored",
+        "HICACHE_STRATEGY=core.reference: not a candidate for this key, ignored",
         "candidates, in order:",
         "  1. core.direct (generic; hicache-core 0.1.0): chosen",
     ]
@@ -570,3 +570,10 @@ def test_doctor(capsys, monkeypatch):
             f"  8 cells (page_head/auto, page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
             "page_head stores per-head rows of MHA pools only; this pool is 'mla'",
         ]
+
+
+def test_explain_environment_pick_that_names_no_strategy(capsys, monkeypatch):
+    monkeypatch.setenv("HICACHE_STRATEGY", "zz.other")
+    rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
+    assert rc == 2 and "ignored" not in out
+    assert "HICACHE_STRATEGY='zz.other' names no registered strategy" in err

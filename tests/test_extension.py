@@ -165,7 +165,8 @@ def test_fakedma_rejects_fp32_with_a_reason(reg_vendor_layouts):
     lines = str(exc.value).splitlines()
     assert lines[1] == ("  test_vendor.fakedma: fakedma moves 1- and 2-byte element pools only; "
                         "components ['k', 'v'] are float32")
-    assert lines[2].startswith("nearest working alternatives: --layout layer_first --io-backend direct (core.direct)")
+    assert lines[2].startswith("nearest working alternatives: --layout layer_first --io-backend auto (core.auto), "
+                               "--layout layer_first --io-backend direct (core.direct)")
 
 
 def test_verify_reaches_the_vendor_backend(capsys, monkeypatch):

@@ -2,7 +2,7 @@
 
 Per pool, both candidates are prepared on the pool's buffers: the core's
 ``direct`` (copy engine, plain or staged) and whatever serves
-``(layout, "kernel", sharded)`` in the default registry.  Per call, ``auto``
+``(layout, "kernel", sharded)`` in the registry that resolved ``auto``.  Per call, ``auto``
 asks ``direct`` which mean block size it would submit for these indices and
 layer (memoised with the plan) and compares it with the calibrated threshold
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
@@ -15,7 +15,7 @@ keeps the GPU); otherwise the kernel does.  With only one candidate available, t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,15 +26,24 @@ from ..spec import PoolSpec
 from ..strategy import Strategy
 from .direct import DirectStrategy
 
+if TYPE_CHECKING:
+    from ..registry import Registry
+
 __all__ = ["AutoStrategy"]
 
 logger = logging.getLogger(__name__)
 
 
-def _kernel_for(spec: PoolSpec, layout: Layout, options: dict[str, Any]) -> tuple[Strategy | None, str]:
+def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
+                options: dict[str, Any]) -> tuple[Strategy | None, str]:
+    from ..errors import HicacheError
     from ..registry import default_registry
 
-    res, rejected = default_registry().try_resolve(spec, layout.name, "kernel", options=options or None)
+    reg = registry if registry is not None else default_registry()
+    try:
+        res, rejected = reg.try_resolve(spec, layout.name, "kernel", options=options or None)
+    except HicacheError as exc:  # e.g. that registry does not know this layout
+        return None, f"no kernel resolves: {str(exc).splitlines()[0]}"
     if res is None:
         why = "; ".join(f"{n}: {w}" for n, w in rejected) or f"no kernel strategy is registered for {layout.name!r}"
         return None, why
@@ -55,11 +64,16 @@ class AutoStrategy:
         self.kernel: Strategy | None = None
         self.kernel_name = ""
         self.calibration: Calibration | None = None
+        self._registry: Registry | None = None
+
+    def use_registry(self, registry: Registry) -> None:
+        """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
+        self._registry = registry
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
         direct = self._direct_factory()
         why_direct = direct.supports(spec, layout)
-        kernel, why_kernel = _kernel_for(spec, layout, self._kernel_options)
+        kernel, why_kernel = _kernel_for(self._registry, spec, layout, self._kernel_options)
         if why_direct is not None and kernel is None:
             return f"neither candidate serves: direct: {why_direct}; kernel: {why_kernel}"
         self.direct = direct if why_direct is None else None
