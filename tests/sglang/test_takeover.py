@@ -42,20 +42,24 @@ def decide(mode_, *cell, **kw):
 # --- the shipped table ------------------------------------------------------------------
 
 
-def test_shipped_table_is_valid_and_takes_over_no_stock_cell():
+def test_shipped_table_is_valid_and_takes_over_only_measured_wins():
     table = load_table(SHIPPED_TABLE)
-    cells = {(c.layout, c.op) for c in table.entries}
-    assert cells == {("layer_first", "backup"), ("page_first", "backup"), ("layer_first", "load"),
-                     ("page_first", "load")}
-    assert all(c.kind == "mla" and c.sglang_io_backend == "kernel" and not c.sharded for c in table.entries)
-    assert not any(e.take_over for e in table.entries.values())
+    cells = {(c.kind, c.layout, c.op) for c in table.entries}
+    assert cells == {("mla", "layer_first", "backup"), ("mla", "page_first", "backup"), ("mla", "layer_first", "load"),
+                     ("mla", "page_first", "load"), ("mha", "layer_first", "backup")}
+    assert all(c.sglang_io_backend == "kernel" and not c.sharded for c in table.entries)
+    taken = {(c.kind, c.layout, c.op): e.hicache_io_backend for c, e in table.entries.items() if e.take_over}
+    assert taken == {("mla", "layer_first", "backup"): "direct", ("mha", "layer_first", "backup"): "direct"}
     lf_backup = table.entries[Cell("mla", "layer_first", "kernel", False, "backup")]
-    assert (lf_backup.sglang, lf_backup.hicache) == ({"copy_ratio": 0.94, "gemm_slowdown_pct": 14.0},
-                                                     {"copy_ratio": 0.93, "gemm_slowdown_pct": 21.0})
+    assert (lf_backup.sglang, lf_backup.hicache) == ({"copy_ratio": 0.941, "gemm_slowdown_pct": 19.8},
+                                                     {"copy_ratio": 0.947, "gemm_slowdown_pct": 0.6})
 
 
 @pytest.mark.parametrize("cell,want", [
-    (("mla", "layer_first", "kernel", False, "backup"), None),  # stock serves, hicache measured worse
+    (("mla", "layer_first", "kernel", False, "backup"), "direct"),  # measured: copy engine beats SGLang's kernel
+    (("mha", "layer_first", "kernel", False, "backup"), "direct"),
+    (("mla", "layer_first", "kernel", False, "load"), None),  # stock serves, hicache measured worse on one metric
+    (("mla", "page_first", "kernel", False, "backup"), None),
     (("mla", "page_first", "kernel", False, "load"), None),
     (("mla", "layer_first", "direct", True, "backup_layer"), None),  # stock, not measured
     (("mla", "page_first", "direct", False, "backup"), "direct"),  # SGLang ValueError: a gap
@@ -71,11 +75,13 @@ def test_measured_default_with_the_shipped_table(monkeypatch, cell, want):
 
 
 def test_other_modes():
-    stock = ("mla", "layer_first", "kernel", False, "backup")
+    stock = ("mla", "layer_first", "kernel", False, "load")
     gap = ("mla", "page_first", "direct", False, "backup")
     assert [decide(m, *stock) for m in ("all", "gaps", "off")] == ["kernel", None, None]
     assert [decide(m, *gap) for m in ("all", "gaps", "off")] == ["direct", "direct", None]
     assert decide("all", "mla", "layer_first", "kernel_ascend", False, "backup") is None
+    taken = ("mla", "layer_first", "kernel", False, "backup")  # measured: the table maps it to the copy engine
+    assert [decide(m, *taken) for m in ("measured", "all", "gaps", "off")] == ["direct", "kernel", None, None]
     # No stock kernels on this platform: every cell is a gap, served with the exact io_backend.
     assert hicache_io_backend("measured", *stock, kernels_available=False) == "kernel"
 
