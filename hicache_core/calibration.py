@@ -91,20 +91,6 @@ def load_calibration(device: torch.device) -> Calibration:
         return DEFAULT
 
 
-def _time_ms(fn: Any, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[dict[str, float]]:
     """Copy-engine ratio to pinned memcpy for random blocks of each size, both directions.
 
@@ -112,6 +98,7 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     engine's own efficiency; the host's submission time per descriptor is reported apart.
     """
     from .backends.cudart import runtime
+    from .bench import _median_ms
 
     rt = runtime()
     host = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)
@@ -119,7 +106,7 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     out = []
     for to_host in (True, False):
         dst_t, src_t = (host, dev) if to_host else (dev, host)
-        base = total_bytes / _time_ms(lambda: dst_t.copy_(src_t, non_blocking=True), reps) / 1e6
+        base = total_bytes / _median_ms(lambda: dst_t.copy_(src_t, non_blocking=True), reps, warmup=1) / 1e6
         for block in block_sizes:
             n = total_bytes // block
             perm = torch.randperm(n, dtype=torch.int64) * block
