@@ -246,6 +246,9 @@ def explain_lines(reg: Registry, spec: PoolSpec, layout: str, io_backend: str, o
         lines.append(f"--strategy {override}: {why.get(override, 'not a candidate')}")
     if res is not None:
         lines.append(f"chosen: {res.info.name} from {res.provider.label}")
+        describe = getattr(res.strategy, "describe", None)  # strategies that decide per call say how
+        if callable(describe):
+            lines += describe(spec, lay)
     return lines, res is not None
 
 

@@ -135,3 +135,19 @@ def test_auto_picks_copy_engine_only_for_large_fed_blocks():
     auto.direct, auto.kernel, auto.calibration = small.strategy, kernel, DEFAULT
     # one page: the 8 relayout launches (~80 us of host time) outlast its 1.2 MB at link speed
     assert auto.pick(small.binding, h[:64], d[:64], None, to_host=True) is kernel
+
+
+@pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
+def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
+    from hicache_core import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # no kernel candidate on this CPU: auto must say so
+    assert cli.main(["explain", "--layout", "page_first", "--io-backend", "auto", "--kind", "mla"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    auto = [ln for ln in lines if ln.startswith("auto: ")]
+    assert auto[0].startswith("auto: the copy engine serves a call when its mean copy block is >= 32768 B (backups)")
+    assert auto[0].endswith("otherwise the kernel (none available here)")
+    assert auto[2] == ("auto: backup_all_layers of all 64 slots -> direct (mean block 73728 B over 4 descriptors, "
+                       "staged; large enough, host cannot keep up)")
+    assert auto[3] == ("auto: load_layer of all 64 slots -> direct (mean block 1152 B over 64 descriptors; "
+                       "too small, host cannot keep up)")

@@ -15,16 +15,18 @@ keeps the GPU); otherwise the kernel does.  With only one candidate available, t
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..binding import PoolBinding
-from ..calibration import Calibration, load_calibration
+from ..calibration import DEFAULT, Calibration, load_calibration
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import Strategy
 from .direct import DirectStrategy
+from .staging import LAUNCH_US
 
 if TYPE_CHECKING:
     from ..registry import Registry
@@ -105,6 +107,47 @@ class AutoStrategy:
         assert cal is not None
         fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
         return self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
+
+    def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
+        """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
+        every slot of such a pool (estimated on a CPU copy of the pool: block sizes do not depend on
+        the device).  For ``hicache explain``."""
+        cal = load_calibration(spec.device) if spec.device.type == "cuda" and torch.cuda.is_available() else DEFAULT
+        lines = [
+            f"auto: the copy engine serves a call when its mean copy block is >= {cal.d2h_min_block} B (backups) / "
+            f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
+            f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s; "
+            f"otherwise {self.kernel_name or 'the kernel (none available here)'}",
+            f"auto: calibration {cal.gpu} ({cal.source})",
+        ]
+        try:
+            lines += self._estimate(spec, layout, cal)
+        except Exception as exc:  # an estimate only: never let it break explain
+            lines.append(f"auto: no estimate for this pool ({type(exc).__name__}: {exc})")
+        return lines
+
+    def _estimate(self, spec: PoolSpec, layout: Layout, cal: Calibration) -> list[str]:
+        from ..pool import HostKVPool
+
+        cpu = replace(spec, device=torch.device("cpu"))
+        rows = cpu.capacity
+        bufs = {c.name: [torch.zeros(rows, c.row_bytes, dtype=torch.uint8) if i in cpu.layer_map.device_layers else None
+                         for i in range(cpu.layer_map.num_device_layers)] for c in cpu.components}
+        pool = HostKVPool(cpu, layout.name, "direct", bufs, registry=self._registry, strategy="core.direct",
+                          pin_memory=False)
+        direct = pool.strategy
+        assert isinstance(direct, DirectStrategy)
+        idx = torch.arange(rows)
+        out = []
+        for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
+            sub = direct.submission(pool.binding, idx, idx, layer)
+            fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+            big = sub.mean_block >= cal.min_block(to_host)
+            pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
+            out.append(f"auto: {op} of all {rows} slots -> {pick} (mean block {sub.mean_block:.0f} B over "
+                       f"{sub.count} descriptors{', staged' if sub.staged is not None else ''}; "
+                       f"{'large enough' if big else 'too small'}, host {'keeps up' if fed else 'cannot keep up'})")
+        return out
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
