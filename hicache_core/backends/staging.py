@@ -42,7 +42,7 @@ DEFAULT_STAGING_BYTES = 512 << 20
 #: Host time of one relayout op (a torch launch) and bytes per chunk it should cover.  Every chunk
 #: costs two launches per layer entry; measured on an H200 host at ~10 us each, so a chunk must
 #: carry >= ~1 MB per launch for the host to stay ahead of a 55 GB/s link (else it is host-bound:
-#: 64 MiB chunks of an 80-layer MHA page_first backup ran at 0.30 of memcpy).
+#: 64 MiB chunks of an 80-layer MHA backup into a token-major host layout ran at 0.30 of memcpy).
 LAUNCH_US = 10.0
 BYTES_PER_LAUNCH = 1 << 20
 
