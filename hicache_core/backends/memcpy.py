@@ -22,7 +22,10 @@ class BatchCopier:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self._index = self.device.index if self.device.index is not None else 0
+        if self.device.index is not None or self.device.type != "cuda":
+            self._index = self.device.index or 0
+        else:  # "cuda" alone: the device current when the pool is built, as torch resolves it
+            self._index = torch.cuda.current_device()
 
     @staticmethod
     def unavailable_on_cuda() -> str | None:
