@@ -371,6 +371,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
     p.add_argument("--plot-only", default="", help="render the plot of an existing bench.json and exit")
+    p.add_argument("--peers", action="store_true",
+                   help="run the peer benchmark (SGLang's and LMCache's kernels beside ours; source checkout only) "
+                        "with --peers-args instead of the strategy grid")
+    p.add_argument("--peers-args", default="", help="arguments for the peer benchmark, one string (see --peers-args=--help)")
     p.set_defaults(func=_cmd)
 
 
@@ -388,7 +392,37 @@ def _progress_printer() -> Callable[[str], None]:
     return show
 
 
+def peers_module() -> Any:
+    """``benchmarks/peers.py`` of the source checkout this package runs from (it is not installed)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "peers.py")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            "the peer benchmark ships in the source repository (benchmarks/peers.py), not in the installed "
+            "package; run hicache bench --peers from an editable install of a checkout, or python -m benchmarks.peers there"
+        )
+    root = os.path.dirname(os.path.dirname(path))
+    if root not in sys.path:
+        sys.path.insert(0, root)  # peers.py imports its sibling modules as benchmarks.*
+    spec = importlib.util.spec_from_file_location("benchmarks.peers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks.peers"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _cmd(args: argparse.Namespace) -> int:
+    if getattr(args, "peers", False):
+        import shlex
+
+        try:
+            peers = peers_module()
+        except FileNotFoundError as exc:
+            print(f"hicache bench --peers: {exc}", file=sys.stderr)
+            return 2
+        return int(peers.main(["--out", args.out, *shlex.split(args.peers_args)]) or 0)
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
         with open(args.plot_only) as f:

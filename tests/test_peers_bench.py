@@ -407,3 +407,26 @@ def test_run_peers_writes_every_cell_in_order(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "peers.json").read_text())
     assert data["rows"] == rows
     assert data["meta"]["notes"] == ["io_backend 'nope' is not registered here; its rows are skipped"]
+
+
+def test_hicache_bench_peers_runs_the_peer_benchmark_with_its_arguments(monkeypatch, tmp_path):
+    import argparse
+
+    from hicache_core import bench
+
+    real = bench.peers_module()
+    assert callable(real.main) and callable(real.run_peers)  # the checkout's benchmarks/peers.py
+    seen = []
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen.append(argv)
+            return 0
+
+    monkeypatch.setattr(bench, "peers_module", lambda: Fake)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--out", str(tmp_path), "--peers", "--peers-args", "--time-budget 60 --cells mla"])
+    assert args.func(args) == 0
+    assert seen == [["--out", str(tmp_path), "--time-budget", "60", "--cells", "mla"]]
