@@ -84,8 +84,11 @@ def load_calibration(device: torch.device) -> Calibration:
     if entry is None:
         return DEFAULT
     try:
-        return Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)),
-                           float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)))
+        cal = Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)),
+                          float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)))
+        if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or cal.submit_us < 0 or cal.link_gbps <= 0:
+            raise ValueError("block sizes and link_gbps must be positive, submit_us not negative")
+        return cal
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("hicache: calibration %s entry %r is malformed (%s); using shipped defaults", path, gpu, exc)
         return DEFAULT

@@ -151,3 +151,32 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
                        "staged; large enough, host cannot keep up)")
     assert auto[3] == ("auto: load_layer of all 64 slots -> direct (mean block 1152 B over 64 descriptors; "
                        "too small, host cannot keep up)")
+
+
+def test_staging_buffers_grow_without_deadlock_and_serialise_runs_per_stream():
+    import threading
+
+    from hicache_core.backends.staging import StagingBuffers
+
+    bufs = StagingBuffers(torch.device("cpu"))
+    small = bufs.get(7, 16)
+    done = []
+    t = threading.Thread(target=lambda: done.append(bufs.get(7, 1024)))  # grows: must not block
+    t.start()
+    t.join(5)
+    assert done and done[0].numel() == 1024 and small.numel() == 16
+    assert bufs.run_lock(7) is bufs.run_lock(7) and bufs.run_lock(7) is not bufs.run_lock(8)
+
+
+def test_calibration_rejects_nonsense_values(tmp_path, monkeypatch):
+    import json
+
+    from hicache_core.calibration import DEFAULT, load_calibration
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"cpu": {"d2h_min_block": 1, "h2d_min_block": 1, "link_gbps": 0}}))
+    monkeypatch.setenv("HICACHE_CALIBRATION", str(path))
+    assert load_calibration(torch.device("cpu")) == DEFAULT  # link_gbps 0 would divide by zero in auto
+    path.write_text(json.dumps({"cpu": {"d2h_min_block": 4096, "h2d_min_block": 8192}}))
+    cal = load_calibration(torch.device("cpu"))
+    assert (cal.d2h_min_block, cal.h2d_min_block, cal.link_gbps) == (4096, 8192, DEFAULT.link_gbps)

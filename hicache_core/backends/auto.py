@@ -22,6 +22,7 @@ import torch
 
 from ..binding import PoolBinding
 from ..calibration import DEFAULT, Calibration, load_calibration
+from ..errors import HicacheError
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import Strategy
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
                 options: dict[str, Any]) -> tuple[Strategy | None, str]:
-    from ..errors import HicacheError
     from ..registry import default_registry
 
     reg = registry if registry is not None else default_registry()
@@ -89,7 +89,14 @@ class AutoStrategy:
         if self.direct is not None:
             self.direct.prepare(binding)
         if self.kernel is not None:
-            self.kernel.prepare(binding)
+            try:
+                self.kernel.prepare(binding)
+            except HicacheError as exc:  # e.g. unpinned host buffers: the copy engine still serves
+                if self.direct is None:
+                    raise
+                logger.warning("hicache auto: the kernel cannot serve this pool (%s); using direct only",
+                               str(exc).splitlines()[0])
+                self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)

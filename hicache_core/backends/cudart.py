@@ -84,12 +84,19 @@ class CudaRuntime:
         lib.cudaRuntimeGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
         lib.cudaRuntimeGetVersion(ctypes.byref(ver))
         self.version = int(ver.value)
+        drv = ctypes.c_int(0)
+        lib.cudaDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cudaDriverGetVersion(ctypes.byref(drv))
+        self.driver_version = int(drv.value)
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
         lib.cudaMemcpyAsync.restype = ctypes.c_int
-        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None) if self.version >= 12080 else None
+        # the batch entry point needs runtime *and* driver >= 12.8 (minor-version compatibility lets a
+        # 12.8 runtime run on an older 12.x driver, where the call would fail)
+        batch_ok = self.version >= 12080 and self.driver_version >= 12080
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None) if batch_ok else None
         if self._batch is not None:
             if self.version >= 13000:
                 self._batch.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp]

@@ -42,7 +42,7 @@ __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ST
 #: ``auto`` (default: staged where it gives the copy engine larger blocks), ``always``
 #: (wherever whole pages allow it) or ``never``.
 ENV_STAGING = "HICACHE_DIRECT_STAGING"
-#: Bytes of device staging per stream (default 128 MiB, two halves); larger calls go in chunks.
+#: Bytes of device staging per stream (default 512 MiB, two halves); larger calls go in chunks.
 ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
 STAGING_MODES = ("auto", "always", "never")
 

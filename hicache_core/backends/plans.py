@@ -103,7 +103,9 @@ class Plan:
             )
         # the device copy the staged relayout indexes with (made on the caller's stream)
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
-        self._d_dev: torch.Tensor | None = device_indices.to(torch.int64) if on_dev else None
+        # its own copy: the values checked above are the values the staged relayout indexes with, even
+        # if the caller later rewrites its tensor behind torch's version counter
+        self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         self.staging, self.staging_bytes = staging, staging_bytes
         self._runs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}

@@ -138,10 +138,11 @@ class StagedRoute:
 
     def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
         """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
-        if binding.device.type != "cuda":
-            self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
-            return
-        self._run_pipelined(copier, buffers, stream, to_host=to_host)
+        with buffers.run_lock(stream):
+            if binding.device.type != "cuda":
+                self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
+            else:
+                self._run_pipelined(copier, buffers, stream, to_host=to_host)
 
     def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, *, to_host: bool) -> None:
         ps = self.binding.spec.page_size
@@ -220,7 +221,17 @@ class StagingBuffers:
         self.device = device
         self._buffers: dict[int, torch.Tensor] = {}
         self._sides: dict[int, torch.cuda.Stream] = {}
-        self._lock = threading.Lock()
+        self._runs: dict[int, threading.Lock] = {}
+        self._lock = threading.RLock()  # get() takes side_stream() under it
+
+    def run_lock(self, stream: int) -> threading.Lock:
+        """Held for the whole enqueueing of one staged transfer: two threads on one caller stream
+        would otherwise fill the same staging half on the same side stream."""
+        with self._lock:
+            lock = self._runs.get(stream)
+            if lock is None:
+                lock = self._runs[stream] = threading.Lock()
+            return lock
 
     def side_stream(self, stream: int) -> torch.cuda.Stream:
         """The relayout stream paired with the caller's stream ``stream``."""
