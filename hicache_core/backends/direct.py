@@ -87,14 +87,19 @@ class DirectStrategy(DirectionalStrategy):
                    layer: int | None) -> Submission:
         """What a transfer of these indices would submit (memoised); ``auto`` reads its block sizes."""
         copier: BatchCopier = binding.scratch["direct.copier"]
+        return self._submission(binding, host_indices, device_indices, layer, copier.stream())
+
+    @staticmethod
+    def _submission(binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                    layer: int | None, stream: int) -> Submission:
         plans: PlanCache = binding.scratch["direct.plans"]
-        return plans.get(host_indices, device_indices, copier.stream()).submission(layer)
+        return plans.get(host_indices, device_indices, stream).submission(layer)
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
         copier: BatchCopier = binding.scratch["direct.copier"]
         stream = copier.stream()
-        sub = binding.scratch["direct.plans"].get(host_indices, device_indices, stream).submission(layer)
+        sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if sub.staged is None:
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
             copier.copy(dst, src, sub.lens, stream)

@@ -107,7 +107,6 @@ class Plan:
         # if the caller later rewrites its tensor behind torch's version counter
         self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         self.staging, self.staging_bytes = staging, staging_bytes
-        self._runs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
         self._lock = threading.Lock()
@@ -131,17 +130,14 @@ class Plan:
         return sub
 
     # -- plain runs -------------------------------------------------------------------
-    def _seg_runs(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (si, stride)
-        runs = self._runs.get(key)
-        if runs is None:
-            a = seg.segment.addressing
-            ps = self.binding.spec.page_size
-            chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
-            host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
-            dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
-            runs = self._runs[key] = coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
-        return runs
+    def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
+        a = seg.segment.addressing
+        ps = self.binding.spec.page_size
+        chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
+        host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
+        dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
+        return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
 
     def _table(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
         """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry."""
@@ -149,7 +145,7 @@ class Plan:
         table = self._tables.get(key)
         if table is None:
             group = [e for e in range(len(seg.device_layers)) if seg.dev_strides[e] == stride]
-            hr, dr, n = self._seg_runs(si, seg, stride)
+            hr, dr, n = self._runs(seg, stride)
             hb = torch.tensor([_host_base(seg, e) for e in group], dtype=torch.int64)
             db = torch.tensor([seg.dev_ptrs[e] for e in group], dtype=torch.int64)
             table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n,

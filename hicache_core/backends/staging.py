@@ -89,7 +89,7 @@ class StagedRoute:
         self.images = images
         per_page = sum(im.span for im in images)
         self.launches_per_chunk = 2 * sum(len(im.entries) for im in images)
-        want = max(staging_bytes // 2 // 2, self.launches_per_chunk * BYTES_PER_LAUNCH)  # per half
+        want = max(staging_bytes // 4, self.launches_per_chunk * BYTES_PER_LAUNCH)  # per half: a quarter of the budget, more if the launches need it
         self.chunk_pages = max(1, min(int(pages.numel()), min(want, staging_bytes // 2) // per_page))
         self.chunk_bytes = self.chunk_pages * per_page
         self.count = int(pages.numel()) * sum(int(im.lens.numel()) for im in images)
