@@ -577,8 +577,14 @@ def _version(dist: str) -> str | None:
 
 
 def _module_version(module: str) -> str | None:
+    """The installed version of ``module``, without importing it when its distribution says (importing
+    Triton would fix its interpreter mode for the whole process), else from the imported module."""
     if importlib.util.find_spec(module) is None:
         return None
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        pass
     try:
         return str(getattr(importlib.import_module(module), "__version__", "installed"))
     except Exception as exc:  # a broken install is reported, not raised

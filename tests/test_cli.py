@@ -577,3 +577,20 @@ def test_explain_environment_pick_that_names_no_strategy(capsys, monkeypatch):
     rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
     assert rc == 2 and "ignored" not in out
     assert "HICACHE_STRATEGY='zz.other' names no registered strategy" in err
+
+
+def test_listing_commands_never_import_triton():
+    """Triton fixes interpreted vs compiled kernels when it is first imported: commands that only list or
+    diagnose (doctor, plugins, matrix) must not import it, or a later TRITON_INTERPRET=1 run in the same
+    process would fail (an order-dependent test failure seen before)."""
+    import subprocess
+
+    code = ("import sys; from hicache_core import cli\n"
+            "for argv in (['doctor'], ['plugins'], ['matrix']):\n"
+            "    cli.main(argv)\n"
+            "loaded = sorted(m for m in sys.modules if m == 'triton' or m.endswith('.kernels'))\n"
+            "print('LOADED', loaded)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "LOADED []"
