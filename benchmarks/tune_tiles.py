@@ -1,87 +1,100 @@
-"""Sweep the tile constants of each plugin's Triton kernel under small SM budgets (H200).
+"""Sweep the launch shape of each plugin's Triton kernel, with a GEMM beside it (GPU).
 
-Usage (GPU): ``python benchmarks/tune_tiles.py [--out results.json]``.  For every
-variant it patches the plugin's module-level tuning constants, builds a fresh
-pool (MLA 61 x 576 bf16, 4096 tokens in 64-token pages: 4.7 MB per layer) and
-reports ``load_layer`` and ``backup_all_layers`` as ratios to pinned memcpy of
-the same bytes, at 8, 16 and 32 programs.  The defaults in each plugin cite
-the run of this script that chose them (docs/performance.md).
+Usage: ``python benchmarks/tune_tiles.py [--out tune.json] [--layouts ...] [--programs 2,4,8]
+[--warps 1,4] [--tiles 8192,32768] [--stages 1,3] [--maxnreg 0,32] [--gemm]``.
+
+Every variant is a set of strategy options (``programs``, ``num_warps``,
+``tile_bytes``, ``num_stages``, ``maxnreg``: :class:`hicache_core.rowcopy.RowKernelStrategy`)
+on a fresh pool of the chosen shape (default MLA 61 x 576 bf16, 4096 tokens in
+64-token pages: 4.7 MB per layer).  Per direction it reports the ratio to a
+pinned memcpy of the same bytes (``backup_all_layers``; ``load_layer`` of one
+layer) and, with ``--gemm``, the slowdown of a bf16 8192^3 GEMM on another
+stream while the transfer runs (a backup of all layers; a burst of
+``load_layer`` over every layer).  The plugins' ``TUNING`` constants cite the
+run that chose them (docs/performance.md).  Every variant is checked
+bit-exact first.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import sys
 
 import torch
 
-from hicache_core.bench import SHAPES, _device_buffers, _gemm_slowdown, _indices, _median_ms, _Memcpy
+from hicache_core.bench import SHAPES, _check, _device_buffers, _gemm_slowdown, _indices, _median_ms, _Memcpy
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
-#: sweep name -> (layout, module holding the constants, {constant: candidate values})
-SWEEPS = {
-    "layer_first": ("layer_first", "hicache_layer_first.kernels",
-                    {"LOAD_TILE_BYTES": [16384, 32768, 65536], "LOAD_NUM_WARPS": [8, 16]}),
-    "layer_first-backup": ("layer_first", "hicache_layer_first.kernels",
-                           {"BACKUP_TILE_BYTES": [8192, 32768, 65536], "BACKUP_NUM_WARPS": [4, 8, 16]}),
-    "page_first": ("page_first", "hicache_page_first.kernels",
-                   {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
-    "page_first_direct": ("page_first_direct", "hicache_page_first.kernels",
-                          {"TILE_BYTES": [8192, 32768, 65536], "NUM_WARPS": [4, 8, 16]}),
-    "page_first_kv_split": ("page_first_kv_split", "hicache_kv_split.strategy",
-                            {"STEP_WORDS": [2048, 4096, 8192], "NUM_WARPS": [4, 8, 16]}),
-}
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_tiles.json")
+    ap.add_argument("--shape", default="mla61x576-bf16", choices=sorted(SHAPES))
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--programs", default="8,16,32")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--gemm", action="store_true", help="also measure the GEMM slowdown during backup_all_layers")
-    ap.add_argument("--sweeps", default=",".join(n for n in SWEEPS if n != "layer_first-backup"),
-                    help=f"comma list of {sorted(SWEEPS)}")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--directions", default="backup,load")
+    ap.add_argument("--programs", default="2,4,8")
+    ap.add_argument("--warps", default="1,4")
+    ap.add_argument("--tiles", default="8192,32768")
+    ap.add_argument("--stages", default="1,3")
+    ap.add_argument("--maxnreg", default="0", help="comma list; 0 = no cap")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--gemm", action="store_true")
     args = ap.parse_args()
     reg = create_registry()
-    spec = SHAPES["mla61x576-bf16"](args.tokens, 64, torch.device("cuda"))
-    dev = _device_buffers(spec, 2 * args.tokens + 64)
+    spec = SHAPES[args.shape](args.tokens, args.page_size, torch.device("cuda"))
+    layers = spec.layer_map.num_device_layers
+    dev = _device_buffers(spec, 2 * args.tokens + args.page_size)
     h, s, d = _indices(spec, torch.Generator().manual_seed(0))
     memcpy = _Memcpy()
-    per_layer = spec.bytes_per_token // 61 * args.tokens
     total = spec.bytes_per_token * args.tokens
+    per_layer = total // layers
     results = []
-    for name in args.sweeps.split(","):
-        layout, modname, grid = SWEEPS[name]
-        mod = importlib.import_module(modname)
-        saved = {k: getattr(mod, k) for k in grid}
+    corrupt = 0
+    for layout in args.layouts.split(","):
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
-        for values in itertools.product(*grid.values()):
-            setting = dict(zip(grid, values))
-            for k, v in setting.items():
-                setattr(mod, k, v)
-            for p in [int(x) for x in args.programs.split(",")]:
-                pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, strategy_options={"programs": p},
+        for p, w, t, st, r in itertools.product(_ints(args.programs), _ints(args.warps), _ints(args.tiles),
+                                                _ints(args.stages), _ints(args.maxnreg)):
+            opts = {"programs": p, "num_warps": w, "tile_bytes": t, "num_stages": st, **({"maxnreg": r} if r else {})}
+            try:
+                pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, strategy_options=opts,
                                   registry=reg, validate="shapes")
-                load = _median_ms(lambda: pool.load_layer(30, h, d), args.reps)
-                back = _median_ms(lambda: pool.backup_all_layers(h, s), args.reps)
-                row = {"sweep": name, "layout": layout, **setting, "programs": p,
-                       "load_layer": per_layer / load / 1e6 / memcpy.gbps(per_layer, False, args.reps),
-                       "backup_all_layers": total / back / 1e6 / memcpy.gbps(total, True, args.reps)}
+                _check(pool, dev, h, s, d)
+            except AssertionError as exc:  # wrong bytes: loud, and the run fails
+                corrupt += 1
+                print(json.dumps({"layout": layout, **opts, "CORRUPT": str(exc)}), flush=True)
+                continue
+            except Exception as exc:  # a shape that does not compile here is a result, not the end of the sweep
+                print(json.dumps({"layout": layout, **opts, "error": repr(exc)[:300]}), flush=True)
+                continue
+            row = {"shape": args.shape, "layout": layout, "page_size": args.page_size, **opts}
+            if "backup" in args.directions:
+                backup = lambda: pool.backup_all_layers(h, s)  # noqa: E731
+                ms = _median_ms(backup, args.reps)
+                row["backup_all_layers"] = total / ms / 1e6 / memcpy.gbps(total, True, args.reps)
                 if args.gemm:
-                    row["gemm_slowdown_backup"] = _gemm_slowdown(lambda: pool.backup_all_layers(h, s))
-                results.append(row)
-                print(json.dumps(row), flush=True)
-        for k, v in saved.items():
-            setattr(mod, k, v)
+                    row["gemm_backup"] = _gemm_slowdown(backup)
+            if "load" in args.directions:
+                ms = _median_ms(lambda: pool.load_layer(layers // 2, h, d), args.reps)
+                row["load_layer"] = per_layer / ms / 1e6 / memcpy.gbps(per_layer, False, args.reps)
+                if args.gemm:
+                    row["gemm_load_burst"] = _gemm_slowdown(lambda: [pool.load_layer(i, h, d) for i in range(layers)])
+            results.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
+                json.dump(results, f, indent=1)
         del host
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    return 0
+    return 1 if corrupt else 0
 
 
 if __name__ == "__main__":

@@ -38,8 +38,6 @@ __all__ = [
     "tensor_version",
     "require_pinned",
     "sm_budget",
-    "sm_budgets",
-    "Budget",
     "interpreting",
     "ENV_PROGRAMS",
 ]
@@ -236,35 +234,6 @@ def require_pinned(binding: PoolBinding, strategy: str) -> None:
             f"{strategy} reads and writes host memory directly, so host buffers must be pinned: allocate them "
             "with pin_memory=True (or let the pool allocate them), or use io_backend 'direct'"
         )
-
-
-@dataclass(frozen=True)
-class Budget:
-    """SM budget of a kernel strategy: programs per launch, by direction.
-
-    Backups (D2H) write host memory with posted writes and are link-bound with
-    few programs; loads (H2D) read host memory, latency-bound, and need more
-    bytes in flight, hence more programs (docs/performance.md).
-    """
-
-    backup: int
-    load: int
-
-    @classmethod
-    def uniform(cls, programs: int) -> "Budget":
-        return cls(programs, programs)
-
-    def for_direction(self, to_host: bool) -> int:
-        return self.backup if to_host else self.load
-
-
-def sm_budgets(explicit: int | None, device: torch.device, *, backup: int, load: int) -> Budget:
-    """The budget of a strategy: ``explicit`` (the strategy's ``programs`` option) for both
-    directions when given; else ``HICACHE_KERNEL_PROGRAMS`` for both when set; else the
-    per-direction defaults.  Environment and defaults are capped as :func:`sm_budget` does."""
-    if explicit is not None:
-        return Budget.uniform(parse_programs(explicit, "programs"))
-    return Budget(sm_budget(backup, device), sm_budget(load, device))
 
 
 def sm_budget(default: int, device: torch.device) -> int:

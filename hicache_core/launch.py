@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -110,31 +110,58 @@ class Launcher:
             logger.debug("fast launch unavailable: %s", exc)
             return None
 
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        """The kernel's parameter names, in signature order."""
+        return tuple(getattr(self.kernel, "arg_names", ()))
+
+    def bind(self, values: Mapping[str, Any]) -> tuple:
+        """The positional arguments of a launch, taken by parameter name from ``values``.
+
+        ``values`` may hold more names than the kernel declares (a kernel takes
+        only what it uses); a parameter missing from it is a ``TypeError``
+        naming the parameter.
+        """
+        try:
+            return tuple(values[name] for name in self.arg_names)
+        except KeyError as exc:
+            raise TypeError(f"{self.kernel}: no value for kernel parameter {exc.args[0]!r}; "
+                            f"values given: {sorted(values)}") from None
+
+    def positions(self, names: Iterable[str]) -> tuple[int, ...]:
+        """Positions of the parameters in ``names`` that the kernel declares (others are ignored)."""
+        wanted = frozenset(names)
+        return tuple(i for i, name in enumerate(self.arg_names) if name in wanted)
+
     def static_key(self, args: Sequence[Any], dynamic: Sequence[int]) -> tuple:
         """The part of the specialisation key contributed by every position not in ``dynamic``."""
         dyn = frozenset(dynamic)
         return tuple(None if i in dyn else (a if i in self._constexprs else _traits(a)) for i, a in enumerate(args))
 
     def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: tuple | None = None,
-                 dynamic: Sequence[int] = ()) -> None:
+                 dynamic: Sequence[int] = (), maxnreg: int | None = None) -> None:
+        """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap)."""
         if len(args) != self._nargs and self._nargs:
             raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
+        opts = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
         api = self._api
         if api is None or not _ENABLED[0]:
-            self.kernel[(grid,)](*args, num_warps=num_warps)
+            self.kernel[(grid,)](*args, **opts)
             return
         get_device, get_stream, runtime = api
         if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
-            self.kernel[(grid,)](*args, num_warps=num_warps)  # profilers hook the public path
+            self.kernel[(grid,)](*args, **opts)  # profilers hook the public path
             return
         device = get_device()
         if static_key is None:
             key = launch_key(args, self._constexprs, num_warps, device)
         else:
             key = (device, num_warps, static_key, *[_traits(args[i]) for i in dynamic])
+        if maxnreg is not None:
+            key = (*key, "maxnreg", maxnreg)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self.kernel[(grid,)](*args, num_warps=num_warps)
+            compiled = self.kernel[(grid,)](*args, **opts)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self._compiled[key] = compiled
             return

@@ -102,6 +102,32 @@ def test_bad_env_raises_config_error(monkeypatch):
         DirectStrategy()
 
 
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+def test_auto_decides_once_per_index_pair_and_batch(monkeypatch):
+    """Per-layer calls of a batch reuse the first call's decision (no plan built per call); an in-place
+    change of an index tensor, other tensors or the other direction decide again."""
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    pool = _mla_pool("layer_first", staging="auto", ps=64, layers=4, pages=64)
+    auto = AutoStrategy()
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT
+    calls = []
+    real = pool.strategy.submission
+    monkeypatch.setattr(pool.strategy, "submission", lambda *a: calls.append(a[3]) or real(*a))
+    h, d = torch.arange(0, 2048), torch.arange(2048, 4096)
+    first = auto.pick(pool.binding, h, d, 0, to_host=False)
+    assert all(auto.pick(pool.binding, h, d, layer, to_host=False) is first for layer in (1, 2, 3))
+    assert calls == [0]
+    auto.pick(pool.binding, h, d, None, to_host=False)  # all layers: another decision
+    auto.pick(pool.binding, h, d, 1, to_host=True)  # other direction
+    h[0] = 7  # in place: the version counter moves
+    h[0] = 0
+    auto.pick(pool.binding, h, d, 1, to_host=False)
+    auto.pick(pool.binding, h.clone(), d, 1, to_host=False)  # another tensor
+    assert calls == [0, None, 1, 1, 1]
+
+
 @pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
 def test_page_image_merges_owned_layers_only():
     pool = _mla_pool("page_first", staging="always", ps=4, layers=4, pages=2)

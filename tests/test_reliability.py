@@ -28,7 +28,8 @@ from hicache_core.errors import (
     SpecError,
     UnallocatedSlotError,
 )
-from hicache_core.kernel_support import ENV_PROGRAMS, IndexMemo, sm_budget, sm_budgets
+from hicache_core.kernel_support import ENV_PROGRAMS, IndexMemo, sm_budget
+from hicache_core.rowcopy import RowKernelStrategy
 
 PS, CAP, LAYERS, ROWS = 4, 16, 3, 32
 BACKENDS = ("direct", "reference")
@@ -265,7 +266,7 @@ def test_kernel_programs_environment(monkeypatch: pytest.MonkeyPatch, value: str
     monkeypatch.setenv(ENV_PROGRAMS, " 12 ")
     assert sm_budget(4, torch.device("cpu")) == 12
     with pytest.raises(ConfigError, match=r"^programs=-1: "):
-        sm_budgets(-1, torch.device("cpu"), backup=1, load=2)
+        RowKernelStrategy(-1)
 
 
 # --- memo safety -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from ..errors import HicacheError
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import Strategy
+from ..validate import tensor_version
 from .direct import DirectStrategy
 from .staging import LAUNCH_US
 
@@ -52,6 +53,12 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
     return res.strategy, res.info.name
 
 
+#: Recent decisions kept per pool.  A decision only chooses between two correct strategies, so a
+#: stale one (an index tensor freed and another made at the same address) costs speed, never bytes;
+#: per-layer calls of a batch (same index tensors, one layer each) share the decision of the first.
+_PICKS = 16
+
+
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
 
@@ -67,6 +74,8 @@ class AutoStrategy:
         self.kernel_name = ""
         self.calibration: Calibration | None = None
         self._registry: Registry | None = None
+        # (host id, version, device id, version, length, all layers?, to_host) -> pick, a few recent ones
+        self._picks: dict[tuple, Strategy] = {}
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -103,17 +112,33 @@ class AutoStrategy:
 
     def pick(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None, *, to_host: bool) -> Strategy:
-        """The candidate that serves this call."""
+        """The candidate that serves this call.
+
+        Decided once per index pair, direction and kind of call (one layer or all): the per-layer
+        calls of a batch reuse the first decision instead of sizing a copy plan each
+        (:data:`_PICKS`); an in-place change of an index tensor decides again.
+        """
         if self.kernel is None:
             assert self.direct is not None
             return self.direct
         if self.direct is None:
             return self.kernel
+        vh, vd = tensor_version(host_indices), tensor_version(device_indices)
+        key = None if vh is None or vd is None else (
+            id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host)
+        hit = self._picks.get(key) if key is not None else None
+        if hit is not None:
+            return hit
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
         cal = self.calibration
         assert cal is not None
         fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
-        return self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
+        pick = self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
+        if key is not None:
+            if len(self._picks) >= _PICKS:
+                self._picks.clear()
+            self._picks[key] = pick
+        return pick
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving

@@ -9,8 +9,8 @@ the copy engine would see:
 * **staged**: when the plain runs are small (e.g. one 1152-byte row per token
   in a token-major host layout, or the split parts of a row) but whole host
   pages are large contiguous blocks, the rows are relaid on the device into a
-  bounded staging buffer holding those pages' host image (D2D at HBM speed, a
-  few short torch kernels per layer), and the copy engine moves whole page
+  bounded staging buffer holding those pages' host image (D2D at HBM speed, one
+  short kernel launch per segment group and chunk), and the copy engine moves whole page
   blocks; loads run the other way.  See :mod:`.staging`.
 
 Descriptor arrays are int64 tensors built with vectorised torch arithmetic

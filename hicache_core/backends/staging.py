@@ -7,11 +7,22 @@ keeps a device buffer holding those blocks for a chunk of pages, laid out
 exactly as in host memory (the "page image", from the lowest to the highest
 byte touched), so that:
 
-* backup: per owned layer, the device rows are gathered into the image with
-  two short torch kernels (gather, strided copy) at HBM speed; then the copy
-  engine moves each page's blocks to the host in one batch;
-* load: the copy engine moves the blocks into the image; per layer the rows
-  are scattered from it to the device rows.
+* backup: the device rows of every owned layer are gathered into the image at
+  HBM speed; then the copy engine moves each page's blocks to the host in one
+  batch;
+* load: the copy engine moves the blocks into the image; then the rows are
+  scattered from it to the device rows.
+
+The relayout (gather or scatter) is one Triton kernel launch per segment group
+per chunk (:mod:`.relayout`: segments whose rows split into chunks of one
+width share a launch that covers every layer entry), with per-entry tables
+built once per pool and layer selection.  The torch relayout (an index_select
+and a strided copy, or an index_copy_, per layer entry and chunk) is the
+fallback: on the CPU unless ``TRITON_INTERPRET=1`` is set and the kernel is
+asked for, where Triton does not import, or when the caller asks for it
+(``relayout="torch"`` or ``$HICACHE_STAGED_RELAYOUT``, see
+:func:`.relayout.resolve_relayout`).  Chunks are sized to the launches they
+cost the host (:data:`LAUNCH_US`, :data:`BYTES_PER_LAUNCH`).
 
 On CUDA the staging buffer (``staging_bytes``) is split in two halves and
 the relayout runs on a side stream, so the relayout of one chunk overlaps the
@@ -31,6 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..binding import BoundSegment, PoolBinding
+from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 
 if TYPE_CHECKING:
     from .memcpy import BatchCopier
@@ -39,10 +51,12 @@ __all__ = ["StagedRoute", "StagingBuffers", "page_image", "DEFAULT_STAGING_BYTES
 
 #: Device staging per stream (two halves): at most 512 MiB.
 DEFAULT_STAGING_BYTES = 512 << 20
-#: Host time of one relayout op (a torch launch) and bytes per chunk it should cover.  Every chunk
-#: costs two launches per layer entry; measured on an H200 host at ~10 us each, so a chunk must
-#: carry >= ~1 MB per launch for the host to stay ahead of a 55 GB/s link (else it is host-bound:
-#: 64 MiB chunks of an 80-layer MHA backup into a token-major host layout ran at 0.30 of memcpy).
+#: Host time of one relayout launch and bytes per chunk it should cover.  A chunk costs
+#: :attr:`StagedRoute.launches_per_chunk` launches: one kernel per segment group with the kernel
+#: relayout, two torch ops per layer entry with the torch one.  A torch launch measured ~10 us on an
+#: H200 host (the kernel launch is counted alike until measured), so a chunk must carry >= ~1 MB
+#: per launch for the host to stay ahead of a 55 GB/s link (else it is host-bound: 64 MiB chunks of
+#: an 80-layer MHA backup into a token-major host layout ran at 0.30 of memcpy, torch relayout).
 LAUNCH_US = 10.0
 BYTES_PER_LAUNCH = 1 << 20
 
@@ -79,16 +93,26 @@ class _Image:
 
 
 class StagedRoute:
-    """A staged transfer of whole pages, chunked to fit the staging budget."""
+    """A staged transfer of whole pages, chunked to fit the staging budget.
+
+    :param relayout: ``auto``, ``kernel`` or ``torch`` (``None``: ``$HICACHE_STAGED_RELAYOUT`` or
+        ``auto``); see :func:`.relayout.resolve_relayout`.  :attr:`relayout` holds the one used.
+    """
 
     def __init__(self, binding: PoolBinding, pages: torch.Tensor, d_dev: Callable[[], torch.Tensor],
-                 images: list[_Image], staging_bytes: int) -> None:
+                 images: list[_Image], staging_bytes: int, *, relayout: str | None = None) -> None:
         self.binding = binding
         self.pages = pages
         self._d_dev = d_dev
         self.images = images
+        self.relayout = resolve_relayout(binding.device, relayout)
+        self._kernel: KernelRelayout | None = None
+        if self.relayout == "kernel":
+            self._kernel = kernel_relayout(binding, images)
+            self.launches_per_chunk = self._kernel.launches
+        else:
+            self.launches_per_chunk = 2 * sum(len(im.entries) for im in images)
         per_page = sum(im.span for im in images)
-        self.launches_per_chunk = 2 * sum(len(im.entries) for im in images)
         want = max(staging_bytes // 4, self.launches_per_chunk * BYTES_PER_LAUNCH)  # per half: a quarter of the budget, more if the launches need it
         self.chunk_pages = max(1, min(int(pages.numel()), min(want, staging_bytes // 2) // per_page))
         self.chunk_bytes = self.chunk_pages * per_page
@@ -112,7 +136,7 @@ class StagedRoute:
 
     @classmethod
     def build(cls, binding: PoolBinding, h: torch.Tensor, d_dev: Callable[[], torch.Tensor], layer: int | None,
-              staging_bytes: int) -> StagedRoute | None:
+              staging_bytes: int, *, relayout: str | None = None) -> StagedRoute | None:
         """The staged route for host slots ``h`` (CPU int64), or ``None`` when they are not whole aligned pages."""
         ps = binding.spec.page_size
         groups = h.view(-1, ps)
@@ -130,7 +154,7 @@ class StagedRoute:
             images.append(_Image(seg, entries, starts, lens, lo, span))
         if not images:
             return None
-        return cls(binding, pages, d_dev, images, staging_bytes)
+        return cls(binding, pages, d_dev, images, staging_bytes, relayout=relayout)
 
     def _chunk(self, p0: int, p1: int, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host addresses, image addresses (image at ``base``) and lengths of pages ``p0:p1``."""
@@ -198,6 +222,13 @@ class StagedRoute:
         main.wait_stream(side)
 
     def _relayout(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, *, to_image: bool) -> None:
+        """Gather ``rows`` (``npages`` pages) into the chunk image at ``staging``, or scatter them from it."""
+        if self._kernel is not None and self._kernel.run(staging, rows, npages, self.chunk_pages, to_image=to_image):
+            return
+        self._relayout_torch(staging, rows, npages, to_image=to_image)
+
+    def _relayout_torch(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, *, to_image: bool) -> None:
+        """Two torch ops per layer entry (the fallback, and the reference of the kernel's tests)."""
         ps = self.binding.spec.page_size
         region = 0
         for im in self.images:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One GPU call, several steps; every log goes into $OUT/logs.tgz (the device tool returns few files),
+# a one-line-per-step summary into $OUT/summary.txt and stdout.
+# Usage (on a CUDA machine): bash dev/gpu_session.sh STEP...
+#   tune        kernel launch-shape sweep with a GEMM beside it (benchmarks/tune_tiles.py; TUNE_ARGS)
+#   tests       the whole GPU suite in three concurrent pytest processes (conformance kit, tests/, plugins/)
+#   stress      benchmarks/stress.py (interleaved transfers, SGLang-shaped threads, 100 lifecycles)
+#   focus       the kit for kernel/direct/auto, the copy-engine and row-copy tests, tests/gpu, with both
+#               sanitizers over the kernel tests, all at once
+#   checks      tests and sanitize at once (correctness only: they may share the GPU)
+#   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
+#   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
+#   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
+# Timing steps (tune, bench) run alone; correctness steps may overlap each other.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/hicache-out}; W=/tmp/hicache-work; mkdir -p "$OUT" "$W"
+SUMMARY="$OUT/summary.txt"; : >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+pack() { tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null; }
+trap pack EXIT
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_first -e plugins/page_first \
+  -e plugins/kv_split -e tests/plugins/page_head -e tests/plugins/fake_vendor >"$W/install.log" 2>&1 \
+  || { note "install FAILED"; tail -20 "$W/install.log"; exit 1; }
+{ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} >"$W/env.txt" 2>&1; cat "$W/env.txt"
+PYT="python3 -m pytest -q -p no:cacheprovider --hicache-device cuda"
+result() { case $1 in 0) echo PASSED;; 124|137) echo TIMEOUT;; 5) echo "NO TESTS";; *) echo "FAILED rc=$1";; esac; }
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+KERNEL_TESTS="plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py tests/test_rowcopy.py tests/test_relayout.py"
+sanitize_one() {  # tool: the kernel tests (-k SAN_K) then a slice of the kit, both under the sanitizer
+  local tool=$1 log="$W/sanitizer_$1.log"
+  [ -n "$SAN" ] || { note "$tool: SKIPPED (no compute-sanitizer)"; return; }
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool "$tool" --target-processes all --error-exitcode 99 \
+    $PYT -x $KERNEL_TESTS -k "${SAN_K:-not slow}" >"$log" 2>&1; local r1=$?
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool "$tool" --target-processes all --error-exitcode 99 \
+    $PYT -x --pyargs hicache_core.testing --hicache-io-backend kernel --hicache-io-backend direct \
+    --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided >>"$log" 2>&1; local r2=$?
+  note "$tool: kernel tests $(result $r1), kit slice $(result $r2); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+}
+run_tests() {  # the whole GPU suite in three concurrent pytest processes
+  $PYT hicache_core/testing >"$W/tests_kit.log" 2>&1 & local a=$!
+  $PYT tests >"$W/tests_tests.log" 2>&1 & local b=$!
+  $PYT plugins >"$W/tests_plugins.log" 2>&1 & local c=$!
+  ( sleep ${TESTS_T:-400}; kill $a $b $c 2>/dev/null ) & local k=$!
+  wait $a; local ra=$?; wait $b; local rb=$?; wait $c; local rc=$?; kill $k 2>/dev/null
+  for f in kit tests plugins; do note "tests $f: $(tail -1 "$W/tests_$f.log")"; done
+  note "tests: kit $(result $ra), tests/ $(result $rb), plugins/ $(result $rc)"
+}
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    tune) timeout ${TUNE_T:-330} python3 benchmarks/tune_tiles.py --out "$OUT/tune.json" --gemm ${TUNE_ARGS:-} >"$W/tune.log" 2>&1
+      note "tune: $(result $?) ($(grep -c '^{' "$W/tune.log") rows)" ;;
+    tests) run_tests ;;
+    stress) timeout ${STRESS_T:-150} python3 benchmarks/stress.py --out "$OUT/stress.json" >"$W/stress.log" 2>&1
+      r=$?; note "stress: $(result $r); $(tail -3 "$W/stress.log" | tr '\n' ' ')" ;;
+    sanitize) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!; wait $s1 $s2 ;;
+    checks) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
+      run_tests; wait $s1 $s2 ;;
+    focus) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
+      timeout ${TESTS_T:-400} $PYT hicache_core/testing --hicache-io-backend kernel --hicache-io-backend direct \
+        --hicache-io-backend auto >"$W/focus_kit.log" 2>&1 & a=$!
+      timeout ${TESTS_T:-400} $PYT tests/test_relayout.py tests/test_rowcopy.py tests/test_direct.py tests/gpu \
+        >"$W/focus_tests.log" 2>&1 & b=$!
+      wait $a; ra=$?; wait $b; rb=$?
+      note "focus kit: $(result $ra) $(tail -1 "$W/focus_kit.log")"; note "focus tests: $(result $rb) $(tail -1 "$W/focus_tests.log")"
+      wait $s1 $s2 ;;
+    bench) timeout ${BENCH_T:-300} hicache bench --out "$OUT/bench" --reps ${REPS:-10} --gemm ${BENCH_ARGS:-} >"$W/bench.log" 2>&1
+      note "bench: $(result $?)"; grep -v "^hicache bench" "$W/bench.log" | tail -60 ;;
+    ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS
+      for lay in ${NCU_LAYOUTS:-layer_first page_first page_first_kv_split}; do
+        timeout ${NCU_T:-60} ncu --target-processes all -k regex:"KERNEL|PAGE_FIRST" --launch-skip 4 --launch-count 2 \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+          python3 benchmarks/profile_kernel.py --layout $lay --options "$opts" >"$W/ncu_$lay.log" 2>&1
+        note "ncu $lay: $(result $?)"; done ;;
+    *) note "unknown step $step" ;;
+  esac
+  note "  ($step took $(( $(date +%s) - t0 )) s)"
+done
+echo "=== summary ==="; cat "$SUMMARY"

@@ -1,0 +1,389 @@
+"""Host side shared by row-copy kernel strategies: tables, groups, tuning and one launch per group.
+
+A layout plugin that moves whole contiguous rows with its own Triton kernel
+subclasses :class:`RowKernelStrategy` and sets four class attributes: ``name``,
+``layouts`` (the layouts it serves), ``kernel_module`` (where its
+``@triton.jit`` kernel ``KERNEL`` lives, built from :mod:`hicache_core.kernel_lib`)
+and ``tuning`` (:class:`KernelTuning`, per direction).  Everything else is here:
+
+* :meth:`RowKernelStrategy.prepare` (once per pool): pinning check, the
+  per-entry word-offset tables (:func:`~hicache_core.kernel_support.segment_tables`)
+  merged into :class:`RowGroup` s (segments of one access word and row width
+  share a launch; with ``fuse_parts`` the two parts of a device row, MLA
+  ``latent`` + ``rope``, are one group whose second part goes to other host
+  buffers), the vector width, the tile, the static launch key;
+* :meth:`RowKernelStrategy.transfer`: index placement, then one launch per group.
+
+Launch values are passed to the kernel **by name**: a kernel declares the
+parameters it uses from :data:`LAUNCH_VALUES`, in any order.  Nothing here
+imports Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+
+from .binding import PoolBinding
+from .errors import ConfigError, HostBufferError
+from .kernel_support import (
+    SegmentTable,
+    access_word,
+    kernel_unsupported_reason,
+    on_pool_device,
+    require_pinned,
+    segment_tables,
+    sm_budget,
+    transfer_indices,
+)
+from .layout import Layout
+from .spec import PoolSpec
+from .strategy import DirectionalStrategy
+from .validate import parse_programs
+
+__all__ = ["Tuning", "KernelTuning", "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES",
+           "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: Widest column step of a tile; longer rows take several steps.
+MAX_BLOCK_BYTES = 4096
+#: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
+MAX_TOKENS = 256
+#: Widest access the kernels are told about through ``tl.multiple_of``.
+MAX_VECTOR_BYTES = 16
+
+#: Every name a row-copy kernel may declare, and what the launch passes for it.
+LAUNCH_VALUES = {
+    "anchor": "tensor typed as the access word: every address is anchor + int64 word offset",
+    "host_idx": "int32|int64 [n] host slots (on the pool's device)",
+    "dev_idx": "int32|int64 [n] device rows, paired with host_idx",
+    "n": "index positions",
+    "ents": "int64 [n_ents] entry positions this launch moves",
+    "n_ents": "entries this launch moves",
+    "dev_off": "int64 [entries] words from anchor to device row 0 of the entry's layer tensor",
+    "dev_stride": "int64 [entries] device token stride (words)",
+    "host_off": "int64 [entries] words from anchor to host slot 0 of the entry's host layer",
+    "host_page": "int64 [entries] host page stride (words)",
+    "host_tok": "int64 [entries] host token stride (words)",
+    "host_off_b": "as host_off, for the row's second part (fused groups; else host_off)",
+    "host_page_b": "as host_page, second part",
+    "host_tok_b": "as host_tok, second part",
+    "page_size": "tokens per page",
+    "capacity": "host slots: host indices outside 0..capacity-1 move nothing",
+    "dev_rows": "device rows of the shortest layer: device indices outside move nothing",
+    "WIDTH": "constexpr: row words (both parts)",
+    "SPLIT": "constexpr: words of the first part (== WIDTH when the group has one part)",
+    "BLOCK": "constexpr: column step (words, power of two) of the first part",
+    "BLOCK_B": "constexpr: column step of the second part",
+    "TOKENS": "constexpr: index positions per tile (power of two)",
+    "VEC": "constexpr: every row base is a multiple of VEC words",
+    "TO_HOST": "constexpr: True backup (device to host), False load",
+    "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
+}
+#: The launch values that change from call to call (the rest is fixed per pool, group and direction).
+DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shape of one direction: programs (the persistent grid, an SM budget), warps per program,
+    the bytes one program moves per tile, and how many work items the loop keeps in flight
+    (``stages``, software pipelining); ``maxnreg`` caps registers per thread."""
+
+    programs: int
+    num_warps: int
+    tile_bytes: int
+    stages: int = 1
+    maxnreg: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("programs", "num_warps", "tile_bytes", "stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """A strategy's :class:`Tuning` per direction."""
+
+    backup: Tuning
+    load: Tuning
+
+    def direction(self, to_host: bool) -> Tuning:
+        return self.backup if to_host else self.load
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def tile(width: int, split: int, word: int, tile_bytes: int) -> tuple[int, int, int]:
+    """``(BLOCK, BLOCK_B, TOKENS)`` for rows of ``width`` words (``split`` in the first part).
+
+    Column steps are the next power of two of each part, capped at
+    :data:`MAX_BLOCK_BYTES`; ``TOKENS`` fills ``tile_bytes`` (capped at
+    :data:`MAX_TOKENS`).  All powers of two (Triton block shapes).
+    """
+    cap = _pow2_floor(MAX_BLOCK_BYTES // word)
+    block = min(_pow2_ceil(split), cap)
+    block_b = min(_pow2_ceil(max(1, width - split)), cap)
+    step = block + (block_b if split < width else 0)
+    return block, block_b, max(1, min(MAX_TOKENS, _pow2_floor(tile_bytes // (step * word))))
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Segments moved by one launch, as per-entry tables (int64, on the pool's device, words from ``anchor``).
+
+    An entry is one (segment, device layer).  ``split < width``: a fused row;
+    words ``0..split-1`` of a device row go to ``host_*`` and the rest to
+    ``host_*_b``.
+    """
+
+    names: tuple[str, ...]
+    anchor: torch.Tensor
+    word: int
+    width: int
+    split: int
+    vec: int
+    rows: int
+    tables: dict[str, torch.Tensor]  # dev_off, dev_stride, host_off, host_page, host_tok and the _b parts
+    all_layers: torch.Tensor
+    per_layer: dict[int, torch.Tensor]
+
+    def entries(self, layer: int | None) -> torch.Tensor | None:
+        """Entry positions a transfer of ``layer`` (``None``: every owned layer) moves, or ``None``."""
+        ents = self.all_layers if layer is None else self.per_layer.get(layer)
+        return ents if ents is not None and ents.numel() else None
+
+
+def _fusable(a: SegmentTable, b: SegmentTable) -> bool:
+    """Whether ``b`` is the part right after ``a`` in the same device rows."""
+    sa, sb = a.segment, b.segment
+    if sa.segment.component != sb.segment.component or sa.segment.part is None or sb.segment.part is None:
+        return False
+    if not sa.device_layers or sa.device_layers != sb.device_layers or sa.dev_strides != sb.dev_strides:
+        return False
+    return all(pb == pa + sa.width for pa, pb in zip(sa.dev_ptrs, sb.dev_ptrs))
+
+
+def _host_tables(t: SegmentTable, shift: int) -> dict[str, torch.Tensor]:
+    n = t.dev_off.numel()
+    full = lambda v: torch.full((n,), v, dtype=torch.int64, device=t.dev_off.device)  # noqa: E731
+    return {"host_off": t.host_off + shift, "host_page": full(t.page), "host_tok": full(t.token)}
+
+
+def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
+    """One group from ``(part a, part b or None)`` members sharing word and widths."""
+    a0, b0 = members[0]
+    word, anchor = a0.word, a0.anchor
+    base = anchor.data_ptr()
+    parts: dict[str, list[torch.Tensor]] = {}
+    layers: list[int] = []
+    names: list[str] = []
+    quantities = [base, a0.width * word]
+    for a, b in members:
+        shift = (a.anchor.data_ptr() - base) // word  # anchors are word-aligned
+        cols = {"dev_off": a.dev_off + shift, "dev_stride": a.dev_stride, **_host_tables(a, shift)}
+        bt = _host_tables(b, (b.anchor.data_ptr() - base) // word) if b is not None else _host_tables(a, shift)
+        cols.update({k + "_b": v for k, v in bt.items()})
+        for k, v in cols.items():
+            parts.setdefault(k, []).append(v)
+            quantities += [int(x) * word for x in v.tolist()]
+        layers += list(a.segment.device_layers)
+        names += [a.segment.segment.buffer] + ([b.segment.segment.buffer] if b is not None else [])
+    width = a0.width + (b0.width if b0 is not None else 0)
+    quantities.append(width * word)
+    vec = access_word(*quantities, max_word=max(MAX_VECTOR_BYTES, word)) // word
+    device = a0.dev_off.device
+    per_layer = {d: torch.tensor([i for i, x in enumerate(layers) if x == d], dtype=torch.int64, device=device)
+                 for d in sorted(set(layers))}
+    rows = min(min(a.rows, b.rows if b is not None else a.rows) for a, b in members)
+    return RowGroup(names=tuple(names), anchor=anchor, word=word, width=width, split=a0.width, vec=vec, rows=rows,
+                    tables={k: torch.cat(v) for k, v in parts.items()},
+                    all_layers=torch.arange(len(layers), dtype=torch.int64, device=device), per_layer=per_layer)
+
+
+def build_groups(binding: PoolBinding, *, fuse_parts: bool, strategy: str) -> tuple[RowGroup, ...]:
+    """The launch groups of ``binding``: fused part pairs (when ``fuse_parts``), then other segments
+    merged by (access word, width), in first-seen order.
+
+    :raises HostBufferError: a segment whose rows are not whole and contiguous in host memory.
+    """
+    tables = segment_tables(binding)
+    for t in tables:
+        if t.chunk != t.width:
+            raise HostBufferError(
+                f"{strategy}: segment {t.segment.segment.buffer!r} splits rows into chunks of {t.chunk} words; "
+                "this kernel moves whole rows, use io_backend 'direct'")
+    members: dict[tuple, list[tuple[SegmentTable, SegmentTable | None]]] = {}
+    i = 0
+    while i < len(tables):
+        a = tables[i]
+        if fuse_parts and i + 1 < len(tables) and _fusable(a, tables[i + 1]):
+            b = tables[i + 1]
+            if a.word != b.word:  # one access word for the whole row
+                narrow = segment_tables(binding, max_word=min(a.word, b.word))
+                a, b = narrow[i], narrow[i + 1]
+            members.setdefault(("fused", i), []).append((a, b))
+            i += 2
+            continue
+        members.setdefault((a.word, a.width), []).append((a, None))
+        i += 1
+    return tuple(_group(m) for m in members.values())
+
+
+#: One Launcher (compiled-handle cache) per kernel object, shared by every pool.
+_LAUNCHERS: dict[Any, Any] = {}
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A group's fixed launch values and static key for one direction."""
+
+    values: dict[str, Any]
+    key: tuple
+    tuning: Tuning
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`RowKernelStrategy.prepare` leaves in ``binding.scratch[strategy.name]``."""
+
+    groups: tuple[RowGroup, ...]
+    launches: tuple[dict[bool, _Launch], ...]  # per group, by to_host
+    launcher: Any  # hicache_core.launch.Launcher of the plugin's kernel
+    dynamic: tuple[int, ...]
+    tuning: KernelTuning
+
+
+class RowKernelStrategy(DirectionalStrategy):
+    """A zero-copy Triton strategy moving whole contiguous rows; subclasses name the kernel and tuning.
+
+    Class attributes a subclass sets: ``name``; ``layouts`` (layout names served);
+    ``kernel_module`` (import path of the module holding the kernel) and ``kernel_name``
+    (its attribute there, default ``KERNEL``);
+    ``tuning`` (:class:`KernelTuning`); optionally ``fuse_parts`` and
+    :meth:`layout_reason` for layout constraints beyond whole rows.
+
+    :param programs: programs per launch (SM budget), both directions.  ``None``:
+        ``HICACHE_KERNEL_PROGRAMS`` when set, else the tuning's per-direction value.
+    :param num_warps: warps per program, both directions (``None``: the tuning's).
+    :param tile_bytes: bytes per program per tile, both directions (``None``: the tuning's).
+    :param num_stages: work items in flight per program (software pipelining), both directions.
+    :param maxnreg: register cap per thread, both directions (``None``: the tuning's).
+    :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
+    """
+
+    name: ClassVar[str]
+    layouts: ClassVar[tuple[str, ...]]
+    kernel_module: ClassVar[str]
+    kernel_name: ClassVar[str] = "KERNEL"
+    tuning: ClassVar[KernelTuning]
+    fuse_parts: ClassVar[bool] = False
+
+    def __init__(self, programs: int | None = None, *, num_warps: int | None = None, tile_bytes: int | None = None,
+                 num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None) -> None:
+        self.programs = None if programs is None else parse_programs(programs, "programs")
+        self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
+                                             ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
+        Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
+               self._overrides.get("stages", 1))  # validates
+        if fuse_parts is not None:
+            self.fuse = bool(fuse_parts)
+        else:
+            self.fuse = type(self).fuse_parts
+
+    # -- resolution -----------------------------------------------------------------------------
+    def layout_reason(self, spec: PoolSpec, layout: Layout) -> str | None:
+        """Why this kernel cannot address ``layout``'s plan beyond the checks every row kernel makes."""
+        return None
+
+    def supports(self, spec: PoolSpec, layout: Layout) -> str | None:
+        """``None`` when a Triton kernel can run here and ``layout`` stores whole contiguous rows."""
+        why = kernel_unsupported_reason(spec)
+        if why:
+            return why
+        if layout.name not in self.layouts:
+            return f"{self.name} serves layout(s) {', '.join(map(repr, self.layouts))}, not {layout.name!r}"
+        for seg in layout.plan(spec).segments:
+            a = seg.addressing
+            if a.chunk_bytes != seg.width or not a.row_contiguous:
+                return (f"segment {seg.buffer!r} stores rows in {a.chunk_bytes}-byte chunks; "
+                        f"{self.name} moves whole contiguous rows")
+        return self.layout_reason(spec, layout)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def effective_tuning(self, device: torch.device) -> KernelTuning:
+        """The tuning after options and ``HICACHE_KERNEL_PROGRAMS`` (capped at 4x the SM count)."""
+        def one(t: Tuning) -> Tuning:
+            programs = self.programs if self.programs is not None else sm_budget(t.programs, device)
+            return replace(t, programs=programs, **self._overrides)
+        return KernelTuning(one(self.tuning.backup), one(self.tuning.load))
+
+    def prepare(self, binding: PoolBinding) -> None:
+        """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""
+        require_pinned(binding, self.name)
+        from .launch import Launcher
+
+        kernel = getattr(importlib.import_module(self.kernel_module), self.kernel_name)
+        launcher = _LAUNCHERS.get(kernel)
+        if launcher is None:
+            launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+        unknown = set(launcher.arg_names) - set(LAUNCH_VALUES)
+        if unknown:
+            raise ConfigError(f"{self.kernel_module}.{self.kernel_name} declares {sorted(unknown)}, which the "
+                              "row-copy launch does not provide; use names from hicache_core.rowcopy.LAUNCH_VALUES")
+        tuning = self.effective_tuning(binding.device)
+        groups = build_groups(binding, fuse_parts=self.fuse, strategy=self.name)
+        dynamic = launcher.positions(DYNAMIC_VALUES)
+        launches = tuple({to_host: self._launch_values(binding.spec, g, tuning.direction(to_host), to_host, launcher,
+                                                       dynamic) for to_host in (True, False)} for g in groups)
+        binding.scratch[self.name] = Prepared(groups, launches, launcher, dynamic, tuning)
+        logger.debug("%s: groups %s, tuning %s", self.name, [(g.names, g.width, g.word, g.vec) for g in groups],
+                     tuning)
+
+    @staticmethod
+    def _launch_values(spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
+                       dynamic: tuple[int, ...]) -> _Launch:
+        block, block_b, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
+        values: dict[str, Any] = dict(
+            anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
+            page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
+            WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, VEC=g.vec, TO_HOST=to_host,
+            STAGES=t.stages)
+        return _Launch(values, launcher.static_key(launcher.bind(values), dynamic), t)
+
+    # -- transfers ----------------------------------------------------------------------------------
+    def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 layer: int | None, *, to_host: bool) -> None:
+        n = int(host_indices.numel())
+        if n == 0:
+            return
+        prep: Prepared = binding.scratch[self.name]
+        h, d = transfer_indices(binding, host_indices, device_indices)
+        with on_pool_device(binding.device):
+            for g, by_dir in zip(prep.groups, prep.launches):
+                ents = g.entries(layer)
+                if ents is None:
+                    continue
+                lv = by_dir[to_host]
+                values = lv.values
+                tokens = values["TOKENS"]
+                items = -(-n // tokens) * ents.numel()
+                args = prep.launcher.bind({**values, "host_idx": h, "dev_idx": d, "n": n, "ents": ents,
+                                           "n_ents": ents.numel()})
+                prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
+                              static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)
