@@ -9,6 +9,7 @@
 #               sanitizers over the kernel tests, all at once
 #   checks      tests and sanitize at once (correctness only: they may share the GPU)
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
+#   calibrate   hicache calibrate into $OUT/calibration.json
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
@@ -69,6 +70,8 @@ for step in "$@"; do
       wait $s1 $s2 ;;
     bench) timeout ${BENCH_T:-300} hicache bench --out "$OUT/bench" --reps ${REPS:-10} --gemm ${BENCH_ARGS:-} >"$W/bench.log" 2>&1
       note "bench: $(result $?)"; grep -v "^hicache bench" "$W/bench.log" | tail -60 ;;
+    calibrate) HICACHE_CALIBRATION=$OUT/calibration.json timeout 120 hicache calibrate >"$W/calibrate.log" 2>&1
+      note "calibrate: $(result $?)"; tail -16 "$W/calibrate.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS
       for lay in ${NCU_LAYOUTS:-layer_first page_first page_first_kv_split}; do
         timeout ${NCU_T:-60} ncu --target-processes all -k regex:"KERNEL|PAGE_FIRST" --launch-skip 4 --launch-count 2 \

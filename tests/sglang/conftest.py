@@ -27,8 +27,6 @@ import sglang_harness as H  # noqa: E402
 H.prepare()  # import stubs first: on a GPU without sgl_kernel / IPython, sglang imports only through them
 pytest.importorskip("sglang")
 
-KERNEL_SKIP = "kernel io needs CUDA or TRITON_INTERPRET=1"
-
 
 def _target_owner(target: str):
     import pkgutil
@@ -65,14 +63,3 @@ def hooked(sglang_hooks, monkeypatch):
     monkeypatch.setenv("HICACHE_SGLANG", "all")
     load_plugin()
     return sglang_hooks
-
-
-def kernel_available(layout: str, sharded: bool) -> str | None:
-    """``None`` when a ``kernel`` strategy is registered for the key and can run here, else a skip reason."""
-    from hicache_core import create_registry
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return KERNEL_SKIP
-    if not create_registry().candidates(layout, "kernel", sharded):
-        return f"no kernel strategy is registered for ({layout}, kernel, sharded={sharded})"
-    return None

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from conftest import kernel_available
-from helpers import placed, fill_canary, layer_views, same_bytes, write_rows
+from sglang_helpers import kernel_available, placed, fill_canary, layer_views, same_bytes, write_rows
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

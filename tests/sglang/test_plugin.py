@@ -9,7 +9,7 @@ import torch
 
 from hicache_core.integrations.sglang import AFTER_TARGETS, HOOK_TARGETS, load_plugin
 from hicache_core.integrations.sglang.mode import stock_serves
-from helpers import same_bytes
+from sglang_helpers import same_bytes
 from test_transfers import make_pools, slots
 
 

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 import sglang_harness as H
-from conftest import kernel_available
 from hicache_core import Addressing, BufferSpec, HostPlan, PoolSpec, Segment, hookimpl
 from hicache_core.registry import PluginRecord, default_registry, reset_default_registry
-from helpers import host_tensors, placed, same_bytes
+from sglang_helpers import kernel_available, host_tensors, placed, same_bytes
 from test_transfers import device_layer, make_pools, random_pools
 
 KV_STACKED = "kv_stacked"  # LMCache-style: all components in one [n_components, L, S, row] buffer

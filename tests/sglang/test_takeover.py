@@ -12,7 +12,7 @@ from hicache_core.errors import ConfigError, TakeoverTableError
 from hicache_core.integrations.sglang import load_plugin, mode
 from hicache_core.integrations.sglang.mode import hicache_io_backend, parse_mode
 from hicache_core.integrations.sglang.takeover import SHIPPED_TABLE, Cell, load_table
-from helpers import same_bytes
+from sglang_helpers import same_bytes
 from test_transfers import make_pools, slots
 
 ENTRY = {

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from conftest import kernel_available
-from helpers import placed, fill_canary, host_tensors, layer_views, same_bytes, write_rows
+from sglang_helpers import kernel_available, placed, fill_canary, host_tensors, layer_views, same_bytes, write_rows
 
 LAYOUTS = H.LAYOUTS
 SEED_ERROR = "Layer-sharded HiCache backup does not support layout: page_first_kv_split"

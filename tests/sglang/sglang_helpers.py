@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 CANARY = 0xA5
+KERNEL_SKIP = "kernel io needs CUDA or TRITON_INTERPRET=1"
 
 
 def host_tensors(host) -> list[torch.Tensor]:
@@ -68,3 +71,14 @@ def placed(io_backend: str, host_indices: torch.Tensor, device_indices: torch.Te
     if io_backend == "kernel":
         return host_indices.to(device), device_indices.to(device)
     return host_indices.cpu(), device_indices.cpu()
+
+
+def kernel_available(layout: str, sharded: bool) -> str | None:
+    """``None`` when a ``kernel`` strategy is registered for the key and can run here, else a skip reason."""
+    from hicache_core import create_registry
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return KERNEL_SKIP
+    if not create_registry().candidates(layout, "kernel", sharded):
+        return f"no kernel strategy is registered for ({layout}, kernel, sharded={sharded})"
+    return None
