@@ -325,6 +325,15 @@ class RowKernelStrategy(DirectionalStrategy):
                         f"{self.name} moves whole contiguous rows")
         return self.layout_reason(spec, layout)
 
+    def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
+        """The launch shape per direction on ``spec``'s device, for ``hicache explain``."""
+        t = self.effective_tuning(spec.device)
+        def one(d: Tuning) -> str:
+            extra = (f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
+            return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
+        return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)} (options programs, num_warps, "
+                "tile_bytes, num_stages, maxnreg; HICACHE_KERNEL_PROGRAMS)"]
+
     # -- set-up -----------------------------------------------------------------------------------
     def effective_tuning(self, device: torch.device) -> KernelTuning:
         """The tuning after options and ``HICACHE_KERNEL_PROGRAMS`` (capped at 4x the SM count)."""

@@ -346,3 +346,19 @@ def test_unpinned_host_memory_is_rejected_on_cuda(layout):
     spec = _mla()
     with pytest.raises(HostBufferError, match=f"{KERNELS[layout].name} reads and writes host memory directly.*pinned"):
         HostKVPool(spec, layout, "kernel", _device(spec, torch.Generator()), registry=REGISTRY, pin_memory=False)
+
+
+def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
+    from hicache_core import LayerMap, PoolSpec
+    from hicache_layer_first.strategy import TUNING, LayerFirstKernelStrategy
+
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=1, head_dim=8, dtype=torch.float16, page_size=4,
+                        capacity=16, device=torch.device("cpu"))
+    monkeypatch.delenv("HICACHE_KERNEL_PROGRAMS", raising=False)
+    s = LayerFirstKernelStrategy(num_warps=2, num_stages=3)
+    (line,) = s.describe(spec, None)
+    b, ld = TUNING.backup, TUNING.load
+    assert line.startswith(f"layer_first.kernel: backups {b.programs} programs x 2 warps, {b.tile_bytes} B tiles, "
+                           f"3 stages; loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
+    monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "5")
+    assert "backups 5 programs" in LayerFirstKernelStrategy().describe(spec, None)[0]

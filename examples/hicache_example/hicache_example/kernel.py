@@ -1,8 +1,12 @@
 """``example.kernel``: one Triton launch per (segment, layer) copying whole row bytes between pools.
 
-Deliberately simple (byte copies, one launch per layer and segment); the
-plugins in the hicache tree show word-sized accesses, joined segments and SM
-budgets.  Device-resident index values are not range-checked by the pool, so
+Deliberately simple and written from scratch (byte copies, one launch per
+layer and segment), to show the bare strategy contract.  A layout whose rows
+are whole and contiguous gets word-sized accesses, one launch per group of
+layers, persistent SM budgets and per-direction tuning from the core's
+row-copy toolkit instead (``hicache_core.rowcopy.RowKernelStrategy`` with a
+kernel built from ``hicache_core.kernel_lib``), as the plugins in the hicache
+tree do.  Device-resident index values are not range-checked by the pool, so
 the kernel masks rows whose host slot or device row is out of range.
 """
 
