@@ -251,11 +251,18 @@ _LAUNCHERS: dict[Any, Any] = {}
 
 @dataclass(frozen=True)
 class _Launch:
-    """A group's fixed launch values and static key for one direction."""
+    """A group's fixed launch values and static key for one direction.
+
+    ``args`` is the kernel's positional argument list with the per-call values
+    unset; ``slots`` maps each per-call name the kernel declares to its position
+    (a transfer copies the list and fills those slots: no dict work per call).
+    """
 
     values: dict[str, Any]
     key: tuple
     tuning: Tuning
+    args: tuple
+    slots: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -373,7 +380,9 @@ class RowKernelStrategy(DirectionalStrategy):
             page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
             WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, VEC=g.vec, TO_HOST=to_host,
             STAGES=t.stages)
-        return _Launch(values, launcher.static_key(launcher.bind(values), dynamic), t)
+        args = launcher.bind(values)
+        slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
+        return _Launch(values, launcher.static_key(args, dynamic), t, args, slots)
 
     # -- transfers ----------------------------------------------------------------------------------
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -389,10 +398,11 @@ class RowKernelStrategy(DirectionalStrategy):
                 if ents is None:
                     continue
                 lv = by_dir[to_host]
-                values = lv.values
-                tokens = values["TOKENS"]
-                items = -(-n // tokens) * ents.numel()
-                args = prep.launcher.bind({**values, "host_idx": h, "dev_idx": d, "n": n, "ents": ents,
-                                           "n_ents": ents.numel()})
+                n_ents = ents.numel()
+                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents}
+                args = list(lv.args)
+                for name, i in lv.slots:
+                    args[i] = call[name]
+                items = -(-n // lv.values["TOKENS"]) * n_ents
                 prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
                               static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)
