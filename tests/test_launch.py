@@ -32,8 +32,8 @@ class FakeKernel:
         self.log: list = []
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps):
-            self.log.append(("public", grid[0], args, num_warps))
+        def launch(*args, num_warps, **opts):
+            self.log.append(("public", grid[0], args, num_warps, *opts.items()))
             return FakeCompiled(self.log, (args, num_warps))
         return launch
 
@@ -59,6 +59,27 @@ def test_second_launch_with_same_key_uses_compiled_handle(fast):
     launch(5, (buf, 101, 8), num_warps=4)  # same traits: 100 and 101 are both non-multiples of 16 but 101 != 1
     assert [e[0] for e in kernel.log] == ["public", "fast"]
     assert kernel.log[1][2:4] == (5, 777) and kernel.log[1][4] == (buf, 101, 8)
+
+
+def test_register_cap_is_passed_and_keyed(fast):
+    """``maxnreg`` reaches Triton's launch, and a launch with another cap never reuses a compiled handle."""
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    launch(4, (buf, 100, 8), num_warps=4, maxnreg=64)
+    launch(4, (buf, 100, 8), num_warps=4, maxnreg=64)
+    launch(4, (buf, 100, 8), num_warps=4, maxnreg=32)
+    launch(4, (buf, 100, 8), num_warps=4)
+    assert [e[0] for e in kernel.log] == ["public", "fast", "public", "public"]
+    assert kernel.log[0][4:] == (("maxnreg", 64),) and kernel.log[2][4:] == (("maxnreg", 32),)
+    assert kernel.log[3][4:] == ()
+
+
+def test_bind_takes_values_by_parameter_name(fast):
+    kernel, launch = fast
+    assert launch.bind({"WIDTH": 8, "n": 3, "ptr": "p", "unused": 1}) == ("p", 3, 8)
+    assert launch.positions(["WIDTH", "absent", "ptr"]) == (0, 2)
+    with pytest.raises(TypeError, match="'n'"):
+        launch.bind({"ptr": "p", "WIDTH": 8})
 
 
 @pytest.mark.parametrize("change", ["unaligned", "dtype", "constexpr", "warps", "int_one", "int_mult16", "int64"])
