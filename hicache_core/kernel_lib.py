@@ -21,7 +21,7 @@ Every access is masked: positions past ``n``, host slots outside
 ``0..capacity-1`` and device rows outside ``0..dev_rows-1`` move nothing, so a
 bad index never reaches memory even when value validation was skipped.
 
-A minimal kernel (what ``layer_first`` ships)::
+A minimal kernel, for host buffers where slot ``s`` of entry ``e`` starts at ``host_off[e] + s * host_tok[e]``::
 
     @triton.jit(do_not_specialize=["n", "n_ents"])
     def kernel(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok,

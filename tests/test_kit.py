@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Callable
 
 import pytest
 import torch
 
-from hicache_core import StrategyInfo, create_registry, hookimpl
+from hicache_core import StrategyInfo, create_registry
 from hicache_core.backends.direct import DirectStrategy
+from hicache_core.testing import strategies_plugin as plugin
 from hicache_core.testing.conformance import CASES, classify_rejection
 
 ENV = {"HICACHE_PLUGINS": "core,page_head,fake_vendor,layer_first"}
@@ -26,16 +26,6 @@ class RejectsEverything(DirectStrategy):
 
 class DeclaresItsRejection(RejectsEverything):
     conformance_rejects = (r"^refuses every pool$",)
-
-
-def plugin(*infos: StrategyInfo) -> object:
-    class Plugin:
-        @hookimpl
-        def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
-            for info in infos:
-                register(info)
-
-    return Plugin()
 
 
 def test_an_undeclared_rejection_is_a_failure_and_a_declared_one_a_skip() -> None:

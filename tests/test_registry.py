@@ -33,6 +33,7 @@ from hicache_core import (
 from hicache_core import registry as registry_module
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.reference import ReferenceStrategy
+from hicache_core.testing import strategies_plugin as strategies
 
 BASE = {"HICACHE_PLUGINS": "core,page_head,fake_vendor"}
 
@@ -40,16 +41,6 @@ BASE = {"HICACHE_PLUGINS": "core,page_head,fake_vendor"}
 def mha(sharded: bool = False, dtype: torch.dtype = torch.float16) -> PoolSpec:
     lmap = LayerMap.sharded_cp(4, 2, 1) if sharded else LayerMap.unsharded(4)
     return PoolSpec.mha(layer_map=lmap, head_num=2, head_dim=8, dtype=dtype, page_size=4, capacity=16)
-
-
-def strategies(*infos: StrategyInfo) -> object:
-    class Plugin:
-        @hookimpl
-        def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
-            for info in infos:
-                register(info)
-
-    return Plugin()
 
 
 def layouts(*lays: object) -> object:
