@@ -108,6 +108,9 @@ class Tuning:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
         if self.num_warps & (self.num_warps - 1):
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
+        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
+                                         or self.maxnreg < 1):
+            raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,7 @@ class RowKernelStrategy(DirectionalStrategy):
         self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
-               self._overrides.get("stages", 1))  # validates
+               self._overrides.get("stages", 1), self._overrides.get("maxnreg"))  # validates
         if fuse_parts is not None:
             self.fuse = bool(fuse_parts)
         else:

@@ -90,7 +90,9 @@ def test_tile_invariants():
     (Tuning, {"tile_bytes": True}, "tile_bytes"), (Tuning, {"programs": 2.0}, "programs"),
     *[(LayerFirstKernelStrategy, {"programs": bad}, "programs") for bad in (0, -1, 2.5, True, "x")],
     (LayerFirstKernelStrategy, {"num_warps": 6}, "power of two"),
-    (LayerFirstKernelStrategy, {"tile_bytes": 0}, "tile_bytes")])
+    (LayerFirstKernelStrategy, {"tile_bytes": 0}, "tile_bytes"),
+    (LayerFirstKernelStrategy, {"num_stages": 0}, "stages"),
+    *[(LayerFirstKernelStrategy, {"maxnreg": bad}, "maxnreg") for bad in (0, True, 32.0)]])
 def test_tuning_and_options_are_validated(make, kw, match):
     with pytest.raises(ConfigError, match=match):  # a ValueError too
         make(**{**({"programs": 1, "num_warps": 4, "tile_bytes": 1024} if make is Tuning else {}), **kw})
