@@ -128,6 +128,31 @@ def test_auto_decides_once_per_index_pair_and_batch(monkeypatch):
     assert calls == [0, None, 1, 1, 1]
 
 
+@pytest.mark.skipif("page_first" not in LAYOUTS or "layer_first" not in LAYOUTS, reason="needs the layout plugins")
+def test_auto_needs_no_index_values_where_no_block_can_be_large(monkeypatch):
+    """One layer of a token-major page is page_size separate rows: no copy block can reach the
+    calibrated size whatever the indices, so auto picks the kernel without sizing a plan (which
+    would read device-resident indices back to the host).  Where blocks can grow, it sizes one."""
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    kernel = object()
+    h, d = torch.arange(0, 2048), torch.arange(2048, 4096)
+    for layout, layer, to_host, sized, want in (("page_first", 1, False, [], kernel),
+                                                ("page_first", None, True, [None], None),
+                                                ("layer_first", 1, False, [1], None)):
+        pool = _mla_pool(layout, staging="auto", ps=64, layers=4, pages=64)
+        auto = AutoStrategy()
+        auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel, DEFAULT
+        calls = []
+        real = pool.strategy.submission
+        monkeypatch.setattr(pool.strategy, "submission", lambda *a, real=real, calls=calls: calls.append(a[3]) or real(*a))
+        got = auto.pick(pool.binding, h, d, layer, to_host=to_host)
+        assert calls == sized and (want is None or got is want), (layout, layer)
+    # the bound itself: one layer of [S, L, row] is 1152-byte rows; layer_first pages merge across pages
+    assert auto._block_bound(pool.binding, 1) == float("inf")
+
+
 @pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
 def test_page_image_merges_owned_layers_only():
     pool = _mla_pool("page_first", staging="always", ps=4, layers=4, pages=2)

@@ -28,7 +28,7 @@ from ..spec import PoolSpec
 from ..strategy import Strategy
 from ..validate import tensor_version
 from .direct import DirectStrategy
-from .staging import LAUNCH_US
+from .staging import LAUNCH_US, page_image
 
 if TYPE_CHECKING:
     from ..registry import Registry
@@ -116,7 +116,10 @@ class AutoStrategy:
 
         Decided once per index pair, direction and kind of call (one layer or all): the per-layer
         calls of a batch reuse the first decision instead of sizing a copy plan each
-        (:data:`_PICKS`); an in-place change of an index tensor decides again.
+        (:data:`_PICKS`); an in-place change of an index tensor decides again.  Where the layout
+        alone bounds every copy block below the calibrated size (:meth:`_block_bound`: one layer of
+        a token-major page), the kernel is picked without looking at index values, so device-resident
+        indices are never read back for it.
         """
         if self.kernel is None:
             assert self.direct is not None
@@ -129,16 +132,43 @@ class AutoStrategy:
         hit = self._picks.get(key) if key is not None else None
         if hit is not None:
             return hit
-        sub = self.direct.submission(binding, host_indices, device_indices, layer)
         cal = self.calibration
         assert cal is not None
-        fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
-        pick = self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
+        if self._block_bound(binding, layer) < cal.min_block(to_host):
+            pick = self.kernel  # no copy block can be large enough: decided without the index values (no sync)
+        else:
+            sub = self.direct.submission(binding, host_indices, device_indices, layer)
+            fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+            pick = self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
             self._picks[key] = pick
         return pick
+
+    def _block_bound(self, binding: PoolBinding, layer: int | None) -> float:
+        """The largest contiguous host block any call on ``layer`` (``None``: all layers) can copy.
+
+        A copy block is a contiguous host range: within a page at most the largest block of the
+        page's image over the selected layers; it can only grow across pages where a block ends
+        exactly where a block of the next page starts (then there is no bound, e.g. one layer of
+        ``[L, S, row]`` over consecutive pages).  Computed once per layer selection, from the
+        layout alone.
+        """
+        bounds = binding.scratch.setdefault("auto.block_bound", {})
+        key = layer if layer is None else int(layer)
+        bound = bounds.get(key)
+        if bound is None:
+            bound = 0.0
+            for seg in binding.segments:
+                entries = seg.entries(layer)
+                if not entries:
+                    continue
+                starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], binding.spec.page_size)
+                spans_pages = bool(torch.isin(starts + lens - seg.segment.addressing.page, starts).any())
+                bound = max(bound, float("inf") if spans_pages else float(lens.max()))
+            bounds[key] = bound
+        return bound
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
