@@ -203,16 +203,18 @@ class StagedRoute:
             rows = d_dev[p0 * ps : p1 * ps]
             if to_host:
                 with torch.cuda.stream(side):
-                    if free[k % 2] is not None:
-                        side.wait_event(free[k % 2])  # the copy engine has read this half
+                    ev = free[k % 2]
+                    if ev is not None:
+                        side.wait_event(ev)  # the copy engine has read this half
                     self._relayout(half, rows, p1 - p0, to_image=True)
                     ready = side.record_event()
                 main.wait_event(ready)
                 copier.copy(host, img, lens, stream)
                 free[k % 2] = main.record_event()
             else:
-                if free[k % 2] is not None:
-                    main.wait_event(free[k % 2])  # the scatter has read this half
+                ev = free[k % 2]
+                if ev is not None:
+                    main.wait_event(ev)  # the scatter has read this half
                 copier.copy(img, host, lens, stream)
                 landed = main.record_event()
                 with torch.cuda.stream(side):
