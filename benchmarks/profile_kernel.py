@@ -2,7 +2,7 @@
 
 Usage (GPU)::
 
-    ncu --target-processes all -k regex:"KERNEL|PAGE_FIRST" --launch-skip 4 --launch-count 2 \\
+    ncu --target-processes all -k regex:KERNEL --launch-skip 4 --launch-count 2 \\
         --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \\
         python benchmarks/profile_kernel.py --layout layer_first --options '{"programs": 8}'
 

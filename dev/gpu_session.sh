@@ -74,7 +74,7 @@ for step in "$@"; do
       note "calibrate: $(result $?)"; tail -16 "$W/calibrate.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS
       for lay in ${NCU_LAYOUTS:-layer_first page_first page_first_kv_split}; do
-        timeout ${NCU_T:-60} ncu --target-processes all -k regex:"KERNEL|PAGE_FIRST" --launch-skip 4 --launch-count 2 \
+        timeout ${NCU_T:-60} ncu --target-processes all -k regex:KERNEL --launch-skip 4 --launch-count 2 \
           --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
           python3 benchmarks/profile_kernel.py --layout $lay --options "$opts" >"$W/ncu_$lay.log" 2>&1
         note "ncu $lay: $(result $?)"; done ;;

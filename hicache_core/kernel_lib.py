@@ -21,20 +21,7 @@ Every access is masked: positions past ``n``, host slots outside
 ``0..capacity-1`` and device rows outside ``0..dev_rows-1`` move nothing, so a
 bad index never reaches memory even when value validation was skipped.
 
-A minimal kernel, for host buffers where slot ``s`` of entry ``e`` starts at ``host_off[e] + s * host_tok[e]``::
-
-    @triton.jit(do_not_specialize=["n", "n_ents"])
-    def kernel(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok,
-               capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-               VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr):
-        pid, nprog = kl.programs()
-        n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
-        for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-            e, tile = kl.work_item(item, ents, n_tiles, n_ents, False)
-            h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-            host_row = tl.load(host_off + e) + h * tl.load(host_tok + e)
-            kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok,
-                         WIDTH, BLOCK, VEC, TO_HOST)
+A complete kernel built from these pieces is in docs/plugin-authoring.md.
 """
 
 from __future__ import annotations

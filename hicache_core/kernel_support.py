@@ -30,6 +30,7 @@ __all__ = [
     "kernel_unsupported_reason",
     "access_word",
     "segment_tables",
+    "word_anchor",
     "kernel_indices",
     "IndexMemo",
     "index_memos",
@@ -113,7 +114,7 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
         word = access_word(seg.width, a.chunk_bytes, a.chunk_stride, a.layer, a.page, a.token, hbase,
                            anchor_src.untyped_storage().data_ptr(), *seg.dev_ptrs, *seg.dev_strides,
                            max_word=max_word)
-        anchor = _word_anchor(anchor_src, word)
+        anchor = word_anchor(anchor_src, word)
         base = anchor.data_ptr()
         def to_words(addrs: list[int]) -> torch.Tensor:
             return torch.tensor([(x - base) // word for x in addrs], dtype=torch.int64, device=device)
@@ -129,7 +130,7 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
     return tables
 
 
-def _word_anchor(rows: torch.Tensor, word: int) -> torch.Tensor:
+def word_anchor(rows: torch.Tensor, word: int) -> torch.Tensor:
     """A one-word tensor at ``rows``' first byte, typed as the access word."""
     storage = rows.untyped_storage()
     byte_off = rows.data_ptr() - storage.data_ptr()

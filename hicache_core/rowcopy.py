@@ -84,6 +84,7 @@ LAUNCH_VALUES = {
     "VEC": "constexpr: every row base is a multiple of VEC words",
     "TO_HOST": "constexpr: True backup (device to host), False load",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
+    "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
 }
 #: The launch values that change from call to call (the rest is fixed per pool, group and direction).
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
@@ -254,14 +255,14 @@ _LAUNCHERS: dict[Any, Any] = {}
 
 @dataclass(frozen=True)
 class _Launch:
-    """A group's fixed launch values and static key for one direction.
+    """A group's fixed launch for one direction: static key, tuning, tokens per tile.
 
     ``args`` is the kernel's positional argument list with the per-call values
     unset; ``slots`` maps each per-call name the kernel declares to its position
     (a transfer copies the list and fills those slots: no dict work per call).
     """
 
-    values: dict[str, Any]
+    tokens: int
     key: tuple
     tuning: Tuning
     args: tuple
@@ -283,10 +284,10 @@ class RowKernelStrategy(DirectionalStrategy):
     """A zero-copy Triton strategy moving whole contiguous rows; subclasses name the kernel and tuning.
 
     Class attributes a subclass sets: ``name``; ``layouts`` (layout names served);
-    ``kernel_module`` (import path of the module holding the kernel) and ``kernel_name``
-    (its attribute there, default ``KERNEL``);
+    ``kernel_module`` (import path of the module whose ``KERNEL`` is the kernel);
     ``tuning`` (:class:`KernelTuning`); optionally ``fuse_parts`` and
-    :meth:`layout_reason` for layout constraints beyond whole rows.
+    :meth:`layout_reason` for layout constraints beyond whole rows, and ``entries_inner`` (the
+    work-item order handed to kernels that declare ``ENTRIES_INNER``).
 
     :param programs: programs per launch (SM budget), both directions.  ``None``:
         ``HICACHE_KERNEL_PROGRAMS`` when set, else the tuning's per-direction value.
@@ -300,9 +301,9 @@ class RowKernelStrategy(DirectionalStrategy):
     name: ClassVar[str]
     layouts: ClassVar[tuple[str, ...]]
     kernel_module: ClassVar[str]
-    kernel_name: ClassVar[str] = "KERNEL"
     tuning: ClassVar[KernelTuning]
     fuse_parts: ClassVar[bool] = False
+    entries_inner: ClassVar[bool] = False
 
     def __init__(self, programs: int | None = None, *, num_warps: int | None = None, tile_bytes: int | None = None,
                  num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None) -> None:
@@ -357,35 +358,34 @@ class RowKernelStrategy(DirectionalStrategy):
         require_pinned(binding, self.name)
         from .launch import Launcher
 
-        kernel = getattr(importlib.import_module(self.kernel_module), self.kernel_name)
+        kernel = importlib.import_module(self.kernel_module).KERNEL
         launcher = _LAUNCHERS.get(kernel)
         if launcher is None:
             launcher = _LAUNCHERS[kernel] = Launcher(kernel)
         unknown = set(launcher.arg_names) - set(LAUNCH_VALUES)
         if unknown:
-            raise ConfigError(f"{self.kernel_module}.{self.kernel_name} declares {sorted(unknown)}, which the "
+            raise ConfigError(f"{self.kernel_module}.KERNEL declares {sorted(unknown)}, which the "
                               "row-copy launch does not provide; use names from hicache_core.rowcopy.LAUNCH_VALUES")
         tuning = self.effective_tuning(binding.device)
         groups = build_groups(binding, fuse_parts=self.fuse, strategy=self.name)
         dynamic = launcher.positions(DYNAMIC_VALUES)
-        launches = tuple({to_host: self._launch_values(binding.spec, g, tuning.direction(to_host), to_host, launcher,
-                                                       dynamic) for to_host in (True, False)} for g in groups)
+        launches = tuple({to_host: self._launch(binding.spec, g, tuning.direction(to_host), to_host, launcher, dynamic)
+                          for to_host in (True, False)} for g in groups)
         binding.scratch[self.name] = Prepared(groups, launches, launcher, dynamic, tuning)
         logger.debug("%s: groups %s, tuning %s", self.name, [(g.names, g.width, g.word, g.vec) for g in groups],
                      tuning)
 
-    @staticmethod
-    def _launch_values(spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
-                       dynamic: tuple[int, ...]) -> _Launch:
+    def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
+                dynamic: tuple[int, ...]) -> _Launch:
         block, block_b, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
         values: dict[str, Any] = dict(
             anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
             page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
             WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, VEC=g.vec, TO_HOST=to_host,
-            STAGES=t.stages)
+            STAGES=t.stages, ENTRIES_INNER=self.entries_inner)
         args = launcher.bind(values)
         slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-        return _Launch(values, launcher.static_key(args, dynamic), t, args, slots)
+        return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
 
     # -- transfers ----------------------------------------------------------------------------------
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -406,6 +406,6 @@ class RowKernelStrategy(DirectionalStrategy):
                 args = list(lv.args)
                 for name, i in lv.slots:
                     args[i] = call[name]
-                items = -(-n // lv.values["TOKENS"]) * n_ents
+                items = -(-n // lv.tokens) * n_ents
                 prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
                               static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)

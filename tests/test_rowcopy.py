@@ -163,7 +163,7 @@ def test_launch_values_are_bound_by_parameter_name(monkeypatch):
     with pytest.raises(TypeError, match="no value for kernel parameter 'n'"):
         launcher.bind({"anchor": "a", "WIDTH": 4})
     for cls in KERNELS.values():  # every plugin kernel takes only launch values, and all the dynamic ones
-        names = set(Launcher(getattr(importlib.import_module(cls.kernel_module), cls.kernel_name)).arg_names)
+        names = set(Launcher(importlib.import_module(cls.kernel_module).KERNEL).arg_names)
         assert names <= set(LAUNCH_VALUES) and set(DYNAMIC_VALUES) <= names, cls.name
     # RowKernelStrategy.prepare refuses a kernel declaring a parameter the launch does not provide
     monkeypatch.setitem(sys.modules, "fake_row_kernels", types.SimpleNamespace(KERNEL=_FakeKernel("anchor", "bogus")))

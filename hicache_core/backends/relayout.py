@@ -38,7 +38,7 @@ import torch
 
 from ..binding import PoolBinding
 from ..errors import ConfigError
-from ..kernel_support import _word_anchor, access_word, interpreting, on_pool_device
+from ..kernel_support import word_anchor, access_word, interpreting, on_pool_device
 from ..launch import Launcher
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def _group(device: torch.device, members: list[tuple[_Image, int]], chunk: int, 
         quantities += [prefix, im.span, im.lo, a.offset, a.layer, a.token, _chunking(im)[2]]
         quantities += [im.seg.dev_ptrs[e] for e in im.entries] + [im.seg.dev_strides[e] for e in im.entries]
     word = access_word(*quantities)
-    anchor = _word_anchor(anchor_src, word)
+    anchor = word_anchor(anchor_src, word)
     base = anchor.data_ptr()
     rows = []
     for im, prefix in members:

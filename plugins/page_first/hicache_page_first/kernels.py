@@ -1,8 +1,8 @@
-"""Triton kernels of the page-major layouts ``page_first`` and ``page_first_direct``.
+"""Triton kernel of the page-major layouts ``page_first`` and ``page_first_direct``.
 
 Host slot ``s`` of entry ``e`` starts at ``host_off[e] + (s // page_size) *
 host_page[e] + (s % page_size) * host_tok[e]`` words.  The two layouts differ
-in strides and in the order of work items:
+in strides and in the order of work items (``ENTRIES_INNER``, set by each strategy):
 
 * ``page_first`` (``[S, L, row]``): a token's rows of every layer are
   contiguous, so consecutive items are the layer entries of one token tile;
@@ -20,13 +20,13 @@ import triton.language as tl
 
 from hicache_core import kernel_lib as kl
 
-__all__ = ["PAGE_FIRST", "PAGE_FIRST_DIRECT"]
+__all__ = ["KERNEL"]
 
 
-@triton.jit
-def _page_major(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-                page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, ENTRIES_INNER: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, page_size,
+           capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+           TO_HOST: tl.constexpr, STAGES: tl.constexpr, ENTRIES_INNER: tl.constexpr):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
@@ -34,19 +34,3 @@ def _page_major(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride,
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         host_row = kl.paged_rows(host_off, host_page, host_tok, e, h, page_size)
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
-
-
-@triton.jit(do_not_specialize=["n", "n_ents"])
-def PAGE_FIRST(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-               page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-               VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr):
-    _page_major(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-                page_size, capacity, dev_rows, WIDTH, BLOCK, TOKENS, VEC, TO_HOST, STAGES, True)
-
-
-@triton.jit(do_not_specialize=["n", "n_ents"])
-def PAGE_FIRST_DIRECT(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-                      page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                      VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr):
-    _page_major(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-                page_size, capacity, dev_rows, WIDTH, BLOCK, TOKENS, VEC, TO_HOST, STAGES, False)

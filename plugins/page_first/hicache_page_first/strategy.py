@@ -28,7 +28,7 @@ class PageFirstKernelStrategy(RowKernelStrategy):
     name = "page_first.kernel"
     layouts = ("page_first",)
     kernel_module = "hicache_page_first.kernels"
-    kernel_name = "PAGE_FIRST"
+    entries_inner = True
     tuning = TUNING
 
 
@@ -38,5 +38,5 @@ class PageFirstDirectKernelStrategy(RowKernelStrategy):
     name = "page_first_direct.kernel"
     layouts = ("page_first_direct",)
     kernel_module = "hicache_page_first.kernels"
-    kernel_name = "PAGE_FIRST_DIRECT"
+    entries_inner = False
     tuning = TUNING
