@@ -5,7 +5,7 @@
 #   tune        kernel launch-shape sweep with a GEMM beside it (benchmarks/tune_tiles.py; TUNE_ARGS)
 #   tests       the whole GPU suite in three concurrent pytest processes (conformance kit, tests/, plugins/)
 #   stress      benchmarks/stress.py (interleaved transfers, SGLang-shaped threads, 100 lifecycles)
-#   focus       the kit for kernel/direct/auto, the copy-engine and row-copy tests, tests/gpu, with both
+#   focus       the kit for kernel/direct/auto, the copy-engine, row-copy and launch tests, plugins/, tests/gpu, with both
 #               sanitizers over the kernel tests, all at once
 #   checks      tests and sanitize at once (correctness only: they may share the GPU)
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
@@ -63,7 +63,8 @@ for step in "$@"; do
     focus) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
       timeout ${TESTS_T:-400} $PYT hicache_core/testing --hicache-io-backend kernel --hicache-io-backend direct \
         --hicache-io-backend auto >"$W/focus_kit.log" 2>&1 & a=$!
-      timeout ${TESTS_T:-400} $PYT tests/test_relayout.py tests/test_rowcopy.py tests/test_direct.py tests/gpu \
+      timeout ${TESTS_T:-400} $PYT tests/test_relayout.py tests/test_rowcopy.py tests/test_direct.py \
+        tests/test_launch.py tests/gpu plugins \
         >"$W/focus_tests.log" 2>&1 & b=$!
       wait $a; ra=$?; wait $b; rb=$?
       note "focus kit: $(result $ra) $(tail -1 "$W/focus_kit.log")"; note "focus tests: $(result $rb) $(tail -1 "$W/focus_tests.log")"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -231,3 +233,41 @@ def test_calibration_rejects_nonsense_values(tmp_path, monkeypatch):
     path.write_text(json.dumps({"cpu": {"d2h_min_block": 4096, "h2d_min_block": 8192}}))
     cal = load_calibration(torch.device("cpu"))
     assert (cal.d2h_min_block, cal.h2d_min_block, cal.link_gbps) == (4096, 8192, DEFAULT.link_gbps)
+
+
+def _fake_runtime(version: int):
+    """A CudaRuntime whose batch entry point records the descriptors of each call (no CUDA needed)."""
+    import threading
+
+    from hicache_core.backends import cudart
+
+    rt = cudart.CudaRuntime.__new__(cudart.CudaRuntime)
+    rt.version = rt.driver_version = version
+    rt._attrs = cudart._MemcpyAttributes(1, cudart._MemLocation(0, 0), cudart._MemLocation(0, 0), 0)
+    rt._attr_idx = (ctypes.c_size_t * 1)(0)
+    rt._fail_idx = threading.local()
+    calls = []
+
+    def batch(d, s, z, count, attrs, idx, nattrs, *rest):
+        calls.append((d, s, z, count, rest[-1]))
+        return 0
+    rt._batch = batch
+    return rt, calls
+
+
+@pytest.mark.parametrize("version", [12080, 13000])
+@pytest.mark.parametrize("n, want", [(5, [5]), (64, [16] * 4), (70, [16] * 4 + [6]), (3904, None)])
+def test_copy_batch_submits_small_even_calls_first_then_grows(version, n, want):
+    rt, calls = _fake_runtime(version)
+    d, s, z = (torch.arange(n, dtype=torch.int64) * k for k in (8, 16, 1))
+    rt.copy_batch(d, s, z + 1, stream=0)
+    counts = [c[3] for c in calls]
+    assert sum(counts) == n
+    if want is not None:
+        assert counts == want
+    else:  # four calls of 16, then 4x growth capped at 512
+        assert counts[:6] == [16, 16, 16, 16, 64, 256] and set(counts[6:-1]) == {512} and counts[-1] <= 512
+    # consecutive calls cover consecutive descriptors (8 bytes each), on the per-thread stream for stream 0
+    offs = [c[0] - d.data_ptr() for c in calls]
+    assert offs == [8 * sum(counts[:i]) for i in range(len(counts))]
+    assert {c[4] for c in calls} == {2}

@@ -45,17 +45,17 @@ def decide(mode_, *cell, **kw):
 def test_shipped_table_is_valid_and_takes_over_only_measured_wins():
     table = load_table(SHIPPED_TABLE)
     cells = {(c.kind, c.layout, c.op) for c in table.entries}
-    assert cells == {("mla", "layer_first", "backup"), ("mla", "page_first", "backup"), ("mla", "layer_first", "load"),
-                     ("mla", "page_first", "load"), ("mha", "layer_first", "backup"), ("mha", "page_first", "backup")}
+    assert cells == {(kind, layout, op) for kind in ("mla", "mha") for layout in ("layer_first", "page_first")
+                     for op in ("backup", "load")}
     assert all(c.sglang_io_backend == "kernel" and not c.sharded for c in table.entries)
     taken = {(c.kind, c.layout, c.op): e.hicache_io_backend for c, e in table.entries.items() if e.take_over}
     assert taken == {("mla", "layer_first", "backup"): "direct", ("mha", "layer_first", "backup"): "direct"}
-    # page_first backups: hicache moves more, but its GEMM slowdown was a fraction of a point higher: kept SGLang's
+    # page_first backups: hicache moves more, but its GEMM slowdown was higher: kept SGLang's
     pf_backup = table.entries[Cell("mha", "page_first", "kernel", False, "backup")]
     assert pf_backup.hicache["copy_ratio"] > pf_backup.sglang["copy_ratio"] and not pf_backup.take_over
     lf_backup = table.entries[Cell("mla", "layer_first", "kernel", False, "backup")]
-    assert (lf_backup.sglang, lf_backup.hicache) == ({"copy_ratio": 0.941, "gemm_slowdown_pct": 19.8},
-                                                     {"copy_ratio": 0.947, "gemm_slowdown_pct": 0.6})
+    assert (lf_backup.sglang, lf_backup.hicache) == ({"copy_ratio": 0.946, "gemm_slowdown_pct": 21.0},
+                                                     {"copy_ratio": 0.987, "gemm_slowdown_pct": 0.7})
 
 
 @pytest.mark.parametrize("cell,want", [
