@@ -271,3 +271,61 @@ def test_copy_batch_submits_small_even_calls_first_then_grows(version, n, want):
     offs = [c[0] - d.data_ptr() for c in calls]
     assert offs == [8 * sum(counts[:i]) for i in range(len(counts))]
     assert {c[4] for c in calls} == {2}
+
+
+def _index_patterns(ps: int, pages: int, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Host/device index pairs: page runs (the fast path: host runs page-aligned, device runs anywhere) and
+    three shapes that are not."""
+    offs = torch.arange(ps)
+    hp, dp = torch.randperm(pages - 1, generator=gen)[: pages // 2], torch.randperm(2 * pages - 1, generator=gen)[: pages // 2]
+    runs = lambda p, shift=0: (p.unsqueeze(1) * ps + shift + offs).reshape(-1)  # noqa: E731
+    h, d = runs(hp), runs(dp)
+    shuffled = torch.randperm(h.numel(), generator=gen)
+    return {"page-runs": (h, d), "device-runs-shifted": (h, runs(dp, 1)), "host-runs-shifted": (runs(hp, 1), d),
+            "tokens-shuffled": (h[shuffled], d), "partial-page": (h[:-1], d[:-1])}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("mla576-bf16-ps16-strided", "mla576-bf16-ps64-splitdev",
+                                                                  "mha-bf16-ps16-vdim-strided", "mla-dsa-extra-ps4")],
+                         ids=lambda c: c.id)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_run_fast_path_equals_row_coalescing(layout, case):
+    """Indices in whole page runs let plans coalesce per page; every descriptor must equal the per-row result."""
+    if not _served(case, layout):
+        pytest.skip(f"direct does not serve {layout} for {case.id}")
+    spec = case.build(torch.device("cpu"))
+    dev = {c.name: [torch.zeros(2 * spec.capacity + spec.page_size, c.row_bytes, dtype=torch.uint8)
+                    if i in spec.component_map(c.name).device_layers else None
+                    for i in range(spec.layer_map.num_device_layers)] for c in spec.components}
+    pool = HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": "never"}, pin_memory=False)
+    gen = torch.Generator().manual_seed(3)
+    for name, (h, d) in _index_patterns(spec.page_size, spec.num_pages, gen).items():
+        fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
+        runs = name in ("page-runs", "device-runs-shifted") and spec.page_size > 1
+        assert (fast.page_runs is not None) == runs, name
+        slow._page_runs = None  # per-row coalescing only
+        for layer in (None, spec.layer_map.device_layers[-1]):
+            a, b = fast.submission(layer), slow.submission(layer)
+            assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens), name
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_page_run_fast_path_on_contiguous_rows(layout, monkeypatch):
+    """Contiguous device rows (the common pool): layouts whose page holds a layer's rows back to back take the
+    per-page path, and it equals per-row coalescing."""
+    from hicache_core.backends import plans
+
+    pool = _mla_pool(layout, staging="never", ps=16, layers=4, pages=8)
+    gen = torch.Generator().manual_seed(5)
+    offs = torch.arange(16)
+    h, d = ((torch.randperm(8, generator=gen)[:5].unsqueeze(1) * 16 + offs).reshape(-1) for _ in range(2))
+    used = []
+    real = plans.coalesce
+    monkeypatch.setattr(plans, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
+    fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
+    slow._page_runs = None
+    a, b = fast.submission(None), slow.submission(None)
+    assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens)
+    per_page = 16 * 1152
+    assert (per_page in used) == (layout != "page_first")  # token-major host pages: a layer's rows are not adjacent

@@ -87,6 +87,33 @@ def _host_base(seg: BoundSegment, e: int) -> int:
     return seg.host_flat.data_ptr() + a.offset + seg.host_layers[e] * a.layer
 
 
+def _bases(binding: PoolBinding, si: int, seg: BoundSegment,
+           stride: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, int]]:
+    """Host and device base addresses of the entries of segment ``si`` with device stride ``stride``,
+    and entry -> row; they depend on the pool alone, so they are built once per pool."""
+    memo = binding.scratch.setdefault("direct.bases", {})
+    hit = memo.get((si, stride))
+    if hit is None:
+        group = [e for e in range(len(seg.device_layers)) if seg.dev_strides[e] == stride]
+        hit = memo[(si, stride)] = (torch.tensor([_host_base(seg, e) for e in group], dtype=torch.int64),
+                                    torch.tensor([seg.dev_ptrs[e] for e in group], dtype=torch.int64),
+                                    {e: i for i, e in enumerate(group)})
+    return hit
+
+
+def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """See :attr:`Plan.page_runs`."""
+    n = h.numel()
+    if ps == 1 or n == 0 or n % ps:
+        return None
+    hv, dv = h.view(-1, ps), d.view(-1, ps)
+    step = torch.arange(ps, dtype=torch.int64)
+    if bool((hv[:, 0] % ps).any()) or not torch.equal(hv - hv[:, :1], step.expand_as(hv)) \
+            or not torch.equal(dv - dv[:, :1], step.expand_as(dv)):
+        return None
+    return hv[:, 0] // ps, dv[:, 0].contiguous()
+
+
 class Plan:
     """Descriptor arrays for one pair of index tensors, per layer selection."""
 
@@ -107,6 +134,7 @@ class Plan:
         # if the caller later rewrites its tensor behind torch's version counter
         self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         self.staging, self.staging_bytes = staging, staging_bytes
+        self._page_runs: tuple[torch.Tensor, torch.Tensor] | None | bool = False  # False: not computed yet
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
         self._lock = threading.Lock()
@@ -130,10 +158,24 @@ class Plan:
         return sub
 
     # -- plain runs -------------------------------------------------------------------
+    @property
+    def page_runs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(host page numbers, device start rows)`` when both index tensors are whole runs of
+        ``page_size`` consecutive slots (host runs page-aligned), as allocators hand them out; else ``None``."""
+        if self._page_runs is False:
+            self._page_runs = _page_runs(self.h, self.d, self.binding.spec.page_size)
+        return self._page_runs  # type: ignore[return-value]
+
     def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
         a = seg.segment.addressing
         ps = self.binding.spec.page_size
+        pages = self.page_runs
+        if pages is not None and a.row_contiguous and a.token == seg.width and stride == seg.width:
+            # rows adjacent on both sides: each page is one block (what coalescing its rows would give),
+            # computed from 1/page_size of the elements
+            hp, dp = pages
+            return coalesce(hp * a.page, dp * stride, ps * seg.width)
         chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
         host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
         dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
@@ -144,12 +186,9 @@ class Plan:
         key = (si, stride)
         table = self._tables.get(key)
         if table is None:
-            group = [e for e in range(len(seg.device_layers)) if seg.dev_strides[e] == stride]
+            hb, db, row = _bases(self.binding, si, seg, stride)
             hr, dr, n = self._runs(seg, stride)
-            hb = torch.tensor([_host_base(seg, e) for e in group], dtype=torch.int64)
-            db = torch.tensor([seg.dev_ptrs[e] for e in group], dtype=torch.int64)
-            table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n,
-                                         {e: i for i, e in enumerate(group)})
+            table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row)
         return table
 
     def _plain(self, layer: int | None) -> Submission:
