@@ -59,6 +59,17 @@ def read_rows(views: list[torch.Tensor], index: tuple) -> torch.Tensor:
     return torch.cat([v[index].reshape(v[index].shape[0], -1).view(torch.uint8) for v in views], dim=1)
 
 
+def settle() -> None:
+    """Wait for queued GPU work before the host reads host rows.
+
+    Transfers only enqueue work (SGLang's cache controller waits on an event
+    before it trusts host bytes); a test that reads host memory right after a
+    backup must wait too.  On the CPU transfers are synchronous.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte equality of two tensors wherever they live (host rows vs device rows on a GPU)."""
     a, b = a.contiguous().view(torch.uint8).cpu(), b.contiguous().view(torch.uint8).cpu()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from sglang_helpers import kernel_available, placed, fill_canary, layer_views, same_bytes, write_rows
+from sglang_helpers import kernel_available, placed, fill_canary, layer_views, same_bytes, write_rows, settle
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -42,6 +42,7 @@ def test_indexer_sharded_roundtrip(hooked, layout, io_backend):
         views, index = layer_views("dsa_indexer", layout, expected, hl, hp, 1)
         write_rows(views, index, [buf[d][p1]])
     host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
+    settle()
     assert same_bytes(host.index_k_with_scale_buffer, expected[0])
     before = {d: buf[d].clone() for d, _ in layers}
     for d, _ in layers:

@@ -9,7 +9,7 @@ import torch
 
 from hicache_core.integrations.sglang import AFTER_TARGETS, HOOK_TARGETS, load_plugin
 from hicache_core.integrations.sglang.mode import stock_serves
-from sglang_helpers import same_bytes
+from sglang_helpers import same_bytes, settle
 from test_transfers import make_pools, slots
 
 
@@ -45,6 +45,7 @@ def test_load_plugins_discovers_entry_point(sglang_hooks, monkeypatch):
     dev, host = make_pools("mla", "page_first")  # a stock ValueError cell (direct + page_first) now served
     h, d1, _ = slots(host, dev)
     host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
     assert same_bytes(host.kv_buffer[h, 0], dev.kv_buffer[0][d1])
 
 
@@ -89,6 +90,7 @@ def test_gaps_mode_serves_on_cpu(hooked, monkeypatch):
     dev, host = make_pools("mla", "layer_first")
     h, d1, _ = slots(host, dev)
     host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
     assert same_bytes(host.kv_buffer[1, h], dev.kv_buffer[1][d1])
     monkeypatch.setenv("HICACHE_SGLANG", "off")
     with pytest.raises(NameError, match="transfer_kv_direct"):
@@ -109,4 +111,5 @@ def test_calls_we_cannot_take_fall_back_to_sglang(hooked):
         host.load_to_device_per_layer(dev, h[:1], d1[:1], 0, "direct")
     assert torch.equal(host.kv_buffer.view(torch.uint8), before.view(torch.uint8))
     host.backup_from_device_all_layer(dev, h, d1, "direct")  # whole pages: still ours
+    settle()
     assert same_bytes(host.kv_buffer[1, h], dev.kv_buffer[1][d1])

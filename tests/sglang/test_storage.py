@@ -21,7 +21,7 @@ import torch
 import sglang_harness as H
 from hicache_core import Addressing, BufferSpec, HostPlan, PoolSpec, Segment, hookimpl
 from hicache_core.registry import PluginRecord, default_registry, reset_default_registry
-from sglang_helpers import kernel_available, host_tensors, placed, same_bytes
+from sglang_helpers import kernel_available, host_tensors, placed, same_bytes, settle
 from test_transfers import device_layer, make_pools, random_pools
 
 KV_STACKED = "kv_stacked"  # LMCache-style: all components in one [n_components, L, S, row] buffer
@@ -188,6 +188,7 @@ def test_storage_roundtrip(hooked, plugin_layouts, tmp_path, kind, layout, io_ba
         pytest.skip("SGLang's own page_head kernel serves this cell on CUDA (sgl_kernel is stubbed here)")
     dev, host, layers, h, d1, d2 = random_pools(kind, layout)
     host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
+    settle()
 
     ps = host.page_size
     keys = [f"{kind}-{layout}-{io_backend}-{i}" for i in range(h.numel() // ps)]

@@ -12,7 +12,7 @@ from hicache_core.errors import ConfigError, TakeoverTableError
 from hicache_core.integrations.sglang import load_plugin, mode
 from hicache_core.integrations.sglang.mode import hicache_io_backend, parse_mode
 from hicache_core.integrations.sglang.takeover import SHIPPED_TABLE, Cell, load_table
-from sglang_helpers import same_bytes
+from sglang_helpers import same_bytes, settle
 from test_transfers import make_pools, slots
 
 ENTRY = {
@@ -213,6 +213,7 @@ def test_measured_leaves_stock_cells_to_sglang_and_serves_gaps(hooked, monkeypat
     dev, host = make_pools("mla", "page_first")  # direct + page_first: SGLang's ValueError cell
     h, d1, _ = slots(host, dev)
     host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
     assert same_bytes(host.kv_buffer[h, 1], dev.kv_buffer[1][d1])
 
 
@@ -229,6 +230,7 @@ def test_table_maps_sglang_kernel_to_another_hicache_backend(hooked, monkeypatch
         t.random_(0, 256)
     h, d1, _ = slots(host, dev)
     host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    settle()
     for layer in range(dev.layer_num):
         assert same_bytes(host.kv_buffer[layer, h], dev.kv_buffer[layer][d1])
     assert [k[1] for k in host._hicache_bridges] == [served_by]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from sglang_helpers import kernel_available, placed, fill_canary, host_tensors, layer_views, same_bytes, write_rows
+from sglang_helpers import kernel_available, placed, fill_canary, host_tensors, layer_views, same_bytes, write_rows, settle
 
 LAYOUTS = H.LAYOUTS
 SEED_ERROR = "Layer-sharded HiCache backup does not support layout: page_first_kv_split"
@@ -77,6 +77,7 @@ def roundtrip(kind: str, layout: str, io_backend: str) -> None:
         write_rows(views, index, [t[d1] for t in device_layer(kind, dev, d)])
 
     host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
+    settle()
     for got, want in zip(host_tensors(host), expected):
         assert same_bytes(got, want), f"host bytes differ from SGLang's layout after backup ({layout}, {io_backend})"
 
@@ -136,6 +137,7 @@ def test_draft_layer_appended(hooked):
     h, d1, d2 = slots(host, dev)
     fill_canary(host)
     host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
     assert same_bytes(host.kv_buffer[h, 2], draft.kv_buffer[0][d1])
     src = draft.kv_buffer[0][d1].clone()
     host.load_to_device_per_layer(draft, h, d2, 2, "direct", is_draft=True)
@@ -162,6 +164,7 @@ def test_draft_after_padding_on_a_sharded_rank(hooked, io_backend):
     for hl, src in sources.items():
         expected[h, hl] = src.view(torch.uint8)[d1].reshape(expected[h, hl].shape).to(expected.device)
     host.backup_from_device_all_layer(dev, *placed(io_backend, h, d1, H.DEVICE), io_backend)
+    settle()
     assert same_bytes(host.kv_buffer, expected), "owned layers, padding and draft slot as SGLang lays them out"
     want = draft.kv_buffer[0].clone()
     want[d2] = want[d1]
@@ -178,6 +181,7 @@ def test_off_runs_sglang_original(hooked, monkeypatch):
         host.backup_from_device_all_layer(dev, h, d1, "direct")
     monkeypatch.setenv("HICACHE_SGLANG", "all")
     host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
 
 
 def test_off_leaves_kv_split_allocation_to_sglang(hooked, monkeypatch):
