@@ -4,7 +4,7 @@ The copy engine leaves every SM to the model but needs large contiguous
 blocks: measured on an H200 (PCIe Gen5), batched copies of random 36 KB blocks
 reach 0.97 (D2H) and 0.99 (H2D) of a pinned contiguous ``copy_``, 9 KB blocks
 only 0.47-0.53 (D2H) and 0.85-0.89 (H2D).  ``auto`` serves a call through the
-copy engine when the mean block it would submit is at least the calibrated
+copy engine when every block it would submit is at least the calibrated
 threshold for that direction, else through the layout's kernel.
 
 ``hicache calibrate`` measures the thresholds on the local GPU and writes them
@@ -37,19 +37,21 @@ class Calibration:
     """Copy-engine thresholds of one GPU model.
 
     :param gpu: device name the values were measured on (``torch.cuda.get_device_name``).
-    :param d2h_min_block: smallest mean block (bytes) for which backups use the copy engine.
+    :param d2h_min_block: smallest copy block (bytes) with which backups use the copy engine.
     :param h2d_min_block: same for loads.
     :param source: where the numbers come from (a date and command, or ``shipped``).
     :param submit_us: host time to submit one copy-engine descriptor, microseconds.
     :param link_gbps: pinned memcpy GB/s of the host link (the pace the host must keep up with).
+    :param call_us: host time of one batched-copy runtime call besides its descriptors, microseconds.
     """
 
     gpu: str
     d2h_min_block: int
     h2d_min_block: int
     source: str
-    submit_us: float = 0.8
+    submit_us: float = 0.5
     link_gbps: float = 55.0
+    call_us: float = 6.0
 
     def min_block(self, to_host: bool) -> int:
         return self.d2h_min_block if to_host else self.h2d_min_block
@@ -57,10 +59,12 @@ class Calibration:
 
 #: Shipped thresholds (H200, PCIe Gen5 x16, random block order; docs/performance.md): with the
 #: host's submission hidden, D2H needs >= 32 KB blocks for >= 0.95 of memcpy; H2D reaches 0.85-0.89
-#: at 9 KB and 0.99 at 36 KB.  Submitting costs ~0.8 us per descriptor, so ``auto`` also requires
-#: the estimated host time of a call to fit in its transfer time at link speed.
+#: at 9 KB and 0.99 at 36 KB.  Submitting costs ~0.5 us per descriptor (``hicache calibrate``; a
+#: 61-layer MLA backup of 3904 descriptors took 1.8-2.1 ms of host time in bench runs) plus ~6 us per
+#: runtime call (benchmarks/ce_probe.py: 6.7 us for a call of 1-4 descriptors, 34.5 us for 64), so
+#: ``auto`` also requires the estimated host time of a call to fit in its transfer time at link speed.
 DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=16 * 1024, source="shipped (H200)",
-                      submit_us=0.8, link_gbps=55.0)
+                      submit_us=0.5, link_gbps=55.0, call_us=6.0)
 
 
 def calibration_path() -> str:
@@ -85,9 +89,10 @@ def load_calibration(device: torch.device) -> Calibration:
         return DEFAULT
     try:
         cal = Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)),
-                          float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)))
-        if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or cal.submit_us < 0 or cal.link_gbps <= 0:
-            raise ValueError("block sizes and link_gbps must be positive, submit_us not negative")
+                          float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)),
+                          float(entry.get("call_us", DEFAULT.call_us)))
+        if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or min(cal.submit_us, cal.call_us) < 0 or cal.link_gbps <= 0:
+            raise ValueError("block sizes and link_gbps must be positive, submit_us and call_us not negative")
         return cal
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("hicache: calibration %s entry %r is malformed (%s); using shipped defaults", path, gpu, exc)

@@ -198,12 +198,13 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert cli.main(["explain", "--layout", "page_first", "--io-backend", "auto", "--kind", "mla"]) == 0
     lines = capsys.readouterr().out.splitlines()
     auto = [ln for ln in lines if ln.startswith("auto: ")]
-    assert auto[0].startswith("auto: the copy engine serves a call when its mean copy block is >= 32768 B (backups)")
+    assert auto[0].startswith("auto: the copy engine serves a call when its smallest copy block is >= 32768 B (backups)")
+    assert "~0.50 us per descriptor, ~6 us per runtime call" in auto[0]
     assert auto[0].endswith("otherwise the kernel (none available here)")
-    assert auto[2] == ("auto: backup_all_layers of all 64 slots -> direct (mean block 73728 B over 4 descriptors, "
-                       "staged; large enough, host cannot keep up)")
-    assert auto[3] == ("auto: load_layer of all 64 slots -> direct (mean block 1152 B over 64 descriptors; "
-                       "too small, host cannot keep up)")
+    assert auto[2] == ("auto: backup_all_layers of all 64 slots -> direct (blocks of 73728 B and up, 73728 B on "
+                       "average, over 4 descriptors, staged; large enough, host cannot keep up)")
+    assert auto[3] == ("auto: load_layer of all 64 slots -> direct (blocks of 1152 B and up, 1152 B on average, over "
+                       "64 descriptors; too small, host cannot keep up)")
 
 
 def test_staging_buffers_grow_without_deadlock_and_serialise_runs_per_stream():
@@ -329,3 +330,44 @@ def test_page_run_fast_path_on_contiguous_rows(layout, monkeypatch):
     assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens)
     per_page = 16 * 1152
     assert (per_page in used) == (layout != "page_first")  # token-major host pages: a layer's rows are not adjacent
+
+
+def test_host_time_estimate_counts_descriptors_and_runtime_calls():
+    """The model ``auto`` feeds: ~0.5 us per descriptor plus ~6 us per runtime call of the batch schedule."""
+    from hicache_core.backends.cudart import batch_calls, batch_schedule
+    from hicache_core.backends.plans import Submission
+
+    for n in (0, 1, 16, 17, 64, 65, 3904, 31232):
+        sched = batch_schedule(n)
+        assert sum(sched) == n and len(sched) == batch_calls(n)
+    assert batch_schedule(64) == [16] * 4 and batch_calls(3904) == 13
+    lens = torch.full((3904,), 36864, dtype=torch.int64)
+    sub = Submission(lens, lens, lens)
+    assert sub.host_us(0.5, 6.0) == pytest.approx(3904 * 0.5 + 13 * 6.0)
+    assert sub.smallest_block == 36864 == sub.mean_block
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS or "page_first_kv_split" not in LAYOUTS,
+                    reason="needs the layout plugins")
+def test_auto_needs_every_block_large_not_just_the_mean():
+    """fp8 MLA pages (36 KB) back up through the copy engine (it keeps pace: ~2 ms of submission for
+    2.6 ms of transfer); a one-layer load of split latent/rope parts (64 KB and 8 KB blocks, 36 KB on
+    average) stays on the kernel, since its 8 KB host-to-device blocks are below the threshold."""
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    kernel, gen = object(), torch.Generator().manual_seed(1)
+    for layout, dtype, to_host, layer, want in (("layer_first", torch.uint8, True, None, "direct"),
+                                                ("page_first_kv_split", torch.bfloat16, False, 3, "kernel")):
+        spec = PoolSpec.mla(layer_map=LayerMap.unsharded(32), kv_lora_rank=512, qk_rope_head_dim=64, dtype=dtype,
+                            page_size=64, capacity=64 * 32)
+        dev = {c.name: [torch.zeros(2 * spec.capacity, c.row_bytes, dtype=torch.uint8) for _ in range(32)]
+               for c in spec.components}
+        pool = HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct", pin_memory=False)
+        pages = torch.randperm(32, generator=gen)
+        h = (pages.unsqueeze(1) * 64 + torch.arange(64)).reshape(-1)
+        auto = AutoStrategy()
+        auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel, DEFAULT
+        sub = pool.strategy.submission(pool.binding, h, h + spec.capacity, layer)
+        chosen = auto.pick(pool.binding, h, h + spec.capacity, layer, to_host=to_host)
+        assert ("direct" if chosen is pool.strategy else "kernel") == want, (layout, sub.smallest_block, sub.mean_block)

@@ -3,8 +3,8 @@
 Per pool, both candidates are prepared on the pool's buffers: the core's
 ``direct`` (copy engine, plain or staged) and whatever serves
 ``(layout, "kernel", sharded)`` in the registry that resolved ``auto``.  Per call, ``auto``
-asks ``direct`` which mean block size it would submit for these indices and
-layer (memoised with the plan) and compares it with the calibrated threshold
+asks ``direct`` which copy blocks it would submit for these indices and layer
+(memoised with the plan) and compares the smallest with the calibrated threshold
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
 feed it: the estimated host time of the call (descriptors, and the relayout
 launches of a staged route) must fit in the call's transfer time at link
@@ -138,8 +138,8 @@ class AutoStrategy:
             pick = self.kernel  # no copy block can be large enough: decided without the index values (no sync)
         else:
             sub = self.direct.submission(binding, host_indices, device_indices, layer)
-            fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
-            pick = self.direct if fed and sub.mean_block >= cal.min_block(to_host) else self.kernel
+            fed = sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+            pick = self.direct if fed and sub.smallest_block >= cal.min_block(to_host) else self.kernel
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
@@ -176,8 +176,9 @@ class AutoStrategy:
         the device).  For ``hicache explain``."""
         cal = load_calibration(spec.device) if spec.device.type == "cuda" and torch.cuda.is_available() else DEFAULT
         lines = [
-            f"auto: the copy engine serves a call when its mean copy block is >= {cal.d2h_min_block} B (backups) / "
+            f"auto: the copy engine serves a call when its smallest copy block is >= {cal.d2h_min_block} B (backups) / "
             f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
+            f"~{cal.call_us:.0f} us per runtime call, "
             f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s; "
             f"otherwise {self.kernel_name or 'the kernel (none available here)'}",
             f"auto: calibration {cal.gpu} ({cal.source})",
@@ -203,10 +204,11 @@ class AutoStrategy:
         out = []
         for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
             sub = direct.submission(pool.binding, idx, idx, layer)
-            fed = sub.host_us(cal.submit_us) <= sub.nbytes / (cal.link_gbps * 1e3)
-            big = sub.mean_block >= cal.min_block(to_host)
+            fed = sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+            big = sub.smallest_block >= cal.min_block(to_host)
             pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
-            out.append(f"auto: {op} of all {rows} slots -> {pick} (mean block {sub.mean_block:.0f} B over "
+            out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
+                       f"{sub.mean_block:.0f} B on average, over "
                        f"{sub.count} descriptors{', staged' if sub.staged is not None else ''}; "
                        f"{'large enough' if big else 'too small'}, host {'keeps up' if fed else 'cannot keep up'})")
         return out

@@ -69,12 +69,26 @@ class Submission:
         """Bytes the copy engine moves per transfer."""
         return self.staged.nbytes if self.staged is not None else int(self.lens.sum())
 
-    def host_us(self, submit_us: float) -> float:
-        """Estimated host time to submit this transfer (``submit_us`` per copy-engine descriptor)."""
+    def host_us(self, submit_us: float, call_us: float = 0.0) -> float:
+        """Estimated host time to submit this transfer: ``submit_us`` per copy-engine descriptor,
+        ``call_us`` per runtime call (:func:`.cudart.batch_calls`, per staging chunk), and the
+        relayout launches of a staged route."""
+        from .cudart import batch_calls
         from .staging import LAUNCH_US
 
-        launches = self.staged.chunks * self.staged.launches_per_chunk if self.staged is not None else 0
-        return self.count * submit_us + launches * LAUNCH_US
+        if self.staged is None:
+            return self.count * submit_us + batch_calls(self.count) * call_us
+        st = self.staged
+        calls = st.chunks * batch_calls(-(-st.count // st.chunks))
+        return st.count * submit_us + calls * call_us + st.chunks * st.launches_per_chunk * LAUNCH_US
+
+    @property
+    def smallest_block(self) -> int:
+        """Bytes of the smallest copy-engine descriptor (small blocks cost the copy engine most,
+        and small host-to-device ones cost the host too)."""
+        if self.staged is not None:
+            return int(min(int(im.lens.min()) for im in self.staged.images)) if self.staged.images else 0
+        return int(self.lens.min()) if self.lens.numel() else 0
 
     @property
     def mean_block(self) -> float:
