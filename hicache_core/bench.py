@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -112,7 +112,7 @@ def _host_us(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def _burst_host_us(calls: list[Callable[[], object]], reps: int) -> float:
+def _burst_host_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
     """Median host time of one call inside back-to-back bursts (no synchronisation between calls)."""
     times = []
     for _ in range(reps):
@@ -323,10 +323,10 @@ def run_bench(
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
     """Ratio vs tokens per (strategy, op), one panel per op.  ``False`` when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # type: ignore[import-not-found,unused-ignore]
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         logger.warning("matplotlib is not installed; no plot written")
         return False

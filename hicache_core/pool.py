@@ -92,7 +92,7 @@ class HostKVPool:
         self.validate = validate or os.environ.get(ENV_VALIDATE, "shapes")
         if self.validate not in VALIDATE_LEVELS:
             raise SpecError(f"validate={self.validate!r}: use 'shapes', 'full' or 'strict'")
-        self._checked: tuple[torch.Tensor, int, torch.Tensor, int, bool] | None = None
+        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool] | None = None
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
         if host_buffers is None:

@@ -261,8 +261,8 @@ class Registry:
                     key = (layout, info.io_backend, sharded)
                     if key in self._exact or self._conflict_on("key", _key_name(key)):
                         first_name = self._exact.get(key)
-                        first = first_name and (self.strategies[first_name][1], f"strategy {first_name!r}")
-                        self._conflict("key", _key_name(key), first, record, f"strategy {info.name!r}")
+                        owner = (self.strategies[first_name][1], f"strategy {first_name!r}") if first_name else None
+                        self._conflict("key", _key_name(key), owner, record, f"strategy {info.name!r}")
                     else:
                         self._exact[key] = info.name
         self.strategies[info.name] = (info, record)

@@ -300,7 +300,7 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
                 patterns = getattr(info.factory(), DECLARED_REJECTIONS, ())
             except Exception:  # the rejection itself already tells why it cannot be built
                 patterns = ()
-        if any(re.search(p, why) for p in patterns):
+        if any(re.search(p, why) for p in patterns or ()):
             return Rejection("declared", why)
         return Rejection("undeclared", f"{strategy} rejected {case.id} with a reason it does not declare: {why!r} "
                                        f"(list the reasons it may give in {DECLARED_REJECTIONS} on its class)")
