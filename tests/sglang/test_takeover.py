@@ -12,7 +12,7 @@ from hicache_core.errors import ConfigError, TakeoverTableError
 from hicache_core.integrations.sglang import load_plugin, mode
 from hicache_core.integrations.sglang.mode import hicache_io_backend, parse_mode
 from hicache_core.integrations.sglang.takeover import SHIPPED_TABLE, Cell, load_table
-from sglang_helpers import same_bytes, settle
+from sglang_helpers import placed, same_bytes, settle
 from test_transfers import make_pools, slots
 
 ENTRY = {
@@ -236,3 +236,42 @@ def test_table_maps_sglang_kernel_to_another_hicache_backend(hooked, monkeypatch
     assert [k[1] for k in host._hicache_bridges] == [served_by]
     with pytest.raises(NameError, match="transfer_kv_per_layer_mla"):  # load: not in the table, stock
         host.load_to_device_per_layer(dev, h, d1, 0, "kernel")
+
+
+# --- HICACHE_SGLANG_KERNEL: what serves SGLang kernel calls the table does not assign ------------------
+
+
+def test_kernel_switch_maps_unassigned_kernel_cells_to_auto(monkeypatch, caplog):
+    monkeypatch.delenv("HICACHE_SGLANG_TABLE", raising=False)
+    gap = ("mla", "page_first", "kernel", True, "backup_layer")  # SGLang cannot (no JIT kernel)
+    stock = ("mla", "page_first", "kernel", False, "load")
+    taken = ("mla", "layer_first", "kernel", False, "backup")  # the shipped table assigns direct
+    direct_gap = ("mla", "page_first", "direct", False, "backup")
+    monkeypatch.delenv(mode.ENV_KERNEL, raising=False)
+    assert [decide("measured", *c) for c in (gap, stock, taken, direct_gap)] == ["kernel", None, "direct", "direct"]
+    monkeypatch.setenv(mode.ENV_KERNEL, " Auto ")
+    assert [decide("measured", *c) for c in (gap, stock, taken, direct_gap)] == ["auto", None, "direct", "direct"]
+    assert [decide(m, *stock) for m in ("all", "gaps", "off")] == ["auto", None, None]
+    monkeypatch.setenv(mode.ENV_KERNEL, "triton")
+    with caplog.at_level("ERROR", logger=mode.__name__):
+        assert decide("measured", *gap) == "kernel" and decide("all", *stock) == "kernel"
+    assert [r.getMessage() for r in caplog.records] == [
+        "HICACHE_SGLANG_KERNEL='triton': use one of kernel, auto; using 'kernel'"]
+
+
+def test_kernel_switch_serves_sglang_kernel_calls_through_auto(hooked, monkeypatch):
+    monkeypatch.setenv("HICACHE_SGLANG", "all")
+    monkeypatch.setenv(mode.ENV_KERNEL, "auto")
+    dev, host = make_pools("mla", "layer_first")
+    for t in dev.kv_buffer:
+        t.random_(0, 256)
+    h, d1, d2 = slots(host, dev)
+    host.backup_from_device_all_layer(dev, *placed("kernel", h, d1, dev.kv_buffer[0].device), "kernel")
+    settle()
+    for layer in range(dev.layer_num):
+        assert same_bytes(host.kv_buffer[layer, h], dev.kv_buffer[layer][d1])
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer(dev, *placed("kernel", h, d2, dev.kv_buffer[0].device), layer, "kernel")
+    for layer in range(dev.layer_num):
+        assert same_bytes(dev.kv_buffer[layer][d2], dev.kv_buffer[layer][d1])
+    assert {k[1] for k in host._hicache_bridges} == {"auto"}

@@ -16,6 +16,11 @@
     a CPU-only host every stock transfer fails).
 ``off``
     SGLang's original methods run, unchanged (including ``init_kv_buffer``).
+
+``HICACHE_SGLANG_KERNEL`` (read at every call) names the hicache io_backend that
+serves SGLang ``kernel`` calls wherever the takeover table names none: ``kernel``
+(default: hicache's Triton kernels, the same mechanism) or ``auto`` (the copy
+engine where its blocks are large enough, e.g. every backup, else the kernel).
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from ...errors import ConfigError, TakeoverTableError
 from .takeover import Cell, active_table
 
 __all__ = [
-    "ENV_MODE", "MODES", "DEFAULT_MODE", "IO_BACKENDS", "parse_mode", "current_mode", "stock_serves",
-    "stock_kernels_available", "hicache_io_backend",
+    "ENV_MODE", "MODES", "DEFAULT_MODE", "IO_BACKENDS", "ENV_KERNEL", "KERNEL_BACKENDS", "parse_mode", "current_mode",
+    "kernel_backend", "stock_serves", "stock_kernels_available", "hicache_io_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +46,10 @@ DEFAULT_MODE = "measured"
 #: SGLang io_backend -> the hicache io_backend of the same mechanism (``all``/``gaps``,
 #: and ``measured`` cells the table does not re-map).  ``kernel_ascend`` has none.
 IO_BACKENDS = {"kernel": "kernel", "direct": "direct"}
+
+ENV_KERNEL = "HICACHE_SGLANG_KERNEL"
+#: What may serve SGLang ``kernel`` calls the takeover table does not assign (the first is the default).
+KERNEL_BACKENDS = ("kernel", "auto")
 
 #: Operations as the bridge names them.
 BACKUP, BACKUP_LAYER, LOAD = "backup", "backup_layer", "load"
@@ -74,6 +83,21 @@ def current_mode() -> str:
             _warned.add(str(value))
             logger.error("%s; using %r", exc, DEFAULT_MODE)
         return DEFAULT_MODE
+
+
+def kernel_backend() -> str:
+    """The hicache io_backend for SGLang ``kernel`` calls the table does not assign (:data:`ENV_KERNEL`);
+    an unknown value counts as ``kernel`` (logged once)."""
+    value = os.environ.get(ENV_KERNEL)
+    choice = (value or "").strip().lower() or KERNEL_BACKENDS[0]
+    if choice in KERNEL_BACKENDS:
+        return choice
+    key = f"{ENV_KERNEL}={value}"
+    if key not in _warned:
+        _warned.add(key)
+        logger.error("%s=%r: use one of %s; using %r", ENV_KERNEL, value, ", ".join(KERNEL_BACKENDS),
+                     KERNEL_BACKENDS[0])
+    return KERNEL_BACKENDS[0]
 
 
 def stock_kernels_available(kind: str) -> bool:
@@ -161,10 +185,11 @@ def hicache_io_backend(
     :param mode: one of :data:`MODES`.
     :param io_backend: SGLang's io_backend of the call.
     :param op: ``backup``, ``backup_layer`` or ``load`` (the table's ``backup`` covers both backups).
-    Other parameters as :func:`stock_serves`.  The caller falls back to
-    :data:`IO_BACKENDS` when the table's io_backend has no strategy for the key.
+    Other parameters as :func:`stock_serves`.  Where the table assigns nothing, SGLang ``kernel``
+    maps to :func:`kernel_backend` and ``direct`` to ``direct``.  The caller falls back to
+    :data:`IO_BACKENDS` when the chosen io_backend has no strategy for the key.
     """
-    exact = IO_BACKENDS.get(io_backend)
+    exact = kernel_backend() if io_backend == "kernel" else IO_BACKENDS.get(io_backend)
     if mode == "off" or exact is None:
         return None
     if mode == "all":
