@@ -42,7 +42,9 @@ class Calibration:
     :param source: where the numbers come from (a date and command, or ``shipped``).
     :param submit_us: host time to submit one copy-engine descriptor, microseconds.
     :param link_gbps: pinned memcpy GB/s of the host link (the pace the host must keep up with).
-    :param call_us: host time of one batched-copy runtime call besides its descriptors, microseconds.
+    :param call_us: host time of one batched-copy runtime call besides its descriptors, microseconds
+        (``hicache calibrate`` does not measure it and writes the shipped value; its ``submit_us``
+        is measured over calls of up to 512 descriptors, so it holds a small share of the call cost).
     """
 
     gpu: str

@@ -286,29 +286,44 @@ def _index_patterns(ps: int, pages: int, gen: torch.Generator) -> dict[str, tupl
             "tokens-shuffled": (h[shuffled], d), "partial-page": (h[:-1], d[:-1])}
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.id in ("mla576-bf16-ps16-strided", "mla576-bf16-ps64-splitdev",
-                                                                  "mha-bf16-ps16-vdim-strided", "mla-dsa-extra-ps4")],
-                         ids=lambda c: c.id)
+FAST_PATH_CASES = [c for c in CASES if c.id in (
+    "mla576-bf16-ps16-strided", "mla576-bf16-ps64-splitdev", "mla576-fp8-ps16-sharded5of2r1", "mla-dsa-extra-ps4",
+    "mha-bf16-ps16-vdim-strided", "mha-fp32-ps64-sharded3of2r0", "mha-bf16-ps2-sharded5of2r1-padded-drafts")]
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_page_run_fast_path_equals_row_coalescing(layout, case):
-    """Indices in whole page runs let plans coalesce per page; every descriptor must equal the per-row result."""
+    """Indices in whole page runs let plans coalesce per page; every descriptor must equal the per-row result
+    (device rows strided or split in parts as the case asks, sharded maps, int32 and strided index views)."""
+    from hicache_core.testing.conformance import make_device_buffers
+
     if not _served(case, layout):
         pytest.skip(f"direct does not serve {layout} for {case.id}")
     spec = case.build(torch.device("cpu"))
-    dev = {c.name: [torch.zeros(2 * spec.capacity + spec.page_size, c.row_bytes, dtype=torch.uint8)
-                    if i in spec.component_map(c.name).device_layers else None
-                    for i in range(spec.layer_map.num_device_layers)] for c in spec.components}
-    pool = HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct",
-                      strategy_options={"staging": "never"}, pin_memory=False)
     gen = torch.Generator().manual_seed(3)
-    for name, (h, d) in _index_patterns(spec.page_size, spec.num_pages, gen).items():
+    pool = HostKVPool(spec, layout, "direct", make_device_buffers(spec, case, gen), registry=REG,
+                      strategy="core.direct", strategy_options={"staging": "never"}, pin_memory=False)
+    patterns = _index_patterns(spec.page_size, spec.num_pages, gen)
+    h, d = patterns["page-runs"]
+    patterns["page-runs-int32"] = (h.int(), d.int())
+    patterns["page-runs-strided-views"] = (torch.stack([h, h], 1).reshape(-1)[::2], torch.stack([d, d], 1).reshape(-1)[::2])
+    took = set()
+    for name, (h, d) in patterns.items():
         fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
-        runs = name in ("page-runs", "device-runs-shifted") and spec.page_size > 1
-        assert (fast.page_runs is not None) == runs, name
-        slow._page_runs = None  # per-row coalescing only
+        slow._page_runs = (None,)  # per-row coalescing only
         for layer in (None, spec.layer_map.device_layers[-1]):
             a, b = fast.submission(layer), slow.submission(layer)
             assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens), name
+        if fast._page_runs is not None and fast._page_runs[0] is not None:  # a segment took the per-page path
+            took.add(name)
+        runs = name.startswith(("page-runs", "device-runs-shifted")) and spec.page_size > 1
+        assert (fast.page_runs is not None) == runs, name
+    # the per-page path runs where a layer's rows are adjacent on both sides, never for token-major pages
+    if layout in ("layer_first", "page_first_direct") and not (case.strided or case.split_parts) and spec.page_size > 1:
+        assert took == {"page-runs", "page-runs-int32", "page-runs-strided-views", "device-runs-shifted"}
+    if layout == "page_first":
+        assert not took
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
@@ -325,7 +340,7 @@ def test_page_run_fast_path_on_contiguous_rows(layout, monkeypatch):
     real = plans.coalesce
     monkeypatch.setattr(plans, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
     fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
-    slow._page_runs = None
+    slow._page_runs = (None,)
     a, b = fast.submission(None), slow.submission(None)
     assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens)
     per_page = 16 * 1152

@@ -6,9 +6,9 @@ Per pool, both candidates are prepared on the pool's buffers: the core's
 asks ``direct`` which copy blocks it would submit for these indices and layer
 (memoised with the plan) and compares the smallest with the calibrated threshold
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
-feed it: the estimated host time of the call (descriptors, and the relayout
-launches of a staged route) must fit in the call's transfer time at link
-speed.  Then the copy engine serves the call (no SM held, so the forward pass
+feed it: the estimated host time of the call (per descriptor, per runtime call,
+and per relayout launch of a staged route) must fit in the call's transfer time
+at link speed.  Then the copy engine serves the call (no SM held, so the forward pass
 keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 """
 

@@ -71,15 +71,18 @@ class Submission:
 
     def host_us(self, submit_us: float, call_us: float = 0.0) -> float:
         """Estimated host time to submit this transfer: ``submit_us`` per copy-engine descriptor,
-        ``call_us`` per runtime call (:func:`.cudart.batch_calls`, per staging chunk), and the
-        relayout launches of a staged route."""
+        ``call_us`` per runtime call (:func:`.cudart.batch_calls`, per staging chunk of pages), and
+        the relayout launches of a staged route."""
         from .cudart import batch_calls
         from .staging import LAUNCH_US
 
         if self.staged is None:
             return self.count * submit_us + batch_calls(self.count) * call_us
         st = self.staged
-        calls = st.chunks * batch_calls(-(-st.count // st.chunks))
+        pages = int(st.pages.numel())
+        per_page = st.count // pages if pages else 0
+        full, last = st.chunk_pages * per_page, (pages - (st.chunks - 1) * st.chunk_pages) * per_page
+        calls = (st.chunks - 1) * batch_calls(full) + batch_calls(last)  # one copy per chunk of pages
         return st.count * submit_us + calls * call_us + st.chunks * st.launches_per_chunk * LAUNCH_US
 
     @property
@@ -87,7 +90,7 @@ class Submission:
         """Bytes of the smallest copy-engine descriptor (small blocks cost the copy engine most,
         and small host-to-device ones cost the host too)."""
         if self.staged is not None:
-            return int(min(int(im.lens.min()) for im in self.staged.images)) if self.staged.images else 0
+            return min(int(im.lens.min()) for im in self.staged.images) if self.staged.images else 0
         return int(self.lens.min()) if self.lens.numel() else 0
 
     @property
@@ -148,7 +151,7 @@ class Plan:
         # if the caller later rewrites its tensor behind torch's version counter
         self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         self.staging, self.staging_bytes = staging, staging_bytes
-        self._page_runs: tuple[torch.Tensor, torch.Tensor] | None | bool = False  # False: not computed yet
+        self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
         self._lock = threading.Lock()
@@ -176,16 +179,17 @@ class Plan:
     def page_runs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(host page numbers, device start rows)`` when both index tensors are whole runs of
         ``page_size`` consecutive slots (host runs page-aligned), as allocators hand them out; else ``None``."""
-        if self._page_runs is False:
-            self._page_runs = _page_runs(self.h, self.d, self.binding.spec.page_size)
-        return self._page_runs  # type: ignore[return-value]
+        if self._page_runs is None:
+            self._page_runs = (_page_runs(self.h, self.d, self.binding.spec.page_size),)
+        return self._page_runs[0]
 
     def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
         a = seg.segment.addressing
         ps = self.binding.spec.page_size
-        pages = self.page_runs
-        if pages is not None and a.row_contiguous and a.token == seg.width and stride == seg.width:
+        whole_rows = a.row_contiguous and a.chunks(seg.width) * a.chunk_bytes == seg.width
+        pages = self.page_runs if whole_rows and a.token == seg.width and stride == seg.width else None
+        if pages is not None:
             # rows adjacent on both sides: each page is one block (what coalescing its rows would give),
             # computed from 1/page_size of the elements
             hp, dp = pages

@@ -253,8 +253,10 @@ def test_kernel_switch_maps_unassigned_kernel_cells_to_auto(monkeypatch, caplog)
     assert [decide("measured", *c) for c in (gap, stock, taken, direct_gap)] == ["auto", None, "direct", "direct"]
     assert [decide(m, *stock) for m in ("all", "gaps", "off")] == ["auto", None, None]
     monkeypatch.setenv(mode.ENV_KERNEL, "triton")
+    monkeypatch.setattr(mode, "_warned", set())  # logged once per process: start from none
     with caplog.at_level("ERROR", logger=mode.__name__):
         assert decide("measured", *gap) == "kernel" and decide("all", *stock) == "kernel"
+        assert decide("off", *stock) is None  # off reads no switch
     assert [r.getMessage() for r in caplog.records] == [
         "HICACHE_SGLANG_KERNEL='triton': use one of kernel, auto; using 'kernel'"]
 

@@ -20,7 +20,8 @@
 ``HICACHE_SGLANG_KERNEL`` (read at every call) names the hicache io_backend that
 serves SGLang ``kernel`` calls wherever the takeover table names none: ``kernel``
 (default: hicache's Triton kernels, the same mechanism) or ``auto`` (the copy
-engine where its blocks are large enough, e.g. every backup, else the kernel).
+engine where every block it would copy is large enough, as in the all-layer
+backups of the benchmarked pools; the layout's kernel otherwise).
 """
 
 from __future__ import annotations
@@ -189,9 +190,9 @@ def hicache_io_backend(
     maps to :func:`kernel_backend` and ``direct`` to ``direct``.  The caller falls back to
     :data:`IO_BACKENDS` when the chosen io_backend has no strategy for the key.
     """
-    exact = kernel_backend() if io_backend == "kernel" else IO_BACKENDS.get(io_backend)
-    if mode == "off" or exact is None:
+    if mode == "off" or io_backend not in IO_BACKENDS:
         return None
+    exact = kernel_backend() if io_backend == "kernel" else IO_BACKENDS[io_backend]
     if mode == "all":
         return exact
     gap = not stock_serves(kind, layout, io_backend, sharded, op, can_use_jit=can_use_jit,
