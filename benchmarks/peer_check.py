@@ -16,8 +16,9 @@ import torch
 
 __all__ = ["PeerMismatch", "ALL_OPS", "check_bit_exact", "sync"]
 
-#: Operations a target may support (``load_burst`` is ``load_layer`` over every layer).
-ALL_OPS = ("backup_all_layers", "load_layer", "load_burst")
+#: Operations a target may support (``load_burst`` is ``load_layer`` over every layer;
+#: ``load_burst_new`` the same with index tensors it has not seen, as each new batch brings).
+ALL_OPS = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new")
 
 
 class PeerMismatch(AssertionError):

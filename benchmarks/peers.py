@@ -13,7 +13,8 @@ row with the error; nothing aborts the run.
 
 Operations: ``backup_all_layers`` (D2H, all layers, one call), ``load_layer`` (H2D, one
 layer), ``load_burst`` (H2D, ``load_layer`` of every layer back to back, as a forward
-pass issues them).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
+pass issues them), ``load_burst_new`` (the same with index tensors the target has not
+seen: what each new batch pays for per-pair plans and index copies).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
 direction, CTAs/programs, slowdown of a bf16 GEMM on another stream while the operation
 runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time per
 call (per layer call for bursts), bit-exact.  Rows go to ``<out>/peers.json`` after
@@ -28,6 +29,7 @@ Usage (CUDA machine, SGLang/LMCache installed as ``dev/gpu_peers.sh`` does)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -63,6 +65,8 @@ __all__ = ["PeerRow", "ROW_FIELDS", "DEFAULT_CELLS", "add_arguments", "parse_arg
 #: Most important first: a run cut short by its time budget still has them.
 DEFAULT_CELLS = "mla61x576-bf16@4096,mla61x656-fp8@4096,mha80x8x128-bf16@4096,mla61x576-bf16@32768"
 DEFAULT_LAYOUTS = "layer_first,page_first"
+#: Index tensor pairs ``load_burst_new`` cycles through: more than any per-pool memo keeps.
+NEW_INDEX_PAIRS = 32
 JSON_NAME = "peers.json"
 
 
@@ -316,10 +320,20 @@ def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostK
         for layer in layers:
             target.load_layer(layer, h, idx["d"])
 
+    # the same values in tensors the target has not seen (more pairs than any memo keeps), as each batch brings
+    fresh = [(h.clone(), idx["d"].clone()) for _ in range(NEW_INDEX_PAIRS)]
+    turn = itertools.cycle(fresh)
+
+    def burst_new() -> None:
+        hn, dn = next(turn)
+        for layer in layers:
+            target.load_layer(layer, hn, dn)
+
     calls = {
         "backup_all_layers": (lambda: target.backup_all_layers(h, idx["s"]), 1, total, True),
         "load_layer": (lambda: target.load_layer(mid, h, idx["d"]), 1, total // len(layers), False),
         "load_burst": (burst, len(layers), total, False),
+        "load_burst_new": (burst_new, len(layers), total, False),
     }
     for op in args.ops:
         if op not in target.ops_supported:
