@@ -14,7 +14,6 @@ descriptor count.  Results go to ``<out>/ce_probe.json``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -43,13 +42,7 @@ def _submit(rt: cudart.CudaRuntime, d: torch.Tensor, s: torch.Tensor, z: torch.T
     start = 0
     for count in schedule:
         off = start * 8
-        if rt.version >= 13000:
-            err = rt._batch(d.data_ptr() + off, s.data_ptr() + off, z.data_ptr() + off, count, ctypes.byref(attrs),
-                            rt._attr_idx, 1, stream)
-        else:
-            fail = ctypes.c_size_t(0)
-            err = rt._batch(d.data_ptr() + off, s.data_ptr() + off, z.data_ptr() + off, count, ctypes.byref(attrs),
-                            rt._attr_idx, 1, ctypes.byref(fail), stream)
+        err = rt.submit_batch(d.data_ptr() + off, s.data_ptr() + off, z.data_ptr() + off, count, stream, attrs)
         if err:
             raise RuntimeError(rt.error_string(err))
         start += count

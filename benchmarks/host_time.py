@@ -43,16 +43,9 @@ def _sync_us(fn, reps: int) -> float:
 def _fresh_us(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int, reps: int) -> float:
     """Median host time of a ``load_layer`` whose index tensors are new objects (same values): what the
     first per-layer call of every batch pays (plans and index copies are memoised per tensor object)."""
-    times, alive = [], []  # keep every pair alive: a freed tensor's id could be reused and hit a memo
-    for _ in range(reps):
-        hf, df = h.clone(), d.clone()
-        alive.append((hf, df))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pool.load_layer(layer, hf, df)
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    pairs = [(h.clone(), d.clone()) for _ in range(reps)]  # all alive: a freed tensor's id could hit a memo
+    it = iter(pairs)
+    return _sync_us(lambda: pool.load_layer(layer, *next(it)), reps)
 
 
 def _burst_us(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, rounds: int) -> float:

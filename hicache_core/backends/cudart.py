@@ -163,16 +163,29 @@ class CudaRuntime:
         for count in batch_schedule(n):
             off = start * 8
             start += count
-            if self.version >= 13000:
-                err = self._batch(d + off, s + off, z + off, count, ctypes.byref(self._attrs), self._attr_idx, 1, stream)
-            else:
-                fail = getattr(self._fail_idx, "v", None)
-                if fail is None:
-                    fail = self._fail_idx.v = ctypes.c_size_t(0)
-                err = self._batch(d + off, s + off, z + off, count, ctypes.byref(self._attrs), self._attr_idx, 1,
-                                  ctypes.byref(fail), stream)
+            err = self.submit_batch(d + off, s + off, z + off, count, stream)
             if err:
                 self._raise("cudaMemcpyBatchAsync", err)
+
+    def submit_batch(self, dsts: int, srcs: int, sizes: int, count: int, stream: int,
+                     attrs: _MemcpyAttributes | None = None) -> int:
+        """One ``cudaMemcpyBatchAsync`` call of ``count`` descriptors whose address and size arrays
+        start at ``dsts``/``srcs``/``sizes`` (host addresses of int64 arrays); returns the cudaError.
+
+        ``attrs`` replaces the default attributes (source access order ``stream``), e.g. for
+        ``benchmarks/ce_probe.py``.  Needs :attr:`has_batch`.
+        """
+        batch = self._batch
+        if batch is None:
+            raise RuntimeError("cudaMemcpyBatchAsync needs CUDA runtime and driver >= 12.8; use copy_batch, which "
+                               "falls back to one cudaMemcpyAsync per descriptor")
+        a = ctypes.byref(self._attrs if attrs is None else attrs)
+        if self.version >= 13000:
+            return int(batch(dsts, srcs, sizes, count, a, self._attr_idx, 1, stream))
+        fail = getattr(self._fail_idx, "v", None)
+        if fail is None:
+            fail = self._fail_idx.v = ctypes.c_size_t(0)
+        return int(batch(dsts, srcs, sizes, count, a, self._attr_idx, 1, ctypes.byref(fail), stream))
 
     def _copy_each(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
         for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):

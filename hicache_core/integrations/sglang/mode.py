@@ -63,6 +63,13 @@ _POOL_MODULES = {
 _warned: set[str] = set()
 
 
+def _error_once(message: str) -> None:
+    """Log ``message`` at ERROR the first time this process sees it (settings are read at every call)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.error("%s", message)
+
+
 def parse_mode(value: str | None) -> str:
     """The mode named by ``value`` (case and surrounding blanks ignored; empty or ``None``: the default).
 
@@ -80,9 +87,7 @@ def current_mode() -> str:
     try:
         return parse_mode(value)
     except ConfigError as exc:
-        if str(value) not in _warned:
-            _warned.add(str(value))
-            logger.error("%s; using %r", exc, DEFAULT_MODE)
+        _error_once(f"{exc}; using {DEFAULT_MODE!r}")
         return DEFAULT_MODE
 
 
@@ -93,11 +98,7 @@ def kernel_backend() -> str:
     choice = (value or "").strip().lower() or KERNEL_BACKENDS[0]
     if choice in KERNEL_BACKENDS:
         return choice
-    key = f"{ENV_KERNEL}={value}"
-    if key not in _warned:
-        _warned.add(key)
-        logger.error("%s=%r: use one of %s; using %r", ENV_KERNEL, value, ", ".join(KERNEL_BACKENDS),
-                     KERNEL_BACKENDS[0])
+    _error_once(f"{ENV_KERNEL}={value!r}: use one of {', '.join(KERNEL_BACKENDS)}; using {KERNEL_BACKENDS[0]!r}")
     return KERNEL_BACKENDS[0]
 
 
@@ -171,9 +172,7 @@ def _table_backend(cell: Cell) -> str | None:
     try:
         return active_table().serving(cell)
     except TakeoverTableError as exc:
-        if str(exc) not in _warned:
-            _warned.add(str(exc))
-            logger.error("%s; hicache serves only the cells SGLang cannot until it is fixed", exc)
+        _error_once(f"{exc}; hicache serves only the cells SGLang cannot until it is fixed")
         return None
 
 
