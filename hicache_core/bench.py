@@ -26,6 +26,7 @@ import torch
 from .pool import HostKVPool, allocate_host_buffers
 from .registry import Registry, create_registry
 from .spec import LayerMap, PoolSpec
+from .testing.conformance import DEVICE_PLACEMENTS
 
 __all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
 
@@ -63,7 +64,10 @@ OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "lo
 #: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps).
 GEMM_OPS = ("backup_all_layers", "load_burst")
 #: ``direct`` variants: strategy options per label (``--direct-variants``).
-DIRECT_VARIANTS = {"auto": {"staging": "auto"}, "never": {"staging": "never"}, "always": {"staging": "always"}}
+DIRECT_VARIANTS = {"auto": {"staging": "auto"}, "never": {"staging": "never"}, "always": {"staging": "always"},
+                   "unpitched": {"staging": "auto", "pitched": "never"}}
+#: Device layer placement of the benchmark's pools (see :func:`_device_buffers`).
+ENV_PLACEMENT = "HICACHE_BENCH_PLACEMENT"
 
 
 @dataclass
@@ -188,14 +192,24 @@ def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int =
     return statistics.median(busy) / statistics.median(alone) - 1.0
 
 
-def _device_buffers(spec: PoolSpec, rows: int) -> dict[str, list[torch.Tensor | None]]:
+def _device_buffers(spec: PoolSpec, rows: int, placement: str | None = None) -> dict[str, list[torch.Tensor | None]]:
+    """Random per-layer device tensors; ``placement`` (default ``$HICACHE_BENCH_PLACEMENT`` or
+    ``separate``): one allocation per layer as SGLang's pools make them, or the layers of one
+    allocation at ascending / descending addresses (``one-allocation``, ``one-allocation-descending``)."""
+    placement = placement or os.environ.get(ENV_PLACEMENT, "").strip() or "separate"
+    if placement not in DEVICE_PLACEMENTS:
+        raise ValueError(f"{ENV_PLACEMENT}={placement!r}: use one of {', '.join(DEVICE_PLACEMENTS)}")
     out: dict[str, list[torch.Tensor | None]] = {}
+    layers = spec.layer_map.num_device_layers
     for comp in spec.components:
         items = comp.row_bytes // comp.itemsize
-        out[comp.name] = [
-            torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, device=spec.device).view(comp.dtype).view(rows, items)
-            for _ in range(spec.layer_map.num_device_layers)
-        ]
+        if placement == "separate":
+            raws = [torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, device=spec.device)
+                    for _ in range(layers)]
+        else:
+            one = torch.randint(0, 256, (layers, rows, comp.row_bytes), dtype=torch.uint8, device=spec.device)
+            raws = [one[k] for k in (range(layers) if placement == "one-allocation" else reversed(range(layers)))]
+        out[comp.name] = [r.view(comp.dtype).view(rows, items) for r in raws]
     return out
 
 
@@ -236,7 +250,7 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
     if backend == "kernel":
         return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
     if backend == "direct":
-        return [(f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
+        return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
     return [("", None)]
 
 

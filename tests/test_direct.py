@@ -202,9 +202,9 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert "~0.50 us per descriptor, ~6 us per runtime call" in auto[0]
     assert auto[0].endswith("otherwise the kernel (none available here)")
     assert auto[2] == ("auto: backup_all_layers of all 64 slots -> direct (blocks of 73728 B and up, 73728 B on "
-                       "average, over 4 descriptors, staged; large enough, host cannot keep up)")
+                       "average, over 4 copy-engine operations, staged; large enough, host cannot keep up)")
     assert auto[3] == ("auto: load_layer of all 64 slots -> direct (blocks of 1152 B and up, 1152 B on average, over "
-                       "64 descriptors; too small, host cannot keep up)")
+                       "64 copy-engine operations; too small, host cannot keep up)")
 
 
 def test_staging_buffers_grow_without_deadlock_and_serialise_runs_per_stream():
@@ -386,3 +386,65 @@ def test_auto_needs_every_block_large_not_just_the_mean():
         sub = pool.strategy.submission(pool.binding, h, h + spec.capacity, layer)
         chosen = auto.pick(pool.binding, h, h + spec.capacity, layer, to_host=to_host)
         assert ("direct" if chosen is pool.strategy else "kernel") == want, (layout, sub.smallest_block, sub.mean_block)
+
+
+PITCH_CASES = [c for c in CASES if c.id in (
+    "mla576-bf16-ps16-strided", "mla576-bf16-ps64-splitdev", "mla576-fp8-ps16-sharded5of2r1", "mla-dsa-extra-ps4",
+    "mha-bf16-ps16-vdim-strided", "mha-fp32-ps64-sharded3of2r0", "mha-fp16-ps128-drafts")]
+
+
+@pytest.mark.parametrize("pitched", ["auto", "never"])
+@pytest.mark.parametrize("placement", ["one-allocation", "one-allocation-descending"])
+@pytest.mark.parametrize("case", PITCH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pitched_copies_round_trip(monkeypatch, hicache_device, layout, case, placement, pitched):
+    """Device layers carved from one allocation: at ascending addresses all-layer backups move each block
+    across the layers as one pitched copy, at descending ones plain descriptors; bytes equal the reference
+    and canaries stay put either way."""
+    if not _served(case, layout):
+        pytest.skip(f"{layout} does not hold {case.id}")
+    monkeypatch.setenv("HICACHE_DIRECT_PITCHED", pitched)
+    monkeypatch.setenv("HICACHE_DIRECT_STAGING", "never")
+    seen = []
+    real = Plan._plain
+
+    def spy(self, layer):
+        sub = real(self, layer)
+        seen.append((layer, sub.pitched_count))
+        return sub
+    monkeypatch.setattr(Plan, "_plain", spy)
+    pool = check_strategy(REG, case, layout, "direct", strategy="core.direct", device=hicache_device, placement=placement)
+    check_strategy(REG, case, layout, "direct", strategy="core.direct", device=hicache_device, placement=placement,
+                   per_layer_backup=True, variant="one-page-i32")
+    assert all(k == 0 for layer, k in seen if layer is not None)  # one layer: nothing to span
+    all_layers = [k for layer, k in seen if layer is None]
+    enabled = pool.binding.scratch["direct.plans"].pitched
+    assert all_layers
+    if pitched == "never" or placement == "one-allocation-descending":  # pitches are positive only
+        assert set(all_layers) == {0}
+    elif enabled:
+        assert all(k > 0 for k in all_layers)
+    if hicache_device.type == "cpu":  # the CPU runs pitched copies row by row
+        assert enabled == (pitched == "auto")
+
+
+def test_pitched_mode_is_validated(monkeypatch):
+    with pytest.raises(ConfigError, match="HICACHE_DIRECT_PITCHED"):
+        DirectStrategy(pitched="sometimes")
+    monkeypatch.setenv("HICACHE_DIRECT_PITCHED", "bogus")
+    with pytest.raises(ConfigError, match="use one of auto, never"):
+        DirectStrategy()
+
+
+def test_pitched_submission_counts_operations_rows_and_host_time():
+    """61 evenly spaced layers of 64 pages: 64 pitched operations of 61 rows, not 3904 descriptors."""
+    from hicache_core.backends.pitched import Pitched
+    from hicache_core.backends.plans import PITCHED_OP_US, Submission
+
+    k = 64
+    full = lambda v: torch.full((k,), v, dtype=torch.int64)  # noqa: E731
+    empty = torch.empty(0, dtype=torch.int64)
+    sub = Submission(empty, empty, empty, pitched=Pitched(full(0), full(0), full(73728), full(61), full(1 << 20), full(-(1 << 21))))
+    assert (sub.count, sub.blocks, sub.nbytes) == (64, 64 * 61, 64 * 61 * 73728)
+    assert sub.smallest_block == 73728 and sub.mean_block == 73728
+    assert sub.host_us(0.5, 6.0) == pytest.approx(64 * PITCHED_OP_US + 4 * 6.0)

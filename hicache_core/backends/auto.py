@@ -209,7 +209,8 @@ class AutoStrategy:
             pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
             out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
                        f"{sub.mean_block:.0f} B on average, over "
-                       f"{sub.count} descriptors{', staged' if sub.staged is not None else ''}; "
+                       f"{sub.count} copy-engine operations{', staged' if sub.staged is not None else ''}"
+                       f"{f', {sub.pitched_count} of them pitched' if sub.pitched_count else ''}; "
                        f"{'large enough' if big else 'too small'}, host {'keeps up' if fed else 'cannot keep up'})")
         return out
 

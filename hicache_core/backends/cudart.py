@@ -19,11 +19,12 @@ import glob
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-__all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls"]
+__all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls",
+           "submit_in_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,16 @@ def batch_schedule(n: int) -> list[int]:
 def batch_calls(n: int) -> int:
     """Runtime calls :meth:`CudaRuntime.copy_batch` makes for ``n`` descriptors (each costs ~6 us of host time)."""
     return len(batch_schedule(n))
+
+
+def submit_in_schedule(n: int, submit: Callable[[int, int], int], call: str, rt: CudaRuntime) -> None:
+    """Call ``submit(start, count)`` for the slices of :func:`batch_schedule` ``(n)``; raise on a cudaError."""
+    start = 0
+    for count in batch_schedule(n):
+        err = submit(start, count)
+        if err:
+            rt._raise(call, err)
+        start += count
 
 
 class _MemLocation(ctypes.Structure):
@@ -125,6 +136,12 @@ class CudaRuntime:
             else:  # 12.8/12.9: ..., size_t numAttrs, size_t* failIdx, cudaStream_t
                 self._batch.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp, vp]
             self._batch.restype = ctypes.c_int
+        # cudaMemcpy3DBatchAsync: CUDA 12.8 (numOps, opList, size_t* failIdx, flags, stream); 13.x drops failIdx
+        self._batch3d = getattr(lib, "cudaMemcpy3DBatchAsync", None) if batch_ok else None
+        if self._batch3d is not None:
+            ull = ctypes.c_ulonglong
+            self._batch3d.argtypes = [sz, vp, ull, vp] if self.version >= 13000 else [sz, vp, vp, ull, vp]
+            self._batch3d.restype = ctypes.c_int
         self._attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = threading.local()
@@ -133,6 +150,11 @@ class CudaRuntime:
     def has_batch(self) -> bool:
         """Whether ``cudaMemcpyBatchAsync`` is available (CUDA runtime >= 12.8)."""
         return self._batch is not None
+
+    @property
+    def has_batch3d(self) -> bool:
+        """Whether ``cudaMemcpy3DBatchAsync`` is available (pitched copies in one call; CUDA >= 12.8)."""
+        return getattr(self, "_batch3d", None) is not None
 
     def error_string(self, code: int) -> str:
         msg = self._lib.cudaGetErrorString(code)
@@ -159,13 +181,32 @@ class CudaRuntime:
             return
         stream = stream or STREAM_PER_THREAD
         d, s, z = dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr()
-        start = 0
-        for count in batch_schedule(n):
-            off = start * 8
-            start += count
-            err = self.submit_batch(d + off, s + off, z + off, count, stream)
-            if err:
-                self._raise("cudaMemcpyBatchAsync", err)
+        submit_in_schedule(n, lambda start, count: self.submit_batch(d + 8 * start, s + 8 * start, z + 8 * start,
+                                                                     count, stream), "cudaMemcpyBatchAsync", self)
+
+    def copy_3d_batch(self, ops: torch.Tensor, stream: int) -> None:
+        """Enqueue the ``cudaMemcpy3DBatchOp`` array ``ops`` (a contiguous CPU int64 ``[n, 14]`` tensor,
+        :func:`.pitched.ops_tensor`) on ``stream`` in the calls of :func:`batch_schedule`.  Needs :attr:`has_batch3d`."""
+        n = int(ops.shape[0])
+        if n == 0:
+            return
+        stream = stream or STREAM_PER_THREAD
+        base, op_bytes = ops.data_ptr(), ops.shape[1] * 8
+        submit_in_schedule(n, lambda start, count: self.submit_3d(base + op_bytes * start, count, stream),
+                           "cudaMemcpy3DBatchAsync", self)
+
+    def submit_3d(self, ops: int, count: int, stream: int) -> int:
+        """One ``cudaMemcpy3DBatchAsync`` call of ``count`` operations starting at host address ``ops``;
+        returns the cudaError."""
+        fn = getattr(self, "_batch3d", None)
+        if fn is None:
+            raise RuntimeError("cudaMemcpy3DBatchAsync needs CUDA runtime and driver >= 12.8")
+        if self.version >= 13000:
+            return int(fn(count, ops, 0, stream))
+        fail = getattr(self._fail_idx, "v", None)
+        if fail is None:
+            fail = self._fail_idx.v = ctypes.c_size_t(0)
+        return int(fn(count, ops, ctypes.byref(fail), 0, stream))
 
     def submit_batch(self, dsts: int, srcs: int, sizes: int, count: int, stream: int,
                      attrs: _MemcpyAttributes | None = None) -> int:

@@ -37,7 +37,8 @@ from .memcpy import BatchCopier
 from .plans import PlanCache, Submission, coalesce
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
-__all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "STAGING_MODES"]
+__all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
+           "PITCHED_MODES"]
 
 #: ``auto`` (default: staged where it gives the copy engine larger blocks), ``always``
 #: (wherever whole pages allow it) or ``never``.
@@ -45,6 +46,10 @@ ENV_STAGING = "HICACHE_DIRECT_STAGING"
 #: Bytes of device staging per stream (default 512 MiB, two halves); larger calls go in chunks.
 ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
 STAGING_MODES = ("auto", "always", "never")
+#: ``auto`` (default: pitched copies across evenly spaced layers where the runtime has
+#: ``cudaMemcpy3DBatchAsync``) or ``never`` (one plain descriptor per block and layer).
+ENV_PITCHED = "HICACHE_DIRECT_PITCHED"
+PITCHED_MODES = ("auto", "never")
 
 
 class DirectStrategy(DirectionalStrategy):
@@ -52,13 +57,19 @@ class DirectStrategy(DirectionalStrategy):
 
     :param staging: ``auto``, ``always`` or ``never`` (default: ``$HICACHE_DIRECT_STAGING`` or ``auto``).
     :param staging_bytes: device staging budget per stream, in bytes.
+    :param pitched: ``auto`` or ``never`` (default: ``$HICACHE_DIRECT_PITCHED`` or ``auto``): whether
+        all-layer transfers may move a block across evenly spaced layers as one pitched copy.
     """
 
-    def __init__(self, staging: str | None = None, staging_bytes: int | None = None) -> None:
+    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None) -> None:
         mode = staging if staging is not None else (os.environ.get(ENV_STAGING, "auto").strip().lower() or "auto")
         if mode not in STAGING_MODES:
             raise ConfigError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
         self.staging = mode
+        pmode = pitched if pitched is not None else (os.environ.get(ENV_PITCHED, "auto").strip().lower() or "auto")
+        if pmode not in PITCHED_MODES:
+            raise ConfigError(f"direct pitched={pmode!r} (or {ENV_PITCHED}): use one of {', '.join(PITCHED_MODES)}")
+        self.pitched = pmode
         if staging_bytes is None:
             raw = os.environ.get(ENV_STAGING_BYTES, "").strip()
             try:
@@ -80,7 +91,8 @@ class DirectStrategy(DirectionalStrategy):
     def prepare(self, binding: PoolBinding) -> None:
         copier = BatchCopier(binding.device)
         binding.scratch["direct.copier"] = copier
-        binding.scratch["direct.plans"] = PlanCache(binding, self.staging, self.staging_bytes)
+        binding.scratch["direct.plans"] = PlanCache(binding, self.staging, self.staging_bytes,
+                                                    self.pitched == "auto" and copier.pitched_support())
         binding.scratch["direct.staging"] = StagingBuffers(binding.device)
 
     def submission(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -101,6 +113,8 @@ class DirectStrategy(DirectionalStrategy):
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if sub.staged is None:
+            if sub.pitched is not None:
+                copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream)
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
             copier.copy(dst, src, sub.lens, stream)
             return

@@ -22,6 +22,7 @@ from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
 from ..validate import tensor_version
 from .common import as_long
+from .pitched import MIN_HEIGHT, Pitched, expand, group_bases, ops_tensor
 
 if TYPE_CHECKING:
     from .staging import StagedRoute
@@ -34,6 +35,15 @@ MEMO_SLOTS = 8
 STAGE_BELOW = 64 * 1024
 #: ... and staging makes the copy engine's blocks at least this many times larger.
 STAGE_GAIN = 2
+#: Host time of one pitched (2D) operation inside ``cudaMemcpy3DBatchAsync``: about 2.7 us for 61 rows
+#: of 72 KB on the H200 (benchmarks/ce2d_probe.py), where the same rows as plain descriptors cost ~0.5 us each.
+PITCHED_OP_US = 3.0
+#: Largest layer pitch a pitched operation may use (5 GiB verified on the H200; beyond the 2 GiB
+#: ``cudaDevAttrMaxPitch`` of 2D copies, which ``cudaMemcpy3DBatchAsync`` does not apply).  Pitches
+#: are positive: a descending device layer step (as separately allocated layers often get) copies
+#: correctly through the size_t wrap-around but the runtime then moves it at 0.41 of memcpy with 9.6 ms
+#: of host time for a 61-layer backup, worse than plain descriptors (docs/performance.md).
+MAX_PITCH = 1 << 40
 
 
 def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,22 +62,43 @@ def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.T
 
 @dataclass
 class Submission:
-    """What one transfer submits: plain runs (``host``/``dev``/``lens``) or a staged route."""
+    """What one transfer submits: plain runs (``host``/``dev``/``lens``) plus pitched copies of the
+    same block across evenly spaced layers (``pitched``), or a staged route."""
 
     host: torch.Tensor
     dev: torch.Tensor
     lens: torch.Tensor
     staged: StagedRoute | None = None
+    pitched: Pitched | None = None
+
+    def __post_init__(self) -> None:
+        self._ops: dict[bool, torch.Tensor] = {}
+
+    def pitched_ops(self, to_host: bool) -> torch.Tensor:
+        """The ``cudaMemcpy3DBatchOp`` array of :attr:`pitched` for one direction (built once)."""
+        assert self.pitched is not None
+        ops = self._ops.get(to_host)
+        if ops is None:
+            ops = self._ops[to_host] = ops_tensor(self.pitched, to_host=to_host)
+        return ops
+
+    @property
+    def pitched_count(self) -> int:
+        return self.pitched.count if self.pitched is not None else 0
 
     @property
     def count(self) -> int:
-        """Copy-engine descriptors per transfer."""
-        return self.staged.count if self.staged is not None else int(self.lens.numel())
+        """Copy-engine operations per transfer (plain descriptors plus pitched operations)."""
+        if self.staged is not None:
+            return self.staged.count
+        return int(self.lens.numel()) + self.pitched_count
 
     @property
     def nbytes(self) -> int:
         """Bytes the copy engine moves per transfer."""
-        return self.staged.nbytes if self.staged is not None else int(self.lens.sum())
+        if self.staged is not None:
+            return self.staged.nbytes
+        return int(self.lens.sum()) + (self.pitched.nbytes if self.pitched is not None else 0)
 
     def host_us(self, submit_us: float, call_us: float = 0.0) -> float:
         """Estimated host time to submit this transfer: ``submit_us`` per copy-engine descriptor,
@@ -77,7 +108,8 @@ class Submission:
         from .staging import LAUNCH_US
 
         if self.staged is None:
-            return self.count * submit_us + batch_calls(self.count) * call_us
+            n, k = int(self.lens.numel()), self.pitched_count
+            return n * submit_us + batch_calls(n) * call_us + k * PITCHED_OP_US + batch_calls(k) * call_us
         st = self.staged
         pages = int(st.pages.numel())
         per_page = st.count // pages if pages else 0
@@ -91,12 +123,21 @@ class Submission:
         and small host-to-device ones cost the host too)."""
         if self.staged is not None:
             return min(int(im.lens.min()) for im in self.staged.images) if self.staged.images else 0
-        return int(self.lens.min()) if self.lens.numel() else 0
+        mins = [int(t.min()) for t in (self.lens, self.pitched.width if self.pitched is not None else self.lens)
+                if t.numel()]
+        return min(mins) if mins else 0
+
+    @property
+    def blocks(self) -> int:
+        """Contiguous blocks the copy engine moves (a pitched operation moves one per row)."""
+        if self.staged is not None:
+            return self.staged.count
+        return int(self.lens.numel()) + (int(self.pitched.height.sum()) if self.pitched is not None else 0)
 
     @property
     def mean_block(self) -> float:
-        """Mean bytes per copy-engine descriptor (what decides copy-engine efficiency)."""
-        return self.nbytes / self.count if self.count else 0.0
+        """Mean bytes per contiguous block (what decides copy-engine efficiency)."""
+        return self.nbytes / self.blocks if self.blocks else 0.0
 
 
 def _host_base(seg: BoundSegment, e: int) -> int:
@@ -135,8 +176,9 @@ class Plan:
     """Descriptor arrays for one pair of index tensors, per layer selection."""
 
     def __init__(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                 staging: str, staging_bytes: int) -> None:
+                 staging: str, staging_bytes: int, pitched: bool = False) -> None:
         self.binding = binding
+        self.pitched = pitched
         self.h = as_long(host_indices, "cpu")
         self.d = as_long(device_indices, "cpu")
         rows, cap = binding.device_rows, binding.spec.capacity
@@ -211,24 +253,52 @@ class Plan:
 
     def _plain(self, layer: int | None) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
-        burst of per-layer calls builds the tables once and then only picks rows."""
-        hosts, devs, lens = [], [], []
+        burst of per-layer calls builds the tables once and then only picks rows.  Where the
+        selection spans evenly spaced layers, each run becomes one pitched copy over them."""
+        hosts, devs, lens, pitched = [], [], [], []
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
             for stride in sorted({seg.dev_strides[e] for e in entries}):
                 hm, dm, n, row = self._table(si, seg, stride)
                 rows = [row[e] for e in entries if seg.dev_strides[e] == stride]
-                if len(rows) == hm.shape[0]:
-                    hosts.append(hm.reshape(-1)); devs.append(dm.reshape(-1)); lens.append(n.repeat(len(rows)))
-                else:
-                    for r in rows:
-                        hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
+                groups = self._pitch_groups(si, seg, stride, rows, n)
+                if groups is None:
+                    if len(rows) == hm.shape[0]:
+                        hosts.append(hm.reshape(-1)); devs.append(dm.reshape(-1)); lens.append(n.repeat(len(rows)))
+                    else:
+                        for r in rows:
+                            hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
+                    continue
+                for g in groups:
+                    if len(g) >= MIN_HEIGHT:
+                        r0, r1 = g[0], g[1]
+                        hp, dp = hm[r1, 0] - hm[r0, 0], dm[r1, 0] - dm[r0, 0]
+                        k = n.numel()
+                        pitched.append(Pitched(hm[r0], dm[r0], n, torch.full((k,), len(g), dtype=torch.int64),
+                                               hp.expand(k).clone(), dp.expand(k).clone()))
+                    else:
+                        for r in g:
+                            hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
+        empty = torch.empty(0, dtype=torch.int64)
+        pitch = Pitched.cat(pitched) if pitched else None
         if not hosts:
-            empty = torch.empty(0, dtype=torch.int64)
-            return Submission(empty, empty, empty)
+            return Submission(empty, empty, empty, pitched=pitch)
         if len(hosts) == 1:
-            return Submission(hosts[0], devs[0], lens[0])
-        return Submission(torch.cat(hosts), torch.cat(devs), torch.cat(lens))
+            return Submission(hosts[0], devs[0], lens[0], pitched=pitch)
+        return Submission(torch.cat(hosts), torch.cat(devs), torch.cat(lens), pitched=pitch)
+
+    def _pitch_groups(self, si: int, seg: BoundSegment, stride: int, rows: list[int],
+                      n: torch.Tensor) -> list[list[int]] | None:
+        """Table rows ``rows`` split into evenly spaced groups (pitched copies) and singletons, or
+        ``None`` when no group has :data:`MIN_HEIGHT` rows (plain descriptors only)."""
+        if not self.pitched or len(rows) < MIN_HEIGHT or n.numel() == 0:
+            return None
+        hb, db, _ = _bases(self.binding, si, seg, stride)
+        host, dev = hb[rows].tolist(), db[rows].tolist()
+        groups = group_bases(host, dev, int(n.max()), MAX_PITCH)
+        if all(len(g) < MIN_HEIGHT for g in groups):
+            return None
+        return [[rows[i] for i in g] for g in groups]
 
     def _build(self, layer: int | None) -> Submission:
         plain = self._plain(layer)
@@ -250,9 +320,10 @@ class Plan:
 class PlanCache:
     """The last :data:`MEMO_SLOTS` plans of one pool, keyed by index tensors, versions and stream."""
 
-    def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int) -> None:
+    def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int, pitched: bool = False) -> None:
         self.binding = binding
         self.staging, self.staging_bytes = staging, staging_bytes
+        self.pitched = pitched
         self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
         self._lock = threading.Lock()
 
@@ -264,7 +335,7 @@ class PlanCache:
                 for h, hv0, d, dv0, s, plan in self._slots:
                     if h is host_indices and d is device_indices and hv0 == hv and dv0 == dv and s == stream:
                         return plan
-        plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes)
+        plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched)
         if memo:
             with self._lock:
                 self._slots.insert(0, (host_indices, hv, device_indices, dv, stream, plan))  # type: ignore[arg-type]

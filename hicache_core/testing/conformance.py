@@ -24,7 +24,8 @@ from ..pool import HostKVPool
 from ..registry import Registry
 from ..spec import Component, LayerMap, PoolSpec
 
-__all__ = ["Case", "CASES", "INDEX_VARIANTS", "make_device_buffers", "check_strategy", "random_bytes_like"]
+__all__ = ["Case", "CASES", "INDEX_VARIANTS", "DEVICE_PLACEMENTS", "make_device_buffers", "check_strategy",
+           "random_bytes_like"]
 
 CANARY = 0xA5
 
@@ -95,8 +96,18 @@ def _device_rows_needed(spec: PoolSpec) -> int:
     return 2 * spec.capacity + spec.page_size
 
 
-def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator) -> dict[str, list[torch.Tensor | None]]:
-    """Random per-layer device tensors for ``spec`` (strided views / split parts as ``case`` asks)."""
+#: How :func:`make_device_buffers` places a component's layers: one allocation each (``separate``,
+#: as SGLang's pools do), or views of one allocation at ascending or descending addresses (evenly
+#: spaced layers: the copy engine's pitched copies apply).
+DEVICE_PLACEMENTS = ("separate", "one-allocation", "one-allocation-descending")
+
+
+def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator,
+                        placement: str = "separate") -> dict[str, list[torch.Tensor | None]]:
+    """Random per-layer device tensors for ``spec`` (strided views / split parts as ``case`` asks,
+    layers placed as ``placement`` says, one of :data:`DEVICE_PLACEMENTS`)."""
+    if placement not in DEVICE_PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: use one of {', '.join(DEVICE_PLACEMENTS)}")
     n = _device_rows_needed(spec)
     out: dict[str, list[torch.Tensor | None]] = {}
     for comp in spec.components:
@@ -104,15 +115,18 @@ def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator) -> dic
         pieces = [(p.name, p.nbytes) for p in comp.parts] if case.split_parts and comp.parts else [(comp.name, comp.row_bytes)]
         for name, nbytes in pieces:
             items = nbytes // comp.itemsize
-            lst: list[torch.Tensor | None] = []
-            for d in range(spec.layer_map.num_device_layers):
-                if d not in layers:
-                    lst.append(None)
-                    continue
-                pad = 3 if case.strided else 0
-                raw = random_bytes_like(n, (items + pad) * comp.itemsize, spec.device, gen)
-                lst.append(raw.view(comp.dtype)[:, :items])
-            out[name] = lst
+            pad = 3 if case.strided else 0
+            width = (items + pad) * comp.itemsize
+            owned = sorted(layers)
+            if placement == "separate":
+                raws = [random_bytes_like(n, width, spec.device, gen) for _ in owned]
+            else:
+                one = random_bytes_like(len(owned) * n, width, spec.device, gen).view(len(owned), n, width)
+                order = range(len(owned)) if placement == "one-allocation" else reversed(range(len(owned)))
+                raws = [one[k] for k in order]
+            by_layer = dict(zip(owned, raws))
+            out[name] = [by_layer[d].view(comp.dtype)[:, :items] if d in by_layer else None
+                         for d in range(spec.layer_map.num_device_layers)]
     return out
 
 
@@ -204,11 +218,14 @@ def check_strategy(
     strategy: str | None = None,
     per_layer_backup: bool = False,
     seed: int = 0,
+    placement: str = "separate",
 ) -> HostKVPool:
-    """Run the round trip described in the module docstring; raise ``AssertionError`` on any difference."""
+    """Run the round trip described in the module docstring; raise ``AssertionError`` on any difference.
+
+    ``placement``: how the device layers are allocated (:data:`DEVICE_PLACEMENTS`)."""
     gen = torch.Generator().manual_seed(seed)
     spec = case.build(torch.device(device))
-    dev = make_device_buffers(spec, case, gen)
+    dev = make_device_buffers(spec, case, gen, placement)
     dev_ref = clone_buffers(dev)
     pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
     ref = HostKVPool(spec, layout, "reference", dev_ref, registry=registry, strategy="core.reference", pin_memory=False)
