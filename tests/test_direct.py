@@ -155,6 +155,27 @@ def test_auto_needs_no_index_values_where_no_block_can_be_large(monkeypatch):
     assert auto._block_bound(pool.binding, 1) == float("inf")
 
 
+@pytest.mark.skipif("page_first_kv_split" not in LAYOUTS, reason="needs the kv_split layout plugin")
+@pytest.mark.parametrize("layer, to_host", [(1, False), (2, True)])
+def test_auto_bounds_the_smallest_block_by_the_most_constrained_segment(monkeypatch, layer, to_host):
+    """A split MLA page holds the 512-wide nope part and the 64-wide rope part apart: one layer's rope
+    blocks (64 tokens x 128 B = 8 KB per page) can never reach the calibrated size, so auto picks the
+    kernel for one-layer calls without sizing a plan, however large the nope blocks are.  (All layers of
+    a page's rope part are one contiguous block that merges with the next page's: no bound there.)"""
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    pool = _mla_pool("page_first_kv_split", staging="auto", ps=64, layers=4, pages=8)
+    kernel = object()
+    auto = AutoStrategy()
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel, DEFAULT
+    monkeypatch.setattr(pool.strategy, "submission", lambda *a: pytest.fail("sized a plan"))
+    bound = auto._block_bound(pool.binding, layer)
+    assert bound < DEFAULT.min_block(to_host)
+    assert auto.pick(pool.binding, torch.arange(64), torch.arange(64, 128), layer, to_host=to_host) is kernel
+    assert auto._block_bound(pool.binding, None) == float("inf")
+
+
 @pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
 def test_page_image_merges_owned_layers_only():
     pool = _mla_pool("page_first", staging="always", ps=4, layers=4, pages=2)
@@ -394,13 +415,14 @@ PITCH_CASES = [c for c in CASES if c.id in (
 
 
 @pytest.mark.parametrize("pitched", ["auto", "never"])
-@pytest.mark.parametrize("placement", ["one-allocation", "one-allocation-descending"])
+@pytest.mark.parametrize("placement", ["separate", "one-allocation", "one-allocation-descending"])
 @pytest.mark.parametrize("case", PITCH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pitched_copies_round_trip(monkeypatch, hicache_device, layout, case, placement, pitched):
-    """Device layers carved from one allocation: at ascending addresses all-layer backups move each block
-    across the layers as one pitched copy, at descending ones plain descriptors; bytes equal the reference
-    and canaries stay put either way."""
+    """Device layers carved from one allocation at ascending addresses: all-layer backups move each block
+    across the layers as one pitched copy; descending or separately allocated layers (even where the
+    allocator spaced them evenly) keep plain descriptors.  Bytes equal the reference and canaries stay
+    put either way."""
     if not _served(case, layout):
         pytest.skip(f"{layout} does not hold {case.id}")
     monkeypatch.setenv("HICACHE_DIRECT_PITCHED", pitched)
@@ -420,7 +442,7 @@ def test_pitched_copies_round_trip(monkeypatch, hicache_device, layout, case, pl
     all_layers = [k for layer, k in seen if layer is None]
     enabled = pool.binding.scratch["direct.plans"].pitched
     assert all_layers
-    if pitched == "never" or placement == "one-allocation-descending":  # pitches are positive only
+    if pitched == "never" or placement != "one-allocation":  # one allocation, positive pitches only
         assert set(all_layers) == {0}
     elif enabled:
         assert all(k > 0 for k in all_layers)
@@ -448,3 +470,36 @@ def test_pitched_submission_counts_operations_rows_and_host_time():
     assert (sub.count, sub.blocks, sub.nbytes) == (64, 64 * 61, 64 * 61 * 73728)
     assert sub.smallest_block == 73728 and sub.mean_block == 73728
     assert sub.host_us(0.5, 6.0) == pytest.approx(64 * PITCHED_OP_US + 4 * 6.0)
+
+
+def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy():
+    """Small calls first on an idle stream; one call per 512 descriptors in a burst (a submission right after
+    the previous one) or once the copies queued earlier (drained no faster than 64 GB/s) outlast the host
+    time of the submission; streams are separate."""
+    from hicache_core.backends.cudart import batch_schedule
+    from hicache_core.backends.memcpy import QueueClock
+
+    t = [100.0]
+    clock = QueueClock(now=lambda: t[0])
+    assert clock.eager(7, 50.0)  # nothing queued yet
+    clock.queued(7, 64_000 * 300, since=t[0] - 50e-6)  # 19.2 MB: at least 300 us of work, ended now
+    assert not clock.eager(7, 1.0) and clock.eager(8, 1.0)  # back to back on stream 7: a burst
+    t[0] += 150e-6  # past the burst gap; 100 us of queued work left
+    assert not clock.eager(7, 50.0) and clock.eager(7, 150.0) and clock.eager(8, 1.0)
+    t[0] += 60e-6
+    assert clock.eager(7, 50.0) and not clock.eager(7, 30.0)  # 40 us left
+    clock.queued(7, 64_000 * 100, since=t[0])  # queued behind the rest: 140 us left
+    t[0] += 101e-6
+    assert not clock.eager(7, 30.0) and clock.eager(7, 40.0)  # 39 us left
+    t[0] += 1.0
+    assert clock.eager(7, 0.0)  # long drained, long idle
+    assert batch_schedule(64, eager=False) == [64] and batch_schedule(1200, eager=False) == [512, 512, 176]
+    assert batch_schedule(0, eager=False) == []
+
+
+@pytest.mark.parametrize("version", [12080, 13000])
+def test_copy_batch_not_eager_makes_the_fewest_calls(version):
+    rt, calls = _fake_runtime(version)
+    d, s, z = (torch.arange(600, dtype=torch.int64) * k for k in (8, 16, 1))
+    rt.copy_batch(d, s, z + 1, stream=5, eager=False)
+    assert [c[3] for c in calls] == [512, 88] and {c[4] for c in calls} == {5}

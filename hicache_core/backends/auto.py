@@ -62,12 +62,13 @@ _PICKS = 16
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
 
-    :param staging: passed to :class:`DirectStrategy`.
+    :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
-    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, **kernel_options: Any) -> None:
-        self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes)
+    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
+                 **kernel_options: Any) -> None:
+        self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
         self._kernel_options = kernel_options
         self.direct: DirectStrategy | None = None
         self.kernel: Strategy | None = None
@@ -147,27 +148,29 @@ class AutoStrategy:
         return pick
 
     def _block_bound(self, binding: PoolBinding, layer: int | None) -> float:
-        """The largest contiguous host block any call on ``layer`` (``None``: all layers) can copy.
+        """An upper bound on the *smallest* copy block of any call on ``layer`` (``None``: all layers).
 
-        A copy block is a contiguous host range: within a page at most the largest block of the
-        page's image over the selected layers; it can only grow across pages where a block ends
-        exactly where a block of the next page starts (then there is no bound, e.g. one layer of
-        ``[L, S, row]`` over consecutive pages).  Computed once per layer selection, from the
-        layout alone.
+        A copy block is a contiguous host range of one segment: within a page at most the largest
+        block of the segment's page image over the selected layers; it can only grow across pages
+        where a block ends exactly where a block of the next page starts (then that segment has no
+        bound, e.g. one layer of ``[L, S, row]`` over consecutive pages).  Every call copies blocks
+        of every selected segment, so its smallest block is at most the least of the segments'
+        bounds (a split layout's 64-byte rope rows bound it whatever the indices).  Computed once
+        per layer selection, from the layout alone.
         """
         bounds = binding.scratch.setdefault("auto.block_bound", {})
         key = layer if layer is None else int(layer)
         bound = bounds.get(key)
         if bound is None:
-            bound = 0.0
+            per_segment = []
             for seg in binding.segments:
                 entries = seg.entries(layer)
                 if not entries:
                     continue
                 starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], binding.spec.page_size)
                 spans_pages = bool(torch.isin(starts + lens - seg.segment.addressing.page, starts).any())
-                bound = max(bound, float("inf") if spans_pages else float(lens.max()))
-            bounds[key] = bound
+                per_segment.append(float("inf") if spans_pages else float(lens.max()))
+            bound = bounds[key] = min(per_segment) if per_segment else 0.0
         return bound
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:

@@ -45,8 +45,13 @@ _EVEN_CALLS = 4
 _MAX_CHUNK = 512
 
 
-def batch_schedule(n: int) -> list[int]:
-    """Descriptors per runtime call when :meth:`CudaRuntime.copy_batch` submits ``n`` of them."""
+def batch_schedule(n: int, eager: bool = True) -> list[int]:
+    """Descriptors per runtime call when :meth:`CudaRuntime.copy_batch` submits ``n`` of them.
+
+    ``eager=False`` (the copy engine still has enough queued work to cover the host's submission):
+    calls of :data:`_MAX_CHUNK`, the fewest runtime calls."""
+    if not eager:
+        return [min(_MAX_CHUNK, n - k) for k in range(0, n, _MAX_CHUNK)]
     out, chunk = [], _FIRST_CHUNK
     while n > 0:
         count = min(chunk, n)
@@ -58,14 +63,16 @@ def batch_schedule(n: int) -> list[int]:
 
 
 def batch_calls(n: int) -> int:
-    """Runtime calls :meth:`CudaRuntime.copy_batch` makes for ``n`` descriptors (each costs ~6 us of host time)."""
+    """Runtime calls :meth:`CudaRuntime.copy_batch` makes for ``n`` descriptors on an idle stream (each
+    costs ~6 us of host time)."""
     return len(batch_schedule(n))
 
 
-def submit_in_schedule(n: int, submit: Callable[[int, int], int], call: str, rt: CudaRuntime) -> None:
-    """Call ``submit(start, count)`` for the slices of :func:`batch_schedule` ``(n)``; raise on a cudaError."""
+def submit_in_schedule(n: int, submit: Callable[[int, int], int], call: str, rt: CudaRuntime,
+                       eager: bool = True) -> None:
+    """Call ``submit(start, count)`` for the slices of :func:`batch_schedule` ``(n, eager)``; raise on a cudaError."""
     start = 0
-    for count in batch_schedule(n):
+    for count in batch_schedule(n, eager):
         err = submit(start, count)
         if err:
             rt._raise(call, err)
@@ -163,8 +170,10 @@ class CudaRuntime:
     def _raise(self, call: str, code: int) -> None:
         raise RuntimeError(f"{call} failed: {self.error_string(code)} (cudaError {code}); nothing further was submitted")
 
-    def copy_batch(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
-        """Enqueue ``sizes[i]`` bytes ``srcs[i] -> dsts[i]`` on ``stream``.
+    def copy_batch(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int,
+                   eager: bool = True) -> None:
+        """Enqueue ``sizes[i]`` bytes ``srcs[i] -> dsts[i]`` on ``stream`` in the calls of
+        :func:`batch_schedule` ``(n, eager)``.
 
         :param dsts: contiguous CPU int64 tensor of destination addresses.
         :param srcs: same, source addresses.
@@ -182,9 +191,9 @@ class CudaRuntime:
         stream = stream or STREAM_PER_THREAD
         d, s, z = dsts.data_ptr(), srcs.data_ptr(), sizes.data_ptr()
         submit_in_schedule(n, lambda start, count: self.submit_batch(d + 8 * start, s + 8 * start, z + 8 * start,
-                                                                     count, stream), "cudaMemcpyBatchAsync", self)
+                                                                     count, stream), "cudaMemcpyBatchAsync", self, eager)
 
-    def copy_3d_batch(self, ops: torch.Tensor, stream: int) -> None:
+    def copy_3d_batch(self, ops: torch.Tensor, stream: int, eager: bool = True) -> None:
         """Enqueue the ``cudaMemcpy3DBatchOp`` array ``ops`` (a contiguous CPU int64 ``[n, 14]`` tensor,
         :func:`.pitched.ops_tensor`) on ``stream`` in the calls of :func:`batch_schedule`.  Needs :attr:`has_batch3d`."""
         n = int(ops.shape[0])
@@ -193,7 +202,7 @@ class CudaRuntime:
         stream = stream or STREAM_PER_THREAD
         base, op_bytes = ops.data_ptr(), ops.shape[1] * 8
         submit_in_schedule(n, lambda start, count: self.submit_3d(base + op_bytes * start, count, stream),
-                           "cudaMemcpy3DBatchAsync", self)
+                           "cudaMemcpy3DBatchAsync", self, eager)
 
     def submit_3d(self, ops: int, count: int, stream: int) -> int:
         """One ``cudaMemcpy3DBatchAsync`` call of ``count`` operations starting at host address ``ops``;

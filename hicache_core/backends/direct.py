@@ -116,6 +116,6 @@ class DirectStrategy(DirectionalStrategy):
             if sub.pitched is not None:
                 copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream)
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
-            copier.copy(dst, src, sub.lens, stream)
+            copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes)
             return
         sub.staged.run(binding, copier, binding.scratch["direct.staging"], stream, to_host=to_host)

@@ -1,9 +1,11 @@
 """Pitched (2D) copies: one copy-engine operation moves ``height`` equal rows spaced by a pitch on each side.
 
 An all-layer transfer of a layer-major pool moves, for every page, the same
-block out of every layer; when the layers' base addresses are evenly spaced on
-both sides (one host buffer, device layers carved from one allocation or laid
-out evenly by the allocator) those blocks form one 2D copy.  A 61-layer MLA
+block out of every layer; when the layers' base addresses are evenly spaced and
+ascending on both sides, within one host buffer and one device allocation (a
+``[L, rows, width]`` device tensor), those blocks form one 2D copy.  (Layers
+allocated one by one, as SGLang's pools do, keep plain descriptors: the
+runtime moves 2D copies across allocations or with a negative pitch slowly.)  A 61-layer MLA
 backup of 64 pages is then 64 operations instead of 3904 descriptors, and the
 host pays the runtime's per-operation cost 64 times.
 

@@ -54,6 +54,7 @@ METRICS: Mapping[str, bool] = {
     "gemm_slowdown_pct": False,  # GEMM time increase while the op runs beside it, percent
     "burst_copy_ratio": True,  # loads of every layer back to back (a forward pass' prefetch)
     "burst_gemm_slowdown_pct": False,  # GEMM slowdown during such bursts, percent
+    "host_us": False,  # host (scheduler-thread) time per call, microseconds
 }
 KINDS = ("mla", "mha", "dsa_indexer")
 SGLANG_IO_BACKENDS = ("kernel", "direct")
