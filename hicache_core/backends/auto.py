@@ -118,9 +118,9 @@ class AutoStrategy:
         Decided once per index pair, direction and kind of call (one layer or all): the per-layer
         calls of a batch reuse the first decision instead of sizing a copy plan each
         (:data:`_PICKS`); an in-place change of an index tensor decides again.  Where the layout
-        alone bounds every copy block below the calibrated size (:meth:`_block_bound`: one layer of
-        a token-major page), the kernel is picked without looking at index values, so device-resident
-        indices are never read back for it.
+        alone bounds the call's smallest copy block below the calibrated size (:meth:`_block_bound`:
+        one layer of a token-major page, or the rope rows of a split page), the kernel is picked
+        without looking at index values, so device-resident indices are never read back for it.
         """
         if self.kernel is None:
             assert self.direct is not None
@@ -136,7 +136,7 @@ class AutoStrategy:
         cal = self.calibration
         assert cal is not None
         if self._block_bound(binding, layer) < cal.min_block(to_host):
-            pick = self.kernel  # no copy block can be large enough: decided without the index values (no sync)
+            pick = self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
         else:
             sub = self.direct.submission(binding, host_indices, device_indices, layer)
             fed = sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls",
-           "submit_in_schedule"]
+           "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 _FIRST_CHUNK = 16
 _EVEN_CALLS = 4
 _MAX_CHUNK = 512
+#: The most descriptors (or pitched operations) one runtime call carries.
+MAX_PER_CALL = _MAX_CHUNK
 
 
 def batch_schedule(n: int, eager: bool = True) -> list[int]:
@@ -68,14 +70,25 @@ def batch_calls(n: int) -> int:
     return len(batch_schedule(n))
 
 
+class BatchSubmitError(RuntimeError):
+    """A runtime call of a batched submission failed; :attr:`submitted` operations of the batch were
+    queued before it (they stay queued: the stream runs them)."""
+
+    def __init__(self, message: str, submitted: int) -> None:
+        super().__init__(message)
+        self.submitted = submitted
+
+
 def submit_in_schedule(n: int, submit: Callable[[int, int], int], call: str, rt: CudaRuntime,
                        eager: bool = True) -> None:
-    """Call ``submit(start, count)`` for the slices of :func:`batch_schedule` ``(n, eager)``; raise on a cudaError."""
+    """Call ``submit(start, count)`` for the slices of :func:`batch_schedule` ``(n, eager)``; raise
+    :class:`BatchSubmitError` on a cudaError."""
     start = 0
     for count in batch_schedule(n, eager):
         err = submit(start, count)
         if err:
-            rt._raise(call, err)
+            raise BatchSubmitError(f"{call} failed: {rt.error_string(err)} (cudaError {err}); {start} of the "
+                                   f"{n} copies of this call were queued before it, the rest were not", start)
         start += count
 
 
@@ -167,8 +180,6 @@ class CudaRuntime:
         msg = self._lib.cudaGetErrorString(code)
         return msg.decode() if msg else f"cudaError {code}"
 
-    def _raise(self, call: str, code: int) -> None:
-        raise RuntimeError(f"{call} failed: {self.error_string(code)} (cudaError {code}); nothing further was submitted")
 
     def copy_batch(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int,
                    eager: bool = True) -> None:
@@ -238,10 +249,12 @@ class CudaRuntime:
         return int(batch(dsts, srcs, sizes, count, a, self._attr_idx, 1, ctypes.byref(fail), stream))
 
     def _copy_each(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int) -> None:
-        for dst, src, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+        triples = list(zip(dsts.tolist(), srcs.tolist(), sizes.tolist()))
+        for i, (dst, src, n) in enumerate(triples):
             err = self._lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream)
             if err:
-                self._raise("cudaMemcpyAsync", err)
+                raise BatchSubmitError(f"cudaMemcpyAsync failed: {self.error_string(err)} (cudaError {err}); {i} of "
+                                       f"the {len(triples)} copies of this call were queued before it, the rest were not", i)
 
 
 _lock = threading.Lock()

@@ -114,7 +114,8 @@ class DirectStrategy(DirectionalStrategy):
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if sub.staged is None:
             if sub.pitched is not None:
-                copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream)
+                copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream,
+                                    nbytes=sub.pitched_nbytes)
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
             copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes)
             return

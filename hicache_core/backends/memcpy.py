@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from typing import Callable
 
 import torch
 
-from .cudart import runtime, runtime_unavailable_reason
+from .cudart import MAX_PER_CALL as _ONE_CALL
+from .cudart import BatchSubmitError, runtime, runtime_unavailable_reason
 from .pitched import Pitched, expand
 
 __all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US"]
+
+logger = logging.getLogger(__name__)
 
 #: Faster than the copy engine drains host-link copies on any GPU we measured (H200: ~55 GB/s each
 #: way), so work queued at this rate is a lower bound on how long the engine stays busy.
@@ -32,7 +36,8 @@ class QueueClock:
     only when the engine may be idle and the call is not part of a burst; otherwise it goes in the
     fewest calls (~6.7 us of host time each): the engine still has queued work to cover them, or, in a
     burst of per-layer loads, saving the host three calls per layer matters more than how soon one
-    layer's first block starts.
+    layer's first block starts.  A heuristic: it sees only this copier's submissions (one pool), and
+    concurrent submitters on one stream may race on it harmlessly.
     """
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
@@ -40,10 +45,12 @@ class QueueClock:
         self._until: dict[int, float] = {}
         self._last_end: dict[int, float] = {}
 
-    def eager(self, stream: int, cost_us: float) -> bool:
-        """Whether a submission costing ``cost_us`` of host time should start with small calls."""
+    def eager(self, stream: int, cost_us: float, burstable: bool = True) -> bool:
+        """Whether a submission costing ``cost_us`` of host time should start with small calls.
+        ``burstable``: it fits one runtime call, so following a burst it may skip them; a larger one
+        would keep an idle engine waiting for its first full call."""
         now = self.now()
-        if (now - self._last_end.get(stream, float("-inf"))) * 1e6 < BURST_GAP_US:
+        if burstable and (now - self._last_end.get(stream, float("-inf"))) * 1e6 < BURST_GAP_US:
             return False
         return (self._until.get(stream, 0.0) - now) * 1e6 <= cost_us
 
@@ -68,6 +75,7 @@ class BatchCopier:
         else:  # "cuda" alone: the device current when the pool is built, as torch resolves it
             self._index = torch.cuda.current_device()
         self.clock = QueueClock()
+        self._pitched_refused = False
 
     @staticmethod
     def unavailable_on_cuda() -> str | None:
@@ -104,25 +112,37 @@ class BatchCopier:
         rt = runtime()
         s = self.stream() if stream is None else stream
         since = self.clock.now()
-        eager = self.clock.eager(s, CALL_US + n * DESC_US)
+        eager = self.clock.eager(s, CALL_US + n * DESC_US, burstable=n <= _ONE_CALL)
         self._on_device(lambda: rt.copy_batch(dsts, srcs, lens, s, eager))
         self.clock.queued(s, int(lens.sum()) if nbytes is None else nbytes, since)
 
-    def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None) -> None:
+    def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
+                     nbytes: int | None = None) -> None:
         """Run the pitched copies ``p`` in one direction; ``ops`` gives their packed operation array
-        (:func:`.pitched.ops_tensor`, memoised by the caller).  Row by row on the CPU and where the
-        runtime lacks ``cudaMemcpy3DBatchAsync``."""
+        (:func:`.pitched.ops_tensor`, memoised by the caller), ``nbytes`` their total when known.
+        Row by row on the CPU and where the runtime lacks or refuses ``cudaMemcpy3DBatchAsync``."""
         if p.count == 0:
             return
+        nbytes = p.nbytes if nbytes is None else nbytes
         if self.device.type == "cuda":
             rt = runtime()
-            if rt.has_batch3d:
+            if rt.has_batch3d and not self._pitched_refused:
                 s = self.stream() if stream is None else stream
                 since = self.clock.now()
-                eager = self.clock.eager(s, CALL_US + p.count * PITCHED_DESC_US)
-                self._on_device(lambda: rt.copy_3d_batch(ops(), s, eager))
-                self.clock.queued(s, p.nbytes, since)
-                return
+                eager = self.clock.eager(s, CALL_US + p.count * PITCHED_DESC_US, burstable=p.count <= _ONE_CALL)
+                try:
+                    self._on_device(lambda: rt.copy_3d_batch(ops(), s, eager))
+                except BatchSubmitError as exc:
+                    if exc.submitted:
+                        raise
+                    # refused before anything was queued (a driver or memory kind the version check does
+                    # not foresee): the same rows go as plain descriptors, now and from here on
+                    self._pitched_refused = True
+                    logger.warning("hicache copy engine: cudaMemcpy3DBatchAsync refused pitched copies on %s (%s); "
+                                   "using plain descriptors", self.device, exc)
+                else:
+                    self.clock.queued(s, nbytes, since)
+                    return
         host, dev, lens = expand(p)
         dst, src = (host, dev) if to_host else (dev, host)
         self.copy(dst, src, lens, stream)

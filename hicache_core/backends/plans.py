@@ -22,7 +22,7 @@ from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
 from ..validate import tensor_version
 from .common import as_long
-from .pitched import MIN_HEIGHT, Pitched, expand, group_bases, ops_tensor
+from .pitched import MIN_HEIGHT, Pitched, group_bases, ops_tensor
 
 if TYPE_CHECKING:
     from .staging import StagedRoute
@@ -38,12 +38,13 @@ STAGE_GAIN = 2
 #: Host time of one pitched (2D) operation inside ``cudaMemcpy3DBatchAsync``: about 2.7 us for 61 rows
 #: of 72 KB on the H200 (benchmarks/ce2d_probe.py), where the same rows as plain descriptors cost ~0.5 us each.
 PITCHED_OP_US = 3.0
-#: Largest layer pitch a pitched operation may use (5 GiB verified on the H200; beyond the 2 GiB
-#: ``cudaDevAttrMaxPitch`` of 2D copies, which ``cudaMemcpy3DBatchAsync`` does not apply).  Pitches
+#: Largest layer pitch a pitched operation may use: 5 GiB, verified bit-exact on the H200 (beyond the
+#: 2 GiB ``cudaDevAttrMaxPitch`` of 2D copies, which ``cudaMemcpy3DBatchAsync`` does not apply); layers
+#: further apart keep plain descriptors.  Pitches
 #: are positive: a descending device layer step copies correctly through the size_t wrap-around but
 #: the runtime then moves it at 0.41 of memcpy with 9.6 ms of host time for a 61-layer backup, worse
 #: than plain descriptors (docs/performance.md).
-MAX_PITCH = 1 << 40
+MAX_PITCH = 5 << 30
 
 
 def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,8 +73,10 @@ class Submission:
     pitched: Pitched | None = None
 
     def __post_init__(self) -> None:
+        # derived once: a Submission is not changed after it is built (plans memoise it)
         self._ops: dict[bool, torch.Tensor] = {}
         self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
+        self.pitched_nbytes = self.pitched.nbytes if self.pitched is not None else 0
 
     def pitched_ops(self, to_host: bool) -> torch.Tensor:
         """The ``cudaMemcpy3DBatchOp`` array of :attr:`pitched` for one direction (built once)."""
@@ -99,7 +102,7 @@ class Submission:
         """Bytes the copy engine moves per transfer."""
         if self.staged is not None:
             return self.staged.nbytes
-        return self.plain_nbytes + (self.pitched.nbytes if self.pitched is not None else 0)
+        return self.plain_nbytes + self.pitched_nbytes
 
     def host_us(self, submit_us: float, call_us: float = 0.0) -> float:
         """Estimated host time to submit this transfer: ``submit_us`` per copy-engine descriptor,
@@ -157,6 +160,18 @@ def _bases(binding: PoolBinding, si: int, seg: BoundSegment,
         hit = memo[(si, stride)] = (torch.tensor([_host_base(seg, e) for e in group], dtype=torch.int64),
                                     torch.tensor([seg.dev_ptrs[e] for e in group], dtype=torch.int64),
                                     {e: i for i, e in enumerate(group)})
+    return hit
+
+
+def _storages(binding: PoolBinding, si: int, seg: BoundSegment, stride: int) -> list[int]:
+    """Per row of :func:`_bases`: the device allocation (torch storage) the entry's rows live in; built once per pool."""
+    memo = binding.scratch.setdefault("direct.storages", {})
+    hit = memo.get((si, stride))
+    if hit is None:
+        row = _bases(binding, si, seg, stride)[2]
+        hit = memo[(si, stride)] = [0] * len(row)
+        for e, r in row.items():
+            hit[r] = seg.device_rows[e].untyped_storage().data_ptr()
     return hit
 
 
@@ -294,14 +309,16 @@ class Plan:
         ``None`` when no group has :data:`MIN_HEIGHT` rows (plain descriptors only)."""
         if not self.pitched or len(rows) < MIN_HEIGHT or n.numel() == 0:
             return None
-        hb, db, row = _bases(self.binding, si, seg, stride)
-        host, dev = hb[rows].tolist(), db[rows].tolist()
         # rows of one pitched copy must lie in one device allocation: across separately allocated layers
         # the runtime takes a slow path (0.54 of memcpy, 5.1 ms of host time for a 61-layer backup)
-        storage = {r: seg.device_rows[e].untyped_storage().data_ptr() for e, r in row.items()}
+        storage = _storages(self.binding, si, seg, stride)
         by_storage: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             by_storage.setdefault(storage[r], []).append(i)
+        if max(len(part) for part in by_storage.values()) < MIN_HEIGHT:
+            return None  # every layer its own allocation (SGLang's pools)
+        hb, db, _ = _bases(self.binding, si, seg, stride)
+        host, dev = hb[rows].tolist(), db[rows].tolist()
         groups = [[part[i] for i in g] for part in by_storage.values()
                   for g in group_bases([host[i] for i in part], [dev[i] for i in part], int(n.max()), MAX_PITCH)]
         if all(len(g) < MIN_HEIGHT for g in groups):
@@ -309,6 +326,8 @@ class Plan:
         return [[rows[i] for i in g] for g in groups]
 
     def _build(self, layer: int | None) -> Submission:
+        # the staged route (where it gives the copy engine larger blocks) takes precedence over
+        # pitched copies: its blocks are whole host pages, the pitched rows stay row-sized
         plain = self._plain(layer)
         if self.staging == "never" or self.h.numel() == 0:
             return plain
