@@ -522,24 +522,59 @@ def _fake_runtime_3d(version: int, fail_at_call: int | None = None, err: int = 8
     return rt, calls, calls3d
 
 
-@pytest.mark.parametrize("version", [12080, 13000])
 @pytest.mark.parametrize("eager", [True, False])
-def test_copy_3d_batch_follows_the_schedule_and_signature(version, eager):
+def test_copy_3d_batch_follows_the_schedule_and_signature(eager):
     from hicache_core.backends.cudart import batch_schedule
     from hicache_core.backends.pitched import OP_WORDS
 
-    rt, _, calls3d = _fake_runtime_3d(version)
+    rt, _, calls3d = _fake_runtime_3d(13000)
     ops = torch.zeros((600, OP_WORDS), dtype=torch.int64)
     rt.copy_3d_batch(ops, stream=0, eager=eager)
     assert [c[0] for c in calls3d] == batch_schedule(600, eager)
     starts = [c[1] - ops.data_ptr() for c in calls3d]
     counts = [c[0] for c in calls3d]
     assert starts == [OP_WORDS * 8 * sum(counts[:i]) for i in range(len(counts))]  # 112 bytes per operation
-    for _, _, rest in calls3d:
-        if version >= 13000:
-            assert rest == (0, 2)  # flags, the per-thread stream for stream 0
-        else:
-            assert len(rest) == 3 and rest[1:] == (0, 2)  # failIdx pointer, flags, stream
+    assert {rest for _, _, rest in calls3d} == {(0, 2)}  # flags, the per-thread stream for stream 0
+
+
+class _FakeLib:
+    """The few libcudart symbols CudaRuntime binds, at a given runtime and driver version."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        noop = lambda *a: 0  # noqa: E731
+        self.cudaGetErrorString = self.cudaMemcpyAsync = self.cudaMemcpyBatchAsync = noop
+        self.cudaMemcpy3DBatchAsync = lambda *a: 0
+
+    def _set(self, ref) -> int:
+        ref._obj.value = self.version
+        return 0
+
+    @property
+    def cudaRuntimeGetVersion(self):
+        return _Fn(self._set)
+
+    @property
+    def cudaDriverGetVersion(self):
+        return _Fn(self._set)
+
+
+class _Fn:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *a):
+        return self.fn(*a)
+
+
+@pytest.mark.parametrize("version, pitched", [(12080, False), (12090, False), (13000, True), (13020, True)])
+def test_pitched_copies_need_a_cuda_13_runtime(version, pitched):
+    """The 3D batch call exists since 12.8, but its operations were verified only on CUDA 13: older
+    runtimes keep plain descriptors (the batch call itself still serves them)."""
+    from hicache_core.backends.cudart import CudaRuntime
+
+    rt = CudaRuntime(_FakeLib(version), "fake")
+    assert (rt.version, rt.has_batch, rt.has_batch3d) == (version, True, pitched)
 
 
 def _cuda_copier(monkeypatch, rt):

@@ -156,11 +156,13 @@ class CudaRuntime:
             else:  # 12.8/12.9: ..., size_t numAttrs, size_t* failIdx, cudaStream_t
                 self._batch.argtypes = [vp, vp, vp, sz, ctypes.POINTER(_MemcpyAttributes), vp, sz, vp, vp]
             self._batch.restype = ctypes.c_int
-        # cudaMemcpy3DBatchAsync: CUDA 12.8 (numOps, opList, size_t* failIdx, flags, stream); 13.x drops failIdx
-        self._batch3d = getattr(lib, "cudaMemcpy3DBatchAsync", None) if batch_ok else None
+        # cudaMemcpy3DBatchAsync(numOps, opList, flags, stream), CUDA 13.x.  It exists since 12.8 (with a
+        # size_t* failIdx before flags), but its operation struct was only verified bit-exact on 13.0 runtimes
+        # (benchmarks/ce2d_probe.py): 12.8/12.9 keep plain descriptors rather than risk misread operations.
+        pitched_ok = self.version >= 13000 and self.driver_version >= 13000
+        self._batch3d = getattr(lib, "cudaMemcpy3DBatchAsync", None) if pitched_ok else None
         if self._batch3d is not None:
-            ull = ctypes.c_ulonglong
-            self._batch3d.argtypes = [sz, vp, ull, vp] if self.version >= 13000 else [sz, vp, vp, ull, vp]
+            self._batch3d.argtypes = [sz, vp, ctypes.c_ulonglong, vp]
             self._batch3d.restype = ctypes.c_int
         self._attrs = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
@@ -173,7 +175,7 @@ class CudaRuntime:
 
     @property
     def has_batch3d(self) -> bool:
-        """Whether ``cudaMemcpy3DBatchAsync`` is available (pitched copies in one call; CUDA >= 12.8)."""
+        """Whether pitched copies go in one ``cudaMemcpy3DBatchAsync`` call (CUDA 13 runtime and driver)."""
         return getattr(self, "_batch3d", None) is not None
 
     def error_string(self, code: int) -> str:
@@ -220,13 +222,8 @@ class CudaRuntime:
         returns the cudaError."""
         fn = getattr(self, "_batch3d", None)
         if fn is None:
-            raise RuntimeError("cudaMemcpy3DBatchAsync needs CUDA runtime and driver >= 12.8")
-        if self.version >= 13000:
-            return int(fn(count, ops, 0, stream))
-        fail = getattr(self._fail_idx, "v", None)
-        if fail is None:
-            fail = self._fail_idx.v = ctypes.c_size_t(0)
-        return int(fn(count, ops, ctypes.byref(fail), 0, stream))
+            raise RuntimeError("pitched copies need cudaMemcpy3DBatchAsync from a CUDA 13 runtime and driver")
+        return int(fn(count, ops, 0, stream))
 
     def submit_batch(self, dsts: int, srcs: int, sizes: int, count: int, stream: int,
                      attrs: _MemcpyAttributes | None = None) -> int:

@@ -46,8 +46,9 @@ ENV_STAGING = "HICACHE_DIRECT_STAGING"
 #: Bytes of device staging per stream (default 512 MiB, two halves); larger calls go in chunks.
 ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
 STAGING_MODES = ("auto", "always", "never")
-#: ``auto`` (default: pitched copies across evenly spaced layers where the runtime has
-#: ``cudaMemcpy3DBatchAsync``) or ``never`` (one plain descriptor per block and layer).
+#: ``auto`` (default: pitched copies across evenly spaced layers of one device allocation, where the
+#: CUDA runtime and driver are 13.x: ``cudaMemcpy3DBatchAsync``) or ``never`` (one plain descriptor
+#: per block and layer).
 ENV_PITCHED = "HICACHE_DIRECT_PITCHED"
 PITCHED_MODES = ("auto", "never")
 
