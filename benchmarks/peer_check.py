@@ -17,8 +17,9 @@ import torch
 __all__ = ["PeerMismatch", "ALL_OPS", "check_bit_exact", "sync"]
 
 #: Operations a target may support (``load_burst`` is ``load_layer`` over every layer;
-#: ``load_burst_new`` the same with index tensors it has not seen, as each new batch brings).
-ALL_OPS = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new")
+#: ``load_burst_new`` the same with index tensors it has not seen, as each new batch brings;
+#: ``backup_new`` is ``backup_all_layers`` with such tensors).
+ALL_OPS = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new", "backup_new")
 
 
 class PeerMismatch(AssertionError):

@@ -182,7 +182,7 @@ class _Sides:
 class SglangJit:
     """``HiCacheKernel`` (generic) or ``HiCacheTmaKernel`` (TMA) with ``quota`` CTAs, on shared buffers."""
 
-    ops_supported = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new")
+    ops_supported = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new", "backup_new")
     contiguous_host = False
 
     def __init__(self, kit: SglangKit, tma: bool, quota: int, spec: PoolSpec, layout: str,

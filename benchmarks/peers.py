@@ -14,7 +14,8 @@ row with the error; nothing aborts the run.
 Operations: ``backup_all_layers`` (D2H, all layers, one call), ``load_layer`` (H2D, one
 layer), ``load_burst`` (H2D, ``load_layer`` of every layer back to back, as a forward
 pass issues them), ``load_burst_new`` (the same with index tensors the target has not
-seen: what each new batch pays for per-pair plans and index copies).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
+seen: what each new batch pays for per-pair plans and index copies), ``backup_new``
+(``backup_all_layers`` likewise).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
 direction, CTAs/programs, slowdown of a bf16 GEMM on another stream while the operation
 runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time per
 call (per layer call for bursts), bit-exact.  Rows go to ``<out>/peers.json`` after
@@ -329,11 +330,19 @@ def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostK
         for layer in layers:
             target.load_layer(layer, hn, dn)
 
+    fresh_backup = [(h.clone(), idx["s"].clone()) for _ in range(NEW_INDEX_PAIRS)]
+    turn_backup = itertools.cycle(fresh_backup)
+
+    def backup_new() -> None:
+        hn, sn = next(turn_backup)
+        target.backup_all_layers(hn, sn)
+
     calls = {
         "backup_all_layers": (lambda: target.backup_all_layers(h, idx["s"]), 1, total, True),
         "load_layer": (lambda: target.load_layer(mid, h, idx["d"]), 1, total // len(layers), False),
         "load_burst": (burst, len(layers), total, False),
         "load_burst_new": (burst_new, len(layers), total, False),
+        "backup_new": (backup_new, 1, total, True),
     }
     for op in args.ops:
         if op not in target.ops_supported:

@@ -58,7 +58,7 @@ def test_defaults_run_key_cells_first():
                           ("mla61x576-bf16", 32768)]
     assert (args.layouts, args.programs, args.sglang_quotas, args.sglang_tma_quotas) == (
         ["layer_first", "page_first"], [0, 8], [2, 8], [4, 8])
-    assert args.ops == ["backup_all_layers", "load_layer", "load_burst", "load_burst_new"]
+    assert args.ops == ["backup_all_layers", "load_layer", "load_burst", "load_burst_new", "backup_new"]
     assert (args.page_size, args.time_budget, args.io_backends) == (64, 400.0, ["kernel", "auto", "direct"])
     grid = P.plan_grid(args.cells, args.layouts)
     assert grid[:2] == [("mla61x576-bf16", 4096, "layer_first"), ("mla61x576-bf16", 4096, "page_first")]
@@ -82,7 +82,7 @@ def test_bad_cell_is_refused(cell, capsys):
 def test_bad_op_is_refused(capsys):
     with pytest.raises(SystemExit):
         P.parse_args(["--ops", "load_layer,copy"])
-    assert ("--ops ['copy']: choose from ['backup_all_layers', 'load_layer', 'load_burst', 'load_burst_new']"
+    assert ("--ops ['copy']: choose from ['backup_all_layers', 'load_layer', 'load_burst', 'load_burst_new', 'backup_new']"
             in capsys.readouterr().err)
 
 
