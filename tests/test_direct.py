@@ -541,30 +541,15 @@ class _FakeLib:
     """The few libcudart symbols CudaRuntime binds, at a given runtime and driver version."""
 
     def __init__(self, version: int) -> None:
-        self.version = version
+        def set_version(ref) -> int:
+            ref._obj.value = version
+            return 0
         noop = lambda *a: 0  # noqa: E731
-        self.cudaGetErrorString = self.cudaMemcpyAsync = self.cudaMemcpyBatchAsync = noop
+        self.cudaRuntimeGetVersion = lambda ref: set_version(ref)
+        self.cudaDriverGetVersion = lambda ref: set_version(ref)
+        self.cudaGetErrorString = lambda *a: b""
+        self.cudaMemcpyAsync = self.cudaMemcpyBatchAsync = noop
         self.cudaMemcpy3DBatchAsync = lambda *a: 0
-
-    def _set(self, ref) -> int:
-        ref._obj.value = self.version
-        return 0
-
-    @property
-    def cudaRuntimeGetVersion(self):
-        return _Fn(self._set)
-
-    @property
-    def cudaDriverGetVersion(self):
-        return _Fn(self._set)
-
-
-class _Fn:
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def __call__(self, *a):
-        return self.fn(*a)
 
 
 @pytest.mark.parametrize("version, pitched", [(12080, False), (12090, False), (13000, True), (13020, True)])

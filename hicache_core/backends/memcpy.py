@@ -59,6 +59,7 @@ class QueueClock:
         self._until[stream] = max(self._until.get(stream, 0.0), since) + nbytes / DRAIN_BYTES_PER_US * 1e-6
         self._last_end[stream] = self.now()
 
+
 class BatchCopier:
     """Copies ``lens[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` (raw addresses in int64 tensors).
 
@@ -110,11 +111,8 @@ class BatchCopier:
                 ctypes.memmove(dst, src, k)
             return
         rt = runtime()
-        s = self.stream() if stream is None else stream
-        since = self.clock.now()
-        eager = self.clock.eager(s, CALL_US + n * DESC_US, burstable=n <= _ONE_CALL)
-        self._on_device(lambda: rt.copy_batch(dsts, srcs, lens, s, eager))
-        self.clock.queued(s, int(lens.sum()) if nbytes is None else nbytes, since)
+        self._submit(stream, n, DESC_US, int(lens.sum()) if nbytes is None else nbytes,
+                     lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:
@@ -123,15 +121,13 @@ class BatchCopier:
         Row by row on the CPU and where the runtime lacks or refuses ``cudaMemcpy3DBatchAsync``."""
         if p.count == 0:
             return
-        nbytes = p.nbytes if nbytes is None else nbytes
         if self.device.type == "cuda":
             rt = runtime()
             if rt.has_batch3d and not self._pitched_refused:
-                s = self.stream() if stream is None else stream
-                since = self.clock.now()
-                eager = self.clock.eager(s, CALL_US + p.count * PITCHED_DESC_US, burstable=p.count <= _ONE_CALL)
                 try:
-                    self._on_device(lambda: rt.copy_3d_batch(ops(), s, eager))
+                    self._submit(stream, p.count, PITCHED_DESC_US, p.nbytes if nbytes is None else nbytes,
+                                 lambda s, eager: rt.copy_3d_batch(ops(), s, eager))
+                    return
                 except BatchSubmitError as exc:
                     if exc.submitted:
                         raise
@@ -140,12 +136,19 @@ class BatchCopier:
                     self._pitched_refused = True
                     logger.warning("hicache copy engine: cudaMemcpy3DBatchAsync refused pitched copies on %s (%s); "
                                    "using plain descriptors", self.device, exc)
-                else:
-                    self.clock.queued(s, nbytes, since)
-                    return
         host, dev, lens = expand(p)
         dst, src = (host, dev) if to_host else (dev, host)
         self.copy(dst, src, lens, stream)
+
+    def _submit(self, stream: int | None, ops: int, op_us: float, nbytes: int,
+                enqueue: Callable[[int, bool], None]) -> None:
+        """``enqueue(stream, eager)`` on the pool's device, ``eager`` as :class:`QueueClock` advises for
+        ``ops`` operations of ~``op_us`` host time each, and record the ``nbytes`` queued."""
+        s = self.stream() if stream is None else stream
+        since = self.clock.now()
+        eager = self.clock.eager(s, CALL_US + ops * op_us, burstable=ops <= _ONE_CALL)
+        self._on_device(lambda: enqueue(s, eager))
+        self.clock.queued(s, nbytes, since)
 
     def _on_device(self, fn: Callable[[], None]) -> None:
         if torch.cuda.current_device() != self._index:
