@@ -118,3 +118,39 @@ def test_group_bases(host, dev, width, max_pitch, want):
     assert groups == want
     assert sorted(i for g in groups for i in g) == list(range(len(host)))
     assert all(len(g) >= MIN_HEIGHT or len(g) == 1 for g in groups)
+
+
+@pytest.mark.parametrize("placement", ["separate", "one-allocation", "one-allocation-descending"])
+def test_benchmark_device_placements(monkeypatch, placement):
+    """``HICACHE_BENCH_PLACEMENT`` decides how the benchmarks allocate device layers: one tensor each, or
+    views of one allocation at ascending / descending addresses; every layer is its own rows either way."""
+    from hicache_core.bench import SHAPES, _device_buffers
+
+    monkeypatch.setenv("HICACHE_BENCH_PLACEMENT", placement)
+    spec = SHAPES["mla61x576-bf16"](64, 16, torch.device("cpu"))
+    layers = _device_buffers(spec, 80)["kv"]
+    assert len(layers) == 61 and all(t.shape == (80, 576) and t.dtype == torch.bfloat16 for t in layers)
+    ptrs = [t.data_ptr() for t in layers]
+    assert len(set(ptrs)) == 61
+    storages = {t.untyped_storage().data_ptr() for t in layers}
+    steps = {b - a for a, b in zip(ptrs, ptrs[1:])}
+    if placement == "separate":
+        assert len(storages) == 61
+    else:
+        assert len(storages) == 1 and steps == {80 * 1152 if placement == "one-allocation" else -80 * 1152}
+
+
+def test_benchmark_placement_is_validated(monkeypatch):
+    from hicache_core.bench import SHAPES, _device_buffers
+
+    monkeypatch.setenv("HICACHE_BENCH_PLACEMENT", "interleaved")
+    with pytest.raises(ValueError, match="HICACHE_BENCH_PLACEMENT='interleaved': use one of separate, one-allocation"):
+        _device_buffers(SHAPES["mla61x576-bf16"](64, 16, torch.device("cpu")), 80)
+
+
+def test_kit_placement_is_validated():
+    from hicache_core.testing.conformance import CASES, make_device_buffers
+
+    case = CASES[0]
+    with pytest.raises(ValueError, match="placement='strided': use one of separate, one-allocation, one-allocation-descending"):
+        make_device_buffers(case.build(torch.device("cpu")), case, torch.Generator(), "strided")
