@@ -182,7 +182,6 @@ class CudaRuntime:
         msg = self._lib.cudaGetErrorString(code)
         return msg.decode() if msg else f"cudaError {code}"
 
-
     def copy_batch(self, dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: int,
                    eager: bool = True) -> None:
         """Enqueue ``sizes[i]`` bytes ``srcs[i] -> dsts[i]`` on ``stream`` in the calls of
