@@ -61,6 +61,18 @@ def _burst_us(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, rounds: int) -
     return statistics.median(per_call)
 
 
+def _profile(fn, out: str, title: str, sort: str, lines: int) -> None:
+    """cProfile one run of ``fn``; append the top ``lines`` by ``sort`` to ``<out>/host_profile.txt``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(lines)
+    with open(os.path.join(out, "host_profile.txt"), "a") as f:
+        f.write(f"===== {title} =====\n{buf.getvalue()}\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -97,24 +109,11 @@ def main() -> int:
                   f"backup_all {row['backup_all_sync_us']:7.1f} us",
                   flush=True)
         set_fast_launch(True)
-        prof = cProfile.Profile()
         hf, df = h.clone(), d.clone()
         torch.cuda.synchronize()
-        prof.enable()
-        pool.load_layer(layer0, hf, df)
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("cumtime").print_stats(30)
-        with open(os.path.join(args.out, "host_profile.txt"), "a") as f:
-            f.write(f"===== {name}: one load_layer with new index tensors =====\n{buf.getvalue()}\n")
-        prof = cProfile.Profile()
-        prof.enable()
-        _burst_us(pool, h, d, 5)
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-        with open(os.path.join(args.out, "host_profile.txt"), "a") as f:
-            f.write(f"===== {name} =====\n{buf.getvalue()}\n")
+        _profile(lambda: pool.load_layer(layer0, hf, df), args.out, f"{name}: one load_layer with new index tensors",
+                 "cumtime", 30)
+        _profile(lambda: _burst_us(pool, h, d, 5), args.out, name, "tottime", 25)
         del pool, host
     with open(os.path.join(args.out, "host_time.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "tokens": args.tokens, "page_size": args.page_size,
