@@ -9,7 +9,7 @@ PYT="python3 -m pytest -q -p no:cacheprovider --hicache-device cuda"
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
-    tests) timeout ${TESTS_T:-300} $PYT tests/test_direct.py tests/test_pitched.py >"$OUT/t_direct.log" 2>&1 & a=$!
+    tests) timeout ${TESTS_T:-300} $PYT tests/test_direct.py tests/test_pitched.py tests/test_relayout.py >"$OUT/t_direct.log" 2>&1 & a=$!
       timeout ${TESTS_T:-300} $PYT hicache_core/testing --hicache-io-backend direct --hicache-io-backend auto >"$OUT/t_kit.log" 2>&1 & b=$!
       wait $a; echo "tests direct rc=$? $(tail -1 "$OUT/t_direct.log")"; wait $b; echo "tests kit rc=$? $(tail -1 "$OUT/t_kit.log")" ;;
     host) for pl in separate one-allocation-descending; do

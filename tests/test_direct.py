@@ -72,6 +72,71 @@ def test_auto_stages_only_where_blocks_grow(layout):
     assert layer.staged is None and layer.nbytes == 64 * 1152  # one layer of page_first: staging cannot grow rows
 
 
+def test_layer_major_staged_image_is_compact_with_one_pitched_copy_per_page():
+    pool = _mla_pool("layer_first", staging="always", ps=4, layers=5, pages=8)
+    h = (torch.tensor([6, 1, 3]).unsqueeze(1) * 4 + torch.arange(4)).reshape(-1)
+    d = torch.randperm(32, generator=torch.Generator().manual_seed(0))[:12]
+    st = _submission(pool, h, d, None).staged
+    assert st is not None
+    (im,) = st.images
+    page = 4 * 1152
+    # the mirror of a page over 5 host layers would span 4 layers' strides; packed it is 5 pages' bytes
+    assert im.compact and im.span == 5 * page and im.rel.tolist() == [k * page for k in range(5)]
+    assert im.pitched == (page, 8 * page, page)  # host step: one layer of 8 pages
+    assert (st.count, st.blocks, st.nbytes) == (3, 15, 15 * page)
+    one = _submission(pool, h, d, 2).staged
+    assert one is not None and not one.images[0].compact and one.images[0].pitched is None and one.count == 3
+    unpitched = HostKVPool(pool.spec, "layer_first", "direct", {"kv": [r.clone() for r in pool.binding.segments[0].device_rows]},
+                           registry=REG, strategy="core.direct", strategy_options={"staging": "always", "pitched": "never"})
+    st2 = _submission(unpitched, h, d, None).staged
+    assert st2 is not None and st2.images[0].compact and st2.images[0].pitched is None and st2.count == 15
+
+
+def _layer_major_backup(monkeypatch, *, launch_us: float | None, pitched: str = "auto"):
+    """A 16-layer MLA backup of 48 of 64 four-token pages, shuffled, from separately allocated layers."""
+    from hicache_core.backends import staging
+
+    if launch_us is not None:
+        monkeypatch.setattr(staging, "LAUNCH_US", launch_us)
+    layers, ps, pages = 16, 4, 64
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages)
+    gen = torch.Generator().manual_seed(5)
+    dev = {"kv": [torch.randint(-9, 9, (2 * ps * pages, 1, 576), generator=gen).to(torch.bfloat16) for _ in range(layers)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": "auto", "pitched": pitched})
+    hp = torch.randperm(pages, generator=gen)[:48]
+    h = (hp.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    d = (torch.randperm(2 * pages, generator=gen)[:48].unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    return pool, h, d
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("launch_us, pitched, staged", [(0.0, "auto", True), (None, "auto", False), (0.0, "never", False)])
+def test_auto_stages_layer_major_backups_only_where_it_saves_host_time(monkeypatch, launch_us, pitched, staged):
+    # plain: 768 descriptors (~0.8 ms of host time); staged: 48 pitched copies plus the relayout launches,
+    # which cost the torch relayout 32 per chunk (too many) and the kernel one; unpitched staging saves nothing
+    pool, h, d = _layer_major_backup(monkeypatch, launch_us=launch_us, pitched=pitched)
+    sub = _submission(pool, h, d, None)
+    assert (sub.staged is not None) == staged
+    assert sub.count == (48 if staged else 768)
+    host = pool.binding.segments[0].host_flat
+    untouched = host.clone()
+    pool.backup_all_layers(h, d)
+    rows = h.view(-1, 4)[:, 0] // 4
+    written = torch.zeros(64, dtype=torch.bool)
+    written[rows] = True
+    # every byte outside the 48 pages of each layer is as it was
+    per_page = host.view(16, 64, -1)
+    assert torch.equal(per_page[:, ~written], untouched.view(16, 64, -1)[:, ~written])
+    dev = pool.binding.segments[0].device_rows
+    want = [r[d].clone() for r in dev]
+    target = torch.randperm(512, generator=torch.Generator().manual_seed(6))[: h.numel()]
+    for layer in range(16):
+        pool.load_layer(layer, h, target)
+        assert torch.equal(dev[layer][target], want[layer]), f"layer {layer}"
+
+
 def test_plan_memo_follows_tensor_identity_and_version():
     pool = _mla_pool(LAYOUTS[0], staging="never")
     h, d = torch.arange(16), torch.arange(16)
@@ -88,8 +153,53 @@ def test_plan_memo_follows_tensor_identity_and_version():
 
 def test_plan_range_checks_device_values():
     pool = _mla_pool(LAYOUTS[0], staging="never")
-    with pytest.raises(IndexRangeError, match="device_indices in 0..127; nothing was copied"):
+    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..127; nothing was copied"):
         Plan(pool.binding, torch.arange(16), torch.arange(120, 136), "never", 1)
+    with pytest.raises(IndexRangeError, match="host_indices must lie in 0..127; nothing was copied"):
+        Plan(pool.binding, torch.arange(120, 136), torch.arange(16), "never", 1)
+
+
+def test_staged_route_never_reads_device_resident_indices(monkeypatch):
+    """A staged backup indexes with the device copy of GPU-resident indices and never reads their
+    values on the host (on CUDA that read waits for the work queued before the call); a plain route
+    reads and range-checks them on first need.  On this CPU pool, :func:`.plans.defer_device_read`
+    is told to treat the device indices as GPU-resident."""
+    pytest.importorskip("triton")
+    from hicache_core.backends import plans
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "kernel")  # masks bad rows: torch's index_select would fault
+    pool, h, d = _layer_major_backup(monkeypatch, launch_us=0.0)
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding, device_indices: True)
+    read = []
+    real = plans.as_long
+    monkeypatch.setattr(plans, "as_long", lambda t, device: (read.append(t is not h), real(t, device))[1])
+    plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
+    staged = plan.submission(None)
+    assert staged.staged is not None and not plan.d_read and read == [False]  # the host indices only
+    one = plan.submission(3)  # one layer: plain runs, which need the values
+    assert one.staged is None and plan.d_read and read == [False, True]
+    # through the pool: bytes as the reference backend writes them
+    host = pool.binding.segments[0].host_flat
+    pool.backup_all_layers(h, d)
+    got = host.clone()
+    ref = HostKVPool(pool.spec, "layer_first", "reference", {"kv": pool.binding.segments[0].device_rows},
+                     registry=REG, strategy="core.reference")
+    ref.backup_all_layers(h, d)
+    pages = torch.zeros(64, dtype=torch.bool)
+    pages[h.view(-1, 4)[:, 0] // 4] = True  # compare the 48 pages written (the others hold what each buffer held)
+    assert torch.equal(got.view(16, 64, -1)[:, pages], ref.binding.segments[0].host_flat.view(16, 64, -1)[:, pages])
+    # out-of-range device rows: the staged route masks them (nothing outside the buffers is touched);
+    # a route that reads the values raises before anything moves
+    bad = d.clone()
+    bad[0] = 10 ** 6
+    lazy = Plan(pool.binding, h, bad, "auto", 1 << 30, pitched=True)
+    assert lazy.submission(None).staged is not None
+    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
+        lazy.submission(3)
+    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "torch")  # its index ops would fault: the values are read first
+    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
+        Plan(pool.binding, h, bad, "auto", 1 << 30, pitched=True).submission(None)
 
 
 @pytest.mark.parametrize("bad", [{"staging": "sometimes"}, {"staging_bytes": 0}, {"staging_bytes": "1MB"}])

@@ -146,9 +146,10 @@ def check_relayout(pool: HostKVPool, layer: int | None) -> None:
             assert torch.equal(got, want), f"load of pages {p0}.. differs"
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_head"])
+@pytest.mark.parametrize("layout", ["page_first", "page_head", "layer_first", "page_first_kv_split"])
 def test_pool_round_trip_with_kernel_relayout(interpret, monkeypatch, layout):
-    """Through the pool: ``direct`` staged (one page per chunk) with the kernel relayout, against ``reference``."""
+    """Through the pool: ``direct`` staged (one page per chunk) with the kernel relayout, against ``reference``
+    (layer-major host layouts stage into packed page images, :attr:`.staging._Image.compact`)."""
     monkeypatch.setenv("HICACHE_DIRECT_STAGING", "always")
     monkeypatch.setenv("HICACHE_STAGING_BYTES", "1")
     monkeypatch.setenv(relayout.ENV_RELAYOUT, "kernel")
@@ -158,6 +159,8 @@ def test_pool_round_trip_with_kernel_relayout(interpret, monkeypatch, layout):
             routes = [sub.staged for *_, plan in pool.binding.scratch["direct.plans"]._slots
                       for sub in plan._subs.values() if sub.staged is not None]
             assert routes and all(r.relayout == "kernel" and r.chunk_pages == 1 for r in routes)
+            if layout == "layer_first":  # all-layer routes pack one block per layer
+                assert any(im.compact for r in routes for im in r.images)
 
 
 def test_launches_per_chunk_follow_the_relayout(interpret):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pitched", "OP_WORDS", "ops_tensor", "expand", "group_bases", "MIN_HEIGHT"]
+__all__ = ["Pitched", "OP_WORDS", "ops_tensor", "expand", "group_bases", "MIN_HEIGHT", "MAX_PITCH", "PITCHED_OP_US"]
 
 #: int64 words per ``struct cudaMemcpy3DBatchOp`` (112 bytes on LP64, CUDA 12.8 through 13.x):
 #: src operand (type, ptr, rowLength, layerHeight, locHint) 5 words, dst operand 5 words,
@@ -32,6 +32,16 @@ _OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 #: Fewest evenly spaced layers worth one pitched operation (two rows already halve the descriptors).
 MIN_HEIGHT = 2
+#: Largest pitch a pitched operation may use: 5 GiB, verified bit-exact on the H200 (beyond the
+#: 2 GiB ``cudaDevAttrMaxPitch`` of 2D copies, which ``cudaMemcpy3DBatchAsync`` does not apply); layers
+#: further apart keep plain descriptors.  Pitches
+#: are positive: a descending device layer step copies correctly through the size_t wrap-around but
+#: the runtime then moves it at 0.41 of memcpy with 9.6 ms of host time for a 61-layer backup, worse
+#: than plain descriptors (docs/performance.md).
+MAX_PITCH = 5 << 30
+#: Host time of one pitched (2D) operation inside ``cudaMemcpy3DBatchAsync``: about 2.7 us for 61 rows
+#: of 72 KB on the H200 (benchmarks/ce2d_probe.py), where the same rows as plain descriptors cost ~0.5 us each.
+PITCHED_OP_US = 3.0
 
 
 @dataclass

@@ -22,7 +22,8 @@ from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
 from ..validate import tensor_version
 from .common import as_long
-from .pitched import MIN_HEIGHT, Pitched, group_bases, ops_tensor
+from .memcpy import CALL_US, DESC_US
+from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
 
 if TYPE_CHECKING:
     from .staging import StagedRoute
@@ -35,16 +36,13 @@ MEMO_SLOTS = 8
 STAGE_BELOW = 64 * 1024
 #: ... and staging makes the copy engine's blocks at least this many times larger.
 STAGE_GAIN = 2
-#: Host time of one pitched (2D) operation inside ``cudaMemcpy3DBatchAsync``: about 2.7 us for 61 rows
-#: of 72 KB on the H200 (benchmarks/ce2d_probe.py), where the same rows as plain descriptors cost ~0.5 us each.
-PITCHED_OP_US = 3.0
-#: Largest layer pitch a pitched operation may use: 5 GiB, verified bit-exact on the H200 (beyond the
-#: 2 GiB ``cudaDevAttrMaxPitch`` of 2D copies, which ``cudaMemcpy3DBatchAsync`` does not apply); layers
-#: further apart keep plain descriptors.  Pitches
-#: are positive: a descending device layer step copies correctly through the size_t wrap-around but
-#: the runtime then moves it at 0.41 of memcpy with 9.6 ms of host time for a 61-layer backup, worse
-#: than plain descriptors (docs/performance.md).
-MAX_PITCH = 5 << 30
+#: ``auto`` staging also stages where the plain route's estimated host time (``memcpy.DESC_US`` per
+#: descriptor, ``memcpy.CALL_US`` per runtime call) is at least this many microseconds ...
+STAGE_HOST_US = 300.0
+#: ... and the staged route (relayout launches plus pitched copies of whole pages) needs at most
+#: 1 / this of it: e.g. a 61-layer backup of separately allocated device layers into a layer-major
+#: host layout, 3904 descriptors plain, 64 pitched copies staged.
+STAGE_HOST_GAIN = 4.0
 
 
 def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,17 +107,11 @@ class Submission:
         ``call_us`` per runtime call (:func:`.cudart.batch_calls`, per staging chunk of pages), and
         the relayout launches of a staged route."""
         from .cudart import batch_calls
-        from .staging import LAUNCH_US
 
-        if self.staged is None:
-            n, k = int(self.lens.numel()), self.pitched_count
-            return n * submit_us + batch_calls(n) * call_us + k * PITCHED_OP_US + batch_calls(k) * call_us
-        st = self.staged
-        pages = int(st.pages.numel())
-        per_page = st.count // pages if pages else 0
-        full, last = st.chunk_pages * per_page, (pages - (st.chunks - 1) * st.chunk_pages) * per_page
-        calls = (st.chunks - 1) * batch_calls(full) + batch_calls(last)  # one copy per chunk of pages
-        return st.count * submit_us + calls * call_us + st.chunks * st.launches_per_chunk * LAUNCH_US
+        if self.staged is not None:
+            return self.staged.host_us(submit_us, call_us)
+        n, k = int(self.lens.numel()), self.pitched_count
+        return n * submit_us + batch_calls(n) * call_us + k * PITCHED_OP_US + batch_calls(k) * call_us
 
     @property
     def smallest_block(self) -> int:
@@ -135,7 +127,7 @@ class Submission:
     def blocks(self) -> int:
         """Contiguous blocks the copy engine moves (a pitched operation moves one per row)."""
         if self.staged is not None:
-            return self.staged.count
+            return self.staged.blocks
         return int(self.lens.numel()) + (int(self.pitched.height.sum()) if self.pitched is not None else 0)
 
     @property
@@ -175,6 +167,12 @@ def _storages(binding: PoolBinding, si: int, seg: BoundSegment, stride: int) -> 
     return hit
 
 
+def defer_device_read(binding: PoolBinding, device_indices: torch.Tensor) -> bool:
+    """Whether a plan reads ``device_indices`` (on the pool's device) back only when a route needs
+    their values: on CUDA, where the read waits for all work queued before the call."""
+    return binding.device.type == "cuda"
+
+
 def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """See :attr:`Plan.page_runs`."""
     n = h.numel()
@@ -196,23 +194,47 @@ class Plan:
         self.binding = binding
         self.pitched = pitched
         self.h = as_long(host_indices, "cpu")
-        self.d = as_long(device_indices, "cpu")
-        rows, cap = binding.device_rows, binding.spec.capacity
-        if self.h.numel() and (int(self.h.min()) < 0 or int(self.h.max()) >= cap
-                               or int(self.d.min()) < 0 or int(self.d.max()) >= rows):
-            raise IndexRangeError(
-                f"direct: host_indices must lie in 0..{cap - 1} and device_indices in 0..{rows - 1}; nothing was copied"
-            )
-        # the device copy the staged relayout indexes with (made on the caller's stream)
+        self._rows = binding.device_rows
+        cap = binding.spec.capacity
+        if self.h.numel() and (int(self.h.min()) < 0 or int(self.h.max()) >= cap):
+            raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
-        # its own copy: the values checked above are the values the staged relayout indexes with, even
-        # if the caller later rewrites its tensor behind torch's version counter
+        # the device copy the staged relayout indexes with (made on the caller's stream); its own copy:
+        # the values it indexes with are the values read or checked, even if the caller later rewrites
+        # its tensor behind torch's version counter
         self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
+        # device-resident indices are read back (which waits for the work queued before this call)
+        # only when a route needs their values on the host: the plain runs do, a staged route does not
+        self._d: torch.Tensor | None = None
+        if not (on_dev and defer_device_read(binding, device_indices)):
+            self._read_d(device_indices)
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
-        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+        self._tables: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
         self._lock = threading.Lock()
+
+    def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
+        d = as_long(device_indices, "cpu")
+        if d.numel() and (int(d.min()) < 0 or int(d.max()) >= self._rows):
+            raise IndexRangeError(
+                f"direct: device_indices must lie in 0..{self._rows - 1}; nothing was copied"
+            )
+        self._d = d
+        return d
+
+    @property
+    def d(self) -> torch.Tensor:
+        """The device indices on the CPU, range-checked (read from the device copy on first use)."""
+        if self._d is None:
+            assert self._d_dev is not None
+            return self._read_d(self._d_dev)
+        return self._d
+
+    @property
+    def d_read(self) -> bool:
+        """Whether the device indices' values have been read on the host."""
+        return self._d is not None
 
     @property
     def d_dev(self) -> torch.Tensor:
@@ -241,12 +263,20 @@ class Plan:
             self._page_runs = (_page_runs(self.h, self.d, self.binding.spec.page_size),)
         return self._page_runs[0]
 
-    def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
+    def _device_rows(self, best: bool) -> torch.Tensor:
+        """The device indices, or with ``best`` the host indices standing in for them: device rows laid
+        out like the host slots, which no device indices coalesce better than (nothing is read back)."""
+        return self.h if best else self.d
+
+    def _runs(self, seg: BoundSegment, stride: int, best: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0
+        (``best``: see :meth:`_device_rows`)."""
         a = seg.segment.addressing
         ps = self.binding.spec.page_size
         whole_rows = a.row_contiguous and a.chunks(seg.width) * a.chunk_bytes == seg.width
-        pages = self.page_runs if whole_rows and a.token == seg.width and stride == seg.width else None
+        pages = None
+        if whole_rows and a.token == seg.width and stride == seg.width:
+            pages = _page_runs(self.h, self.h, ps) if best else self.page_runs
         if pages is not None:
             # rows adjacent on both sides: each page is one block (what coalescing its rows would give),
             # computed from 1/page_size of the elements
@@ -254,28 +284,31 @@ class Plan:
             return coalesce(hp * a.page, dp * stride, ps * seg.width)
         chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
         host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
-        dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
+        dev = (self._device_rows(best) * stride).unsqueeze(1) + chunk * a.chunk_bytes
         return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
 
-    def _table(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
+    def _table(self, si: int, seg: BoundSegment, stride: int,
+               best: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
         """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry."""
-        key = (si, stride)
+        key = (si, stride, best)
         table = self._tables.get(key)
         if table is None:
             hb, db, row = _bases(self.binding, si, seg, stride)
-            hr, dr, n = self._runs(seg, stride)
+            hr, dr, n = self._runs(seg, stride, best)
             table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row)
         return table
 
-    def _plain(self, layer: int | None) -> Submission:
+    def _plain(self, layer: int | None, best: bool = False) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
         burst of per-layer calls builds the tables once and then only picks rows.  Where the
-        selection spans evenly spaced layers, each run becomes one pitched copy over them."""
+        selection spans evenly spaced layers, each run becomes one pitched copy over them.
+        ``best``: the fewest runs any device indices could give (:meth:`_device_rows`), an estimate
+        never to be submitted."""
         hosts, devs, lens, pitched = [], [], [], []
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
             for stride in sorted({seg.dev_strides[e] for e in entries}):
-                hm, dm, n, row = self._table(si, seg, stride)
+                hm, dm, n, row = self._table(si, seg, stride, best)
                 rows = [row[e] for e in entries if seg.dev_strides[e] == stride]
                 groups = self._pitch_groups(si, seg, stride, rows, n)
                 if groups is None:
@@ -326,21 +359,41 @@ class Plan:
         return [[rows[i] for i in g] for g in groups]
 
     def _build(self, layer: int | None) -> Submission:
-        # the staged route (where it gives the copy engine larger blocks) takes precedence over
-        # pitched copies: its blocks are whole host pages, the pitched rows stay row-sized
-        plain = self._plain(layer)
         if self.staging == "never" or self.h.numel() == 0:
-            return plain
-        if self.staging == "auto" and (plain.mean_block >= STAGE_BELOW or plain.count == 0):
-            return plain
+            return self._plain(layer)
+        if not self.d_read:
+            # device-resident indices not read yet: stage without reading them where the staged route
+            # beats the best plain runs any device indices could give
+            # (the kernel relayout masks rows outside the device buffers; torch's index ops would fault)
+            staged = self._staged(layer, self._plain(layer, best=True))
+            if staged is not None and staged.staged is not None and staged.staged.relayout == "kernel":
+                return staged
+        plain = self._plain(layer)
+        return self._staged(layer, plain) or plain
+
+    def _staged(self, layer: int | None, plain: Submission) -> Submission | None:
+        """The staged route where it beats ``plain`` (in ``auto``: it gives the copy engine blocks at
+        least :data:`STAGE_GAIN` times larger than plain runs below :data:`STAGE_BELOW`, or it needs at
+        most 1 / :data:`STAGE_HOST_GAIN` of plain's estimated host time of :data:`STAGE_HOST_US` or
+        more; in ``always``: wherever whole pages allow it), else ``None``."""
+        auto = self.staging == "auto"
+        if auto and plain.count == 0:
+            return None
+        small = plain.mean_block < STAGE_BELOW
+        plain_us = plain.host_us(DESC_US, CALL_US)
+        if auto and not small and plain_us < STAGE_HOST_US:
+            return None
         from .staging import StagedRoute
 
-        route = StagedRoute.build(self.binding, self.h, lambda: self.d_dev, layer, self.staging_bytes)
+        route = StagedRoute.build(self.binding, self.h, lambda: self.d_dev, layer, self.staging_bytes,
+                                  pitched=self.pitched)
         if route is None:
-            return plain
-        staged = Submission(plain.host, plain.dev, plain.lens, route)
-        if self.staging == "auto" and staged.mean_block < STAGE_GAIN * plain.mean_block:
-            return plain
+            return None
+        empty = torch.empty(0, dtype=torch.int64)
+        staged = Submission(empty, empty, empty, route)
+        if auto and not (small and staged.mean_block >= STAGE_GAIN * plain.mean_block) \
+                and not staged.host_us(DESC_US, CALL_US) * STAGE_HOST_GAIN <= plain_us:
+            return None
         return staged
 
 

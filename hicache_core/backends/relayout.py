@@ -197,7 +197,7 @@ def _group(device: torch.device, members: list[tuple[_Image, int]], chunk: int, 
     quantities = [per_page, chunk, anchor_src.untyped_storage().data_ptr()]
     for im, prefix in members:
         a = im.seg.segment.addressing
-        quantities += [prefix, im.span, im.lo, a.offset, a.layer, a.token, _chunking(im)[2]]
+        quantities += [prefix, im.span, a.token, _chunking(im)[2]] + [im.entry_offset(e) for e in im.entries]
         quantities += [im.seg.dev_ptrs[e] for e in im.entries] + [im.seg.dev_strides[e] for e in im.entries]
     word = access_word(*quantities)
     anchor = word_anchor(anchor_src, word)
@@ -208,7 +208,7 @@ def _group(device: torch.device, members: list[tuple[_Image, int]], chunk: int, 
         _, nch, cstride = _chunking(im)
         for e in im.entries:
             rows.append([(im.seg.dev_ptrs[e] - base) // word, im.seg.dev_strides[e] // word, im.seg.dev_lens[e],
-                         (a.offset + im.seg.host_layers[e] * a.layer - im.lo) // word, prefix // word,
+                         im.entry_offset(e) // word, prefix // word,
                          im.span // word, a.token // word, cstride // word, nch])
     tok, block = block_shape(chunk // word, word)
     vec = min(block, access_word(*quantities, max_word=max(MAX_VECTOR_BYTES, word)) // word)
@@ -265,7 +265,7 @@ def kernel_relayout(binding: PoolBinding, images: Sequence[_Image]) -> KernelRel
     of every call with that selection share the tables.
     """
     cache: dict[tuple, KernelRelayout] = binding.scratch.setdefault(_CACHE, {})
-    key = tuple((id(im.seg), im.entries, im.lo, im.span) for im in images)  # segments live as long as the binding
+    key = tuple((id(im.seg), im.entries, im.lo, im.span, im.compact) for im in images)  # segments live as long as the binding
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = KernelRelayout(binding, images)

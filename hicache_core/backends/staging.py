@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..binding import BoundSegment, PoolBinding
+from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, ops_tensor
 from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 
 if TYPE_CHECKING:
@@ -82,7 +83,15 @@ def page_image(seg: BoundSegment, host_layers: list[int], page_size: int) -> tup
 
 @dataclass(frozen=True)
 class _Image:
-    """One segment's part of the staging buffer: ``span`` bytes per page, from ``lo``."""
+    """One segment's part of the staging buffer: ``span`` bytes per page.
+
+    Block ``b`` of a page (host offset ``starts[b]`` from the page base, ``lens[b]`` bytes) lies at
+    ``rel[b]`` in the page's span: ``starts - lo`` when the image mirrors the host bytes from the
+    lowest to the highest one touched, or packed back to back (``compact``) when the host blocks are
+    far apart (one block per layer of a layer-major host layout) and each entry's rows of a page lie
+    in one block.  ``pitched`` is ``(width, host step, image step)`` when the page's blocks are
+    equal and evenly spaced on both sides (one pitched copy per page), else ``None``.
+    """
 
     seg: BoundSegment
     entries: tuple[int, ...]
@@ -90,6 +99,54 @@ class _Image:
     lens: torch.Tensor
     lo: int
     span: int
+    rel: torch.Tensor  # block offsets in the page's span
+    compact: bool = False
+    pitched: tuple[int, int, int] | None = None
+
+    def offset(self, host_off: int) -> int:
+        """Offset in a page's span of the byte at ``host_off`` from the page base (a byte the image holds)."""
+        b = int(torch.searchsorted(self.starts, torch.tensor(host_off, dtype=torch.int64), right=True)) - 1
+        return int(self.rel[b]) + host_off - int(self.starts[b])
+
+    def entry_offset(self, e: int) -> int:
+        """Offset in a page's span of entry ``e``'s first row."""
+        a = self.seg.segment.addressing
+        return self.offset(a.offset + self.seg.host_layers[e] * a.layer)
+
+    @classmethod
+    def build(cls, seg: BoundSegment, entries: tuple[int, ...], page_size: int, pitched: bool) -> _Image:
+        a = seg.segment.addressing
+        starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], page_size)
+        lo = int(starts[0])
+        span = int(starts[-1] + lens[-1]) - lo
+        rel, compact = starts - lo, False
+        total = int(lens.sum())
+        if total < span and _rows_within_blocks(seg, entries, starts, lens, page_size):
+            rel, span, compact = torch.cumsum(lens, 0) - lens, total, True
+        return cls(seg, entries, starts, lens, lo, span, rel, compact, _pitch(starts, lens, rel) if pitched else None)
+
+
+def _rows_within_blocks(seg: BoundSegment, entries: tuple[int, ...], starts: torch.Tensor, lens: torch.Tensor,
+                        page_size: int) -> bool:
+    """Whether every entry's rows of one page lie within a single block of the page image (so
+    packing the blocks back to back keeps each entry's rows at their host strides)."""
+    a = seg.segment.addressing
+    nch = a.chunks(seg.width)
+    extent = (page_size - 1) * a.token + (nch - 1) * (a.chunk_stride or a.chunk_bytes) + a.chunk_bytes
+    first = a.offset + torch.tensor([seg.host_layers[e] for e in entries], dtype=torch.int64) * a.layer
+    b = torch.searchsorted(starts, first, right=True) - 1
+    return bool((b >= 0).all()) and bool((first + extent <= starts[b] + lens[b]).all())
+
+
+def _pitch(starts: torch.Tensor, lens: torch.Tensor, rel: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(width, host step, image step)`` when the blocks are equal and evenly spaced on both sides."""
+    if starts.numel() < MIN_HEIGHT or bool((lens != lens[0]).any()):
+        return None
+    width, hs, rs = int(lens[0]), starts[1:] - starts[:-1], rel[1:] - rel[:-1]
+    h, r = int(hs[0]), int(rs[0])
+    if bool((hs != h).any()) or bool((rs != r).any()) or not (width <= h <= MAX_PITCH and width <= r <= MAX_PITCH):
+        return None
+    return width, h, r
 
 
 class StagedRoute:
@@ -116,49 +173,88 @@ class StagedRoute:
         want = max(staging_bytes // 4, self.launches_per_chunk * BYTES_PER_LAUNCH)  # per half: a quarter of the budget, more if the launches need it
         self.chunk_pages = max(1, min(int(pages.numel()), min(want, staging_bytes // 2) // per_page))
         self.chunk_bytes = self.chunk_pages * per_page
-        self.count = int(pages.numel()) * sum(int(im.lens.numel()) for im in images)
-        self.chunks = -(-int(pages.numel()) // self.chunk_pages)
-        self.nbytes = int(pages.numel()) * sum(int(im.lens.sum()) for im in images)
-        # host addresses and image offsets of every block, page-major; per chunk a slice
+        n = int(pages.numel())
+        self.blocks = n * sum(int(im.lens.numel()) for im in images)
+        self.chunks = -(-n // self.chunk_pages)
+        self.nbytes = n * sum(int(im.lens.sum()) for im in images)
+        # host addresses and image offsets of every block, page-major (per chunk a slice); the blocks
+        # of a pitched image are one pitched copy per page
         host, rel, lens = [], [], []
+        p_host, p_rel, p_shape = [], [], []
         region = 0
+        k = torch.arange(n, dtype=torch.int64) % self.chunk_pages
         for im in images:
             a = im.seg.segment.addressing
-            base = im.seg.host_flat.data_ptr()
-            host.append((base + pages.unsqueeze(1) * a.page + im.starts.unsqueeze(0)))
-            k = torch.arange(pages.numel(), dtype=torch.int64).unsqueeze(1) % self.chunk_pages
-            rel.append(region + k * im.span + (im.starts - im.lo).unsqueeze(0))
-            lens.append(im.lens.unsqueeze(0).expand(pages.numel(), -1))
+            page_base = im.seg.host_flat.data_ptr() + pages * a.page
+            at = region + k * im.span
+            if im.pitched is not None:
+                p_host.append(page_base + int(im.starts[0]))
+                p_rel.append(at + int(im.rel[0]))
+                p_shape.append((im.pitched[0], int(im.starts.numel()), im.pitched[1], im.pitched[2]))
+            else:
+                host.append(page_base.unsqueeze(1) + im.starts.unsqueeze(0))
+                rel.append(at.unsqueeze(1) + im.rel.unsqueeze(0))
+                lens.append(im.lens.unsqueeze(0).expand(n, -1))
             region += self.chunk_pages * im.span
-        self._host = torch.cat(host, 1).contiguous()
-        self._rel = torch.cat(rel, 1).contiguous()
-        self._lens = torch.cat(lens, 1).contiguous()
+        empty = torch.empty((n, 0), dtype=torch.int64)
+        self._host = torch.cat(host, 1).contiguous() if host else empty
+        self._rel = torch.cat(rel, 1).contiguous() if rel else empty
+        self._lens = torch.cat(lens, 1).contiguous() if lens else empty
+        self._p_host = torch.stack(p_host, 1).contiguous() if p_host else empty
+        self._p_rel = torch.stack(p_rel, 1).contiguous() if p_rel else empty
+        # width, height, host pitch, image pitch of each pitched image
+        self._p_shape = torch.tensor(p_shape, dtype=torch.int64).view(-1, 4)
+        #: copy-engine operations per transfer: plain descriptors plus one pitched copy per page and pitched image
+        self.count = int(self._host.numel()) + int(self._p_host.numel())
 
     @classmethod
     def build(cls, binding: PoolBinding, h: torch.Tensor, d_dev: Callable[[], torch.Tensor], layer: int | None,
-              staging_bytes: int, *, relayout: str | None = None) -> StagedRoute | None:
-        """The staged route for host slots ``h`` (CPU int64), or ``None`` when they are not whole aligned pages."""
+              staging_bytes: int, *, relayout: str | None = None, pitched: bool = False) -> StagedRoute | None:
+        """The staged route for host slots ``h`` (CPU int64), or ``None`` when they are not whole aligned pages.
+
+        ``pitched``: whether the copy engine takes pitched copies here (then a page's equal, evenly
+        spaced blocks of one segment go as one pitched copy).
+        """
         ps = binding.spec.page_size
         groups = h.view(-1, ps)
         pages = groups[:, 0] // ps
         if not bool((groups == (pages * ps).unsqueeze(1) + torch.arange(ps, dtype=torch.int64)).all()):
             return None
-        images = []
-        for seg in binding.segments:
-            entries = tuple(seg.entries(layer))
-            if not entries:
-                continue
-            starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], ps)
-            lo = int(starts[0])
-            span = int(starts[-1] + lens[-1]) - lo
-            images.append(_Image(seg, entries, starts, lens, lo, span))
+        images = [_Image.build(seg, entries, ps, pitched) for seg in binding.segments
+                  if (entries := tuple(seg.entries(layer)))]
         if not images:
             return None
         return cls(binding, pages, d_dev, images, staging_bytes, relayout=relayout)
 
-    def _chunk(self, p0: int, p1: int, base: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Host addresses, image addresses (image at ``base``) and lengths of pages ``p0:p1``."""
-        return (self._host[p0:p1].reshape(-1), (self._rel[p0:p1] + base).reshape(-1), self._lens[p0:p1].reshape(-1))
+    def host_us(self, submit_us: float, call_us: float) -> float:
+        """Estimated host time to enqueue the whole transfer (see :meth:`.plans.Submission.host_us`)."""
+        from .cudart import batch_calls
+
+        def calls(per_page: int) -> int:  # one runtime call (or a few) per chunk of pages
+            pages = int(self.pages.numel())
+            last = pages - (self.chunks - 1) * self.chunk_pages
+            return (self.chunks - 1) * batch_calls(self.chunk_pages * per_page) + batch_calls(last * per_page)
+
+        plain, pitched = int(self._host.shape[1]), int(self._p_host.shape[1])
+        return (int(self._host.numel()) * submit_us + (calls(plain) * call_us if plain else 0.0)
+                + int(self._p_host.numel()) * PITCHED_OP_US + (calls(pitched) * call_us if pitched else 0.0)
+                + self.chunks * self.launches_per_chunk * LAUNCH_US)
+
+    def _copy(self, copier: BatchCopier, p0: int, p1: int, base: int, stream: int | None, *, to_host: bool) -> None:
+        """Enqueue the copy-engine part of pages ``p0:p1`` with the chunk image at ``base``."""
+        if self._host.shape[1]:
+            host, img = self._host[p0:p1].reshape(-1), (self._rel[p0:p1] + base).reshape(-1)
+            lens = self._lens[p0:p1].reshape(-1)
+            if to_host:
+                copier.copy(host, img, lens, stream)
+            else:
+                copier.copy(img, host, lens, stream)
+        if self._p_host.shape[1]:
+            m = p1 - p0
+            shape = self._p_shape.repeat(m, 1)
+            p = Pitched(self._p_host[p0:p1].reshape(-1), (self._p_rel[p0:p1] + base).reshape(-1),
+                        shape[:, 0], shape[:, 1], shape[:, 2], shape[:, 3])
+            copier.copy_pitched(p, lambda: ops_tensor(p, to_host=to_host), to_host=to_host, stream=stream)
 
     def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
         """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
@@ -174,13 +270,12 @@ class StagedRoute:
         d_dev = self._d_dev()
         for p0 in range(0, n, self.chunk_pages):
             p1 = min(n, p0 + self.chunk_pages)
-            host, img, lens = self._chunk(p0, p1, staging.data_ptr())
             rows = d_dev[p0 * ps : p1 * ps]
             if to_host:
                 self._relayout(staging, rows, p1 - p0, to_image=True)
-                copier.copy(host, img, lens)
+                self._copy(copier, p0, p1, staging.data_ptr(), None, to_host=True)
             else:
-                copier.copy(img, host, lens)
+                self._copy(copier, p0, p1, staging.data_ptr(), None, to_host=False)
                 self._relayout(staging, rows, p1 - p0, to_image=False)
 
     def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
@@ -199,7 +294,6 @@ class StagedRoute:
         for k, p0 in enumerate(range(0, n, self.chunk_pages)):
             p1 = min(n, p0 + self.chunk_pages)
             half = halves[k % 2]
-            host, img, lens = self._chunk(p0, p1, half.data_ptr())
             rows = d_dev[p0 * ps : p1 * ps]
             if to_host:
                 with torch.cuda.stream(side):
@@ -209,13 +303,13 @@ class StagedRoute:
                     self._relayout(half, rows, p1 - p0, to_image=True)
                     ready = side.record_event()
                 main.wait_event(ready)
-                copier.copy(host, img, lens, stream)
+                self._copy(copier, p0, p1, half.data_ptr(), stream, to_host=True)
                 free[k % 2] = main.record_event()
             else:
                 ev = free[k % 2]
                 if ev is not None:
                     main.wait_event(ev)  # the scatter has read this half
-                copier.copy(img, host, lens, stream)
+                self._copy(copier, p0, p1, half.data_ptr(), stream, to_host=False)
                 landed = main.record_event()
                 with torch.cuda.stream(side):
                     side.wait_event(landed)
@@ -237,7 +331,7 @@ class StagedRoute:
             a = im.seg.segment.addressing
             nch, cb = a.chunks(im.seg.width), a.chunk_bytes
             for e in im.entries:
-                start = staging.storage_offset() + region + a.offset + im.seg.host_layers[e] * a.layer - im.lo
+                start = staging.storage_offset() + region + im.entry_offset(e)
                 view = staging.as_strided((npages, ps, nch, cb), (im.span, a.token, a.chunk_stride or cb, 1), start)
                 dev = im.seg.device_rows[e]
                 if to_image:
