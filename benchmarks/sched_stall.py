@@ -10,7 +10,8 @@ work has finished: the scheduler thread stalls.  This probe queues about
 ``--forward-ms`` of GEMMs on the forward stream, records the event, and times the
 call on the host, for each strategy of MLA 61 x 576 bf16 layer_first (4096
 tokens, 64-token pages), with index tensors new to the pool (as every SGLang batch
-has) on the GPU and on the CPU.  Results: ``<out>/sched_stall.json``.
+has) on the GPU, on the CPU, and mixed (host slots on the CPU, device rows on the GPU:
+a staged ``direct`` route never reads the device rows back).  Results: ``<out>/sched_stall.json``.
 """
 
 from __future__ import annotations
@@ -66,12 +67,14 @@ def main() -> int:
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
         pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg, validate="shapes")
         layer0 = spec.layer_map.device_layers[0]
-        for where in ("cuda", "cpu"):
+        for where in ("cuda", "cpu", "mixed"):
             for op in ("backup_all_layers", "load_layer"):
                 host_ms, idle_ms = [], []
                 for busy in (True, False):
                     for _ in range(args.reps):
-                        hi, si, di = (t.to(where).clone() for t in (h, s, d))  # new tensors, as every batch has
+                        # new tensors, as every batch has; "mixed": host slots on the CPU, device rows on the GPU
+                        hi, si, di = (t.to("cpu" if where == "cpu" or (where == "mixed" and t is h) else "cuda").clone()
+                                      for t in (h, s, d))
                         torch.cuda.synchronize()
                         if busy:
                             forward()
@@ -90,7 +93,7 @@ def main() -> int:
                        "forward_ms_queued": fwd_ms, "host_ms_busy": statistics.median(host_ms),
                        "host_ms_idle": statistics.median(idle_ms)}
                 rows.append(row)
-                print(f"{name:24s} {layout:18s} idx={where:4s} {op:18s} host {row['host_ms_busy']:7.2f} ms with "
+                print(f"{name:24s} {layout:18s} idx={where:5s} {op:18s} host {row['host_ms_busy']:7.2f} ms with "
                       f"{fwd_ms:.1f} ms of forward queued, {row['host_ms_idle']:6.2f} ms idle", flush=True)
         del pool, host
     with open(os.path.join(args.out, "sched_stall.json"), "w") as f:

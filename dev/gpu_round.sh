@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call for the copy-engine work: focused correctness (direct/auto kit, copy-engine tests) first,
-# then the timing probes alone.  Logs and JSON go to $OUT (steps: tests, host, stall, bench).
+# then the timing probes alone.  Logs and JSON go to $OUT (steps: tests, host, stall, bench, timeline).
 set -uo pipefail
 OUT=${OUT:-/tmp/hicache-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_first -e plugins/page_first \
@@ -15,6 +15,7 @@ for step in "$@"; do
     host) for pl in separate one-allocation-descending; do
         mkdir -p "$OUT/host-$pl"; HICACHE_BENCH_PLACEMENT=$pl timeout 200 python3 benchmarks/host_time.py --out "$OUT/host-$pl" \
           --backends ${HOST_BACKENDS:-kernel,direct,auto} --reps 100 >"$OUT/host-$pl.log" 2>&1; echo "host $pl rc=$?"; cat "$OUT/host-$pl.log"; done ;;
+    timeline) timeout 200 python3 benchmarks/staged_timeline.py >"$OUT/staged_timeline.log" 2>&1; echo "timeline rc=$?"; grep -v "^    trace" "$OUT/staged_timeline.log" ;;
     stall) timeout 200 python3 benchmarks/sched_stall.py --out "$OUT" >"$OUT/stall.log" 2>&1; echo "stall rc=$?"; cat "$OUT/stall.log" ;;
     bench) HICACHE_BENCH_PLACEMENT=${PLACEMENT:-separate} timeout ${BENCH_T:-300} hicache bench --out "$OUT/bench-${PLACEMENT:-separate}" --reps 10 --gemm \
         ${BENCH_ARGS:-} >"$OUT/bench-${PLACEMENT:-separate}.log" 2>&1; echo "bench rc=$?"; grep -v "^hicache bench" "$OUT/bench-${PLACEMENT:-separate}.log" | tail -40 ;;

@@ -92,49 +92,85 @@ def test_layer_major_staged_image_is_compact_with_one_pitched_copy_per_page():
     assert st2 is not None and st2.images[0].compact and st2.images[0].pitched is None and st2.count == 15
 
 
-def _layer_major_backup(monkeypatch, *, launch_us: float | None, pitched: str = "auto"):
-    """A 16-layer MLA backup of 48 of 64 four-token pages, shuffled, from separately allocated layers."""
-    from hicache_core.backends import staging
+def test_staged_chunk_ops_equal_ops_built_per_chunk():
+    """A staged route packs its pitched operations once; a chunk's rows, shifted to the chunk's image
+    address, equal the operations packed from that chunk's copies (what CUDA 13 runtimes receive)."""
+    from hicache_core.backends.pitched import Pitched, ops_tensor
 
-    if launch_us is not None:
-        monkeypatch.setattr(staging, "LAUNCH_US", launch_us)
-    layers, ps, pages = 16, 4, 64
+    pool = _mla_pool("layer_first", staging="always", ps=4, layers=5, pages=8)
+    h = (torch.tensor([6, 1, 3, 0, 7]).unsqueeze(1) * 4 + torch.arange(4)).reshape(-1)
+    st = _submission(pool, h, torch.arange(20), None).staged
+    assert st is not None and st.count == 5
+    base = 1 << 40
+    for to_host in (True, False):
+        for p0, p1 in ((0, 2), (2, 5)):
+            shape = st._p_shape.repeat(p1 - p0, 1)
+            want = ops_tensor(Pitched(st._p_host[p0:p1].reshape(-1), (st._p_rel[p0:p1] + base).reshape(-1),
+                                      *shape.unbind(1)), to_host=to_host)
+            assert torch.equal(st._chunk_ops(p0, p1, base, to_host), want)
+
+
+def _layer_major_backup(*, pitched: str = "auto", staging: str = "auto", layout: str = "layer_first", ps: int = 4):
+    """A 16-layer MLA backup of 48 of 64 pages, shuffled, from separately allocated layers."""
+    layers, pages = 16, 64
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
                         dtype=torch.bfloat16, page_size=ps, capacity=ps * pages)
     gen = torch.Generator().manual_seed(5)
     dev = {"kv": [torch.randint(-9, 9, (2 * ps * pages, 1, 576), generator=gen).to(torch.bfloat16) for _ in range(layers)]}
-    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct",
-                      strategy_options={"staging": "auto", "pitched": pitched})
+    pool = HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": staging, "pitched": pitched})
     hp = torch.randperm(pages, generator=gen)[:48]
     h = (hp.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
     d = (torch.randperm(2 * pages, generator=gen)[:48].unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
     return pool, h, d
 
 
-@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
-@pytest.mark.parametrize("launch_us, pitched, staged", [(0.0, "auto", True), (None, "auto", False), (0.0, "never", False)])
-def test_auto_stages_layer_major_backups_only_where_it_saves_host_time(monkeypatch, launch_us, pitched, staged):
-    # plain: 768 descriptors (~0.8 ms of host time); staged: 48 pitched copies plus the relayout launches,
-    # which cost the torch relayout 32 per chunk (too many) and the kernel one; unpitched staging saves nothing
-    pool, h, d = _layer_major_backup(monkeypatch, launch_us=launch_us, pitched=pitched)
+def _check_backup_bytes(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor) -> None:
+    """Backup, then: pages not named unchanged, and every layer loads back (plain runs) as it was."""
+    seg = pool.binding.segments[0]
+    ps, pages = pool.spec.page_size, pool.spec.num_pages
+    untouched = seg.host_flat.clone()
+    pool.backup_all_layers(h, d)
+    written = torch.zeros(pages, dtype=torch.bool)
+    written[h.view(-1, ps)[:, 0] // ps] = True
+    a = seg.segment.addressing
+    for p in (~written).nonzero().squeeze(1).tolist():  # every byte of every page not named is as it was
+        for layer in range(len(seg.device_rows)):
+            lo = a.offset + layer * a.layer + p * a.page
+            assert torch.equal(seg.host_flat[lo : lo + ps * a.token], untouched[lo : lo + ps * a.token])
+    want = [r[d].clone() for r in seg.device_rows]
+    target = torch.randperm(seg.device_rows[0].shape[0], generator=torch.Generator().manual_seed(6))[: h.numel()]
+    for layer, rows in enumerate(seg.device_rows):
+        pool.load_layer(layer, h, target)
+        assert torch.equal(rows[target], want[layer]), f"layer {layer}"
+
+
+@pytest.mark.skipif(not {"layer_first", "page_first_direct"} <= set(LAYOUTS), reason="needs both layout plugins")
+@pytest.mark.parametrize("layout, threshold, staged", [("layer_first", 1.0, False), ("page_first_direct", 1.0, True),
+                                                       ("page_first_direct", 1e6, False)])
+def test_auto_stages_page_runs_into_whole_pages_where_submitting_them_costs_the_host(monkeypatch, layout, threshold,
+                                                                                     staged):
+    # 64-token pages: plain runs of 73.7 KB (large enough for the copy engine), 768 of them.  Staged,
+    # a page_first_direct page is one 1.2 MB block over 16 layers; a layer_first page stays 16 blocks
+    # (packed, the same sizes: staging would only cut host time, and moved less than plain on the GPU)
+    from hicache_core.backends import plans
+
+    monkeypatch.setattr(plans, "STAGE_HOST_US", threshold)
+    pool, h, d = _layer_major_backup(layout=layout, ps=64)
     sub = _submission(pool, h, d, None)
     assert (sub.staged is not None) == staged
     assert sub.count == (48 if staged else 768)
-    host = pool.binding.segments[0].host_flat
-    untouched = host.clone()
-    pool.backup_all_layers(h, d)
-    rows = h.view(-1, 4)[:, 0] // 4
-    written = torch.zeros(64, dtype=torch.bool)
-    written[rows] = True
-    # every byte outside the 48 pages of each layer is as it was
-    per_page = host.view(16, 64, -1)
-    assert torch.equal(per_page[:, ~written], untouched.view(16, 64, -1)[:, ~written])
-    dev = pool.binding.segments[0].device_rows
-    want = [r[d].clone() for r in dev]
-    target = torch.randperm(512, generator=torch.Generator().manual_seed(6))[: h.numel()]
-    for layer in range(16):
-        pool.load_layer(layer, h, target)
-        assert torch.equal(dev[layer][target], want[layer]), f"layer {layer}"
+    assert sub.mean_block == (16 * 64 * 1152 if staged else 64 * 1152)
+    _check_backup_bytes(pool, h, d)
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("pitched", ["auto", "never"])
+def test_layer_major_staging_always_round_trips(monkeypatch, pitched):
+    pool, h, d = _layer_major_backup(staging="always", pitched=pitched)
+    st = _submission(pool, h, d, None).staged
+    assert st is not None and st.images[0].compact and st.count == (48 if pitched == "auto" else 768)
+    _check_backup_bytes(pool, h, d)
 
 
 def test_plan_memo_follows_tensor_identity_and_version():
@@ -169,16 +205,16 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "kernel")  # masks bad rows: torch's index_select would fault
-    pool, h, d = _layer_major_backup(monkeypatch, launch_us=0.0)
+    pool, h, d = _layer_major_backup(staging="always")
     monkeypatch.setattr(plans, "defer_device_read", lambda binding, device_indices: True)
     read = []
     real = plans.as_long
     monkeypatch.setattr(plans, "as_long", lambda t, device: (read.append(t is not h), real(t, device))[1])
-    plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
+    plan = Plan(pool.binding, h, d, "always", 1 << 30, pitched=True)
     staged = plan.submission(None)
     assert staged.staged is not None and not plan.d_read and read == [False]  # the host indices only
-    one = plan.submission(3)  # one layer: plain runs, which need the values
-    assert one.staged is None and plan.d_read and read == [False, True]
+    plain = Plan(pool.binding, h, d, "never", 1 << 30, pitched=True)
+    assert plain.submission(None).staged is None and plain.d_read and read == [False, False, True]
     # through the pool: bytes as the reference backend writes them
     host = pool.binding.segments[0].host_flat
     pool.backup_all_layers(h, d)
@@ -193,13 +229,12 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     # a route that reads the values raises before anything moves
     bad = d.clone()
     bad[0] = 10 ** 6
-    lazy = Plan(pool.binding, h, bad, "auto", 1 << 30, pitched=True)
-    assert lazy.submission(None).staged is not None
+    assert Plan(pool.binding, h, bad, "always", 1 << 30, pitched=True).submission(None).staged is not None
     with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
-        lazy.submission(3)
+        Plan(pool.binding, h, bad, "never", 1 << 30, pitched=True).submission(None)
     monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "torch")  # its index ops would fault: the values are read first
     with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
-        Plan(pool.binding, h, bad, "auto", 1 << 30, pitched=True).submission(None)
+        Plan(pool.binding, h, bad, "always", 1 << 30, pitched=True).submission(None)
 
 
 @pytest.mark.parametrize("bad", [{"staging": "sometimes"}, {"staging_bytes": 0}, {"staging_bytes": "1MB"}])

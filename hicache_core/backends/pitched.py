@@ -22,13 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pitched", "OP_WORDS", "ops_tensor", "expand", "group_bases", "MIN_HEIGHT", "MAX_PITCH", "PITCHED_OP_US"]
+__all__ = ["Pitched", "OP_WORDS", "ops_tensor", "expand", "group_bases", "MIN_HEIGHT", "MAX_PITCH", "PITCHED_OP_US", "OPERAND_PTR"]
 
 #: int64 words per ``struct cudaMemcpy3DBatchOp`` (112 bytes on LP64, CUDA 12.8 through 13.x):
 #: src operand (type, ptr, rowLength, layerHeight, locHint) 5 words, dst operand 5 words,
 #: extent (width, height, depth) 3 words, srcAccessOrder and flags packed in the last word.
 OP_WORDS = 14
 _OPERAND_POINTER = 1  # cudaMemcpyOperandTypePointer
+#: Word of an operation row holding the pointer of its source (``False``) and destination (``True``) operand.
+OPERAND_PTR = {False: 1, True: 6}
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 #: Fewest evenly spaced layers worth one pitched operation (two rows already halve the descriptors).
 MIN_HEIGHT = 2
@@ -78,7 +80,7 @@ def ops_tensor(p: Pitched, *, to_host: bool) -> torch.Tensor:
     ops = torch.zeros((n, OP_WORDS), dtype=torch.int64)
     (src, sp), (dst, dp) = ((p.dev, p.dev_pitch), (p.host, p.host_pitch)) if to_host else \
         ((p.host, p.host_pitch), (p.dev, p.dev_pitch))
-    for base, ptr, pitch in ((0, src, sp), (5, dst, dp)):
+    for base, ptr, pitch in ((OPERAND_PTR[False] - 1, src, sp), (OPERAND_PTR[True] - 1, dst, dp)):
         ops[:, base] = _OPERAND_POINTER
         ops[:, base + 1] = ptr
         ops[:, base + 2] = pitch  # rowLength: for pointer operands, elements are bytes

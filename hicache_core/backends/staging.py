@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..binding import BoundSegment, PoolBinding
-from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, ops_tensor
+from .pitched import MAX_PITCH, MIN_HEIGHT, OPERAND_PTR, PITCHED_OP_US, Pitched, ops_tensor
 from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 
 if TYPE_CHECKING:
@@ -204,6 +204,8 @@ class StagedRoute:
         self._p_rel = torch.stack(p_rel, 1).contiguous() if p_rel else empty
         # width, height, host pitch, image pitch of each pitched image
         self._p_shape = torch.tensor(p_shape, dtype=torch.int64).view(-1, 4)
+        self._p_bytes = int((self._p_shape[:, 0] * self._p_shape[:, 1]).sum())  # per page
+        self._ops: dict[bool, torch.Tensor] = {}
         #: copy-engine operations per transfer: plain descriptors plus one pitched copy per page and pitched image
         self.count = int(self._host.numel()) + int(self._p_host.numel())
 
@@ -254,7 +256,22 @@ class StagedRoute:
             shape = self._p_shape.repeat(m, 1)
             p = Pitched(self._p_host[p0:p1].reshape(-1), (self._p_rel[p0:p1] + base).reshape(-1),
                         shape[:, 0], shape[:, 1], shape[:, 2], shape[:, 3])
-            copier.copy_pitched(p, lambda: ops_tensor(p, to_host=to_host), to_host=to_host, stream=stream)
+            copier.copy_pitched(p, lambda: self._chunk_ops(p0, p1, base, to_host), to_host=to_host, stream=stream,
+                                nbytes=m * self._p_bytes)
+
+    def _chunk_ops(self, p0: int, p1: int, base: int, to_host: bool) -> torch.Tensor:
+        """The packed pitched operations of pages ``p0:p1`` with the chunk image at ``base``: rows of an
+        array built once per direction with image offsets, the image's pointer word shifted by ``base``."""
+        ops = self._ops.get(to_host)
+        if ops is None:
+            shape = self._p_shape.repeat(int(self.pages.numel()), 1)
+            everything = Pitched(self._p_host.reshape(-1), self._p_rel.reshape(-1), shape[:, 0], shape[:, 1],
+                                 shape[:, 2], shape[:, 3])
+            ops = self._ops[to_host] = ops_tensor(everything, to_host=to_host)
+        n = int(self._p_host.shape[1])
+        chunk = ops[p0 * n : p1 * n].clone()
+        chunk[:, OPERAND_PTR[not to_host]] += base  # the image is the source of a backup, the destination of a load
+        return chunk
 
     def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
         """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
