@@ -6,20 +6,27 @@ the copy engine would see:
 
 * **plain**: one copy per maximal run that is contiguous on both sides
   (adjacent rows merged), straight between device rows and host slots.
-* **staged**: when the plain runs are small (e.g. one 1152-byte row per token
-  in a token-major host layout, or the split parts of a row) but whole host
-  pages are large contiguous blocks, the rows are relaid on the device into a
-  bounded staging buffer holding those pages' host image (D2D at HBM speed, one
-  short kernel launch per segment group and chunk), and the copy engine moves whole page
-  blocks; loads run the other way.  See :mod:`.staging`.
+* **staged**: when whole host pages are contiguous blocks much larger than the
+  plain runs, and the plain runs are small (e.g. one 1152-byte row per token in
+  a token-major host layout, or the split parts of a row) or so many that
+  submitting them costs the host (one run per layer and page of separately
+  allocated device layers), the rows are relaid on the device into a bounded
+  staging buffer holding those pages' host image (D2D at HBM speed, one short
+  kernel launch per segment group and chunk), and the copy engine moves whole
+  page blocks; loads run the other way.  See :mod:`.staging`.
 
 Descriptor arrays are int64 tensors built with vectorised torch arithmetic
 and handed to ``cudaMemcpyBatchAsync`` in one call (:mod:`.cudart`); nothing
 is converted element by element.  Everything derived from one pair of index
 tensors is memoised per pool (:class:`~.plans.PlanCache`), so the per-layer
-calls of a load burst cost one memo lookup and one runtime call each.  Index
-tensors are read on the CPU (device-resident indices therefore synchronise
-once per new pair).  On CPU pools every copy is a ``memmove``.
+calls of a load burst cost one memo lookup and one runtime call each.  Host
+indices are read on the CPU (device-resident ones therefore wait, once per new
+pair, for the work queued before the call).  Device indices on the pool's GPU
+are read back only when a plain route needs them: a staged route indexes with
+them on the device (its relayout kernel masks rows outside the device buffers,
+so with ``validate="shapes"`` an out-of-range row moves nothing and its host
+slot receives undefined bytes; ``validate="full"`` checks values first).  On
+CPU pools every copy is a ``memmove``.
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
            "PITCHED_MODES"]
 
-#: ``auto`` (default: staged where it gives the copy engine larger blocks), ``always``
-#: (wherever whole pages allow it) or ``never``.
+#: ``auto`` (default: staged where it gives the copy engine larger blocks, see
+#: :meth:`.plans.Plan._staged`), ``always`` (wherever whole pages allow it) or ``never``.
 ENV_STAGING = "HICACHE_DIRECT_STAGING"
 #: Bytes of device staging per stream (default 512 MiB, two halves); larger calls go in chunks.
 ENV_STAGING_BYTES = "HICACHE_STAGING_BYTES"
