@@ -7,7 +7,8 @@ staged route built as ``staging="always"`` builds it (packed page images, one pi
 copy per page).  Prints, as ratios to a pinned ``copy_`` of the same bytes: the staged
 route; the route with its relayout skipped; its copies alone from one staging buffer
 (of zeros, of random bytes, and as row descriptors); and event traces of the pipeline
-(``route``: as it runs; ``prefilled``: every chunk relaid first, then the copies).
+(``route``: as it runs; ``d2d``: a plain device copy in place of the relayout; ``prefilled``:
+every chunk relaid first, then the copies; ``plain``: the pitched copies sent as row descriptors).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def run(kind: str) -> None:
                     for p0 in range(0, T // ps, st.chunk_pages):
                         st._copy(copier, p0, min(T // ps, p0 + st.chunk_pages), buf.data_ptr(), None, to_host=True)
                 ms3, host3 = _time(copies)
-                for variant in ("route", "prefilled"):
+                for variant in ("route", "d2d", "prefilled", "plain"):
                     trace(st, copier, T // ps, ps, d, variant)
                 # the copies alone from a staging image of zeros, then of random bytes, then (random) as rows
                 for fill in ("zeros", "random", "random-rows"):

@@ -122,22 +122,25 @@ def _layer_major_backup(*, pitched: str = "auto", staging: str = "auto", layout:
     hp = torch.randperm(pages, generator=gen)[:48]
     h = (hp.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
     d = (torch.randperm(2 * pages, generator=gen)[:48].unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    pool.test_device_buffers = dev  # type: ignore[attr-defined]
     return pool, h, d
 
 
-def _check_backup_bytes(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor) -> None:
-    """Backup, then: pages not named unchanged, and every layer loads back (plain runs) as it was."""
-    seg = pool.binding.segments[0]
-    ps, pages = pool.spec.page_size, pool.spec.num_pages
-    untouched = seg.host_flat.clone()
+def _check_backup_bytes(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, dev: dict) -> None:
+    """Backup into canary-filled host buffers, byte for byte as the reference backend writes them (so
+    the slots not named keep their canaries), then every layer loads back as it was (``dev``: the
+    pool's device buffers)."""
+    segs = pool.binding.segments
+    ref = HostKVPool(pool.spec, pool.layout, "reference", dev, registry=REG, strategy="core.reference",
+                     pin_memory=False)
+    for p in (pool, ref):
+        for buf in p.host_buffers.values():
+            buf.view(torch.uint8).fill_(0xA5)
     pool.backup_all_layers(h, d)
-    written = torch.zeros(pages, dtype=torch.bool)
-    written[h.view(-1, ps)[:, 0] // ps] = True
-    a = seg.segment.addressing
-    for p in (~written).nonzero().squeeze(1).tolist():  # every byte of every page not named is as it was
-        for layer in range(len(seg.device_rows)):
-            lo = a.offset + layer * a.layer + p * a.page
-            assert torch.equal(seg.host_flat[lo : lo + ps * a.token], untouched[lo : lo + ps * a.token])
+    ref.backup_all_layers(h, d)
+    for name, buf in pool.host_buffers.items():
+        assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8)), name
+    seg = segs[0]
     want = [r[d].clone() for r in seg.device_rows]
     target = torch.randperm(seg.device_rows[0].shape[0], generator=torch.Generator().manual_seed(6))[: h.numel()]
     for layer, rows in enumerate(seg.device_rows):
@@ -161,7 +164,46 @@ def test_auto_stages_page_runs_into_whole_pages_where_submitting_them_costs_the_
     assert (sub.staged is not None) == staged
     assert sub.count == (48 if staged else 768)
     assert sub.mean_block == (16 * 64 * 1152 if staged else 64 * 1152)
-    _check_backup_bytes(pool, h, d)
+    _check_backup_bytes(pool, h, d, pool.test_device_buffers)
+
+
+@pytest.mark.skipif(not {"page_first", "page_first_kv_split", "page_first_direct"} <= set(LAYOUTS),
+                    reason="needs the page layout plugins")
+@pytest.mark.parametrize("layout", ["page_first", "page_first_kv_split", "page_first_direct"])
+def test_auto_stages_page_major_layouts_without_building_plain_runs(layout):
+    """Where every page image block joins several layers, no plain run can beat the staged blocks:
+    the route is decided from the images alone (a split layout's plain runs are 64-byte rope rows,
+    tens of milliseconds of host time to build for a large batch)."""
+    pool, h, d = _layer_major_backup(layout=layout, ps=64)
+    plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
+    sub = plan.submission(None)
+    assert sub.staged is not None and sub.count == 48 * len(sub.staged.images)
+    assert plan._tables == {}  # no plain run was built
+    _check_backup_bytes(pool, h, d, pool.test_device_buffers)
+
+
+@pytest.mark.skipif("page_first_direct" not in LAYOUTS, reason="needs the page_first plugin")
+@pytest.mark.parametrize("pitched", ["auto", "never"])
+def test_layers_in_one_allocation_keep_pitched_plain_runs(pitched):
+    """Device layers of one ascending allocation: the plain runs go as pitched copies across layers
+    (32 operations, no SMs), which staging does not beat; unpitched (512 descriptors, past
+    ``STAGE_HOST_US``), staging wins on host time."""
+    layers, ps, pages = 16, 64, 32
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages)
+    one = torch.randint(-9, 9, (layers, 2 * ps * pages, 1, 576), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    dev = {"kv": list(one.unbind(0))}
+    pool = HostKVPool(spec, "page_first_direct", "direct", dev, registry=REG,
+                      strategy="core.direct", strategy_options={"staging": "auto", "pitched": pitched})
+    gen = torch.Generator().manual_seed(4)
+    h = (torch.randperm(pages, generator=gen).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    d = (torch.randperm(2 * pages, generator=gen)[:pages].unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    sub = _submission(pool, h, d, None)
+    if pitched == "auto":
+        assert sub.staged is None and sub.pitched_count == 32 and sub.count == 32
+    else:
+        assert sub.staged is not None and sub.count == 32
+    _check_backup_bytes(pool, h, d, dev)
 
 
 @pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
@@ -170,7 +212,7 @@ def test_layer_major_staging_always_round_trips(monkeypatch, pitched):
     pool, h, d = _layer_major_backup(staging="always", pitched=pitched)
     st = _submission(pool, h, d, None).staged
     assert st is not None and st.images[0].compact and st.count == (48 if pitched == "auto" else 768)
-    _check_backup_bytes(pool, h, d)
+    _check_backup_bytes(pool, h, d, pool.test_device_buffers)
 
 
 def test_plan_memo_follows_tensor_identity_and_version():
@@ -195,6 +237,7 @@ def test_plan_range_checks_device_values():
         Plan(pool.binding, torch.arange(120, 136), torch.arange(16), "never", 1)
 
 
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
 def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     """A staged backup indexes with the device copy of GPU-resident indices and never reads their
     values on the host (on CUDA that read waits for the work queued before the call); a plain route
@@ -204,9 +247,9 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     from hicache_core.backends import plans
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "kernel")  # masks bad rows: torch's index_select would fault
+    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "kernel")
     pool, h, d = _layer_major_backup(staging="always")
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding, device_indices: True)
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
     read = []
     real = plans.as_long
     monkeypatch.setattr(plans, "as_long", lambda t, device: (read.append(t is not h), real(t, device))[1])
@@ -216,25 +259,60 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     plain = Plan(pool.binding, h, d, "never", 1 << 30, pitched=True)
     assert plain.submission(None).staged is None and plain.d_read and read == [False, False, True]
     # through the pool: bytes as the reference backend writes them
-    host = pool.binding.segments[0].host_flat
+    seg = pool.binding.segments[0]
     pool.backup_all_layers(h, d)
-    got = host.clone()
-    ref = HostKVPool(pool.spec, "layer_first", "reference", {"kv": pool.binding.segments[0].device_rows},
-                     registry=REG, strategy="core.reference")
+    ref = HostKVPool(pool.spec, "layer_first", "reference", {"kv": seg.device_rows}, registry=REG,
+                     strategy="core.reference")
     ref.backup_all_layers(h, d)
-    pages = torch.zeros(64, dtype=torch.bool)
-    pages[h.view(-1, 4)[:, 0] // 4] = True  # compare the 48 pages written (the others hold what each buffer held)
-    assert torch.equal(got.view(16, 64, -1)[:, pages], ref.binding.segments[0].host_flat.view(16, 64, -1)[:, pages])
-    # out-of-range device rows: the staged route masks them (nothing outside the buffers is touched);
-    # a route that reads the values raises before anything moves
-    bad = d.clone()
-    bad[0] = 10 ** 6
-    assert Plan(pool.binding, h, bad, "always", 1 << 30, pitched=True).submission(None).staged is not None
-    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
-        Plan(pool.binding, h, bad, "never", 1 << 30, pitched=True).submission(None)
-    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "torch")  # its index ops would fault: the values are read first
-    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
-        Plan(pool.binding, h, bad, "always", 1 << 30, pitched=True).submission(None)
+    named = torch.zeros(64, dtype=torch.bool)
+    named[h.view(-1, 4)[:, 0] // 4] = True  # compare the 48 pages written (the others hold what each buffer held)
+    layers = lambda t: t.view(16, 64, -1)  # noqa: E731
+    assert torch.equal(layers(seg.host_flat)[:, named], layers(ref.binding.segments[0].host_flat)[:, named])
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+def test_staged_route_with_unread_out_of_range_rows(monkeypatch):
+    """Device rows out of range, not read on the host (``validate="shapes"`` with GPU-resident
+    indices): the kernel relayout moves nothing for them and nothing outside the buffers; a torch
+    relayout reads and checks them first and raises before any pool byte moves."""
+    pytest.importorskip("triton")
+    from hicache_core.backends import plans
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    for relayout in ("kernel", "torch"):
+        monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", relayout)
+        pool, h, d = _layer_major_backup(staging="always")
+        seg, strategy = pool.binding.segments[0], pool.strategy
+        pool.backup_all_layers(h, d)  # the host pages named hold the rows d
+        host, dev = seg.host_flat.clone(), [r.clone() for r in seg.device_rows]
+        bad = d.clone()
+        bad[0] = 10 ** 6
+        free = torch.tensor(sorted(set(range(512)) - set(d.tolist())))[: d.numel()]
+        target = free.clone()
+        target[0] = -(10 ** 6)
+        if relayout == "torch":
+            with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
+                strategy.backup(pool.binding, h, bad, None)
+            with pytest.raises(IndexRangeError, match="device_indices must lie in 0..511"):
+                strategy.load(pool.binding, h, target, None)
+            assert torch.equal(seg.host_flat, host)
+            assert all(torch.equal(r, r0) for r, r0 in zip(seg.device_rows, dev))
+            continue
+        strategy.backup(pool.binding, h, bad, None)
+        assert all(torch.equal(r, r0) for r, r0 in zip(seg.device_rows, dev))
+        # every host byte but the slot paired with the bad row is as the valid rows made it
+        slot = torch.zeros_like(seg.host_flat, dtype=torch.bool)
+        a = seg.segment.addressing
+        for layer in range(16):
+            lo = a.offset + layer * a.layer + int(h[0]) * a.token
+            slot[lo : lo + a.token] = True
+        assert torch.equal(seg.host_flat[~slot], host[~slot])
+        strategy.load(pool.binding, h, target, None)  # all layers: the staged scatter
+        for layer, (r, r0) in enumerate(zip(seg.device_rows, dev)):
+            want = r0.clone()
+            want[free[1:]] = r0[d[1:]]  # the host slots hold rows d; the bad target moved nothing
+            assert torch.equal(r, want), f"layer {layer}"
 
 
 @pytest.mark.parametrize("bad", [{"staging": "sometimes"}, {"staging_bytes": 0}, {"staging_bytes": "1MB"}])

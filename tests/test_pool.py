@@ -440,8 +440,9 @@ def test_rank_without_layers_moves_nothing() -> None:
 @pytest.mark.parametrize("backend", ["direct", "reference"])
 @pytest.mark.parametrize("bad", ["host", "device"])
 def test_generic_backends_range_check_unvalidated_indices(backend: str, bad: str) -> None:
-    """Indices that skipped the pool's value checks (device-resident, validate='shapes') are still
-    range-checked by the generic backends before anything moves."""
+    """Indices that skipped the pool's value checks (validate='shapes') are still range-checked by the
+    generic backends before anything moves (here CPU-resident, read at once; ``direct``'s staged route
+    does not read GPU-resident device indices: tests/test_direct.py covers its masking)."""
     spec = mha_spec()
     dev = mha_device(spec, 32)
     pool = HostKVPool(spec, "layer_first", backend, dev)

@@ -1,7 +1,8 @@
 """Copy plans of the ``direct`` backend: descriptor arrays per pair of index tensors, memoised.
 
 A :class:`Plan` holds everything one ``(host_indices, device_indices)`` pair
-needs: the indices on the CPU (range-checked once), the coalesced runs of
+needs: the indices on the CPU (range-checked once; device indices on the
+pool's GPU only once a route needs their values), the coalesced runs of
 every segment, and a :class:`Submission` per layer selection, built on first
 use.  A :class:`PlanCache` keeps the last few plans of a pool; a hit needs the
 same tensor objects with unchanged version counters on the same stream, so
@@ -165,10 +166,27 @@ def _storages(binding: PoolBinding, si: int, seg: BoundSegment, stride: int) -> 
     return hit
 
 
-def defer_device_read(binding: PoolBinding, device_indices: torch.Tensor) -> bool:
-    """Whether a plan reads ``device_indices`` (on the pool's device) back only when a route needs
+def defer_device_read(binding: PoolBinding) -> bool:
+    """Whether a plan reads device indices living on the pool's device back only when a route needs
     their values: on CUDA, where the read waits for all work queued before the call."""
     return binding.device.type == "cuda"
+
+
+def _longest_run(seg: BoundSegment, page_size: int) -> int:
+    """The longest plain run of ``seg`` where its host layers of a page are not adjacent: one layer's
+    rows of one page where they are adjacent on the host, else one row."""
+    a = seg.segment.addressing
+    return page_size * seg.width if a.row_contiguous and a.token == seg.width else seg.width
+
+
+def _layers_share_allocations(binding: PoolBinding) -> bool:
+    """Whether some segment has layers in one device allocation (memoised per pool)."""
+    hit = binding.scratch.get("direct.shared_allocations")
+    if hit is None:
+        hit = binding.scratch["direct.shared_allocations"] = any(
+            len({r.untyped_storage().data_ptr() for r in seg.device_rows}) < len(seg.device_rows)
+            for seg in binding.segments)
+    return bool(hit)
 
 
 def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -202,13 +220,14 @@ class Plan:
         # its tensor behind torch's version counter
         self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         # device-resident indices are read back (which waits for the work queued before this call)
-        # only when a route needs their values on the host: the plain runs do, a staged route does not
+        # only when a route needs their values on the host: plain runs do; a staged route indexes with
+        # the device copy (its kernel relayout masks bad rows; the torch one reads and checks first)
         self._d: torch.Tensor | None = None
-        if not (on_dev and defer_device_read(binding, device_indices)):
+        if not (on_dev and defer_device_read(binding)):
             self._read_d(device_indices)
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
-        self._tables: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
         self._lock = threading.Lock()
 
@@ -261,20 +280,12 @@ class Plan:
             self._page_runs = (_page_runs(self.h, self.d, self.binding.spec.page_size),)
         return self._page_runs[0]
 
-    def _device_rows(self, best: bool) -> torch.Tensor:
-        """The device indices, or with ``best`` the host indices standing in for them: device rows laid
-        out like the host slots, which no device indices coalesce better than (nothing is read back)."""
-        return self.h if best else self.d
-
-    def _runs(self, seg: BoundSegment, stride: int, best: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0
-        (``best``: see :meth:`_device_rows`)."""
+    def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
         a = seg.segment.addressing
         ps = self.binding.spec.page_size
         whole_rows = a.row_contiguous and a.chunks(seg.width) * a.chunk_bytes == seg.width
-        pages = None
-        if whole_rows and a.token == seg.width and stride == seg.width:
-            pages = _page_runs(self.h, self.h, ps) if best else self.page_runs
+        pages = self.page_runs if whole_rows and a.token == seg.width and stride == seg.width else None
         if pages is not None:
             # rows adjacent on both sides: each page is one block (what coalescing its rows would give),
             # computed from 1/page_size of the elements
@@ -282,31 +293,28 @@ class Plan:
             return coalesce(hp * a.page, dp * stride, ps * seg.width)
         chunk = torch.arange(a.chunks(seg.width), dtype=torch.int64)
         host = ((self.h // ps) * a.page + (self.h % ps) * a.token).unsqueeze(1) + chunk * (a.chunk_stride or a.chunk_bytes)
-        dev = (self._device_rows(best) * stride).unsqueeze(1) + chunk * a.chunk_bytes
+        dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
         return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
 
-    def _table(self, si: int, seg: BoundSegment, stride: int,
-               best: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
+    def _table(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
         """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry."""
-        key = (si, stride, best)
+        key = (si, stride)
         table = self._tables.get(key)
         if table is None:
             hb, db, row = _bases(self.binding, si, seg, stride)
-            hr, dr, n = self._runs(seg, stride, best)
+            hr, dr, n = self._runs(seg, stride)
             table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row)
         return table
 
-    def _plain(self, layer: int | None, best: bool = False) -> Submission:
+    def _plain(self, layer: int | None) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
         burst of per-layer calls builds the tables once and then only picks rows.  Where the
-        selection spans evenly spaced layers, each run becomes one pitched copy over them.
-        ``best``: the fewest runs any device indices could give (:meth:`_device_rows`), an estimate
-        never to be submitted."""
+        selection spans evenly spaced layers, each run becomes one pitched copy over them."""
         hosts, devs, lens, pitched = [], [], [], []
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
             for stride in sorted({seg.dev_strides[e] for e in entries}):
-                hm, dm, n, row = self._table(si, seg, stride, best)
+                hm, dm, n, row = self._table(si, seg, stride)
                 rows = [row[e] for e in entries if seg.dev_strides[e] == stride]
                 groups = self._pitch_groups(si, seg, stride, rows, n)
                 if groups is None:
@@ -359,15 +367,50 @@ class Plan:
     def _build(self, layer: int | None) -> Submission:
         if self.staging == "never" or self.h.numel() == 0:
             return self._plain(layer)
-        if not self.d_read:
-            # device-resident indices not read yet: stage without reading them where the staged route
-            # beats the best plain runs any device indices could give
-            # (the kernel relayout masks rows outside the device buffers; torch's index ops would fault)
-            staged = self._staged(layer, self._plain(layer, best=True))
-            if staged is not None and staged.staged is not None and staged.staged.relayout == "kernel":
-                return staged
+        # first without the plain runs (building them can cost more than the transfer's host time, and
+        # device-resident indices would have to be read back for them)
+        staged = self._staged_by_bound(layer)
+        if staged is not None:
+            return staged
         plain = self._plain(layer)
         return self._staged(layer, plain) or plain
+
+    def _staged_by_bound(self, layer: int | None) -> Submission | None:
+        """The staged route, decided without the plain runs (nor the device indices' values), where it
+        beats any plain runs these host indices could give; else ``None`` (then :meth:`_staged` decides).
+
+        In ``auto`` every page image block must join several layers: then no plain run is longer
+        than one layer's rows of one page (:func:`_longest_run`), which bounds the plain runs' mean
+        size from above and their number from below for :meth:`_staged`'s rule.
+        """
+        from .cudart import batch_calls
+        from .staging import page_images
+
+        if self.staging == "auto":
+            if self.pitched and _layers_share_allocations(self.binding):
+                return None  # plain runs may go as pitched copies across layers (few operations, no SMs)
+            images = page_images(self.binding, layer, self.pitched)
+            if not images or not all(im.merges_entries for im in images):
+                return None
+            ps = self.binding.spec.page_size
+            longest = max(_longest_run(im.seg, ps) for im in images)
+            per_page = sum(int(im.lens.sum()) for im in images)
+            if per_page < STAGE_GAIN * longest * sum(int(im.lens.numel()) for im in images):
+                return None
+            fewest = -(-(self.h.numel() // ps) * per_page // longest)
+            if longest >= STAGE_BELOW and fewest * DESC_US + batch_calls(fewest) * CALL_US < STAGE_HOST_US:
+                return None
+        return self._route(layer)
+
+    def _route(self, layer: int | None) -> Submission | None:
+        from .staging import StagedRoute
+
+        route = StagedRoute.build(self.binding, self.h, lambda: self.d_dev, layer, self.staging_bytes,
+                                  pitched=self.pitched, check_rows=None if self.d_read else (lambda: self.d))
+        if route is None:
+            return None
+        empty = torch.empty(0, dtype=torch.int64)
+        return Submission(empty, empty, empty, route)
 
     def _staged(self, layer: int | None, plain: Submission) -> Submission | None:
         """The staged route where it beats ``plain``, else ``None``.
@@ -377,23 +420,20 @@ class Plan:
         many that submitting them costs the host :data:`STAGE_HOST_US` or more.  A route that only
         packs the same blocks (a layer-major host layout: one block per layer and page) is not
         taken: it cuts host time but moved 0.82-0.86 of memcpy against 0.93-0.98 for plain runs on
-        the H200 (docs/performance.md).  In ``always``: wherever whole host pages allow it.
+        the H200 (docs/performance.md).  In ``always``: wherever whole host pages allow it.  Where
+        the device indices have not been read, the route reads and checks them before any torch
+        relayout (its kernel relayout masks rows outside the device buffers instead).
         """
-        auto = self.staging == "auto"
-        if auto and (plain.count == 0 or (plain.mean_block >= STAGE_BELOW
-                                          and plain.host_us(DESC_US, CALL_US) < STAGE_HOST_US)):
-            return None
-        from .staging import StagedRoute
+        from .staging import page_images
 
-        route = StagedRoute.build(self.binding, self.h, lambda: self.d_dev, layer, self.staging_bytes,
-                                  pitched=self.pitched)
-        if route is None:
-            return None
-        empty = torch.empty(0, dtype=torch.int64)
-        staged = Submission(empty, empty, empty, route)
-        if auto and staged.mean_block < STAGE_GAIN * plain.mean_block:
-            return None
-        return staged
+        if self.staging == "auto":
+            if plain.count == 0 or (plain.mean_block >= STAGE_BELOW and plain.host_us(DESC_US, CALL_US) < STAGE_HOST_US):
+                return None
+            images = page_images(self.binding, layer, self.pitched)
+            per_page = sum(int(im.lens.sum()) for im in images), sum(int(im.lens.numel()) for im in images)
+            if not images or per_page[0] < STAGE_GAIN * plain.mean_block * per_page[1]:
+                return None  # the staged blocks (per page: bytes / blocks) are not large enough
+        return self._route(layer)
 
 
 class PlanCache:

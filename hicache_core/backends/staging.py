@@ -3,13 +3,16 @@
 For a transfer of whole host pages, every segment's bytes of one page (for the
 host layers the call touches) lie in a few contiguous blocks of the host
 buffer; in page-major layouts often one block of megabytes.  The staged route
-keeps a device buffer holding those blocks for a chunk of pages, laid out
-exactly as in host memory (the "page image", from the lowest to the highest
-byte touched), so that:
+keeps a device buffer holding those blocks for a chunk of pages (the "page
+image"): laid out as in host memory from the lowest to the highest byte touched,
+or, where the blocks have gaps between them (one block per layer of a
+layer-major host layout) and every layer entry's rows of a page lie in one
+block, packed back to back.  Then:
 
 * backup: the device rows of every owned layer are gathered into the image at
-  HBM speed; then the copy engine moves each page's blocks to the host in one
-  batch;
+  HBM speed; then the copy engine moves each page's blocks to the host (a
+  page's equal, evenly spaced blocks as one pitched copy where the runtime
+  takes them);
 * load: the copy engine moves the blocks into the image; then the rows are
   scattered from it to the device rows.
 
@@ -48,7 +51,7 @@ from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 if TYPE_CHECKING:
     from .memcpy import BatchCopier
 
-__all__ = ["StagedRoute", "StagingBuffers", "page_image", "DEFAULT_STAGING_BYTES"]
+__all__ = ["StagedRoute", "StagingBuffers", "page_image", "page_images", "DEFAULT_STAGING_BYTES"]
 
 #: Device staging per stream (two halves): at most 512 MiB.
 DEFAULT_STAGING_BYTES = 512 << 20
@@ -87,9 +90,9 @@ class _Image:
 
     Block ``b`` of a page (host offset ``starts[b]`` from the page base, ``lens[b]`` bytes) lies at
     ``rel[b]`` in the page's span: ``starts - lo`` when the image mirrors the host bytes from the
-    lowest to the highest one touched, or packed back to back (``compact``) when the host blocks are
-    far apart (one block per layer of a layer-major host layout) and each entry's rows of a page lie
-    in one block.  ``pitched`` is ``(width, host step, image step)`` when the page's blocks are
+    lowest to the highest one touched, or packed back to back (``compact``) when the host blocks have
+    gaps between them (one block per layer of a layer-major host layout) and each entry's rows of a
+    page lie in one block.  ``pitched`` is ``(width, host step, image step)`` when the page's blocks are
     equal and evenly spaced on both sides (one pitched copy per page), else ``None``.
     """
 
@@ -100,22 +103,22 @@ class _Image:
     lo: int
     span: int
     rel: torch.Tensor  # block offsets in the page's span
+    offsets: dict[int, int]  # entry -> offset of its first row in the page's span
     compact: bool = False
     pitched: tuple[int, int, int] | None = None
 
-    def offset(self, host_off: int) -> int:
-        """Offset in a page's span of the byte at ``host_off`` from the page base (a byte the image holds)."""
-        b = int(torch.searchsorted(self.starts, torch.tensor(host_off, dtype=torch.int64), right=True)) - 1
-        return int(self.rel[b]) + host_off - int(self.starts[b])
-
     def entry_offset(self, e: int) -> int:
         """Offset in a page's span of entry ``e``'s first row."""
-        a = self.seg.segment.addressing
-        return self.offset(a.offset + self.seg.host_layers[e] * a.layer)
+        return self.offsets[e]
+
+    @property
+    def merges_entries(self) -> bool:
+        """Whether some block holds rows of several entries (then staging can give the copy engine
+        larger blocks than any plain run: plain runs never join two layers)."""
+        return int(self.starts.numel()) < len(self.entries)
 
     @classmethod
     def build(cls, seg: BoundSegment, entries: tuple[int, ...], page_size: int, pitched: bool) -> _Image:
-        a = seg.segment.addressing
         starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], page_size)
         lo = int(starts[0])
         span = int(starts[-1] + lens[-1]) - lo
@@ -123,7 +126,25 @@ class _Image:
         total = int(lens.sum())
         if total < span and _rows_within_blocks(seg, entries, starts, lens, page_size):
             rel, span, compact = torch.cumsum(lens, 0) - lens, total, True
-        return cls(seg, entries, starts, lens, lo, span, rel, compact, _pitch(starts, lens, rel) if pitched else None)
+        a = seg.segment.addressing
+        first = a.offset + torch.tensor([seg.host_layers[e] for e in entries], dtype=torch.int64) * a.layer
+        b = torch.searchsorted(starts, first, right=True) - 1  # the block holding each entry's first row
+        offsets = dict(zip(entries, (rel[b] + first - starts[b]).tolist()))
+        return cls(seg, entries, starts, lens, lo, span, rel, offsets, compact,
+                   _pitch(starts, lens, rel) if pitched else None)
+
+
+def page_images(binding: PoolBinding, layer: int | None, pitched: bool) -> list[_Image]:
+    """The page images of every segment with entries in ``layer`` (``None``: all layers); they depend
+    on the pool and the layer selection only, so they are built once per pool (kept in its scratch)."""
+    memo: dict[tuple[int | None, bool], list[_Image]] = binding.scratch.setdefault("staging.images", {})
+    key = (layer, pitched)
+    hit = memo.get(key)
+    if hit is None:
+        ps = binding.spec.page_size
+        hit = memo[key] = [_Image.build(seg, entries, ps, pitched) for seg in binding.segments
+                           if (entries := tuple(seg.entries(layer)))]
+    return hit
 
 
 def _rows_within_blocks(seg: BoundSegment, entries: tuple[int, ...], starts: torch.Tensor, lens: torch.Tensor,
@@ -162,6 +183,7 @@ class StagedRoute:
         self.pages = pages
         self._d_dev = d_dev
         self.images = images
+        self._check_rows: Callable[[], object] | None = None
         self.relayout = resolve_relayout(binding.device, relayout)
         self._kernel: KernelRelayout | None = None
         if self.relayout == "kernel":
@@ -211,22 +233,26 @@ class StagedRoute:
 
     @classmethod
     def build(cls, binding: PoolBinding, h: torch.Tensor, d_dev: Callable[[], torch.Tensor], layer: int | None,
-              staging_bytes: int, *, relayout: str | None = None, pitched: bool = False) -> StagedRoute | None:
+              staging_bytes: int, *, relayout: str | None = None, pitched: bool = False,
+              check_rows: Callable[[], object] | None = None) -> StagedRoute | None:
         """The staged route for host slots ``h`` (CPU int64), or ``None`` when they are not whole aligned pages.
 
         ``pitched``: whether the copy engine takes pitched copies here (then a page's equal, evenly
-        spaced blocks of one segment go as one pitched copy).
+        spaced blocks of one segment go as one pitched copy).  ``check_rows``: reads and range-checks
+        the device rows (raising if one is out of range) where their values were not checked on the
+        host; it runs before any torch relayout, whose index ops must not see a bad row.
         """
         ps = binding.spec.page_size
         groups = h.view(-1, ps)
         pages = groups[:, 0] // ps
         if not bool((groups == (pages * ps).unsqueeze(1) + torch.arange(ps, dtype=torch.int64)).all()):
             return None
-        images = [_Image.build(seg, entries, ps, pitched) for seg in binding.segments
-                  if (entries := tuple(seg.entries(layer)))]
+        images = page_images(binding, layer, pitched)
         if not images:
             return None
-        return cls(binding, pages, d_dev, images, staging_bytes, relayout=relayout)
+        route = cls(binding, pages, d_dev, images, staging_bytes, relayout=relayout)
+        route._check_rows = check_rows
+        return route
 
     def host_us(self, submit_us: float, call_us: float) -> float:
         """Estimated host time to enqueue the whole transfer (see :meth:`.plans.Submission.host_us`)."""
@@ -338,6 +364,9 @@ class StagedRoute:
         """Gather ``rows`` (``npages`` pages) into the chunk image at ``staging``, or scatter them from it."""
         if self._kernel is not None and self._kernel.run(staging, rows, npages, self.chunk_pages, to_image=to_image):
             return
+        if self._check_rows is not None:
+            self._check_rows()  # the kernel masks bad rows; torch's index ops would fault on them
+            self._check_rows = None
         self._relayout_torch(staging, rows, npages, to_image=to_image)
 
     def _relayout_torch(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, *, to_image: bool) -> None:
