@@ -140,12 +140,12 @@ def _check_backup_bytes(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, dev:
     ref.backup_all_layers(h, d)
     for name, buf in pool.host_buffers.items():
         assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8)), name
-    seg = segs[0]
-    want = [r[d].clone() for r in seg.device_rows]
-    target = torch.randperm(seg.device_rows[0].shape[0], generator=torch.Generator().manual_seed(6))[: h.numel()]
-    for layer, rows in enumerate(seg.device_rows):
+    want = [[r[d].clone() for r in seg.device_rows] for seg in segs]
+    target = torch.randperm(segs[0].device_rows[0].shape[0], generator=torch.Generator().manual_seed(6))[: h.numel()]
+    for layer in range(len(segs[0].device_rows)):
         pool.load_layer(layer, h, target)
-        assert torch.equal(rows[target], want[layer]), f"layer {layer}"
+        for seg, rows in zip(segs, want):
+            assert torch.equal(seg.device_rows[layer][target], rows[layer]), f"{seg.segment.buffer} layer {layer}"
 
 
 @pytest.mark.skipif(not {"layer_first", "page_first_direct"} <= set(LAYOUTS), reason="needs both layout plugins")
@@ -170,16 +170,44 @@ def test_auto_stages_page_runs_into_whole_pages_where_submitting_them_costs_the_
 @pytest.mark.skipif(not {"page_first", "page_first_kv_split", "page_first_direct"} <= set(LAYOUTS),
                     reason="needs the page layout plugins")
 @pytest.mark.parametrize("layout", ["page_first", "page_first_kv_split", "page_first_direct"])
-def test_auto_stages_page_major_layouts_without_building_plain_runs(layout):
+def test_auto_stages_page_major_layouts_without_building_plain_runs(monkeypatch, layout):
     """Where every page image block joins several layers, no plain run can beat the staged blocks:
     the route is decided from the images alone (a split layout's plain runs are 64-byte rope rows,
     tens of milliseconds of host time to build for a large batch)."""
+    from hicache_core.backends import plans
+
     pool, h, d = _layer_major_backup(layout=layout, ps=64)
     plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
     sub = plan.submission(None)
     assert sub.staged is not None and sub.count == 48 * len(sub.staged.images)
     assert plan._tables == {}  # no plain run was built
     _check_backup_bytes(pool, h, d, pool.test_device_buffers)
+    # device indices on the GPU (here: told so) are not read back for it
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    unread = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
+    assert unread.submission(None).staged is not None and not unread.d_read
+
+
+@pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first plugin")
+def test_auto_stages_padded_draft_shard_without_reading_device_indices(monkeypatch):
+    """SGLang's context-parallel rank with padding and a draft layer: the page image's blocks do not
+    all join layers (the draft slot), but no plain run can leave its page, so the staged route is
+    still decided without reading GPU-resident device indices."""
+    from hicache_core.backends import plans
+
+    ps, pages = 16, 8
+    lmap = LayerMap.sharded_cp(9, 2, 1, draft_layers=1, pad_to_largest=True)
+    spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=ps, capacity=ps * pages)
+    gen = torch.Generator().manual_seed(8)
+    dev = {"kv": [torch.randint(-9, 9, (2 * ps * pages, 1, 576), generator=gen).to(torch.bfloat16)
+                  if i in lmap.device_layers else None for i in range(lmap.num_device_layers)]}
+    pool = HostKVPool(spec, "page_first", "direct", dev, registry=REG, strategy="core.direct")
+    h = (torch.tensor([3, 6, 0]).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    d = (torch.tensor([11, 2, 7]).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
+    assert plan.submission(None).staged is not None and not plan.d_read
 
 
 @pytest.mark.skipif("page_first_direct" not in LAYOUTS, reason="needs the page_first plugin")
@@ -284,7 +312,8 @@ def test_staged_route_with_unread_out_of_range_rows(monkeypatch):
         monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", relayout)
         pool, h, d = _layer_major_backup(staging="always")
         seg, strategy = pool.binding.segments[0], pool.strategy
-        pool.backup_all_layers(h, d)  # the host pages named hold the rows d
+        seg.host_flat.fill_(0xA5)
+        pool.backup_all_layers(h, d)  # the host pages named hold the rows d, the others canaries
         host, dev = seg.host_flat.clone(), [r.clone() for r in seg.device_rows]
         bad = d.clone()
         bad[0] = 10 ** 6
@@ -299,6 +328,7 @@ def test_staged_route_with_unread_out_of_range_rows(monkeypatch):
             assert torch.equal(seg.host_flat, host)
             assert all(torch.equal(r, r0) for r, r0 in zip(seg.device_rows, dev))
             continue
+        seg.host_flat.fill_(0xA5)  # canaries: the masked backup must write the valid rows again
         strategy.backup(pool.binding, h, bad, None)
         assert all(torch.equal(r, r0) for r, r0 in zip(seg.device_rows, dev))
         # every host byte but the slot paired with the bad row is as the valid rows made it

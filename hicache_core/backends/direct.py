@@ -22,8 +22,9 @@ tensors is memoised per pool (:class:`~.plans.PlanCache`), so the per-layer
 calls of a load burst cost one memo lookup and one runtime call each.  Host
 indices are read on the CPU (device-resident ones therefore wait, once per new
 pair, for the work queued before the call).  Device indices on the pool's GPU
-are read back only when a plain route needs them: a staged route indexes with
-them on the device (its relayout kernel masks rows outside the device buffers,
+are read back only when a plain route needs them (or ``auto`` staging needs the
+plain runs to decide): a staged route indexes with them on the device (its
+relayout kernel masks rows outside the device buffers,
 so with ``validate="shapes"`` an out-of-range row moves nothing and its host
 slot receives undefined bytes; ``validate="full"`` checks values first).  On
 CPU pools every copy is a ``memmove``.

@@ -172,9 +172,21 @@ def defer_device_read(binding: PoolBinding) -> bool:
     return binding.device.type == "cuda"
 
 
+def _runs_stay_in_page(seg: BoundSegment, page_size: int, num_pages: int) -> bool:
+    """Whether no plain run of ``seg`` can continue from one host page into another: the bytes of one
+    layer's rows of a page (from its first row to the end of its last) never end where the same
+    layer's rows of another page begin (a whole number of page strides away)."""
+    a = seg.segment.addressing
+    extent = (page_size - 1) * a.token + (a.chunks(seg.width) - 1) * (a.chunk_stride or a.chunk_bytes) + a.chunk_bytes
+    if a.page == 0:
+        return False
+    k, rest = divmod(extent, a.page)
+    return rest != 0 or not 0 < abs(k) < num_pages
+
+
 def _longest_run(seg: BoundSegment, page_size: int) -> int:
-    """The longest plain run of ``seg`` where its host layers of a page are not adjacent: one layer's
-    rows of one page where they are adjacent on the host, else one row."""
+    """The longest plain run of ``seg`` where runs stay in their page (:func:`_runs_stay_in_page`):
+    one layer's rows of one page where they are adjacent on the host, else one row."""
     a = seg.segment.addressing
     return page_size * seg.width if a.row_contiguous and a.token == seg.width else seg.width
 
@@ -370,8 +382,8 @@ class Plan:
         # first without the plain runs (building them can cost more than the transfer's host time, and
         # device-resident indices would have to be read back for them)
         staged = self._staged_by_bound(layer)
-        if staged is not None:
-            return staged
+        if staged is not None or self.staging == "always":  # "always" has tried its route already
+            return staged or self._plain(layer)
         plain = self._plain(layer)
         return self._staged(layer, plain) or plain
 
@@ -379,9 +391,9 @@ class Plan:
         """The staged route, decided without the plain runs (nor the device indices' values), where it
         beats any plain runs these host indices could give; else ``None`` (then :meth:`_staged` decides).
 
-        In ``auto`` every page image block must join several layers: then no plain run is longer
-        than one layer's rows of one page (:func:`_longest_run`), which bounds the plain runs' mean
-        size from above and their number from below for :meth:`_staged`'s rule.
+        In ``auto`` no segment's plain run may cross from one page to another on the host
+        (:func:`_runs_stay_in_page`): then none is longer than :func:`_longest_run`, which bounds
+        the plain runs' number from below (and their mean size from above) for :meth:`_staged`'s rule.
         """
         from .cudart import batch_calls
         from .staging import page_images
@@ -390,15 +402,17 @@ class Plan:
             if self.pitched and _layers_share_allocations(self.binding):
                 return None  # plain runs may go as pitched copies across layers (few operations, no SMs)
             images = page_images(self.binding, layer, self.pitched)
-            if not images or not all(im.merges_entries for im in images):
+            spec = self.binding.spec
+            if not images or not all(_runs_stay_in_page(im.seg, spec.page_size, spec.num_pages) for im in images):
                 return None
-            ps = self.binding.spec.page_size
-            longest = max(_longest_run(im.seg, ps) for im in images)
-            per_page = sum(int(im.lens.sum()) for im in images)
-            if per_page < STAGE_GAIN * longest * sum(int(im.lens.numel()) for im in images):
-                return None
-            fewest = -(-(self.h.numel() // ps) * per_page // longest)
-            if longest >= STAGE_BELOW and fewest * DESC_US + batch_calls(fewest) * CALL_US < STAGE_HOST_US:
+            pages = self.h.numel() // spec.page_size
+            fewest = sum(-(-pages * int(im.lens.sum()) // _longest_run(im.seg, spec.page_size)) for im in images)
+            nbytes = pages * sum(int(im.lens.sum()) for im in images)
+            blocks = pages * sum(int(im.lens.numel()) for im in images)
+            widest = nbytes / fewest  # the plain runs' mean size is at most this
+            if nbytes < STAGE_GAIN * widest * blocks:
+                return None  # the staged blocks are not large enough
+            if widest >= STAGE_BELOW and fewest * DESC_US + batch_calls(fewest) * CALL_US < STAGE_HOST_US:
                 return None
         return self._route(layer)
 

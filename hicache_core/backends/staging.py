@@ -111,12 +111,6 @@ class _Image:
         """Offset in a page's span of entry ``e``'s first row."""
         return self.offsets[e]
 
-    @property
-    def merges_entries(self) -> bool:
-        """Whether some block holds rows of several entries (then staging can give the copy engine
-        larger blocks than any plain run: plain runs never join two layers)."""
-        return int(self.starts.numel()) < len(self.entries)
-
     @classmethod
     def build(cls, seg: BoundSegment, entries: tuple[int, ...], page_size: int, pitched: bool) -> _Image:
         starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], page_size)
@@ -301,6 +295,9 @@ class StagedRoute:
 
     def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
         """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
+        if self._check_rows is not None and self._kernel is None:
+            self._check_rows()  # the torch relayout's index ops must not see a bad row: check before anything moves
+            self._check_rows = None
         with buffers.run_lock(stream):
             if binding.device.type != "cuda":
                 self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
@@ -365,7 +362,9 @@ class StagedRoute:
         if self._kernel is not None and self._kernel.run(staging, rows, npages, self.chunk_pages, to_image=to_image):
             return
         if self._check_rows is not None:
-            self._check_rows()  # the kernel masks bad rows; torch's index ops would fault on them
+            # the kernel masks bad rows, torch's index ops would fault on them (a staging half misaligned
+            # for the kernel: not expected, both halves are multiples of its access word apart)
+            self._check_rows()
             self._check_rows = None
         self._relayout_torch(staging, rows, npages, to_image=to_image)
 
