@@ -13,27 +13,19 @@ every chunk relaid first, then the copies; ``plain``: the pitched copies sent as
 
 from __future__ import annotations
 
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from hicache_core import HostKVPool, LayerMap, PoolSpec
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.ce_probe import _event_ms  # noqa: E402
+from hicache_core import HostKVPool, LayerMap, PoolSpec  # noqa: E402
 
 
-def _time(fn, reps: int = 10) -> tuple[float, float]:
-    ms, host = [], []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e6)
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms), statistics.median(host)
+REPS = 10
 
 
 def trace(st, copier, pages: int, ps: int, d: torch.Tensor, variant: str = "route") -> None:
@@ -112,9 +104,9 @@ def run(kind: str) -> None:
     d = (torch.randperm(2 * T // ps, generator=gen)[: T // ps].unsqueeze(1) * ps + torch.arange(ps)).reshape(-1).cuda()
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    base = _time(lambda: dst.copy_(src, non_blocking=True))[0]
+    base = _event_ms(lambda: dst.copy_(src, non_blocking=True), REPS)[0]
     src.copy_(torch.randint(0, 255, src.shape, dtype=torch.uint8, device="cuda"))
-    base_random = _time(lambda: dst.copy_(src, non_blocking=True))[0]
+    base_random = _event_ms(lambda: dst.copy_(src, non_blocking=True), REPS)[0]
     print(f"memcpy of never-written memory {nbytes / base / 1e6:.1f} GB/s, of random bytes {nbytes / base_random / 1e6:.1f} GB/s",
           flush=True)
     for budget in (512 << 20,):
@@ -123,14 +115,14 @@ def run(kind: str) -> None:
                               strategy_options={"staging": staging, "staging_bytes": budget})
             for _ in range(3):
                 pool.backup_all_layers(h, d)
-            ms, host = _time(lambda: pool.backup_all_layers(h, d))
+            ms, host = _event_ms(lambda: pool.backup_all_layers(h, d), REPS)
             line = f"budget {budget >> 20} MiB staging={staging}: ratio {base / ms:.3f} host {host:.0f} us"
             sub = pool.strategy.submission(pool.binding, h, d, None)
             st = sub.staged
             if st is not None:
                 buf = torch.empty(st.chunk_bytes, dtype=torch.uint8, device="cuda")
                 rows = d[: st.chunk_pages * ps]
-                rms, rhost = _time(lambda: st._relayout(buf, rows, st.chunk_pages, to_image=True))
+                rms, rhost = _event_ms(lambda: st._relayout(buf, rows, st.chunk_pages, to_image=True), REPS)
                 line += (f" | {st.chunks} chunks of {st.chunk_pages} pages, {st.count} ops, relayout {rms * 1e3:.0f} us "
                          f"({st.chunk_bytes / rms / 1e6:.0f} GB/s) host {rhost:.0f} us, relayout={st.relayout}")
             print(line, flush=True)
@@ -138,7 +130,7 @@ def run(kind: str) -> None:
                 # the same route with its relayout skipped (copies and stream ordering only)
                 real = st._relayout
                 st._relayout = lambda *a, **k: None  # type: ignore[method-assign]
-                ms2, host2 = _time(lambda: pool.backup_all_layers(h, d))
+                ms2, host2 = _event_ms(lambda: pool.backup_all_layers(h, d), REPS)
                 st._relayout = real  # type: ignore[method-assign]
                 # copies alone, one chunk at a time on the caller's stream
                 copier = pool.binding.scratch["direct.copier"]
@@ -146,7 +138,7 @@ def run(kind: str) -> None:
                 def copies() -> None:
                     for p0 in range(0, T // ps, st.chunk_pages):
                         st._copy(copier, p0, min(T // ps, p0 + st.chunk_pages), buf.data_ptr(), None, to_host=True)
-                ms3, host3 = _time(copies)
+                ms3, host3 = _event_ms(copies, REPS)
                 for variant in ("route", "d2d", "prefilled", "plain"):
                     trace(st, copier, T // ps, ps, d, variant)
                 # the copies alone from a staging image of zeros, then of random bytes, then (random) as rows
@@ -156,7 +148,7 @@ def run(kind: str) -> None:
                     else:
                         buf.copy_(torch.randint(0, 255, buf.shape, dtype=torch.uint8, device="cuda"))
                     copier._pitched_refused = fill == "random-rows"
-                    ms4 = _time(copies)[0]
+                    ms4 = _event_ms(copies, REPS)[0]
                     copier._pitched_refused = False
                     print(f"    copies alone, staging of {fill}: ratio {base / ms4:.3f}", flush=True)
                 print(f"    no relayout: ratio {base / ms2:.3f} host {host2:.0f} us; copies alone: ratio {base / ms3:.3f} "

@@ -39,8 +39,8 @@ STAGE_BELOW = 64 * 1024
 STAGE_GAIN = 2
 #: ``auto`` staging also stages larger plain runs where submitting them would cost the host at least
 #: this many microseconds (``memcpy.DESC_US`` per descriptor, ``memcpy.CALL_US`` per runtime call):
-#: a 61-layer backup of separately allocated device layers into ``page_first_direct`` is 3904
-#: descriptors of 73.7 KB plain, 64 of 4.5 MB staged.
+#: a 61-layer backup of separately allocated device layers into a page-major host layout (a page's
+#: layers contiguous) is 3904 descriptors of 73.7 KB plain, 64 of 4.5 MB staged.
 STAGE_HOST_US = 300.0
 
 
