@@ -19,7 +19,6 @@ Results go to ``<out>/ce2d_probe.json``.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -31,7 +30,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ce_probe import _event_ms  # noqa: E402
+from benchmarks.ce_probe import _event_ms, probe_setup  # noqa: E402
 from hicache_core.backends import cudart  # noqa: E402
 from hicache_core.backends.pitched import Pitched, expand, ops_tensor  # noqa: E402
 
@@ -45,16 +44,10 @@ def _max_pitch(rt: cudart.CudaRuntime) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    rt = cudart.runtime()
+    args, rt, stream = probe_setup(20)
     res: dict = {"gpu": torch.cuda.get_device_name(), "runtime": rt.version, "driver": rt.driver_version,
                  "has_batch3d": rt.has_batch3d, "max_pitch_attr": _max_pitch(rt)}
     print(res, flush=True)
-    stream = torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD
     L, tokens, row, ps = 61, 4096, 1152, 64
     pages, block = tokens // ps, ps * row
     dev_layer, host_layer = 2 * tokens * row, tokens * row

@@ -63,13 +63,19 @@ def _event_ms(fn, reps: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def main() -> int:
+def probe_setup(reps: int) -> tuple[argparse.Namespace, cudart.CudaRuntime, int]:
+    """The copy-engine probes' common start: ``--out`` (created) and ``--reps`` (default ``reps``),
+    the process's CUDA runtime, and the current stream's handle."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--reps", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=reps)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rt = cudart.runtime()
+    return args, cudart.runtime(), torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD
+
+
+def main() -> int:
+    args, rt, stream = probe_setup(60)
     tokens, row, ps = 4096, 1152, 64
     pages = tokens // ps
     block = ps * row
@@ -80,7 +86,6 @@ def main() -> int:
     hp = torch.randperm(pages, generator=gen).to(torch.int64) * block + host.data_ptr()
     dp = torch.randperm(2 * pages, generator=gen)[:pages].to(torch.int64) * block + dev.data_ptr()
     lens = torch.full((pages,), block, dtype=torch.int64)
-    stream = torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD
     base = {}
     for name, (dst, src) in {"h2d": (dev[: tokens * row], host_c), "d2h": (host_c, dev[: tokens * row])}.items():
         ms, _ = _event_ms(lambda: dst.copy_(src, non_blocking=True), args.reps)

@@ -16,7 +16,6 @@ time of the submission go to ``<out>/stage_probe.json``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,19 +26,13 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ce_probe import _event_ms  # noqa: E402
+from benchmarks.ce_probe import _event_ms, probe_setup  # noqa: E402
 from hicache_core.backends import cudart  # noqa: E402
 from hicache_core.backends.pitched import Pitched, expand, ops_tensor  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--reps", type=int, default=20)
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    rt = cudart.runtime()
-    stream = torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD
+    args, rt, stream = probe_setup(20)
     res: dict = {"gpu": torch.cuda.get_device_name(), "runtime": rt.version, "rows": []}
     for L, row, label in ((61, 1152, "mla61x576-bf16"), (80, 2048 * 8 // 8, "mha80-k-part")):
         tokens, ps = 4096, 64

@@ -27,7 +27,7 @@ from .memcpy import CALL_US, DESC_US
 from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
 
 if TYPE_CHECKING:
-    from .staging import StagedRoute
+    from .staging import StagedRoute, _Image
 
 __all__ = ["coalesce", "Submission", "Plan", "PlanCache", "MEMO_SLOTS"]
 
@@ -170,6 +170,11 @@ def defer_device_read(binding: PoolBinding) -> bool:
     """Whether a plan reads device indices living on the pool's device back only when a route needs
     their values: on CUDA, where the read waits for all work queued before the call."""
     return binding.device.type == "cuda"
+
+
+def _page_sizes(images: list[_Image]) -> tuple[int, int]:
+    """Bytes and blocks of one page over ``images`` (a staged route's per-page copy-engine work)."""
+    return sum(int(im.lens.sum()) for im in images), sum(int(im.lens.numel()) for im in images)
 
 
 def _runs_stay_in_page(seg: BoundSegment, page_size: int, num_pages: int) -> bool:
@@ -407,8 +412,7 @@ class Plan:
                 return None
             pages = self.h.numel() // spec.page_size
             fewest = sum(-(-pages * int(im.lens.sum()) // _longest_run(im.seg, spec.page_size)) for im in images)
-            nbytes = pages * sum(int(im.lens.sum()) for im in images)
-            blocks = pages * sum(int(im.lens.numel()) for im in images)
+            nbytes, blocks = (pages * n for n in _page_sizes(images))
             widest = nbytes / fewest  # the plain runs' mean size is at most this
             if nbytes < STAGE_GAIN * widest * blocks:
                 return None  # the staged blocks are not large enough
@@ -444,7 +448,7 @@ class Plan:
             if plain.count == 0 or (plain.mean_block >= STAGE_BELOW and plain.host_us(DESC_US, CALL_US) < STAGE_HOST_US):
                 return None
             images = page_images(self.binding, layer, self.pitched)
-            per_page = sum(int(im.lens.sum()) for im in images), sum(int(im.lens.numel()) for im in images)
+            per_page = _page_sizes(images)
             if not images or per_page[0] < STAGE_GAIN * plain.mean_block * per_page[1]:
                 return None  # the staged blocks (per page: bytes / blocks) are not large enough
         return self._route(layer)
