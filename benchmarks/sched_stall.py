@@ -11,12 +11,7 @@ work has finished: the scheduler thread stalls.  This probe queues about
 call on the host, for each strategy of MLA 61 x 576 bf16 layer_first (4096
 tokens, 64-token pages), with index tensors new to the pool (as every SGLang batch
 has) on the GPU, on the CPU, and mixed (host slots on the CPU, device rows on the GPU:
-a staged ``direct`` route never reads the device rows back).  ``direct`` runs once per ``--submit`` mode:
-``worker`` hands calls with GPU-resident indices to a submission thread behind a stream gate.  Beside the
-host time: ``done_ms``, from the end of the queued forward work to the end of the transfer (event-timed
-on the GPU), and for ``worker`` ``done_ms_spin``, the same while the calling thread spins in Python for
-``--spin-ms`` after the call (the worker then waits for the interpreter lock).
-Results: ``<out>/sched_stall.json``.
+a staged ``direct`` route never reads the device rows back).  Results: ``<out>/sched_stall.json``.
 """
 
 from __future__ import annotations
@@ -52,14 +47,6 @@ def _gemm_chain(ms: float) -> tuple[Callable[[], object], float]:
     return (lambda: [a @ b for _ in range(n)]), n * per
 
 
-def _spin(ms: float) -> None:
-    """Hold the interpreter for ``ms`` (a scheduler thread busy in Python)."""
-    stop = time.perf_counter() + ms / 1e3
-    n = 0
-    while time.perf_counter() < stop:
-        n += 1
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -67,8 +54,6 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layouts", default="layer_first,page_first_direct")
     ap.add_argument("--backends", default="kernel,direct,auto")
-    ap.add_argument("--submit", default="inline,worker", help="direct submit modes to measure")
-    ap.add_argument("--spin-ms", type=float, default=5.0)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
@@ -80,56 +65,37 @@ def main() -> int:
     rows = []
     for layout, backend, name in _targets(reg, spec, args.layouts.split(","), args.backends.split(",")):
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
-        for submit in (args.submit.split(",") if backend == "direct" else [""]):
-            opts = {"submit": submit} if submit else None
-            pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, strategy_options=opts,
-                              registry=reg, validate="shapes")
-            layer0 = spec.layer_map.device_layers[0]
-            for where in ("cuda", "cpu", "mixed"):
-                for op in ("backup_all_layers", "load_layer"):
-                    res: dict[str, list[float]] = {"busy": [], "idle": [], "done": [], "spin": []}
-                    for mode in ("busy", "idle", "spin") if submit == "worker" else ("busy", "idle"):
-                        for _ in range(args.reps):
-                            # new tensors, as every batch has; "mixed": host slots on the CPU, device rows on the GPU
-                            hi, si, di = (t.to("cpu" if where == "cpu" or (where == "mixed" and t is h) else "cuda")
-                                          .clone() for t in (h, s, d))
-                            torch.cuda.synchronize()
-                            if mode != "idle":
-                                forward()
-                            start = torch.cuda.current_stream().record_event(torch.cuda.Event(enable_timing=True))
-                            end = torch.cuda.Event(enable_timing=True)
-                            with torch.cuda.stream(side):
-                                side.wait_event(start)
-                                t0 = time.perf_counter()
-                                if op == "backup_all_layers":
-                                    pool.backup_all_layers(hi, si)
-                                else:
-                                    pool.load_layer(layer0, hi, di)
-                                dt = (time.perf_counter() - t0) * 1e3
-                                end.record(side)
-                            if mode == "spin":
-                                _spin(args.spin_ms)
-                            torch.cuda.synchronize()
-                            if mode == "busy":
-                                res["busy"].append(dt)
-                                res["done"].append(start.elapsed_time(end))
-                            elif mode == "idle":
-                                res["idle"].append(dt)
+        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name, registry=reg, validate="shapes")
+        layer0 = spec.layer_map.device_layers[0]
+        for where in ("cuda", "cpu", "mixed"):
+            for op in ("backup_all_layers", "load_layer"):
+                host_ms, idle_ms = [], []
+                for busy in (True, False):
+                    for _ in range(args.reps):
+                        # new tensors, as every batch has; "mixed": host slots on the CPU, device rows on the GPU
+                        hi, si, di = (t.to("cpu" if where == "cpu" or (where == "mixed" and t is h) else "cuda").clone()
+                                      for t in (h, s, d))
+                        torch.cuda.synchronize()
+                        if busy:
+                            forward()
+                        start = torch.cuda.current_stream().record_event()
+                        with torch.cuda.stream(side):
+                            side.wait_event(start)
+                            t0 = time.perf_counter()
+                            if op == "backup_all_layers":
+                                pool.backup_all_layers(hi, si)
                             else:
-                                res["spin"].append(start.elapsed_time(end))
-                    row = {"strategy": name, "layout": layout, "backend": backend, "submit": submit or None,
-                           "indices_on": where, "op": op, "forward_ms_queued": fwd_ms,
-                           "host_ms_busy": statistics.median(res["busy"]), "host_ms_idle": statistics.median(res["idle"]),
-                           "done_ms": statistics.median(res["done"]),
-                           "done_ms_spin": statistics.median(res["spin"]) if res["spin"] else None,
-                           "spin_ms": args.spin_ms if res["spin"] else None}
-                    rows.append(row)
-                    spin = f", done {row['done_ms_spin']:.2f} ms with the caller spinning" if res["spin"] else ""
-                    print(f"{name:24s} {submit:6s} {layout:18s} idx={where:5s} {op:18s} host {row['host_ms_busy']:7.2f} ms "
-                          f"with {fwd_ms:.1f} ms of forward queued, {row['host_ms_idle']:6.2f} ms idle; done "
-                          f"{row['done_ms']:.2f} ms after the forward work{spin}", flush=True)
-            del pool
-        del host
+                                pool.load_layer(layer0, hi, di)
+                            dt = (time.perf_counter() - t0) * 1e3
+                        (host_ms if busy else idle_ms).append(dt)
+                        torch.cuda.synchronize()
+                row = {"strategy": name, "layout": layout, "backend": backend, "indices_on": where, "op": op,
+                       "forward_ms_queued": fwd_ms, "host_ms_busy": statistics.median(host_ms),
+                       "host_ms_idle": statistics.median(idle_ms)}
+                rows.append(row)
+                print(f"{name:24s} {layout:18s} idx={where:5s} {op:18s} host {row['host_ms_busy']:7.2f} ms with "
+                      f"{fwd_ms:.1f} ms of forward queued, {row['host_ms_idle']:6.2f} ms idle", flush=True)
+        del pool, host
     with open(os.path.join(args.out, "sched_stall.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0

@@ -65,7 +65,7 @@ OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "lo
 GEMM_OPS = ("backup_all_layers", "load_burst")
 #: ``direct`` variants: strategy options per label (``--direct-variants``).
 DIRECT_VARIANTS = {"auto": {"staging": "auto"}, "never": {"staging": "never"}, "always": {"staging": "always"},
-                   "unpitched": {"staging": "auto", "pitched": "never"}, "worker": {"staging": "auto", "submit": "worker"}}
+                   "unpitched": {"staging": "auto", "pitched": "never"}}
 #: Device layer placement of the benchmark's pools (see :func:`_device_buffers`).
 ENV_PLACEMENT = "HICACHE_BENCH_PLACEMENT"
 
@@ -250,7 +250,7 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
     if backend == "kernel":
         return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
     if backend == "direct":
-        return [(v if v in ("unpitched", "worker") else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
+        return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
     return [("", None)]
 
 
@@ -380,7 +380,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--programs", default="4,8,16,0", help="SM budgets for kernel strategies; 0 = strategy default")
     p.add_argument("--layouts", default="", help="comma list (default: all installed)")
     p.add_argument("--io-backends", default="kernel,direct,auto")
-    p.add_argument("--direct-variants", default="auto", help=f"direct variants (staging modes; worker: submit='worker') to measure, comma list of {sorted(DIRECT_VARIANTS)}")
+    p.add_argument("--direct-variants", default="auto", help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)}")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")

@@ -38,7 +38,6 @@ __all__ = [
     "DeviceBufferError",
     "HostBufferError",
     "TakeoverTableError",
-    "DeferredTransferError",
 ]
 
 
@@ -171,15 +170,6 @@ class AllocSizeError(AllocatorError, PageMultipleError):
 
 class FreePageError(AllocatorError, PageAlignmentError):
     """``free`` of slots that are not whole pages as ``alloc`` returned them."""
-
-
-# --- transfers that failed after their call returned ----------------------------
-
-
-class DeferredTransferError(HicacheError, RuntimeError):
-    """A transfer handed to the ``direct`` submission worker (``submit="worker"``) failed after its call
-    returned; raised by the next call through that worker, with the original error as ``__cause__``.
-    The failed transfer moved nothing it had not queued before the error."""
 
 
 # --- configuration files ------------------------------------------------------

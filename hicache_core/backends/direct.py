@@ -28,20 +28,11 @@ relayout kernel masks rows outside the device buffers,
 so with ``validate="shapes"`` an out-of-range row moves nothing and its host
 slot receives undefined bytes; ``validate="full"`` checks values first).  On
 CPU pools every copy is a ``memmove``.
-
-``submit="worker"`` takes calls whose index tensors live on the GPU off the
-calling thread: a worker thread reads the values and submits the copies, while
-the caller's stream is gated so that its later work still runs after them
-(:mod:`.gate`).  The call returns in microseconds instead of waiting for the
-work queued before it; an error found by the worker (an index out of range,
-say) moves nothing and is raised by the next such call as
-:class:`~hicache_core.errors.DeferredTransferError`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import torch
 
@@ -50,13 +41,12 @@ from ..errors import ConfigError
 from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
-from .gate import CudaGate, SubmitWorker, driver_unavailable_reason
 from .memcpy import BatchCopier
 from .plans import PlanCache, Submission, coalesce
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
-           "PITCHED_MODES", "ENV_SUBMIT", "SUBMIT_MODES"]
+           "PITCHED_MODES"]
 
 #: ``auto`` (default: staged where it gives the copy engine larger blocks, see
 #: :meth:`.plans.Plan._staged`), ``always`` (wherever whole pages allow it) or ``never``.
@@ -69,11 +59,6 @@ STAGING_MODES = ("auto", "always", "never")
 #: per block and layer).
 ENV_PITCHED = "HICACHE_DIRECT_PITCHED"
 PITCHED_MODES = ("auto", "never")
-#: ``inline`` (default: the calling thread submits every copy, reading GPU-resident index values back
-#: first) or ``worker`` (calls with an index tensor on the pool's GPU are submitted by a worker thread
-#: behind a stream gate; see :mod:`.gate`).
-ENV_SUBMIT = "HICACHE_DIRECT_SUBMIT"
-SUBMIT_MODES = ("inline", "worker")
 
 
 class DirectStrategy(DirectionalStrategy):
@@ -83,15 +68,17 @@ class DirectStrategy(DirectionalStrategy):
     :param staging_bytes: device staging budget per stream, in bytes.
     :param pitched: ``auto`` or ``never`` (default: ``$HICACHE_DIRECT_PITCHED`` or ``auto``): whether
         all-layer transfers may move a block across evenly spaced layers as one pitched copy.
-    :param submit: ``inline`` or ``worker`` (default: ``$HICACHE_DIRECT_SUBMIT`` or ``inline``): who
-        submits calls whose index tensors are on the GPU (see the module docstring).
     """
 
-    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
-                 submit: str | None = None) -> None:
-        self.staging = _mode("staging", staging, ENV_STAGING, STAGING_MODES, "auto")
-        self.pitched = _mode("pitched", pitched, ENV_PITCHED, PITCHED_MODES, "auto")
-        self.submit = _mode("submit", submit, ENV_SUBMIT, SUBMIT_MODES, "inline")
+    def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None) -> None:
+        mode = staging if staging is not None else (os.environ.get(ENV_STAGING, "auto").strip().lower() or "auto")
+        if mode not in STAGING_MODES:
+            raise ConfigError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
+        self.staging = mode
+        pmode = pitched if pitched is not None else (os.environ.get(ENV_PITCHED, "auto").strip().lower() or "auto")
+        if pmode not in PITCHED_MODES:
+            raise ConfigError(f"direct pitched={pmode!r} (or {ENV_PITCHED}): use one of {', '.join(PITCHED_MODES)}")
+        self.pitched = pmode
         if staging_bytes is None:
             raw = os.environ.get(ENV_STAGING_BYTES, "").strip()
             try:
@@ -116,12 +103,6 @@ class DirectStrategy(DirectionalStrategy):
         binding.scratch["direct.plans"] = PlanCache(binding, self.staging, self.staging_bytes,
                                                     self.pitched == "auto" and copier.pitched_support())
         binding.scratch["direct.staging"] = StagingBuffers(binding.device)
-        if self.submit == "worker" and binding.device.type == "cuda":
-            why = driver_unavailable_reason()
-            if why is not None:
-                raise ConfigError(f"direct submit='worker' on {binding.device}: {why}; use submit='inline'")
-            binding.scratch["direct.worker"] = SubmitWorker(CudaGate(binding.device),
-                                                            f"hicache-submit-{binding.device}")
 
     def submission(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                    layer: int | None) -> Submission:
@@ -137,26 +118,8 @@ class DirectStrategy(DirectionalStrategy):
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
-        worker: SubmitWorker | None = binding.scratch.get("direct.worker")
-        if worker is not None and (host_indices.device == binding.device or device_indices.device == binding.device):
-            copier: BatchCopier = binding.scratch["direct.copier"]
-            plans: PlanCache = binding.scratch["direct.plans"]
-
-            def job(wait_for_caller: Callable[[], None]) -> None:
-                stream = copier.stream()  # the worker's stream
-                if not plans.cached(host_indices, device_indices, stream):
-                    wait_for_caller()  # the plan reads index values: wait here, not on the caller's thread
-                self._transfer(binding, host_indices, device_indices, layer, to_host, stream)
-            worker.submit(copier.torch_stream(), job)
-            return
-        if worker is not None:
-            worker.raise_pending()
-        copier = binding.scratch["direct.copier"]
-        self._transfer(binding, host_indices, device_indices, layer, to_host, copier.stream())
-
-    def _transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                  layer: int | None, to_host: bool, stream: int) -> None:
         copier: BatchCopier = binding.scratch["direct.copier"]
+        stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if sub.staged is None:
             if sub.pitched is not None:
@@ -166,10 +129,3 @@ class DirectStrategy(DirectionalStrategy):
             copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes)
             return
         sub.staged.run(binding, copier, binding.scratch["direct.staging"], stream, to_host=to_host)
-
-
-def _mode(name: str, value: str | None, env: str, modes: tuple[str, ...], default: str) -> str:
-    mode = value if value is not None else (os.environ.get(env, default).strip().lower() or default)
-    if mode not in modes:
-        raise ConfigError(f"direct {name}={mode!r} (or {env}): use one of {', '.join(modes)}")
-    return mode

@@ -89,10 +89,6 @@ class BatchCopier:
             return 0
         return int(torch.cuda.current_stream(self._index).cuda_stream)
 
-    def torch_stream(self) -> torch.cuda.Stream | None:
-        """The pool device's current stream as a torch object (``None`` on CPU)."""
-        return torch.cuda.current_stream(self._index) if self.device.type == "cuda" else None
-
     def pitched_support(self) -> bool:
         """Whether pitched copies go to the copy engine in one call here (``cudaMemcpy3DBatchAsync``);
         the CPU runs them row by row, so they hold there too."""

@@ -464,26 +464,14 @@ class PlanCache:
         self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
         self._lock = threading.Lock()
 
-    def _lookup(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan | None:
-        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
-        if hv is None or dv is None:
-            return None
-        with self._lock:
-            for h, hv0, d, dv0, s, plan in self._slots:
-                if h is host_indices and d is device_indices and hv0 == hv and dv0 == dv and s == stream:
-                    return plan
-        return None
-
-    def cached(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> bool:
-        """Whether :meth:`get` would return a memoised plan (it reads no index values)."""
-        return self._lookup(host_indices, device_indices, stream) is not None
-
     def get(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan:
-        hit = self._lookup(host_indices, device_indices, stream)
-        if hit is not None:
-            return hit
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         memo = hv is not None and dv is not None
+        if memo:
+            with self._lock:
+                for h, hv0, d, dv0, s, plan in self._slots:
+                    if h is host_indices and d is device_indices and hv0 == hv and dv0 == dv and s == stream:
+                        return plan
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched)
         if memo:
             with self._lock:
