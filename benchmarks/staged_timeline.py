@@ -1,6 +1,6 @@
 """Where a staged layer-major backup's time goes (GPU): the route, its parts, and its copies alone.
 
-Usage: ``python benchmarks/staged_timeline.py``.  MLA 61 x 576 bf16 and MHA 80 x 8 x 128
+Usage: ``python benchmarks/staged_timeline.py [mla] [mha]``.  MLA 61 x 576 bf16 and MHA 80 x 8 x 128
 bf16, 4096 tokens, page 64, random pages, separately allocated device layers,
 ``layer_first`` host layout, ``direct`` with ``staging="auto"`` (plain runs) and a
 staged route built as ``staging="always"`` builds it (packed page images, one pitched
@@ -79,8 +79,41 @@ def trace(st, copier, pages: int, ps: int, d: torch.Tensor, variant: str = "rout
         "R %.2f-%.2f C %.2f-%.2f" % tuple(t0.elapsed_time(e) for e in m) for m in marks), flush=True)
 
 
+def freshness(st, copier, pages: int, ps: int, d: torch.Tensor, base_ms: float) -> None:
+    """One chunk's copies alone, timed after different ways of preparing its staging image: written
+    by torch just before, relaid by the route's kernel just before, and either one followed by an
+    unrelated 256 MiB device write (which evicts the image from L2) before the copies start."""
+    buf = torch.empty(st.chunk_bytes, dtype=torch.uint8, device="cuda")
+    junk = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    noise = torch.randint(0, 255, buf.shape, dtype=torch.uint8, device="cuda")
+    p1 = min(pages, st.chunk_pages)
+    share = (p1 * ps * 1.0) / (pages * ps)  # the chunk's share of the memcpy baseline's bytes
+    for prep in ("torch", "relayout", "torch+evict", "relayout+evict", "relayout+sleep"):
+        times = []
+        for _ in range(REPS):
+            if prep.startswith("torch"):
+                buf.copy_(noise)
+            else:
+                st._relayout(buf, d[: p1 * ps], p1, to_image=True)
+            if prep.endswith("evict"):
+                junk.fill_(1)
+            torch.cuda.synchronize()
+            if prep.endswith("sleep"):
+                torch.cuda._sleep(20_000_000)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            st._copy(copier, 0, p1, buf.data_ptr(), None, to_host=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        times.sort()
+        ms = times[len(times) // 2]
+        print(f"    one chunk ({p1} pages) copied after {prep}: ratio {base_ms * share / ms:.3f}", flush=True)
+
+
 def main() -> None:
-    for kind in ("mla", "mha"):
+    kinds = sys.argv[1:] or ["mla", "mha"]
+    for kind in kinds:
         run(kind)
 
 
@@ -139,6 +172,7 @@ def run(kind: str) -> None:
                     for p0 in range(0, T // ps, st.chunk_pages):
                         st._copy(copier, p0, min(T // ps, p0 + st.chunk_pages), buf.data_ptr(), None, to_host=True)
                 ms3, host3 = _event_ms(copies, REPS)
+                freshness(st, copier, T // ps, ps, d, base)
                 for variant in ("route", "d2d", "prefilled", "plain"):
                     trace(st, copier, T // ps, ps, d, variant)
                 # the copies alone from a staging image of zeros, then of random bytes, then (random) as rows

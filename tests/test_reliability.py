@@ -285,13 +285,13 @@ def test_index_memo_lookup_is_atomic_under_a_racing_store(monkeypatch: pytest.Mo
     def version(t: torch.Tensor) -> int | None:
         if threading.current_thread().name == "A":
             paused.set()
-            assert resume.wait(10)
+            assert resume.wait(120)
         return real(t)
 
     monkeypatch.setattr(kernel_support, "tensor_version", version)
     ta = threading.Thread(target=lambda: result.append(memo.lookup(a, None)), name="A")
-    tb = threading.Thread(target=lambda: (paused.wait(10), memo.store(b, None, out_b), resume.set()), name="B")
-    ta.start(); tb.start(); ta.join(20); tb.join(20)
+    tb = threading.Thread(target=lambda: (paused.wait(120), memo.store(b, None, out_b), resume.set()), name="B")
+    ta.start(); tb.start(); ta.join(240); tb.join(240)  # deadlock guards only
     assert len(result) == 1 and result[0] is out_a
     assert memo.lookup(b, None) is out_b and memo.lookup(a, None) is None
 
