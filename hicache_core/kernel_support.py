@@ -26,6 +26,8 @@ from .spec import PoolSpec
 from .validate import parse_programs, tensor_version
 
 __all__ = [
+    "current_stream_handle",
+    "current_device_index",
     "SegmentTable",
     "kernel_unsupported_reason",
     "access_word",
@@ -190,6 +192,29 @@ def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:
     return memos
 
 
+# torch's own fast accessors (what Triton's launcher and Inductor's generated code call), where this
+# build has them; CPU-only builds do not, and the public API serves.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_stream_handle(index: int) -> int:
+    """The ``cudaStream_t`` of CUDA device ``index``'s current stream.
+
+    The same value as ``torch.cuda.current_stream(index).cuda_stream``, without building a
+    ``torch.cuda.Stream`` object (a few microseconds per transfer call otherwise)."""
+    if _RAW_STREAM is not None:
+        return int(_RAW_STREAM(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def current_device_index() -> int:
+    """The current CUDA device's index (``torch.cuda.current_device()``, without its Python wrapper)."""
+    if _GET_DEVICE is not None:
+        return int(_GET_DEVICE())
+    return torch.cuda.current_device()
+
+
 def kernel_indices(t: torch.Tensor, device: torch.device, memo: IndexMemo | None = None) -> torch.Tensor:
     """An index tensor on the kernel's device, contiguous (int32 or int64 kept as is).
 
@@ -199,7 +224,11 @@ def kernel_indices(t: torch.Tensor, device: torch.device, memo: IndexMemo | None
     tensor reuse the first copy.
     """
     if t.device != device:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        if device.type == "cuda":
+            stream: int | None = current_stream_handle(device.index if device.index is not None
+                                                        else current_device_index())
+        else:
+            stream = None
         if memo is not None:
             hit = memo.lookup(t, stream)
             if hit is not None:
@@ -223,7 +252,7 @@ def transfer_indices(binding: PoolBinding, host_indices: torch.Tensor,
 
 def on_pool_device(device: torch.device) -> contextlib.AbstractContextManager:
     """A context that makes ``device`` current for a launch (its current stream then), when it is not already."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device.index is not None and device.index != current_device_index():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 

@@ -853,3 +853,23 @@ def test_pitched_copies_raise_when_a_later_call_fails(monkeypatch):
     with pytest.raises(BatchSubmitError, match="16 of the 40 copies of this call were queued before it") as err:
         copier.copy_pitched(p, lambda: ops_tensor(p, to_host=False), to_host=False, stream=5)
     assert err.value.submitted == 16 and not calls  # no plain fallback after a partial submission
+
+
+def test_copier_reads_the_current_stream_through_torchs_raw_accessor_or_the_public_api(monkeypatch):
+    """Per call the copier asks for the pool device's current stream: the raw handle where torch has the
+    accessor (no Stream object built), the public API where it has not; both name the pool's device."""
+    from types import SimpleNamespace
+
+    from hicache_core import kernel_support
+    from hicache_core.backends.memcpy import BatchCopier
+
+    copier = BatchCopier(torch.device("cuda", 2))  # an explicit index: no CUDA call at construction
+    monkeypatch.setattr(kernel_support, "_RAW_STREAM", lambda index: 1000 + index)
+    monkeypatch.setattr(kernel_support, "_GET_DEVICE", lambda: 3)
+    assert copier.stream() == 1002 and kernel_support.current_device_index() == 3
+    monkeypatch.setattr(kernel_support, "_RAW_STREAM", None)
+    monkeypatch.setattr(kernel_support, "_GET_DEVICE", None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index: SimpleNamespace(cuda_stream=70 + index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert copier.stream() == 72 and kernel_support.current_device_index() == 5
+    assert BatchCopier(torch.device("cpu")).stream() == 0

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ..kernel_support import current_device_index, current_stream_handle
 from .cudart import MAX_PER_CALL as _ONE_CALL
 from .cudart import BatchSubmitError, runtime, runtime_unavailable_reason
 from .pitched import Pitched, expand
@@ -87,7 +88,7 @@ class BatchCopier:
         """The ``cudaStream_t`` of the pool device's current stream (0 on CPU)."""
         if self.device.type != "cuda":
             return 0
-        return int(torch.cuda.current_stream(self._index).cuda_stream)
+        return current_stream_handle(self._index)
 
     def pitched_support(self) -> bool:
         """Whether pitched copies go to the copy engine in one call here (``cudaMemcpy3DBatchAsync``);
@@ -151,7 +152,7 @@ class BatchCopier:
         self.clock.queued(s, nbytes, since)
 
     def _on_device(self, fn: Callable[[], None]) -> None:
-        if torch.cuda.current_device() != self._index:
+        if current_device_index() != self._index:
             with torch.cuda.device(self._index):
                 fn()
         else:
