@@ -14,7 +14,8 @@ from .cudart import MAX_PER_CALL as _ONE_CALL
 from .cudart import BatchSubmitError, runtime, runtime_unavailable_reason
 from .pitched import Pitched, expand
 
-__all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US"]
+__all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US",
+           "TIGHT_GAP_US"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,12 @@ DRAIN_BYTES_PER_US = 64e3
 #: ~6.7 us and ~0.45 us; per pitched operation ~2.7 us), with room for slower hosts.
 CALL_US, DESC_US, PITCHED_DESC_US = 15.0, 1.0, 5.0
 #: A submission starting within this long of the previous one's end on the same stream belongs to a
-#: burst (one load per layer back to back, as a forward pass issues them).
+#: burst (one load per layer back to back, as a forward pass issues them) while the copies queued
+#: before it may still run, or within :data:`TIGHT_GAP_US` whatever the queue holds.
 BURST_GAP_US = 100.0
+#: A gap this short is a caller issuing calls back to back (a loop of loads), not one waiting for
+#: the last call's copies: the copy engine cannot have drained more than the host submits meanwhile.
+TIGHT_GAP_US = 20.0
 
 
 class QueueClock:
@@ -37,8 +42,11 @@ class QueueClock:
     only when the engine may be idle and the call is not part of a burst; otherwise it goes in the
     fewest calls (~6.7 us of host time each): the engine still has queued work to cover them, or, in a
     burst of per-layer loads, saving the host three calls per layer matters more than how soon one
-    layer's first block starts.  A heuristic: it sees only this copier's submissions (one pool), and
-    concurrent submitters on one stream may race on it harmlessly.
+    layer's first block starts.  A call that follows the previous one closely is part of a burst only
+    while that one's copies may still be queued (or when it follows within :data:`TIGHT_GAP_US`): a
+    caller that waited for the copies (one load, then a synchronisation, then the next) finds the
+    engine idle and gets the small calls.  A heuristic: it sees only this copier's submissions (one
+    pool), and concurrent submitters on one stream may race on it harmlessly.
     """
 
     def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
@@ -51,9 +59,11 @@ class QueueClock:
         ``burstable``: it fits one runtime call, so following a burst it may skip them; a larger one
         would keep an idle engine waiting for its first full call."""
         now = self.now()
-        if burstable and (now - self._last_end.get(stream, float("-inf"))) * 1e6 < BURST_GAP_US:
+        gap_us = (now - self._last_end.get(stream, float("-inf"))) * 1e6
+        left_us = (self._until.get(stream, 0.0) - now) * 1e6
+        if burstable and gap_us < BURST_GAP_US and (left_us > 0.0 or gap_us < TIGHT_GAP_US):
             return False
-        return (self._until.get(stream, 0.0) - now) * 1e6 <= cost_us
+        return left_us <= cost_us
 
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
