@@ -137,6 +137,20 @@ def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | 
     return "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
 
 
+def _warm_link(nbytes: int = 64 << 20, rounds: int = 8) -> None:
+    """Pinned copies both ways until the host link and copy engines are warm.
+
+    Measured on an H200: the first transfer strategy timed in a process ran up to 10 points below
+    the same strategy timed after another one (docs/performance.md, "bench order"); every row now
+    starts from the same state."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for _ in range(rounds):
+        host.copy_(dev, non_blocking=True)
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+
+
 class _Memcpy:
     """Pinned ``copy_`` of ``n`` bytes, cached per size and direction."""
 
@@ -311,6 +325,7 @@ def run_bench(
                         }
                         for op in ops:
                             fn, nbytes, to_host, lay = calls[op]
+                            _warm_link()  # every row from the same state, whatever ran before it
                             ms = _median_ms(fn, reps)
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
