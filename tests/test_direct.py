@@ -885,3 +885,46 @@ def test_copier_reads_the_current_stream_through_torchs_raw_accessor_or_the_publ
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
     assert copier.stream() == 72 and kernel_support.current_device_index() == 5
     assert BatchCopier(torch.device("cpu")).stream() == 0
+
+
+def test_tiny_copy_engine_blocks_are_reported_once_per_pool_on_cuda(caplog):
+    """A CUDA pool whose transfer goes to the copy engine as hundreds of blocks of a few hundred bytes
+    logs once that ``auto`` would use the kernel there; large or few blocks, and CPU pools, stay quiet."""
+    import logging
+    from types import SimpleNamespace
+
+    from hicache_core.backends.plans import WARN_BLOCKS, WARN_MEAN_BLOCK, warn_small_blocks
+
+    def binding(device: str):
+        return SimpleNamespace(device=torch.device(device), scratch={}, layout=SimpleNamespace(name="page_first"))
+
+    tiny = SimpleNamespace(blocks=4096, mean_block=1152.0)
+    caplog.set_level(logging.WARNING, logger="hicache_core.backends.plans")
+    cuda = binding("cuda")
+    assert warn_small_blocks(cuda, tiny, 3)
+    assert "layer 3" in caplog.text and "'page_first'" in caplog.text and "4096 blocks of 1152 bytes" in caplog.text
+    assert "io_backend='auto'" in caplog.text
+    assert not warn_small_blocks(cuda, tiny, None)  # once per pool
+    assert caplog.text.count("hicache direct:") == 1
+    assert not warn_small_blocks(binding("cpu"), tiny, 3)
+    assert not warn_small_blocks(binding("cuda"), SimpleNamespace(blocks=4096, mean_block=float(WARN_MEAN_BLOCK)), 3)
+    assert not warn_small_blocks(binding("cuda"), SimpleNamespace(blocks=WARN_BLOCKS - 1, mean_block=64.0), 3)
+    assert caplog.text.count("hicache direct:") == 1
+
+
+@pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
+def test_transfers_vet_each_submission_once(monkeypatch):
+    """The small-block check runs on a submission's first transfer only, not on every call of a burst."""
+    from hicache_core.backends import direct as direct_mod
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(direct_mod, "warn_small_blocks", lambda binding, sub, layer: seen.append(layer) or False)
+    pool = _mla_pool("page_first", staging="never", ps=16, layers=4, pages=8)
+    h = torch.arange(64)
+    d = torch.arange(64, 128)
+    for _ in range(3):
+        for layer in (0, 1):
+            pool.load_layer(layer, h, d)
+    pool.backup_all_layers(h, d)
+    pool.backup_all_layers(h, d)
+    assert seen == [0, 1, None]

@@ -28,6 +28,11 @@ relayout kernel masks rows outside the device buffers,
 so with ``validate="shapes"`` an out-of-range row moves nothing and its host
 slot receives undefined bytes; ``validate="full"`` checks values first).  On
 CPU pools every copy is a ``memmove``.
+
+Some calls are a poor fit for the copy engine whatever the route: a one-layer load
+of a token-major host layout is one row per token.  The first time a CUDA pool
+submits hundreds of blocks averaging under 4 KiB it logs a warning naming the
+call and pointing to ``auto``, which serves such calls with the layout's kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from ..layout import Layout
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
 from .memcpy import BatchCopier
-from .plans import PlanCache, Submission, coalesce
+from .plans import PlanCache, Submission, coalesce, warn_small_blocks
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
@@ -121,6 +126,9 @@ class DirectStrategy(DirectionalStrategy):
         copier: BatchCopier = binding.scratch["direct.copier"]
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
+        if not sub.vetted:  # once per submission: a pool moving tiny blocks is told about auto
+            sub.vetted = True
+            warn_small_blocks(binding, sub, layer)
         if sub.staged is None:
             if sub.pitched is not None:
                 copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream,

@@ -13,6 +13,7 @@ version counter (inference mode) are never memoised.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,7 +30,9 @@ from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases,
 if TYPE_CHECKING:
     from .staging import StagedRoute, _Image
 
-__all__ = ["coalesce", "Submission", "Plan", "PlanCache", "MEMO_SLOTS"]
+__all__ = ["coalesce", "Submission", "Plan", "PlanCache", "MEMO_SLOTS", "WARN_MEAN_BLOCK", "WARN_BLOCKS"]
+
+logger = logging.getLogger(__name__)
 
 #: Plans kept per pool (an engine's backup and load threads each hold one pair).
 MEMO_SLOTS = 8
@@ -42,6 +45,33 @@ STAGE_GAIN = 2
 #: a 61-layer backup of separately allocated device layers into a page-major host layout (a page's
 #: layers contiguous) is 3904 descriptors of 73.7 KB plain, 64 of 4.5 MB staged.
 STAGE_HOST_US = 300.0
+
+
+#: A CUDA pool warns once when a transfer's copy-engine blocks average below this many bytes over at
+#: least :data:`WARN_BLOCKS` blocks: the copy engine moves such blocks at a few percent of the link
+#: (H200: 0.02-0.08 of memcpy for one-layer loads of a token-major host layout, 1152-byte rows),
+#: where ``auto`` picks the layout's kernel.
+WARN_MEAN_BLOCK = 4096
+WARN_BLOCKS = 256
+
+
+def warn_small_blocks(binding: PoolBinding, sub: Submission, layer: int | None) -> bool:
+    """Log, once per pool, that ``sub`` (a transfer of ``layer``; ``None``: all layers) is a poor fit
+    for the copy engine (:data:`WARN_MEAN_BLOCK`); returns whether it warned.  CPU pools never warn
+    (their copies are ``memmove``)."""
+    if binding.device.type != "cuda" or binding.scratch.get("direct.warned_small"):
+        return False
+    blocks, mean = sub.blocks, sub.mean_block
+    if blocks < WARN_BLOCKS or mean >= WARN_MEAN_BLOCK:
+        return False
+    binding.scratch["direct.warned_small"] = True
+    what = "all layers" if layer is None else f"layer {layer}"
+    logger.warning(
+        "hicache direct: a transfer of %s in layout %r goes to the copy engine as %d blocks of %.0f bytes on "
+        "average; the copy engine moves blocks this small at a few percent of the link. io_backend='auto' "
+        "serves such calls with the layout's kernel ('hicache explain' shows what it picks); this is logged "
+        "once per pool", what, binding.layout.name, blocks, mean)
+    return True
 
 
 def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +102,7 @@ class Submission:
     def __post_init__(self) -> None:
         # derived once: a Submission is not changed after it is built (plans memoise it)
         self._ops: dict[bool, torch.Tensor] = {}
+        self.vetted = False  # set by the first transfer that submits it (see warn_small_blocks)
         self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
         self.pitched_nbytes = self.pitched.nbytes if self.pitched is not None else 0
 
