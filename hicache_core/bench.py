@@ -137,18 +137,26 @@ def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | 
     return "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
 
 
-def _warm_link(nbytes: int = 64 << 20, rounds: int = 8) -> None:
-    """Pinned copies both ways until the host link and copy engines are warm.
+class _LinkWarmer:
+    """Pinned copies both ways until the host link and copy engines are warm (buffers made once per run).
 
     Measured on an H200: the first transfer strategy timed in a process ran up to 10 points below
     the same strategy timed after another one (docs/performance.md, "bench order"); every row now
     starts from the same state."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    for _ in range(rounds):
-        host.copy_(dev, non_blocking=True)
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
+
+    def __init__(self, nbytes: int = 64 << 20, rounds: int = 8) -> None:
+        self.nbytes, self.rounds = nbytes, rounds
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self) -> None:
+        if self._bufs is None:
+            self._bufs = (torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True),
+                          torch.empty(self.nbytes, dtype=torch.uint8, device="cuda"))
+        host, dev = self._bufs
+        for _ in range(self.rounds):
+            host.copy_(dev, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
 
 
 class _Memcpy:
@@ -289,6 +297,7 @@ def run_bench(
         raise RuntimeError("hicache bench needs a CUDA device")
     reg = registry or create_registry()
     memcpy = _Memcpy()
+    warm_link = _LinkWarmer()
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     dev_cache: dict[tuple[str, int, int], Any] = {}
@@ -325,7 +334,7 @@ def run_bench(
                         }
                         for op in ops:
                             fn, nbytes, to_host, lay = calls[op]
-                            _warm_link()  # every row from the same state, whatever ran before it
+                            warm_link()  # every row from the same state, whatever ran before it
                             ms = _median_ms(fn, reps)
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
