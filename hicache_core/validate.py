@@ -24,7 +24,7 @@ from .errors import (
 from .spec import PoolSpec
 
 __all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffers", "check_host_buffers_disjoint",
-           "byte_storage", "parse_programs"]
+           "byte_storage", "parse_programs", "repeated_rows"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -47,6 +47,28 @@ def _basic(name: str, t: object, spec: PoolSpec) -> torch.Tensor:
     if t.device.type != "cpu" and t.device != spec.device:
         raise IndexDeviceError(f"{name} is on {t.device}; pass it on the CPU or on the pool's device {spec.device}")
     return t
+
+
+def _bounds(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty index tensor, in one pass."""
+    lo, hi = torch.aminmax(t)
+    return int(lo), int(hi)
+
+
+def repeated_rows(rows: torch.Tensor, run: int) -> torch.Tensor:
+    """The values that occur more than once in the 1-D ``rows`` (sorted, each at least once; empty when
+    none).  Where ``rows`` is whole runs of ``run`` consecutive values (device rows of an engine's page
+    allocator), they repeat only if two runs overlap, which the runs' sorted starts show
+    (``1/run`` of the sorting); otherwise, or when some do overlap, every value is sorted."""
+    if run > 1 and rows.numel() % run == 0:
+        runs = rows.view(-1, run)
+        starts = runs[:, 0]
+        if torch.equal(runs, starts.unsqueeze(1) + torch.arange(run, dtype=rows.dtype, device=rows.device)):
+            first = starts.sort().values
+            if not bool((first[1:] - first[:-1] < run).any()):
+                return first[:0]
+    ordered = rows.sort().values
+    return ordered[1:][ordered[1:] == ordered[:-1]]
 
 
 def check_indices(
@@ -82,15 +104,14 @@ def check_indices(
     if h.numel() == 0:
         return
     if device_values:
-        dmin, dmax = int(d.min()), int(d.max())
+        dmin, dmax = _bounds(d)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
                 "index rows the device tensors have"
             )
         if unique_device:
-            rows = d.sort().values
-            dup = rows[1:][rows[1:] == rows[:-1]]
+            dup = repeated_rows(d, spec.page_size)
             if dup.numel():
                 raise DuplicateIndexError(
                     f"device_indices repeat rows {dup.unique()[:4].tolist()}; a load would write them twice "
@@ -98,7 +119,7 @@ def check_indices(
                 )
     if not host_values:
         return
-    hmin, hmax = int(h.min()), int(h.max())
+    hmin, hmax = _bounds(h)
     if hmin < 0 or hmax >= spec.capacity:
         raise IndexRangeError(
             f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"

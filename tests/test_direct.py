@@ -928,3 +928,24 @@ def test_transfers_vet_each_submission_once(monkeypatch):
     pool.backup_all_layers(h, d)
     pool.backup_all_layers(h, d)
     assert seen == [0, 1, None]
+
+
+@pytest.mark.parametrize("nbytes", [1, 8, 576])
+def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
+    """Short descriptor lists are merged in Python, long ones with torch: the same runs either way
+    (random orders, runs of every length, nothing merging, one copy)."""
+    from hicache_core.backends import plans
+
+    gen = torch.Generator().manual_seed(nbytes)
+    for trial in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        step = torch.where(torch.rand(n, generator=gen) < (trial % 4) / 4, nbytes, 3 * nbytes).to(torch.int64)
+        dst = torch.cumsum(step, 0) + 1000
+        src = torch.cumsum(torch.where(torch.rand(n, generator=gen) < 0.8, step, 2 * nbytes), 0)
+        monkeypatch.setattr(plans, "SMALL_COALESCE", 512)
+        small = plans.coalesce(dst, src, nbytes)
+        monkeypatch.setattr(plans, "SMALL_COALESCE", 0)
+        wide = plans.coalesce(dst, src, nbytes)
+        assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(small, wide))
+        assert int(small[2].sum()) == n * nbytes
+        assert small[0].data_ptr() != dst.data_ptr()  # never a view of the caller's tensors

@@ -29,6 +29,7 @@ from hicache_core.errors import (
     UnallocatedSlotError,
 )
 from hicache_core.kernel_support import ENV_PROGRAMS, IndexMemo, sm_budget
+from hicache_core.validate import repeated_rows
 from hicache_core.rowcopy import RowKernelStrategy
 
 PS, CAP, LAYERS, ROWS = 4, 16, 3, 32
@@ -236,6 +237,39 @@ def test_rows_a_transfer_writes_must_not_repeat(backend: str, validate: str) -> 
     # the other direction may repeat: reading one row twice is well defined
     pool.backup_all_layers(torch.arange(8), torch.tensor([5, 1, 2, 3, 4, 5, 6, 7]))
     pool.load_layer(0, torch.cat([page, page]), torch.arange(8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlapping_device_page_runs_are_repeated_rows(backend: str) -> None:
+    """Device rows in runs of page_size that overlap (starts 8 and 10 with pages of 4) repeat rows 10 and 11:
+    the runs' fast check must see it as the full sort does, and nothing moves."""
+    spec = make_spec()
+    dev = make_device(spec)
+    pool = HostKVPool(spec, "layer_first", backend, dev)
+    before = all_bytes(pool, dev)
+    with pytest.raises(DuplicateIndexError, match=r"^device_indices repeat rows \[10, 11\]; a load would write"):
+        pool.load_layer(0, torch.arange(8), torch.tensor([8, 9, 10, 11, 10, 11, 12, 13]))
+    assert_same_bytes(before, all_bytes(pool, dev))
+    pool.load_layer(0, torch.arange(8), torch.tensor([8, 9, 10, 11, 12, 13, 14, 15]))  # adjacent runs: no repeat
+    pool.load_layer(0, torch.arange(8), torch.tensor([13, 14, 15, 16, 9, 10, 11, 12]))  # unaligned, disjoint
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("run", [1, 4, 16])
+def test_repeated_rows_matches_counting(dtype: torch.dtype, run: int) -> None:
+    """Runs of consecutive rows (page runs, aligned or not, some overlapping) and arbitrary rows: the same
+    repeated values as counting them."""
+    gen = torch.Generator().manual_seed(run)
+    for trial in range(300):
+        pages = int(torch.randint(1, 9, (1,), generator=gen))
+        if trial % 3:  # page runs at random starts: overlapping sometimes, adjacent sometimes
+            starts = torch.randint(0, 8 * run, (pages,), generator=gen)
+            rows = (starts.unsqueeze(1) + torch.arange(run)).reshape(-1)
+        else:
+            rows = torch.randint(0, 6 * run, (pages * run,), generator=gen)
+        rows = rows.to(dtype)
+        vals, counts = rows.unique(return_counts=True)
+        assert repeated_rows(rows, run).unique().tolist() == vals[counts > 1].tolist()
 
 
 def test_strict_validation_refuses_unallocated_slots() -> None:

@@ -53,6 +53,8 @@ STAGE_HOST_US = 300.0
 #: where ``auto`` picks the layout's kernel.
 WARN_MEAN_BLOCK = 4096
 WARN_BLOCKS = 256
+#: :func:`coalesce` merges up to this many copies in Python, more with vectorised torch operations.
+SMALL_COALESCE = 512
 
 
 def warn_small_blocks(binding: PoolBinding, sub: Submission, layer: int | None) -> bool:
@@ -79,12 +81,21 @@ def coalesce(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> tuple[torch.T
 
     Returns ``(dst_starts, src_starts, lengths)``.
     """
-    if dst.numel() == 0:
+    n = dst.numel()
+    if n == 0:
         return dst, src, dst
+    if n <= SMALL_COALESCE:  # a page-level plan: a loop over Python ints beats a dozen small torch ops
+        d, s = dst.tolist(), src.tolist()
+        first = [0] + [i for i in range(1, n) if d[i] - d[i - 1] != nbytes or s[i] - s[i - 1] != nbytes]
+        if len(first) == n:  # nothing merges (random pages): the copies as they are
+            return dst.clone(), src.clone(), torch.full((n,), nbytes, dtype=torch.int64)
+        lens = [(e - b) * nbytes for b, e in zip(first, first[1:] + [n])]
+        at = torch.tensor(first, dtype=torch.int64)
+        return dst[at], src[at], torch.tensor(lens, dtype=torch.int64)
     brk = torch.ones_like(dst, dtype=torch.bool)
     brk[1:] = (dst[1:] - dst[:-1] != nbytes) | (src[1:] - src[:-1] != nbytes)
     starts = brk.nonzero().squeeze(1)
-    counts = torch.diff(starts, append=torch.tensor([dst.numel()]))
+    counts = torch.diff(starts, append=torch.tensor([n]))
     return dst[starts], src[starts], counts * nbytes
 
 
@@ -237,17 +248,23 @@ def _layers_share_allocations(binding: PoolBinding) -> bool:
     return bool(hit)
 
 
+def _within(t: torch.Tensor, n: int) -> bool:
+    """Whether every value of the non-empty ``t`` lies in ``0..n-1``."""
+    lo, hi = torch.aminmax(t)
+    return int(lo) >= 0 and int(hi) < n
+
+
 def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """See :attr:`Plan.page_runs`."""
     n = h.numel()
     if ps == 1 or n == 0 or n % ps:
         return None
     hv, dv = h.view(-1, ps), d.view(-1, ps)
+    hs, ds = hv[:, 0], dv[:, 0]
     step = torch.arange(ps, dtype=torch.int64)
-    if bool((hv[:, 0] % ps).any()) or not torch.equal(hv - hv[:, :1], step.expand_as(hv)) \
-            or not torch.equal(dv - dv[:, :1], step.expand_as(dv)):
+    if bool((hs % ps).any()) or not torch.equal(hv, hs.unsqueeze(1) + step) or not torch.equal(dv, ds.unsqueeze(1) + step):
         return None
-    return hv[:, 0] // ps, dv[:, 0].contiguous()
+    return hs // ps, ds.contiguous()
 
 
 class Plan:
@@ -260,7 +277,7 @@ class Plan:
         self.h = as_long(host_indices, "cpu")
         self._rows = binding.device_rows
         cap = binding.spec.capacity
-        if self.h.numel() and (int(self.h.min()) < 0 or int(self.h.max()) >= cap):
+        if self.h.numel() and not _within(self.h, cap):
             raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
         # the device copy the staged relayout indexes with (made on the caller's stream); its own copy:
@@ -281,7 +298,7 @@ class Plan:
 
     def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
         d = as_long(device_indices, "cpu")
-        if d.numel() and (int(d.min()) < 0 or int(d.max()) >= self._rows):
+        if d.numel() and not _within(d, self._rows):
             raise IndexRangeError(
                 f"direct: device_indices must lie in 0..{self._rows - 1}; nothing was copied"
             )
