@@ -1,0 +1,210 @@
+"""Can a Triton kernel with <= 4 programs load a layer from pinned host memory near link speed? (TMA)
+
+Usage (GPU, Hopper): ``python benchmarks/tma_load_probe.py [--out DIR]``.  Loads read host memory
+over PCIe; register-staged loads keep one tile per program in flight, so hicache's kernels need 16
+programs for 0.76-0.85 of memcpy (docs/performance.md).  SGLang's TMA kernel keeps a ring of bulk
+copies in flight per CTA and reaches 0.88-0.92 with 4.  This probe asks whether Triton's tensor
+descriptors (TMA, pipelined by ``tl.range(..., num_stages=...)``) get there too, on one MLA layer
+(4096 tokens x 1152-byte rows, 64-token pages, random host pages into random device page runs, both
+sides page-contiguous, as ``layer_first`` holds them): each page is 9 boxes of 64 x 128 bytes.
+
+Per configuration (programs, stages, box rows): ratio of one lone load to a pinned ``copy_`` of the
+same bytes, the ratio of a burst (the layer loaded 61 times back to back), the slowdown of a bf16
+8192^3 GEMM on another stream during bursts, bit-exact check first; beside it hicache's
+``layer_first`` kernel strategy at 4 and 16 programs on the same bytes.  Results:
+``<out>/tma_load_probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from hicache_core.bench import _gemm_slowdown, _median_ms
+
+
+@triton.jit
+def _tma_load_pages(h_desc, d_desc, hpages, dstarts, n_items,
+                    CHUNKS: tl.constexpr, BOX: tl.constexpr, STAGES: tl.constexpr):
+    """Work item = (page, box); a page is CHUNKS * (PAGE_ROWS // BOX) boxes of BOX 128-byte rows."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        page = it // CHUNKS
+        c = it % CHUNKS
+        hp = tl.load(hpages + page).to(tl.int32)  # TMA coordinates are 32-bit
+        dp = tl.load(dstarts + page).to(tl.int32)
+        x = h_desc.load([hp * (CHUNKS * BOX) + c * BOX, 0])
+        d_desc.store([dp + c * BOX, 0], x)
+
+
+@triton.jit
+def _tma_backup_pages(d_desc, h_desc, dstarts, hstarts, n_items, PAGES, LAYER_ROWS,
+                      CHUNKS: tl.constexpr, BOX: tl.constexpr, STAGES: tl.constexpr):
+    """All-layer backup: work item = (layer, page, box), device rows -> host rows by TMA both ways."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        layer = it // (PAGES * CHUNKS)
+        rem = it % (PAGES * CHUNKS)
+        page = rem // CHUNKS
+        c = rem % CHUNKS
+        dp = tl.load(dstarts + page).to(tl.int32)
+        hp = tl.load(hstarts + page).to(tl.int32)
+        x = d_desc.load([layer * LAYER_ROWS + dp + c * BOX, 0])
+        h_desc.store([layer * LAYER_ROWS + hp + c * BOX, 0], x)
+
+
+def _backups(args, ps: int, row: int, tokens: int, layers: int, rows: list) -> None:
+    """All-layer MLA backups (one device allocation for the 61 layers): TMA kernel vs hicache's kernel."""
+    from hicache_core import HostKVPool, LayerMap, PoolSpec
+
+    pages = tokens // ps
+    pb = ps * row
+    layer_bytes = 2 * pages * pb
+    host = torch.empty(layers * layer_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (layers * layer_bytes,), dtype=torch.uint8, device="cuda")
+    hp, dp = torch.randperm(2 * pages)[:pages], torch.randperm(2 * pages)[:pages]
+    nbytes = layers * pages * pb
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    base_ms = _median_ms(lambda: dst.copy_(src, non_blocking=True), args.reps)
+    hv, dv = host.view(layers, 2 * pages, pb), dev.view(layers, 2 * pages, pb)
+    untouched = torch.ones(2 * pages, dtype=torch.bool)
+    untouched[hp] = False
+
+    def record(name: str, fn, extra: dict) -> None:
+        host.fill_(0x5A)
+        fn()
+        torch.cuda.synchronize()
+        exact = torch.equal(hv[:, hp].cpu(), dv[:, dp].cpu()) and bool((hv[:, untouched] == 0x5A).all())
+        row_ = {"op": "backup_all_layers", "variant": name, **extra, "bit_exact": exact}
+        if exact:
+            ms = _median_ms(fn, max(5, args.reps // 2))
+            row_.update(ratio=base_ms / ms, gemm_slowdown_pct=100 * _gemm_slowdown(fn))
+        rows.append(row_)
+        print(json.dumps(row_), flush=True)
+
+    h64, d64 = host.view(torch.int64).view(-1, 16), dev.view(torch.int64).view(-1, 16)
+    box, chunks, layer_rows = 64, pb // 128 // 64, layer_bytes // 128
+    h_desc = TensorDescriptor(h64, list(h64.shape), list(h64.stride()), [box, 16])
+    d_desc = TensorDescriptor(d64, list(d64.shape), list(d64.stride()), [box, 16])
+    ds = (dp * (pb // 128)).to(torch.int32).cuda()
+    hs = (hp * (pb // 128)).to(torch.int32).cuda()
+    for programs in (2, 4, 8):
+        for stages in (3, 6):
+            def fn(p=programs, s=stages):
+                _tma_backup_pages[(p,)](d_desc, h_desc, ds, hs, layers * pages * chunks, pages, layer_rows,
+                                        CHUNKS=chunks, BOX=box, STAGES=s, num_warps=4)
+            try:
+                record("triton-tma", fn, {"programs": programs, "stages": stages, "box_bytes": box * 128})
+            except Exception as exc:  # noqa: BLE001 - a probe: record why a configuration does not run
+                rows.append({"op": "backup_all_layers", "variant": "triton-tma", "programs": programs,
+                             "stages": stages, "error": f"{type(exc).__name__}: {str(exc)[-1200:]}"})
+                print(rows[-1], flush=True)
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=2 * tokens, device=torch.device("cuda"))
+    dev_layers = [dv[i].view(torch.bfloat16).view(2 * tokens, 576) for i in range(layers)]
+    hbuf = host.view(torch.bfloat16).view(layers, 2 * tokens, 576)
+    hidx = ((hp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1).cuda()
+    didx = ((dp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1).cuda()
+    for programs in (4, 8):
+        pool = HostKVPool(spec, "layer_first", "kernel", {"kv": dev_layers}, host_buffers={"kv": hbuf},
+                          strategy_options={"programs": programs})
+        record("hicache-kernel", lambda pool=pool: pool.backup_all_layers(hidx, didx), {"programs": programs})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    ps, row, tokens, layers = 64, 1152, 4096, 61
+    pages = tokens // ps
+    page_bytes = ps * row
+    host = torch.randint(0, 256, (2 * pages * page_bytes,), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(2 * pages * page_bytes + 4096, dtype=torch.uint8, device="cuda")
+    hp = torch.randperm(2 * pages)[:pages]
+    dp = torch.randperm(2 * pages)[:pages]
+    want = torch.zeros_like(dev)
+    for h, d in zip(hp.tolist(), dp.tolist()):
+        want[d * page_bytes:(d + 1) * page_bytes] = host[h * page_bytes:(h + 1) * page_bytes].cuda()
+    nbytes = pages * page_bytes
+    base_ms = _median_ms(lambda: dev[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
+    rows = []
+
+    def record(name: str, fn, extra: dict) -> None:
+        dev.zero_()
+        fn()
+        torch.cuda.synchronize()
+        exact = torch.equal(dev, want)
+        row = {"op": "load_layer", "variant": name, **extra, "bit_exact": exact}
+        if exact:
+            lone = []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                lone.append(a.elapsed_time(b))
+            burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, args.reps // 4)) / layers
+            row.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=base_ms / burst,
+                       gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # TMA: 128-byte rows (16 int64); a page is 576 of them
+    h64, d64 = host.view(torch.int64).view(-1, 16), dev.view(torch.int64).view(-1, 16)
+    hpg = hp.to(torch.int32).cuda()
+    for box in (32, 64):  # Triton blocks are powers of two; a page is 576 rows of 128 B
+        chunks = (page_bytes // 128) // box
+        if chunks * box * 128 != page_bytes:
+            continue
+        h_desc = TensorDescriptor(h64, list(h64.shape), list(h64.stride()), [box, 16])
+        d_desc = TensorDescriptor(d64, list(d64.shape), list(d64.stride()), [box, 16])
+        dst = (dp * (page_bytes // 128)).to(torch.int32).cuda()
+        for programs in (2, 4, 8):
+            for stages in (2, 4, 6):
+                def fn(p=programs, s=stages, c=chunks, b=box, hd=h_desc, dd=d_desc, ds=dst):
+                    _tma_load_pages[(p,)](hd, dd, hpg, ds, pages * c, CHUNKS=c, BOX=b, STAGES=s, num_warps=4)
+                try:
+                    record("triton-tma", fn, {"programs": programs, "stages": stages, "box_rows": box,
+                                              "box_bytes": box * 128})
+                except Exception as exc:  # noqa: BLE001 - a probe: record why a configuration does not run
+                    rows.append({"variant": "triton-tma", "programs": programs, "stages": stages, "box_rows": box,
+                                 "error": f"{type(exc).__name__}: {str(exc)[-1200:]}"})
+                    print(rows[-1], flush=True)
+    # hicache's layer_first kernel on the same bytes, for comparison
+    from hicache_core import HostKVPool, LayerMap, PoolSpec
+
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(1), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=2 * tokens, device=torch.device("cuda"))
+    dev_rows = dev[:2 * pages * page_bytes].view(torch.bfloat16).view(2 * tokens, 576)
+    hbuf = host.view(torch.bfloat16).view(1, 2 * tokens, 576)
+    hidx = ((hp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1).cuda()
+    didx = ((dp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1).cuda()
+    for programs in (4, 16):
+        pool = HostKVPool(spec, "layer_first", "kernel", {"kv": [dev_rows]}, host_buffers={"kv": hbuf},
+                          strategy_options={"programs": programs})
+        record("hicache-kernel", lambda pool=pool: pool.load_layer(0, hidx, didx), {"programs": programs})
+    del dev, host, want
+    _backups(args, ps, row, tokens, layers, rows)
+    with open(os.path.join(args.out, "tma_load_probe.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "bytes": nbytes,
+                   "memcpy_ms": base_ms, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
