@@ -24,7 +24,7 @@ from .errors import (
 from .spec import PoolSpec
 
 __all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffers", "check_host_buffers_disjoint",
-           "byte_storage", "parse_programs", "repeated_rows"]
+           "byte_storage", "parse_programs", "repeated_rows", "index_bounds"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -49,8 +49,8 @@ def _basic(name: str, t: object, spec: PoolSpec) -> torch.Tensor:
     return t
 
 
-def _bounds(t: torch.Tensor) -> tuple[int, int]:
-    """``(min, max)`` of a non-empty index tensor, in one pass."""
+def index_bounds(t: torch.Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty index tensor, in one pass (reading them waits for a GPU tensor's producers)."""
     lo, hi = torch.aminmax(t)
     return int(lo), int(hi)
 
@@ -104,7 +104,7 @@ def check_indices(
     if h.numel() == 0:
         return
     if device_values:
-        dmin, dmax = _bounds(d)
+        dmin, dmax = index_bounds(d)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
@@ -119,7 +119,7 @@ def check_indices(
                 )
     if not host_values:
         return
-    hmin, hmax = _bounds(h)
+    hmin, hmax = index_bounds(h)
     if hmin < 0 or hmax >= spec.capacity:
         raise IndexRangeError(
             f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"

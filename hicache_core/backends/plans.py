@@ -22,7 +22,7 @@ import torch
 
 from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
-from ..validate import tensor_version
+from ..validate import index_bounds, tensor_version
 from .common import as_long
 from .memcpy import CALL_US, DESC_US
 from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
@@ -250,8 +250,8 @@ def _layers_share_allocations(binding: PoolBinding) -> bool:
 
 def _within(t: torch.Tensor, n: int) -> bool:
     """Whether every value of the non-empty ``t`` lies in ``0..n-1``."""
-    lo, hi = torch.aminmax(t)
-    return int(lo) >= 0 and int(hi) < n
+    lo, hi = index_bounds(t)
+    return lo >= 0 and hi < n
 
 
 def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
