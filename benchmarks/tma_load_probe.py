@@ -121,14 +121,117 @@ def _backups(args, ps: int, row: int, tokens: int, layers: int, rows: list) -> N
         record("hicache-kernel", lambda pool=pool: pool.backup_all_layers(hidx, didx), {"programs": programs})
 
 
+@triton.jit
+def _tma_strided_load(ha_desc, hb_desc, dev, hstarts, dstarts, n_items,
+                      TOK: tl.constexpr, PER_PAGE: tl.constexpr, STAGES: tl.constexpr):
+    """One layer of a token-major host buffer ([S, L, row]: one row per token, strided by L rows): TMA boxes
+    of TOK rows (1024 + 128 bytes each, two descriptors), stored to device rows by ordinary stores."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    cols_a = tl.arange(0, 128)[None, :]
+    cols_b = tl.arange(0, 16)[None, :]
+    for it in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        page = it // PER_PAGE
+        t = it % PER_PAGE
+        h0 = tl.load(hstarts + page).to(tl.int32) + t * TOK
+        d0 = tl.load(dstarts + page) + t * TOK
+        a = ha_desc.load([h0, 0])
+        b = hb_desc.load([h0, 0])
+        rows = (d0 + tl.arange(0, TOK))[:, None].to(tl.int64) * 144
+        tl.store(dev + rows + cols_a, a)
+        tl.store(dev + rows + 128 + cols_b, b)
+
+
+def _page_first_loads(args, ps: int, tokens: int, layers: int, rows: list) -> None:
+    """One-layer loads of a token-major (page_first) MLA host buffer: 1152-byte rows, L x 1152 apart."""
+    from hicache_core import HostKVPool, LayerMap, PoolSpec
+
+    pages, slots, lay = tokens // ps, 2 * tokens, layers // 2
+    host = torch.randint(-2**62, 2**62, (slots, layers, 144), dtype=torch.int64).pin_memory()
+    dev = torch.zeros(slots, 144, dtype=torch.int64, device="cuda")
+    hp, dp = torch.randperm(2 * pages)[:pages], torch.randperm(2 * pages)[:pages]
+    hidx = ((hp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1)
+    didx = ((dp.unsqueeze(1) * ps) + torch.arange(ps)).reshape(-1)
+    want = torch.zeros_like(dev)
+    want[didx.cuda()] = host[hidx, lay].cuda()
+    nbytes = tokens * 1152
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    for _ in range(20):
+        dst.copy_(src, non_blocking=True)
+    base_ms = _median_ms(lambda: dst.copy_(src, non_blocking=True), args.reps)
+    burst_base = _median_ms(lambda: [dst.copy_(src, non_blocking=True) for _ in range(layers)], 5) / layers
+
+    def record(name: str, fn, extra: dict) -> None:
+        dev.zero_()
+        fn()
+        torch.cuda.synchronize()
+        exact = torch.equal(dev, want)
+        row_ = {"op": "load_layer page_first", "variant": name, **extra, "bit_exact": exact}
+        if exact:
+            lone = []
+            for _ in range(args.reps):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                lone.append(a.elapsed_time(b))
+            burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, args.reps // 4)) / layers
+            row_.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=burst_base / burst,
+                        gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
+        rows.append(row_)
+        print(json.dumps(row_), flush=True)
+
+    part_a, part_b = host[:, lay, :128], host[:, lay, 128:]
+    hs, ds = (hp * ps).to(torch.int32).cuda(), (dp * ps).cuda()
+    for tok in (32, 64):
+        ha = TensorDescriptor(part_a, [slots, 128], [layers * 144, 1], [tok, 128])
+        hb = TensorDescriptor(part_b, [slots, 16], [layers * 144, 1], [tok, 16])
+        for programs in (4, 8):
+            for stages in (4, 6):
+                def fn(p=programs, s=stages, tk=tok, ha=ha, hb=hb):
+                    _tma_strided_load[(p,)](ha, hb, dev, hs, ds, pages * (ps // tk), TOK=tk, PER_PAGE=ps // tk,
+                                            STAGES=s, num_warps=4)
+                try:
+                    record("triton-tma", fn, {"programs": programs, "stages": stages, "box_rows": tok})
+                except Exception as exc:  # noqa: BLE001 - a probe: record why a configuration does not run
+                    rows.append({"op": "load_layer page_first", "variant": "triton-tma", "programs": programs,
+                                 "stages": stages, "box_rows": tok, "error": f"{type(exc).__name__}: {str(exc)[-1200:]}"})
+                    print(rows[-1], flush=True)
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=slots, device=torch.device("cuda"))
+    dev_layers = [torch.zeros(slots, 576, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+    dev_layers[lay] = dev.view(torch.bfloat16).view(slots, 576)
+    hbuf = host.view(torch.bfloat16).view(slots, layers, 576)
+    hg, dg = hidx.cuda(), didx.cuda()
+    for programs in (4, 16):
+        pool = HostKVPool(spec, "page_first", "kernel", {"kv": dev_layers}, host_buffers={"kv": hbuf},
+                          strategy_options={"programs": programs})
+        record("hicache-kernel", lambda pool=pool: pool.load_layer(lay, hg, dg), {"programs": programs})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--cases", default="layer_first,backup,page_first",
+                    help="comma-separated: layer_first (loads), backup (all-layer backups), page_first (loads)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     ps, row, tokens, layers = 64, 1152, 4096, 61
+    cases = set(args.cases.split(","))
+    if "layer_first" not in cases:
+        rows: list = []
+        if "backup" in cases:
+            _backups(args, ps, row, tokens, layers, rows)
+        if "page_first" in cases:
+            _page_first_loads(args, ps, tokens, layers, rows)
+        with open(os.path.join(args.out, "tma_load_probe.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "rows": rows}, f, indent=1)
+        return 0
     pages = tokens // ps
     page_bytes = ps * row
     host = torch.randint(0, 256, (2 * pages * page_bytes,), dtype=torch.uint8).pin_memory()
@@ -140,7 +243,7 @@ def main() -> int:
         want[d * page_bytes:(d + 1) * page_bytes] = host[h * page_bytes:(h + 1) * page_bytes].cuda()
     nbytes = pages * page_bytes
     base_ms = _median_ms(lambda: dev[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
-    rows = []
+    rows: list = []
 
     def record(name: str, fn, extra: dict) -> None:
         dev.zero_()
@@ -199,7 +302,10 @@ def main() -> int:
                           strategy_options={"programs": programs})
         record("hicache-kernel", lambda pool=pool: pool.load_layer(0, hidx, didx), {"programs": programs})
     del dev, host, want
-    _backups(args, ps, row, tokens, layers, rows)
+    if "backup" in cases:
+        _backups(args, ps, row, tokens, layers, rows)
+    if "page_first" in cases:
+        _page_first_loads(args, ps, tokens, layers, rows)
     with open(os.path.join(args.out, "tma_load_probe.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "bytes": nbytes,
                    "memcpy_ms": base_ms, "rows": rows}, f, indent=1)
