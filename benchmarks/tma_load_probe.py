@@ -9,10 +9,16 @@ descriptors (TMA, pipelined by ``tl.range(..., num_stages=...)``) get there too,
 sides page-contiguous, as ``layer_first`` holds them): each page is 9 boxes of 64 x 128 bytes.
 
 Per configuration (programs, stages, box rows): ratio of one lone load to a pinned ``copy_`` of the
-same bytes, the ratio of a burst (the layer loaded 61 times back to back), the slowdown of a bf16
-8192^3 GEMM on another stream during bursts, bit-exact check first; beside it hicache's
-``layer_first`` kernel strategy at 4 and 16 programs on the same bytes.  Results:
-``<out>/tma_load_probe.json``.
+same bytes, the ratio of a burst (the layer loaded 61 times back to back; divided by one lone
+``copy_`` in this case, so it can exceed 1), the slowdown of a bf16 8192^3 GEMM on another stream
+during bursts, bit-exact check first; beside it hicache's ``layer_first`` kernel strategy at 4 and
+16 programs on the same bytes.
+
+``--cases`` adds two more: ``backup`` (all-layer backups of 61 such layers in one device allocation,
+TMA both ways, host canaries checked; ratio and GEMM slowdown, beside hicache's kernel at 4 and 8
+programs) and ``page_first`` (one-layer loads of a token-major ``[S, L, row]`` host buffer: rows 61
+rows apart, two descriptors per box for the 1024 + 128 bytes of a row, ordinary device stores; burst
+ratio against 61 copies back to back).  Results: ``<out>/tma_load_probe.json``.
 """
 
 from __future__ import annotations
