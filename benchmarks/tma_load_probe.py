@@ -36,6 +36,32 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from hicache_core.bench import _gemm_slowdown, _median_ms
 
 
+def _record_load(op: str, name: str, fn, extra: dict, dev: torch.Tensor, want: torch.Tensor, reps: int, layers: int,
+                 base_ms: float, burst_base_ms: float, rows: list) -> None:
+    """Check ``fn`` (a one-layer load into ``dev``) against ``want``, then time it lone and in bursts of
+    ``layers`` back to back (per layer), and a GEMM beside the bursts; append the row."""
+    dev.zero_()
+    fn()
+    torch.cuda.synchronize()
+    exact = torch.equal(dev, want)
+    row = {"op": op, "variant": name, **extra, "bit_exact": exact}
+    if exact:
+        lone = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            lone.append(a.elapsed_time(b))
+        burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, reps // 4)) / layers
+        row.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=burst_base_ms / burst,
+                   gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 @triton.jit
 def _tma_load_pages(h_desc, d_desc, hpages, dstarts, n_items,
                     CHUNKS: tl.constexpr, BOX: tl.constexpr, STAGES: tl.constexpr):
@@ -169,26 +195,7 @@ def _page_first_loads(args, ps: int, tokens: int, layers: int, rows: list) -> No
     burst_base = _median_ms(lambda: [dst.copy_(src, non_blocking=True) for _ in range(layers)], 5) / layers
 
     def record(name: str, fn, extra: dict) -> None:
-        dev.zero_()
-        fn()
-        torch.cuda.synchronize()
-        exact = torch.equal(dev, want)
-        row_ = {"op": "load_layer page_first", "variant": name, **extra, "bit_exact": exact}
-        if exact:
-            lone = []
-            for _ in range(args.reps):
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                lone.append(a.elapsed_time(b))
-            burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, args.reps // 4)) / layers
-            row_.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=burst_base / burst,
-                        gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
-        rows.append(row_)
-        print(json.dumps(row_), flush=True)
+        _record_load("load_layer page_first", name, fn, extra, dev, want, args.reps, layers, base_ms, burst_base, rows)
 
     part_a, part_b = host[:, lay, :128], host[:, lay, 128:]
     hs, ds = (hp * ps).to(torch.int32).cuda(), (dp * ps).cuda()
@@ -251,27 +258,8 @@ def main() -> int:
     base_ms = _median_ms(lambda: dev[:nbytes].copy_(host[:nbytes], non_blocking=True), args.reps)
     rows: list = []
 
-    def record(name: str, fn, extra: dict) -> None:
-        dev.zero_()
-        fn()
-        torch.cuda.synchronize()
-        exact = torch.equal(dev, want)
-        row = {"op": "load_layer", "variant": name, **extra, "bit_exact": exact}
-        if exact:
-            lone = []
-            for _ in range(args.reps):
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                lone.append(a.elapsed_time(b))
-            burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, args.reps // 4)) / layers
-            row.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=base_ms / burst,
-                       gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    def record(name: str, fn, extra: dict) -> None:  # bursts against one lone copy here (see the docstring)
+        _record_load("load_layer", name, fn, extra, dev, want, args.reps, layers, base_ms, base_ms, rows)
 
     # TMA: 128-byte rows (16 int64); a page is 576 of them
     h64, d64 = host.view(torch.int64).view(-1, 16), dev.view(torch.int64).view(-1, 16)
