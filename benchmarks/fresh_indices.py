@@ -30,7 +30,7 @@ import torch
 
 import hicache_core.pool as pool_mod
 from hicache_core.backends import plans
-from hicache_core.bench import SHAPES, _check, _device_buffers, _indices
+from hicache_core.bench import _check, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
@@ -95,9 +95,7 @@ def main() -> int:
     reg = create_registry()
     rows = []
     for shape in ("mla61x576-bf16", "mha80x8x128-bf16"):
-        spec = SHAPES[shape](4096, 64, torch.device("cuda"))
-        dev = _device_buffers(spec, 2 * 4096 + 64)
-        h, s, d = _indices(spec, torch.Generator().manual_seed(0))
+        spec, dev, h, s, d = _workload(shape)
         layer = spec.layer_map.device_layers[0]
         for layout in ("layer_first", "page_first_direct"):
             for backend in ("direct", "auto"):

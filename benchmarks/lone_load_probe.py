@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hicache_core.bench import SHAPES, _device_buffers, _indices, _Memcpy
+from hicache_core.bench import _Memcpy, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
@@ -35,9 +35,7 @@ def main() -> int:
     memcpy = _Memcpy()
     rows = []
     for shape in ("mla61x576-bf16", "mha80x8x128-bf16"):
-        spec = SHAPES[shape](4096, 64, torch.device("cuda"))
-        dev = _device_buffers(spec, 2 * 4096 + 64)
-        h, _, d = _indices(spec, torch.Generator().manual_seed(0))
+        spec, dev, h, _, d = _workload(shape)
         layer = spec.layer_map.device_layers[len(spec.layer_map.device_layers) // 2]
         nbytes = spec.bytes_per_token // len(spec.layer_map.device_layers) * 4096
         base = memcpy.gbps(nbytes, False, 20)

@@ -30,7 +30,7 @@ import time
 import torch
 
 from hicache_core.backends.cudart import batch_schedule, runtime
-from hicache_core.bench import SHAPES, _device_buffers, _indices, _Memcpy
+from hicache_core.bench import _Memcpy, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
@@ -110,9 +110,7 @@ def _main() -> int:
     reg = create_registry()
     memcpy = _Memcpy()
     rt = runtime()
-    spec = SHAPES["mla61x576-bf16"](4096, 64, torch.device("cuda"))
-    dev = _device_buffers(spec, 2 * 4096 + 64)
-    h, s, _ = _indices(spec, torch.Generator().manual_seed(0))
+    spec, dev, h, s, _ = _workload("mla61x576-bf16")
     host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=True)
     pool = HostKVPool(spec, "layer_first", "direct", dev, host_buffers=host, strategy="core.direct", registry=reg)
     ref = HostKVPool(spec, "layer_first", "reference", dev, strategy="core.reference", registry=reg,

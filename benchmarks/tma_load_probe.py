@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import triton
@@ -46,17 +45,9 @@ def _record_load(op: str, name: str, fn, extra: dict, dev: torch.Tensor, want: t
     exact = torch.equal(dev, want)
     row = {"op": op, "variant": name, **extra, "bit_exact": exact}
     if exact:
-        lone = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            lone.append(a.elapsed_time(b))
+        lone = _median_ms(fn, reps, idle=True)
         burst = _median_ms(lambda: [fn() for _ in range(layers)], max(3, reps // 4)) / layers
-        row.update(lone_ratio=base_ms / statistics.median(lone), burst_ratio=burst_base_ms / burst,
+        row.update(lone_ratio=base_ms / lone, burst_ratio=burst_base_ms / burst,
                    gemm_slowdown_pct=100 * _gemm_slowdown(lambda: [fn() for _ in range(layers)]))
     rows.append(row)
     print(json.dumps(row), flush=True)

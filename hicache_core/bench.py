@@ -91,12 +91,16 @@ class BenchRow:
     served_by: str = ""
 
 
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, idle: bool = False) -> float:
+    """Median event-timed milliseconds of ``fn``; ``idle``: each call starts on an idle GPU (a lone call),
+    else calls follow each other as soon as the last one's end event is reached."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if idle:
+            torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -233,6 +237,16 @@ def _device_buffers(spec: PoolSpec, rows: int, placement: str | None = None) -> 
             raws = [one[k] for k in (range(layers) if placement == "one-allocation" else reversed(range(layers)))]
         out[comp.name] = [r.view(comp.dtype).view(rows, items) for r in raws]
     return out
+
+
+def _workload(shape: str, tokens: int = 4096, page_size: int = 64,
+              seed: int = 0) -> tuple[PoolSpec, dict[str, list[torch.Tensor | None]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The probes' common set-up: a CUDA ``spec`` of :data:`SHAPES` ``shape``, random device layers holding
+    2x the tokens, and :func:`_indices` (host slots, backup source rows, load target rows)."""
+    spec = SHAPES[shape](tokens, page_size, torch.device("cuda"))
+    dev = _device_buffers(spec, 2 * tokens + page_size)
+    h, s, d = _indices(spec, torch.Generator().manual_seed(seed))
+    return spec, dev, h, s, d
 
 
 def _indices(spec: PoolSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
