@@ -13,6 +13,8 @@
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
 #   calibrate   hicache calibrate into $OUT/calibration.json
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
+#   tma         TMA loads: tests/test_tma.py and the kernel tests (TMA automatic), then load_layer/load_burst of the
+#               kernel strategies with TMA on and off (TMA_BENCH_ARGS), GEMM slowdown and host time beside
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
@@ -86,6 +88,12 @@ for step in "$@"; do
       wait $s1 $s2 ;;
     bench) timeout ${BENCH_T:-300} hicache bench --out "$OUT/bench" --reps ${REPS:-10} --gemm ${BENCH_ARGS:-} >"$W/bench.log" 2>&1
       note "bench: $(result $?)"; grep -v "^hicache bench" "$W/bench.log" | tail -60 ;;
+    tma) timeout ${TESTS_T:-240} $PYT tests/test_tma.py $KERNEL_TESTS >"$W/tma_tests.log" 2>&1
+      note "tma tests: $(result $?) $(tail -1 "$W/tma_tests.log")"
+      for on in 1 0; do
+        HICACHE_KERNEL_TMA=$on timeout ${BENCH_T:-240} hicache bench --out "$OUT/bench-tma$on" --reps ${REPS:-10} --gemm \
+          --io-backends kernel --ops load_layer,load_burst ${TMA_BENCH_ARGS:-} >"$W/bench_tma$on.log" 2>&1
+        note "bench TMA=$on: $(result $?)"; grep -v "^hicache bench" "$W/bench_tma$on.log" | tail -40; done ;;
     calibrate) HICACHE_CALIBRATION=$OUT/calibration.json timeout 120 hicache calibrate >"$W/calibrate.log" 2>&1
       note "calibrate: $(result $?)"; tail -16 "$W/calibrate.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS

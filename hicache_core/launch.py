@@ -9,8 +9,9 @@ with the same positional arguments and the same stream and hooks as Triton's
 own ``JITFunction.run``.
 
 The key is never coarser than Triton's: the device, ``num_warps``, every
-constexpr's value, each tensor's dtype and 16-byte alignment, and for each
-integer whether it fits int32 / uint64, equals 1 and is a multiple of 16.
+constexpr's value, each tensor's dtype and 16-byte alignment, each tensor
+descriptor's dtype, rank and block shape, and for each integer whether it fits
+int32 / uint64, equals 1 and is a multiple of 16.
 Anything unusual (the CPU interpreter, a launch hook set for profiling, a Triton
 without the compiled-kernel API, ``HICACHE_FAST_LAUNCH=0``) takes the public
 path, so behaviour never depends on the shortcut.  The environment is read at
@@ -62,6 +63,9 @@ def _traits(arg: Any) -> Any:
         return ("b", arg)
     if isinstance(arg, int):
         return (_I32_MIN <= arg <= _I32_MAX, arg <= _U64_MAX and arg >= 0, arg == 1, arg & 15 == 0)
+    if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a host tensor descriptor (TMA)
+        return ("desc", arg.base.dtype, tuple(arg.block_shape), len(arg.shape), getattr(arg, "padding", None),
+                getattr(arg, "round_f32_to_tf32", None))
     return (type(arg), arg)
 
 

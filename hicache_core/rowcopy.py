@@ -12,7 +12,9 @@ and ``tuning`` (:class:`KernelTuning`, per direction).  Everything else is here:
   share a launch; with ``fuse_parts`` the two parts of a device row, MLA
   ``latent`` + ``rope``, are one group whose second part goes to other host
   buffers), the vector width, the tile, the static launch key;
-* :meth:`RowKernelStrategy.transfer`: index placement, then one launch per group.
+* :meth:`RowKernelStrategy.transfer`: index placement, then one launch per group
+  (per-layer loads on Hopper-class GPUs: one TMA launch per entry, see
+  :mod:`hicache_core.rowcopy_tma`).
 
 Launch values are passed to the kernel **by name**: a kernel declares the
 parameters it uses from :data:`LAUNCH_VALUES`, in any order.  Nothing here
@@ -43,6 +45,7 @@ from .kernel_support import (
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
+from .rowcopy_tma import TmaLaunch, tma_mode
 from .validate import parse_programs
 
 __all__ = ["Tuning", "KernelTuning", "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES",
@@ -116,10 +119,12 @@ class Tuning:
 
 @dataclass(frozen=True)
 class KernelTuning:
-    """A strategy's :class:`Tuning` per direction."""
+    """A strategy's :class:`Tuning` per direction; ``tma_load``: per-layer loads through tensor
+    descriptors (``None``: the strategy has no TMA loads)."""
 
     backup: Tuning
     load: Tuning
+    tma_load: Tuning | None = None
 
     def direction(self, to_host: bool) -> Tuning:
         return self.backup if to_host else self.load
@@ -153,7 +158,8 @@ class RowGroup:
 
     An entry is one (segment, device layer).  ``split < width``: a fused row;
     words ``0..split-1`` of a device row go to ``host_*`` and the rest to
-    ``host_*_b``.
+    ``host_*_b``.  ``layers[e]`` is entry ``e``'s device layer and ``hosts[e]``
+    its segment's host buffer (flat bytes).
     """
 
     names: tuple[str, ...]
@@ -166,6 +172,8 @@ class RowGroup:
     tables: dict[str, torch.Tensor]  # dev_off, dev_stride, host_off, host_page, host_tok and the _b parts
     all_layers: torch.Tensor
     per_layer: dict[int, torch.Tensor]
+    layers: tuple[int, ...] = ()
+    hosts: tuple[torch.Tensor, ...] = ()
 
     def entries(self, layer: int | None) -> torch.Tensor | None:
         """Entry positions a transfer of ``layer`` (``None``: every owned layer) moves, or ``None``."""
@@ -196,6 +204,7 @@ def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
     base = anchor.data_ptr()
     parts: dict[str, list[torch.Tensor]] = {}
     layers: list[int] = []
+    hosts: list[torch.Tensor] = []
     names: list[str] = []
     quantities = [base, a0.width * word]
     for a, b in members:
@@ -207,6 +216,7 @@ def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
             parts.setdefault(k, []).append(v)
             quantities += [int(x) * word for x in v.tolist()]
         layers += list(a.segment.device_layers)
+        hosts += [a.segment.host_flat] * len(a.segment.device_layers)
         names += [a.segment.segment.buffer] + ([b.segment.segment.buffer] if b is not None else [])
     width = a0.width + (b0.width if b0 is not None else 0)
     quantities.append(width * word)
@@ -217,7 +227,8 @@ def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
     rows = min(min(a.rows, b.rows if b is not None else a.rows) for a, b in members)
     return RowGroup(names=tuple(names), anchor=anchor, word=word, width=width, split=a0.width, vec=vec, rows=rows,
                     tables={k: torch.cat(v) for k, v in parts.items()},
-                    all_layers=torch.arange(len(layers), dtype=torch.int64, device=device), per_layer=per_layer)
+                    all_layers=torch.arange(len(layers), dtype=torch.int64, device=device), per_layer=per_layer,
+                    layers=tuple(layers), hosts=tuple(hosts))
 
 
 def build_groups(binding: PoolBinding, *, fuse_parts: bool, strategy: str) -> tuple[RowGroup, ...]:
@@ -278,6 +289,9 @@ class Prepared:
     launcher: Any  # hicache_core.launch.Launcher of the plugin's kernel
     dynamic: tuple[int, ...]
     tuning: KernelTuning
+    tma: tuple[dict[int, tuple[TmaLaunch, ...]] | None, ...] = ()  # per group: TMA loads by layer, or None
+    tma_launcher: Any = None
+    tma_dynamic: tuple[int, ...] = ()
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -296,6 +310,10 @@ class RowKernelStrategy(DirectionalStrategy):
     :param num_stages: work items in flight per program (software pipelining), both directions.
     :param maxnreg: register cap per thread, both directions (``None``: the tuning's).
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
+    :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
+        allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
+        capability 9.x/10.x for uniformly strided host slots, when the strategy has a TMA load kernel
+        (:func:`hicache_core.rowcopy_tma.tma_mode`).
     """
 
     name: ClassVar[str]
@@ -306,7 +324,8 @@ class RowKernelStrategy(DirectionalStrategy):
     entries_inner: ClassVar[bool] = False
 
     def __init__(self, programs: int | None = None, *, num_warps: int | None = None, tile_bytes: int | None = None,
-                 num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None) -> None:
+                 num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None,
+                 tma: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
@@ -316,6 +335,9 @@ class RowKernelStrategy(DirectionalStrategy):
             self.fuse = bool(fuse_parts)
         else:
             self.fuse = type(self).fuse_parts
+        if tma is not None and not isinstance(tma, bool):
+            raise ConfigError(f"tma must be True, False or None (automatic), got {tma!r}")
+        self.tma = tma
 
     # -- resolution -----------------------------------------------------------------------------
     def layout_reason(self, spec: PoolSpec, layout: Layout) -> str | None:
@@ -342,8 +364,13 @@ class RowKernelStrategy(DirectionalStrategy):
         def one(d: Tuning) -> str:
             extra = (f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
-        return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)} (options programs, num_warps, "
-                "tile_bytes, num_stages, maxnreg; HICACHE_KERNEL_PROGRAMS)"]
+        tma = ""
+        mode = tma_mode(self.tma, spec.device) if t.tma_load is not None else None
+        if mode is not None:
+            where = "where a descriptor can address the host rows" if mode == "all" else "of uniformly strided host slots"
+            tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
+        return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
+                "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
 
     # -- set-up -----------------------------------------------------------------------------------
     def effective_tuning(self, device: torch.device) -> KernelTuning:
@@ -351,29 +378,50 @@ class RowKernelStrategy(DirectionalStrategy):
         def one(t: Tuning) -> Tuning:
             programs = self.programs if self.programs is not None else sm_budget(t.programs, device)
             return replace(t, programs=programs, **self._overrides)
-        return KernelTuning(one(self.tuning.backup), one(self.tuning.load))
+        tma = self.tuning.tma_load
+        return KernelTuning(one(self.tuning.backup), one(self.tuning.load), None if tma is None else one(tma))
 
     def prepare(self, binding: PoolBinding) -> None:
         """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""
         require_pinned(binding, self.name)
-        from .launch import Launcher
-
-        kernel = importlib.import_module(self.kernel_module).KERNEL
-        launcher = _LAUNCHERS.get(kernel)
-        if launcher is None:
-            launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-        unknown = set(launcher.arg_names) - set(LAUNCH_VALUES)
-        if unknown:
-            raise ConfigError(f"{self.kernel_module}.KERNEL declares {sorted(unknown)}, which the "
-                              "row-copy launch does not provide; use names from hicache_core.rowcopy.LAUNCH_VALUES")
+        module = importlib.import_module(self.kernel_module)
+        launcher = _launcher(module.KERNEL, LAUNCH_VALUES, f"{self.kernel_module}.KERNEL", "rowcopy.LAUNCH_VALUES")
         tuning = self.effective_tuning(binding.device)
         groups = build_groups(binding, fuse_parts=self.fuse, strategy=self.name)
         dynamic = launcher.positions(DYNAMIC_VALUES)
         launches = tuple({to_host: self._launch(binding.spec, g, tuning.direction(to_host), to_host, launcher, dynamic)
                           for to_host in (True, False)} for g in groups)
-        binding.scratch[self.name] = Prepared(groups, launches, launcher, dynamic, tuning)
-        logger.debug("%s: groups %s, tuning %s", self.name, [(g.names, g.width, g.word, g.vec) for g in groups],
-                     tuning)
+        prep = Prepared(groups, launches, launcher, dynamic, tuning)
+        mode = tma_mode(self.tma, binding.device)
+        if mode is not None:
+            prep = self._prepare_tma(binding.spec, module, prep, flat_only=mode == "flat")
+        binding.scratch[self.name] = prep
+        logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
+                     [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])
+
+    def _prepare_tma(self, spec: PoolSpec, module: Any, prep: Prepared, *, flat_only: bool) -> Prepared:
+        """``prep`` with TMA load launches for every group a descriptor can address (``flat_only``: with
+        uniformly strided host slots)."""
+        kernel, t = getattr(module, "TMA_LOAD_KERNEL", None), prep.tuning.tma_load
+        if kernel is None or t is None:
+            if self.tma:
+                raise ConfigError(f"{self.name} has no TMA load kernel (TMA_LOAD_KERNEL in {self.kernel_module} "
+                                  "and a tma_load tuning); leave the tma option unset")
+            return prep
+        from .rowcopy_tma import DYNAMIC, TMA_VALUES, group_reason, plan_group
+
+        launcher = _launcher(kernel, TMA_VALUES, f"{self.kernel_module}.TMA_LOAD_KERNEL", "rowcopy_tma.TMA_VALUES")
+        dynamic = launcher.positions(DYNAMIC)
+        plans: list[dict[int, tuple[Any, ...]] | None] = []
+        for g in prep.groups:
+            why = group_reason(g, spec.capacity, spec.page_size, t.tile_bytes, flat_only=flat_only)
+            if why:
+                logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
+                plans.append(None)
+            else:
+                plans.append(plan_group(g, capacity=spec.capacity, page_size=spec.page_size, tuning=t,
+                                        launcher=launcher, dynamic=dynamic))
+        return replace(prep, tma=tuple(plans), tma_launcher=launcher, tma_dynamic=dynamic)
 
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
@@ -395,8 +443,13 @@ class RowKernelStrategy(DirectionalStrategy):
             return
         prep: Prepared = binding.scratch[self.name]
         h, d = transfer_indices(binding, host_indices, device_indices)
+        tma = prep.tma if layer is not None and not to_host else ()
         with on_pool_device(binding.device):
-            for g, by_dir in zip(prep.groups, prep.launches):
+            for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
+                plan = tma[gi] if tma else None
+                if plan is not None:
+                    self._tma_loads(prep, plan.get(layer, ()), h, d, n)  # type: ignore[arg-type]
+                    continue
                 ents = g.entries(layer)
                 if ents is None:
                     continue
@@ -409,3 +462,29 @@ class RowKernelStrategy(DirectionalStrategy):
                 items = -(-n // lv.tokens) * n_ents
                 prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
                               static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)
+
+    @staticmethod
+    def _tma_loads(prep: Prepared, launches: tuple[Any, ...], h: torch.Tensor, d: torch.Tensor, n: int) -> None:
+        t = prep.tuning.tma_load
+        assert t is not None
+        call = {"host_idx": h, "dev_idx": d, "n": n}
+        for lv in launches:
+            args = list(lv.args)
+            for name, i in lv.slots:
+                args[i] = call[name]
+            prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, num_warps=t.num_warps,
+                              static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg)
+
+
+def _launcher(kernel: Any, names: dict[str, str], where: str, table: str) -> Any:
+    """The shared :class:`~hicache_core.launch.Launcher` of ``kernel``, after checking its parameter names."""
+    from .launch import Launcher
+
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    unknown = set(launcher.arg_names) - set(names)
+    if unknown:
+        raise ConfigError(f"{where} declares {sorted(unknown)}, which the row-copy launch does not provide; "
+                          f"use names from hicache_core.{table}")
+    return launcher

@@ -104,18 +104,19 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     monkeypatch.delenv(ENV_PROGRAMS, raising=False)
     assert cls().effective_tuning(cpu) == t
     assert t.backup.programs < t.load.programs  # loads are latency-bound: more programs in flight
+    assert t.tma_load is not None and t.tma_load.programs <= 4  # TMA loads: a few programs, bulk copies in flight
+    every = lambda **kw: KernelTuning(*(replace(x, **kw) for x in (t.backup, t.load, t.tma_load)))  # noqa: E731
     monkeypatch.setenv(ENV_PROGRAMS, "5")
-    assert cls().effective_tuning(cpu) == KernelTuning(replace(t.backup, programs=5), replace(t.load, programs=5))
+    assert cls().effective_tuning(cpu) == every(programs=5)
     opts = {"num_warps": 2, "tile_bytes": 1024, "maxnreg": 96}
-    assert cls(7, **opts).effective_tuning(cpu) == KernelTuning(replace(t.backup, programs=7, **opts),
-                                                                replace(t.load, programs=7, **opts))
+    assert cls(7, **opts).effective_tuning(cpu) == every(programs=7, **opts)
     # on CUDA the environment and the defaults are capped at 4x the SMs; an explicit option is taken as given
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=1))
     cuda, cap = torch.device("cuda", 0), lambda x: replace(x, programs=min(x.programs, 4))  # noqa: E731
     assert cls(100).effective_tuning(cuda).load.programs == 100
-    assert cls().effective_tuning(cuda) == KernelTuning(replace(t.backup, programs=4), replace(t.load, programs=4))
+    assert cls().effective_tuning(cuda) == every(programs=4)
     monkeypatch.delenv(ENV_PROGRAMS)
-    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load))
+    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load))
     monkeypatch.setenv(ENV_PROGRAMS, "abc")
     with pytest.raises(ConfigError, match=ENV_PROGRAMS):
         cls().effective_tuning(cpu)
@@ -245,7 +246,9 @@ def test_every_access_word_round_trips(layout, case, word):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch (``Launcher.__call__`` wrapped): ``(grid, {parameter: value})``."""
+    """Every kernel launch (``Launcher.__call__`` wrapped): ``(grid, {parameter: value})``, with per-layer loads on
+    the row kernel (TMA loads, automatic on Hopper-class GPUs, are tested in tests/test_tma.py)."""
+    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
     log, real = [], Launcher.__call__
 
     def counting(self, grid, args, **kw):

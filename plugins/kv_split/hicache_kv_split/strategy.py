@@ -25,6 +25,9 @@ NAME = "page_first_kv_split.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=8, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
+    # Per-layer loads through TMA only with tma=True (paged host layers): H200 2026-11-30, docs/performance.md
+    # "TMA loads": bursts 0.72-0.76 of memcpy at 4 programs, 0.82-0.87 at 8, the row kernel 0.87-0.90 at 16.
+    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
 )
 
 

@@ -14,7 +14,10 @@ import triton.language as tl
 
 from hicache_core import kernel_lib as kl
 
-__all__ = ["KERNEL"]
+__all__ = ["KERNEL", "TMA_LOAD_KERNEL"]
+
+#: Per-layer loads on Hopper-class GPUs: host slots are paged, so the shared descriptor kernel serves.
+TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])

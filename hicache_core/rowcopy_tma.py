@@ -1,0 +1,221 @@
+"""TMA loads for row-copy strategies: host rows read by tensor-descriptor bulk copies (Hopper-class GPUs).
+
+A register-staged load keeps one tile per program in flight, so a load needs
+many programs to cover the link's latency.  With a tensor descriptor over the
+pinned host layer, each program keeps ``stages`` bulk copies (TMA) in flight
+and a handful of programs reach the link (docs/performance.md).  Device rows
+are still written by ordinary stores through the pool's word-offset tables,
+so device rows may be anywhere.
+
+A plugin opts in by exporting ``TMA_LOAD_KERNEL`` from its kernel module (the
+shared :data:`hicache_core.kernel_lib.PAGED_TMA_LOAD` serves any layout whose
+host slot ``s`` is at ``page(s) * page_stride + slot_in_page(s) * token_stride``)
+and a ``tma_load`` :class:`~hicache_core.rowcopy.Tuning` in its
+:class:`~hicache_core.rowcopy.KernelTuning`.  Per-layer loads of a launch group
+then take one launch per (segment, layer) entry; backups, ``load_all_layers``,
+fused groups (one device row split over two host buffers) and groups whose
+host addressing a descriptor cannot express (:func:`group_reason`) keep the
+row kernel.
+
+Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
+``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
+else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
+~228 KiB of shared memory per SM), groups with uniformly strided host slots
+only.  Nothing here imports Triton at import time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ConfigError
+from .kernel_support import interpreting
+
+if TYPE_CHECKING:
+    from .rowcopy import RowGroup, Tuning
+
+__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "tma_wanted", "group_reason", "box_shape", "plan_group"]
+
+logger = logging.getLogger(__name__)
+
+#: ``1`` / ``0``: TMA loads on / off for every row-copy strategy without an explicit ``tma`` option.
+ENV_TMA = "HICACHE_KERNEL_TMA"
+#: Largest box dimension a tensor descriptor allows (elements).
+MAX_BOX = 256
+#: Fewest tokens per box worth a bulk copy (smaller pages keep the row kernel).
+MIN_TOKENS = 8
+
+#: Every name a TMA load kernel may declare, and what the launch passes for it.
+TMA_VALUES = {
+    "anchor": "tensor typed as the access word (as for the row kernel)",
+    "host_desc": "tensor descriptor over the entry's host layer: [slots, words] (FLAT) or [pages, page_size, words]",
+    "host_tail": "as host_desc with a TAIL-word box (host_desc itself when TAIL is 0)",
+    "host_idx": "int32|int64 [n] host slots (on the pool's device)",
+    "dev_idx": "int32|int64 [n] device rows",
+    "n": "index positions",
+    "dev_base": "words from anchor to device row 0 of the entry's layer",
+    "dev_stride": "device token stride (words)",
+    "host_base": "words from anchor to host slot 0 of the entry's layer",
+    "host_page": "host page stride (words)",
+    "host_tok": "host token stride (words)",
+    "host_desc_b": "as host_desc, for the launch's second entry (ENTRIES == 2; else host_desc)",
+    "host_tail_b": "as host_tail, second entry",
+    "dev_base_b": "as dev_base, second entry",
+    "dev_stride_b": "as dev_stride, second entry",
+    "host_base_b": "as host_base, second entry",
+    "host_page_b": "as host_page, second entry",
+    "host_tok_b": "as host_tok, second entry",
+    "page_size": "tokens per page",
+    "capacity": "host slots",
+    "dev_rows": "device rows of the shortest layer",
+    "WIDTH": "constexpr: row words",
+    "BOX": "constexpr: words per box column step (a power of two <= 256)",
+    "TAIL": "constexpr: words of the box for the rest of a row (a power of two; 0: none)",
+    "TOKENS": "constexpr: index positions per tile, rows per box (a power of two)",
+    "VEC": "constexpr: every row base is a multiple of VEC words",
+    "STAGES": "constexpr: bulk copies in flight per program (tl.range num_stages)",
+    "FLAT": "constexpr: host slots are uniformly strided (page stride == page_size * token stride)",
+    "ENTRIES": "constexpr: entries this launch loads (1 or 2: MHA k and v of a layer share a launch)",
+}
+DYNAMIC = ("host_idx", "dev_idx", "n")
+
+
+def tma_mode(option: bool | None, device: torch.device) -> str | None:
+    """Which per-layer loads use TMA: ``"all"`` groups a descriptor can address, ``"flat"`` ones only, or ``None``.
+
+    ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
+    (``1``: all, ``0``: none), else automatic: ``"flat"`` on CUDA devices of
+    compute capability 9.x/10.x.  Automatic TMA takes only groups whose host
+    slots are uniformly strided (``layer_first``, ``page_first``): there 4 TMA
+    programs move a load burst as fast as 16 register-staged ones, while
+    paged host layers (``page_first_direct``, split parts) measured slower than
+    the row kernel (docs/performance.md).
+    """
+    if option is not None:
+        return "all" if option else None
+    env = os.environ.get(ENV_TMA, "").strip().lower()
+    if env in ("1", "true", "yes", "on"):
+        return "all"
+    if env in ("0", "false", "no", "off"):
+        return None
+    if env:
+        raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on), 0 (off) or leave it unset (automatic)")
+    if device.type != "cuda" or interpreting():
+        return None
+    return "flat" if torch.cuda.get_device_capability(device)[0] in (9, 10) else None
+
+
+def tma_wanted(option: bool | None, device: torch.device) -> bool:
+    """Whether any per-layer load may use TMA (:func:`tma_mode` is not ``None``)."""
+    return tma_mode(option, device) is not None
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def box_shape(width: int, word: int, page_size: int, flat: bool, tile_bytes: int,
+              capacity: int = 1 << 30) -> tuple[int, int, int]:
+    """``(BOX, TAIL, TOKENS)`` for rows of ``width`` words: column step, tail box, rows per box.
+
+    ``TOKENS`` fills ``tile_bytes`` with whole rows (at most :data:`MAX_BOX`,
+    ``capacity``, and a page unless ``flat``).
+    """
+    box = min(MAX_BOX, _pow2_floor(width))
+    rest = width % box
+    tail = 0 if rest == 0 else max(1 << (rest - 1).bit_length(), 16 // word)
+    row = (width - rest + tail) * word
+    tokens = min(MAX_BOX, _pow2_floor(capacity), _pow2_floor(max(1, tile_bytes // row)))
+    if not flat:
+        tokens = min(tokens, _pow2_floor(page_size))
+    return box, tail, tokens
+
+
+def group_reason(g: RowGroup, capacity: int, page_size: int, tile_bytes: int, *, flat_only: bool = False) -> str | None:
+    """Why ``g``'s loads cannot (or, with ``flat_only``, do not automatically) go through tensor descriptors."""
+    if g.split < g.width:
+        return "its rows are split over two host buffers (a fused group)"
+    word = g.word
+    pages, toks, offs = (g.tables[k].tolist() for k in ("host_page", "host_tok", "host_off"))
+    base = g.anchor.data_ptr()
+    if capacity >= 2**31:
+        return f"capacity {capacity} exceeds 32-bit descriptor coordinates"
+    box, _, _ = box_shape(g.width, word, page_size, True, tile_bytes)
+    if box * word < 16:
+        return f"rows of {g.width * word} bytes are narrower than a 16-byte box"
+    for page, tok, off in zip(pages, toks, offs):
+        if (tok * word) % 16 or (page * word) % 16 or (base + off * word) % 16:
+            return "host strides or layer bases are not multiples of 16 bytes"
+        flat = page == page_size * tok
+        if flat_only and not flat:
+            return "its host slots are paged (automatic TMA takes uniformly strided slots only; tma=True forces it)"
+        if box_shape(g.width, word, page_size, flat, tile_bytes, capacity)[2] < MIN_TOKENS:
+            return f"pages of {page_size} tokens are too small for bulk copies"
+    return None
+
+
+@dataclass(frozen=True)
+class TmaLaunch:
+    """One entry's fixed load launch: positional args with per-call slots unset, static key, rows per tile."""
+
+    tokens: int
+    key: tuple
+    args: tuple
+    slots: tuple[tuple[str, int], ...]
+
+
+def _host_base(g: RowGroup, k: int, off: int) -> torch.Tensor:
+    """A zero-sized tensor of the access word at entry ``k``'s host slot 0 (a descriptor's base)."""
+    host = g.hosts[k]
+    storage = host.untyped_storage()
+    addr = g.anchor.data_ptr() + off * g.word
+    t = torch.empty(0, dtype=g.anchor.dtype, device=host.device)
+    return t.set_(storage, (addr - storage.data_ptr()) // g.word, (1,), (1,))
+
+
+def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, launcher: Any,
+               dynamic: tuple[int, ...]) -> dict[int, tuple[TmaLaunch, ...]]:
+    """Per device layer, the TMA launches loading ``g``'s entries of that layer (``group_reason`` must be ``None``):
+    one per two entries of equal box shape (MHA ``k`` and ``v``), in entry order."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    word = g.word
+    cols = {k: g.tables[k].tolist() for k in ("dev_off", "dev_stride", "host_off", "host_page", "host_tok")}
+    entries: dict[int, list[tuple[tuple, dict[str, Any]]]] = {}
+    for k, layer in enumerate(g.layers):
+        page, tok, off = cols["host_page"][k], cols["host_tok"][k], cols["host_off"][k]
+        flat = page == page_size * tok
+        box, tail, tokens = box_shape(g.width, word, page_size, flat, tuning.tile_bytes, capacity)
+        base = _host_base(g, k, off)
+        if flat:
+            shape, strides, lead = [capacity, g.width], [tok, 1], [tokens]
+        else:
+            shape, strides, lead = [capacity // page_size, page_size, g.width], [page, tok, 1], [1, tokens]
+        desc = TensorDescriptor(base, shape, strides, lead + [box])
+        one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, lead + [tail]) if tail else desc,
+                   dev_base=cols["dev_off"][k], dev_stride=cols["dev_stride"][k], host_base=off, host_page=page,
+                   host_tok=tok)
+        entries.setdefault(layer, []).append(((flat, box, tail, tokens), one))
+    slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC)
+    per_layer: dict[int, tuple[TmaLaunch, ...]] = {}
+    for layer, items in entries.items():
+        launches = []
+        i = 0
+        while i < len(items):
+            (flat, box, tail, tokens), a = items[i]
+            pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
+            b = items[i + 1][1] if pair else a
+            values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
+                          **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, capacity=capacity,
+                          dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,
+                          STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
+            args = launcher.bind(values)
+            launches.append(TmaLaunch(tokens, launcher.static_key(args, dynamic), args, slots))
+            i += 2 if pair else 1
+        per_layer[layer] = tuple(launches)
+    return per_layer

@@ -1,0 +1,254 @@
+"""TMA loads of the row-copy strategies (hicache_core.rowcopy_tma, kernel_lib.PAGED_TMA_LOAD): bit-exact per-layer
+loads through tensor descriptors, the gather fallback for indices that are not whole pages, bounds, which groups
+take it, and the switch.  On CPU the kernels run in Triton's interpreter (descriptors emulated); on a GPU both
+paths run (TMA forced on and off)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from hicache_core import Component, HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
+from hicache_core.errors import ConfigError  # noqa: E402
+from hicache_core.launch import Launcher, _traits  # noqa: E402
+from hicache_core.rowcopy import KernelTuning  # noqa: E402
+from hicache_core import rowcopy  # noqa: E402
+from hicache_core.rowcopy_tma import ENV_TMA, MIN_TOKENS, box_shape, tma_mode, tma_wanted  # noqa: E402
+from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
+from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PIN = DEVICE.type == "cuda"
+REGISTRY = create_registry()
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
+#: On CPU the row kernel's loads are covered by the plugins' own conformance tests; on a GPU run both here.
+MODES = (True, False) if PIN else (True,)
+_sync = torch.cuda.synchronize if PIN else (lambda: None)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch: ``(kernel, grid, {parameter: value})``."""
+    log, real = [], Launcher.__call__
+
+    def counting(self, grid, args, **kw):
+        log.append((self.kernel, grid, dict(zip(self.arg_names, args))))
+        real(self, grid, args, **kw)
+    monkeypatch.setattr(Launcher, "__call__", counting)
+    return log
+
+
+@pytest.mark.parametrize("tma", MODES, ids=lambda t: f"tma={t}")
+@pytest.mark.parametrize("variant", ["shuffled-i64", "offset-view-i32-dev"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_per_layer_loads_round_trip(monkeypatch, launches, layout, case, variant, tma):
+    """Every conformance case, bit-exact against the reference; with TMA on, every group a descriptor can
+    address loads through the TMA kernel (one launch per segment of the layer), the others through the row kernel."""
+    monkeypatch.setenv(ENV_TMA, "1" if tma else "0")
+    pool = check_strategy(REGISTRY, case, layout, "kernel", variant=variant, device=DEVICE)
+    prep = pool.binding.scratch[pool.strategy_name]
+    tma_kernels = [c for k, _, c in launches if k is kl.PAGED_TMA_LOAD]
+    if not tma:
+        assert prep.tma == () and tma_kernels == []
+        return
+    plans = [p for p in prep.tma if p is not None]
+    assert len(tma_kernels) == sum(len(v) for p in plans for v in p.values())  # each (segment, layer) entry once
+    spec = case.build(DEVICE)
+    fused = layout == "page_first_kv_split" and bool(spec.components[0].parts) and not case.split_parts
+    flat = layout in ("layer_first", "page_first")  # slots uniformly strided: any page size
+    assert bool(plans) == (flat or (spec.page_size >= MIN_TOKENS and not fused)), [p is not None for p in prep.tma]
+
+
+def _pool(layout: str, spec: PoolSpec, gen: torch.Generator, *, tma: bool = True, guard: int = 0,
+          lead: int = 0, **opts):
+    """A kernel pool with random device rows (2 x capacity of them) and host buffers inside ``guard`` canary bytes
+    (starting ``lead`` bytes into their allocation), plus the reference pool on copies of the same bytes."""
+    rows = 2 * spec.capacity
+    dev, ref_dev = {}, {}
+    for comp in spec.components:
+        ts = [torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, generator=gen).to(DEVICE)
+              for _ in range(spec.layer_map.num_device_layers)]
+        dev[comp.name] = [t.view(comp.dtype) for t in ts]
+        ref_dev[comp.name] = [t.clone().view(comp.dtype) for t in ts]
+    big, host = {}, {}
+    for b in REGISTRY.layout(layout).plan(spec).buffers:
+        big[b.name] = torch.full((b.nbytes + 2 * guard + lead,), CANARY, dtype=torch.uint8, pin_memory=PIN)
+        host[b.name] = big[b.name][guard + lead:guard + lead + b.nbytes].view(b.dtype).view(b.shape)
+        host[b.name].view(torch.uint8).random_(0, 256, generator=gen)
+    pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, registry=REGISTRY,
+                      strategy_options={"tma": tma, **opts})
+    ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY)
+    for name, t in ref.host_buffers.items():
+        t.view(torch.uint8).copy_(host[name].view(torch.uint8))
+    return pool, ref, big, dev, ref_dev
+
+
+def _same(dev: dict, ref_dev: dict) -> None:
+    for name in ref_dev:
+        for i, (a, b) in enumerate(zip(dev[name], ref_dev[name])):
+            assert torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu()), f"{name}[{i}]"
+
+
+def _mla(ps: int, pages: int, layers: int = 3) -> PoolSpec:
+    return PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=64, qk_rope_head_dim=8,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages, device=DEVICE)
+
+
+def _patterns(spec: PoolSpec, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Host slot patterns: whole pages; arbitrary slots; page-long runs starting mid-page; whole pages whose tiles
+    start at a bad slot; and the same with a few slots out of range."""
+    ps, cap = spec.page_size, spec.capacity
+    pages = torch.randperm(cap // ps, generator=gen)[: cap // ps - 1]
+    whole = (pages.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    shifted = (whole + ps // 2) % cap
+    first_bad = whole.clone()
+    first_bad[::8] = -1  # every tile's first slot (tiles are >= 8 rows) is out of range
+    out = whole.clone()
+    out[torch.randperm(out.numel(), generator=gen)[:5]] = cap + 3
+    return {"whole-pages": whole, "arbitrary": torch.randperm(cap, generator=gen)[: whole.numel()],
+            "mid-page-runs": shifted, "first-slot-bad": first_bad, "some-out-of-range": out}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_indices_that_are_not_whole_pages_are_gathered(layout, launches):
+    """As with validate='shapes' and device-resident indices (the strategy is called directly): a tile's rows that
+    are not its box's rows are gathered one by one, out-of-range pairs move nothing; every other device row, and
+    the guard bytes around the host buffers, stay as they were."""
+    gen = torch.Generator().manual_seed(5)
+    spec = _mla(16, 6)
+    pool, ref, big, dev, ref_dev = _pool(layout, spec, gen, guard=256, tile_bytes=16 * 144, fuse_parts=False)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert any(p is not None for p in prep.tma), "this spec should take TMA loads"
+    for name, h in _patterns(spec, gen).items():
+        d = torch.randperm(2 * spec.capacity, generator=gen)[: h.numel()]
+        d[3] = 2 * spec.capacity + 1 if name == "some-out-of-range" else d[3]
+        ok = (h >= 0) & (h < spec.capacity) & (d < 2 * spec.capacity)
+        launches.clear()
+        for layer in range(3):
+            pool.strategy.load(pool.binding, h.to(DEVICE), d.to(DEVICE), layer)
+            ref.strategy.load(ref.binding, h[ok], d[ok], layer)
+        _sync()
+        assert any(k is kl.PAGED_TMA_LOAD for k, _, _ in launches)
+        _same(dev, ref_dev)
+        for name_b, b in big.items():
+            assert bool((b[:256] == CANARY).all()) and bool((b[-256:] == CANARY).all()), f"{name} {name_b} guards"
+
+
+def test_launch_shape_and_what_keeps_the_row_kernel(launches):
+    """One launch per (segment, layer) with a grid of at most ``programs``; flat addressing for layer_first and
+    page_first, pages for page_first_direct; backups and load_all_layers stay on the row kernel."""
+    gen = torch.Generator().manual_seed(6)
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=16, dtype=torch.float16, page_size=16,
+                        capacity=64, device=DEVICE)
+    h, d = torch.arange(16, 48), torch.arange(64, 96)
+    for layout, flat in (("layer_first", True), ("page_first", True), ("page_first_direct", False)):
+        pool, *_ = _pool(layout, spec, gen, programs=3)
+        launches.clear()
+        pool.backup_all_layers(h, d)
+        pool.load_all_layers(h, d)
+        assert all(k is not kl.PAGED_TMA_LOAD for k, _, _ in launches)
+        launches.clear()
+        pool.load_layer(1, h, d)
+        tma = [(grid, c) for k, grid, c in launches if k is kl.PAGED_TMA_LOAD]
+        assert len(tma) == len(launches) == 1 and tma[0][1]["ENTRIES"] == 2  # k and v: one launch
+        for grid, c in tma:
+            assert c["FLAT"] is flat and grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] >= MIN_TOKENS
+            assert c["WIDTH"] * pool.binding.scratch[pool.strategy_name].groups[0].word == 64
+    _sync()
+
+
+@pytest.mark.parametrize("spec_kw, layout, why", [
+    (dict(ps=4), "page_first_direct", "pages of 4 tokens are too small"),
+    (dict(ps=16), "page_first_kv_split", "split over two host buffers"),
+    (dict(ps=16, lead=8), "layer_first", "not multiples of 16 bytes"),
+])
+def test_groups_a_descriptor_cannot_address_keep_the_row_kernel(caplog, launches, spec_kw, layout, why):
+    gen = torch.Generator().manual_seed(7)
+    spec = _mla(spec_kw["ps"], 4, layers=2)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, lead=spec_kw.get("lead", 0))
+    assert why in caplog.text
+    h = torch.arange(spec.capacity)
+    d = torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
+    launches.clear()
+    pool.load_layer(1, h, d)
+    ref.load_layer(1, h, d)
+    _sync()
+    assert launches and all(k is not kl.PAGED_TMA_LOAD for k, _, _ in launches)
+    _same(dev, ref_dev)
+
+
+def test_switch(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(ENV_TMA, raising=False)
+    assert tma_wanted(None, cpu) is False and tma_wanted(True, cpu) is True
+    monkeypatch.setenv(ENV_TMA, "1")
+    assert tma_wanted(None, cpu) is True and tma_wanted(False, cpu) is False
+    monkeypatch.delenv(ENV_TMA)
+    for major, want in ((8, None), (9, "flat"), (10, "flat"), (12, None)):  # automatic: by compute capability
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
+        assert tma_mode(None, torch.device("cuda", 0)) == (None if os.environ.get("TRITON_INTERPRET") == "1"
+                                                            else want)
+    monkeypatch.setenv(ENV_TMA, "maybe")
+    with pytest.raises(ConfigError, match="HICACHE_KERNEL_TMA='maybe': use 1"):
+        tma_wanted(None, cpu)
+    with pytest.raises(ConfigError, match="tma must be True, False or None"):
+        LayerFirstKernelStrategy(tma="yes")
+
+    class NoTma(LayerFirstKernelStrategy):
+        name = "no_tma.kernel"
+        tuning = KernelTuning(LayerFirstKernelStrategy.tuning.backup, LayerFirstKernelStrategy.tuning.load)
+    spec = _mla(16, 2)
+    from hicache_core.binding import bind
+    layout = REGISTRY.layout("layer_first")
+    plan = layout.plan(spec)
+    hosts = {b.name: torch.zeros(b.shape, dtype=b.dtype, pin_memory=PIN) for b in plan.buffers}
+    devs = {"kv": [torch.zeros(2 * spec.capacity, 72, dtype=torch.bfloat16, device=DEVICE) for _ in range(3)]}
+    with pytest.raises(ConfigError, match="no_tma.kernel has no TMA load kernel"):
+        NoTma(tma=True).prepare(bind(spec, layout, plan, hosts, devs))
+    monkeypatch.setenv(ENV_TMA, "1")  # the environment asks every strategy; one without TMA loads keeps its row kernel
+    NoTma().prepare(bind(spec, layout, plan, hosts, devs))
+
+
+@pytest.mark.parametrize("width, word, ps, flat, tile, want", [
+    (144, 8, 64, True, 40960, (128, 16, 32)),  # 1152-byte MLA rows: 128 + 16 words, 32 rows fill 36 KiB
+    (256, 8, 64, False, 40960, (256, 0, 16)),  # 2 KiB MHA rows
+    (82, 8, 128, False, 40960, (64, 32, 32)),  # 656-byte fp8 rows: the tail box is a power of two
+    (72, 8, 16, False, 1 << 20, (64, 8, 16)),  # at most a page of rows unless flat
+    (72, 8, 16, True, 1 << 20, (64, 8, 256)),  # flat: at most 256 rows (a descriptor's box limit)
+    (20, 1, 16, True, 4096, (16, 16, 128)),  # a tail box is at least 16 bytes
+])
+def test_box_shape(width, word, ps, flat, tile, want):
+    assert box_shape(width, word, ps, flat, tile) == want
+    assert box_shape(width, word, ps, flat, tile, capacity=48)[2] == min(want[2], 32)  # no box taller than the pool
+
+
+def test_descriptors_specialise_the_launch_key():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.zeros(64, 32, dtype=torch.int64)
+    a, b = TensorDescriptor(t, [64, 32], [32, 1], [16, 32]), TensorDescriptor(t, [64, 32], [32, 1], [8, 32])
+    c = TensorDescriptor(t.view(torch.int32), [64, 64], [64, 1], [16, 32])
+    assert _traits(a) == _traits(TensorDescriptor(t[32:], [32, 32], [32, 1], [16, 32]))  # hashable, base-free
+    assert len({_traits(a), _traits(b), _traits(c)}) == 3
+
+
+def test_automatic_tma_takes_uniformly_strided_host_slots_only(monkeypatch, caplog):
+    """As on a Hopper GPU (automatic mode "flat"): layer_first and page_first loads go through TMA,
+    page_first_direct (paged host layers) keeps the row kernel; describe says which."""
+    monkeypatch.delenv(ENV_TMA, raising=False)
+    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "flat" if option is None else tma_mode(option, device))
+    gen = torch.Generator().manual_seed(8)
+    spec = _mla(16, 4, layers=2)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        for layout, planned in (("layer_first", True), ("page_first", True), ("page_first_direct", False)):
+            pool, *_ = _pool(layout, spec, gen, tma=None)
+            prep = pool.binding.scratch[pool.strategy_name]
+            assert [p is not None for p in prep.tma] == [planned], layout
+            assert "of uniformly strided host slots by TMA" in pool.strategy.describe(spec, pool.binding.layout)[0]
+    assert "host slots are paged (automatic TMA takes uniformly strided slots only" in caplog.text
