@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -365,8 +365,8 @@ class RowKernelStrategy(DirectionalStrategy):
             extra = (f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
-        mode = tma_mode(self.tma, spec.device) if t.tma_load is not None else None
-        if mode is not None:
+        mode = tma_mode(self.tma, spec.device)
+        if t.tma_load is not None and mode is not None:
             where = "where a descriptor can address the host rows" if mode == "all" else "of uniformly strided host slots"
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
@@ -412,7 +412,7 @@ class RowKernelStrategy(DirectionalStrategy):
 
         launcher = _launcher(kernel, TMA_VALUES, f"{self.kernel_module}.TMA_LOAD_KERNEL", "rowcopy_tma.TMA_VALUES")
         dynamic = launcher.positions(DYNAMIC)
-        plans: list[dict[int, tuple[Any, ...]] | None] = []
+        plans: list[dict[int, tuple[TmaLaunch, ...]] | None] = []
         for g in prep.groups:
             why = group_reason(g, spec.capacity, spec.page_size, t.tile_bytes, flat_only=flat_only)
             if why:
@@ -448,32 +448,35 @@ class RowKernelStrategy(DirectionalStrategy):
             for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
                 plan = tma[gi] if tma else None
                 if plan is not None:
-                    self._tma_loads(prep, plan.get(layer, ()), h, d, n)  # type: ignore[arg-type]
+                    self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n)
                     continue
                 ents = g.entries(layer)
                 if ents is None:
                     continue
                 lv = by_dir[to_host]
                 n_ents = ents.numel()
-                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents}
-                args = list(lv.args)
-                for name, i in lv.slots:
-                    args[i] = call[name]
+                args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
                 items = -(-n // lv.tokens) * n_ents
                 prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
                               static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)
 
     @staticmethod
-    def _tma_loads(prep: Prepared, launches: tuple[Any, ...], h: torch.Tensor, d: torch.Tensor, n: int) -> None:
+    def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int) -> None:
+        """One TMA launch per (pair of) entries of the layer (:func:`hicache_core.rowcopy_tma.plan_group`)."""
         t = prep.tuning.tma_load
-        assert t is not None
+        assert t is not None  # plans exist only with a tma_load tuning
         call = {"host_idx": h, "dev_idx": d, "n": n}
         for lv in launches:
-            args = list(lv.args)
-            for name, i in lv.slots:
-                args[i] = call[name]
-            prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, num_warps=t.num_warps,
-                              static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg)
+            prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), _fill(lv.args, lv.slots, call),
+                              num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg)
+
+
+def _fill(fixed: tuple, slots: tuple[tuple[str, int], ...], call: dict[str, Any]) -> list:
+    """A launch's positional arguments: ``fixed`` with each per-call slot set from ``call``."""
+    args = list(fixed)
+    for name, i in slots:
+        args[i] = call[name]
+    return args
 
 
 def _launcher(kernel: Any, names: dict[str, str], where: str, table: str) -> Any:

@@ -91,10 +91,10 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
     (``1``: all, ``0``: none), else automatic: ``"flat"`` on CUDA devices of
     compute capability 9.x/10.x.  Automatic TMA takes only groups whose host
-    slots are uniformly strided (``layer_first``, ``page_first``): there 4 TMA
-    programs move a load burst as fast as 16 register-staged ones, while
-    paged host layers (``page_first_direct``, split parts) measured slower than
-    the row kernel (docs/performance.md).
+    slots are uniformly strided (page stride == page_size x token stride):
+    there 4 TMA programs move a load burst as fast as 16 register-staged ones,
+    while host layers split into pages measured slower than the row kernel
+    (docs/performance.md, "TMA loads").
     """
     if option is not None:
         return "all" if option else None
