@@ -24,6 +24,7 @@ imports Triton.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
@@ -407,6 +408,11 @@ class RowKernelStrategy(DirectionalStrategy):
             if self.tma:
                 raise ConfigError(f"{self.name} has no TMA load kernel (TMA_LOAD_KERNEL in {self.kernel_module} "
                                   "and a tma_load tuning); leave the tma option unset")
+            return prep
+        if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
+            if self.tma:
+                raise ConfigError(f"{self.name}: tma=True needs Triton tensor descriptors (Triton >= 3.4)")
+            logger.info("%s: this Triton has no tensor descriptors; loads keep the row kernel", self.name)
             return prep
         from .rowcopy_tma import DYNAMIC, TMA_VALUES, group_reason, plan_group
 

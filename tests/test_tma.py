@@ -213,6 +213,15 @@ def test_switch(monkeypatch):
         NoTma(tma=True).prepare(bind(spec, layout, plan, hosts, devs))
     monkeypatch.setenv(ENV_TMA, "1")  # the environment asks every strategy; one without TMA loads keeps its row kernel
     NoTma().prepare(bind(spec, layout, plan, hosts, devs))
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # a Triton without tensor descriptors (< 3.4)
+                        lambda name, *a: None if name == "triton.tools.tensor_descriptor" else real(name, *a))
+    binding = bind(spec, layout, plan, hosts, devs)
+    LayerFirstKernelStrategy().prepare(binding)  # asked by the environment: the row kernel, no error
+    assert binding.scratch["layer_first.kernel"].tma == ()
+    with pytest.raises(ConfigError, match="tma=True needs Triton tensor descriptors"):
+        LayerFirstKernelStrategy(tma=True).prepare(bind(spec, layout, plan, hosts, devs))
 
 
 @pytest.mark.parametrize("width, word, ps, flat, tile, want", [
