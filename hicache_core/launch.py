@@ -64,8 +64,8 @@ def _traits(arg: Any) -> Any:
     if isinstance(arg, int):
         return (_I32_MIN <= arg <= _I32_MAX, arg <= _U64_MAX and arg >= 0, arg == 1, arg & 15 == 0)
     if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a host tensor descriptor (TMA)
-        return ("desc", arg.base.dtype, tuple(arg.block_shape), len(arg.shape), getattr(arg, "padding", None),
-                getattr(arg, "round_f32_to_tf32", None))
+        return ("desc", type(arg), arg.base.dtype, tuple(arg.block_shape), len(arg.shape),
+                getattr(arg, "padding", None), getattr(arg, "round_f32_to_tf32", None), repr(getattr(arg, "layout", None)))
     return (type(arg), arg)
 
 

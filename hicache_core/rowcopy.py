@@ -46,7 +46,7 @@ from .kernel_support import (
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
-from .rowcopy_tma import TmaLaunch, tma_mode
+from .rowcopy_tma import DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group, tma_mode
 from .validate import parse_programs
 
 __all__ = ["Tuning", "KernelTuning", "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES",
@@ -313,7 +313,7 @@ class RowKernelStrategy(DirectionalStrategy):
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
-        capability 9.x/10.x for uniformly strided host slots, when the strategy has a TMA load kernel
+        capability 9.x/10.x for uniformly strided host slots in boxes of >= 32 KiB, when the strategy has a TMA load kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
     """
 
@@ -368,7 +368,8 @@ class RowKernelStrategy(DirectionalStrategy):
         tma = ""
         mode = tma_mode(self.tma, spec.device)
         if t.tma_load is not None and mode is not None:
-            where = "where a descriptor can address the host rows" if mode == "all" else "of uniformly strided host slots"
+            where = ("where a descriptor can address the host rows" if mode == "all"
+                     else "of uniformly strided host slots in boxes of >= 32 KiB")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
@@ -395,14 +396,14 @@ class RowKernelStrategy(DirectionalStrategy):
         prep = Prepared(groups, launches, launcher, dynamic, tuning)
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
-            prep = self._prepare_tma(binding.spec, module, prep, flat_only=mode == "flat")
+            prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "flat")
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])
 
-    def _prepare_tma(self, spec: PoolSpec, module: Any, prep: Prepared, *, flat_only: bool) -> Prepared:
-        """``prep`` with TMA load launches for every group a descriptor can address (``flat_only``: with
-        uniformly strided host slots)."""
+    def _prepare_tma(self, spec: PoolSpec, module: Any, prep: Prepared, *, automatic: bool) -> Prepared:
+        """``prep`` with TMA load launches for every group a descriptor can address (``automatic``: those
+        :func:`~hicache_core.rowcopy_tma.group_reason` takes by default)."""
         kernel, t = getattr(module, "TMA_LOAD_KERNEL", None), prep.tuning.tma_load
         if kernel is None or t is None:
             if self.tma:
@@ -414,13 +415,11 @@ class RowKernelStrategy(DirectionalStrategy):
                 raise ConfigError(f"{self.name}: tma=True needs Triton tensor descriptors (Triton >= 3.4)")
             logger.info("%s: this Triton has no tensor descriptors; loads keep the row kernel", self.name)
             return prep
-        from .rowcopy_tma import DYNAMIC, TMA_VALUES, group_reason, plan_group
-
         launcher = _launcher(kernel, TMA_VALUES, f"{self.kernel_module}.TMA_LOAD_KERNEL", "rowcopy_tma.TMA_VALUES")
-        dynamic = launcher.positions(DYNAMIC)
+        dynamic = launcher.positions(TMA_DYNAMIC)
         plans: list[dict[int, tuple[TmaLaunch, ...]] | None] = []
         for g in prep.groups:
-            why = group_reason(g, spec.capacity, spec.page_size, t.tile_bytes, flat_only=flat_only)
+            why = group_reason(g, spec.capacity, spec.page_size, t, automatic=automatic)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 plans.append(None)

@@ -21,7 +21,7 @@ Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
 ~228 KiB of shared memory per SM), groups with uniformly strided host slots
-only.  Nothing here imports Triton at import time.
+whose boxes hold at least 32 KiB only.  Nothing here imports Triton at import time.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import ConfigError
-from .kernel_support import interpreting
+from .kernel_support import interpreting, word_anchor
 
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "tma_wanted", "group_reason", "box_shape", "plan_group"]
+__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "plan_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,11 @@ ENV_TMA = "HICACHE_KERNEL_TMA"
 MAX_BOX = 256
 #: Fewest tokens per box worth a bulk copy (smaller pages keep the row kernel).
 MIN_TOKENS = 8
+#: Shared memory the boxes in flight may take per program (Hopper has ~227 KiB per block; indices and
+#: barriers take the rest).
+SMEM_BYTES = 160 << 10
+#: Smallest box automatic TMA takes: the H200 measurements used 32-36 KiB boxes (docs/performance.md).
+AUTO_MIN_BOX_BYTES = 32 << 10
 
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {
@@ -110,52 +115,52 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     return "flat" if torch.cuda.get_device_capability(device)[0] in (9, 10) else None
 
 
-def tma_wanted(option: bool | None, device: torch.device) -> bool:
-    """Whether any per-layer load may use TMA (:func:`tma_mode` is not ``None``)."""
-    return tma_mode(option, device) is not None
-
-
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def box_shape(width: int, word: int, page_size: int, flat: bool, tile_bytes: int,
+def box_shape(width: int, word: int, page_size: int, tile_bytes: int, *, stages: int = 1,
               capacity: int = 1 << 30) -> tuple[int, int, int]:
     """``(BOX, TAIL, TOKENS)`` for rows of ``width`` words: column step, tail box, rows per box.
 
-    ``TOKENS`` fills ``tile_bytes`` with whole rows (at most :data:`MAX_BOX`,
-    ``capacity``, and a page unless ``flat``).
+    ``TOKENS`` fills ``tile_bytes`` with whole rows, and is at most :data:`MAX_BOX`,
+    ``capacity``, the largest power of two dividing ``page_size`` (tiles of
+    whole pages then never straddle two pages), and what fits ``stages - 1``
+    buffers in :data:`SMEM_BYTES`.
     """
     box = min(MAX_BOX, _pow2_floor(width))
     rest = width % box
     tail = 0 if rest == 0 else max(1 << (rest - 1).bit_length(), 16 // word)
     row = (width - rest + tail) * word
-    tokens = min(MAX_BOX, _pow2_floor(capacity), _pow2_floor(max(1, tile_bytes // row)))
-    if not flat:
-        tokens = min(tokens, _pow2_floor(page_size))
+    tokens = min(MAX_BOX, _pow2_floor(capacity), page_size & -page_size, _pow2_floor(max(1, tile_bytes // row)),
+                 _pow2_floor(max(1, SMEM_BYTES // (row * max(1, stages - 1)))))
     return box, tail, tokens
 
 
-def group_reason(g: RowGroup, capacity: int, page_size: int, tile_bytes: int, *, flat_only: bool = False) -> str | None:
-    """Why ``g``'s loads cannot (or, with ``flat_only``, do not automatically) go through tensor descriptors."""
+def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, automatic: bool = False) -> str | None:
+    """Why ``g``'s loads cannot (or, ``automatic``, do not by default) go through tensor descriptors."""
     if g.split < g.width:
         return "its rows are split over two host buffers (a fused group)"
     word = g.word
     pages, toks, offs = (g.tables[k].tolist() for k in ("host_page", "host_tok", "host_off"))
-    base = g.anchor.data_ptr()
     if capacity >= 2**31:
         return f"capacity {capacity} exceeds 32-bit descriptor coordinates"
-    box, _, _ = box_shape(g.width, word, page_size, True, tile_bytes)
+    box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages, capacity=capacity)
     if box * word < 16:
         return f"rows of {g.width * word} bytes are narrower than a 16-byte box"
-    for page, tok, off in zip(pages, toks, offs):
-        if (tok * word) % 16 or (page * word) % 16 or (base + off * word) % 16:
+    if (page_size & -page_size) < MIN_TOKENS:
+        return f"pages of {page_size} tokens give boxes of fewer than {MIN_TOKENS} rows"
+    if tokens < MIN_TOKENS:
+        return f"rows of {g.width * word} bytes give boxes of fewer than {MIN_TOKENS} rows within tile_bytes and stages"
+    for k, (page, tok, off) in enumerate(zip(pages, toks, offs)):
+        addr = g.anchor.data_ptr() + off * word
+        if (tok * word) % 16 or (page * word) % 16 or addr % 16 or (addr - g.hosts[k].untyped_storage().data_ptr()) % word:
             return "host strides or layer bases are not multiples of 16 bytes"
-        flat = page == page_size * tok
-        if flat_only and not flat:
+        if automatic and page != page_size * tok:
             return "its host slots are paged (automatic TMA takes uniformly strided slots only; tma=True forces it)"
-        if box_shape(g.width, word, page_size, flat, tile_bytes, capacity)[2] < MIN_TOKENS:
-            return f"pages of {page_size} tokens are too small for bulk copies"
+    if automatic and tokens * (box * (g.width // box) + tail) * word < AUTO_MIN_BOX_BYTES:
+        return (f"boxes of {tokens} rows are under {AUTO_MIN_BOX_BYTES // 1024} KiB (automatic TMA takes the box sizes "
+                "it was measured with; tma=True forces it)")
     return None
 
 
@@ -170,12 +175,9 @@ class TmaLaunch:
 
 
 def _host_base(g: RowGroup, k: int, off: int) -> torch.Tensor:
-    """A zero-sized tensor of the access word at entry ``k``'s host slot 0 (a descriptor's base)."""
+    """A one-word tensor at entry ``k``'s host slot 0 (a descriptor's base)."""
     host = g.hosts[k]
-    storage = host.untyped_storage()
-    addr = g.anchor.data_ptr() + off * g.word
-    t = torch.empty(0, dtype=g.anchor.dtype, device=host.device)
-    return t.set_(storage, (addr - storage.data_ptr()) // g.word, (1,), (1,))
+    return word_anchor(host[g.anchor.data_ptr() + off * g.word - host.data_ptr():], g.word)
 
 
 def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, launcher: Any,
@@ -190,7 +192,8 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
     for k, layer in enumerate(g.layers):
         page, tok, off = cols["host_page"][k], cols["host_tok"][k], cols["host_off"][k]
         flat = page == page_size * tok
-        box, tail, tokens = box_shape(g.width, word, page_size, flat, tuning.tile_bytes, capacity)
+        box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages,
+                                      capacity=capacity)
         base = _host_base(g, k, off)
         if flat:
             shape, strides, lead = [capacity, g.width], [tok, 1], [tokens]

@@ -17,7 +17,8 @@ from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.launch import Launcher, _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
 from hicache_core import rowcopy  # noqa: E402
-from hicache_core.rowcopy_tma import ENV_TMA, MIN_TOKENS, box_shape, tma_mode, tma_wanted  # noqa: E402
+from hicache_core import rowcopy_tma  # noqa: E402
+from hicache_core.rowcopy_tma import AUTO_MIN_BOX_BYTES, ENV_TMA, MIN_TOKENS, box_shape, tma_mode  # noqa: E402
 from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
@@ -60,8 +61,8 @@ def test_per_layer_loads_round_trip(monkeypatch, launches, layout, case, variant
     assert len(tma_kernels) == sum(len(v) for p in plans for v in p.values())  # each (segment, layer) entry once
     spec = case.build(DEVICE)
     fused = layout == "page_first_kv_split" and bool(spec.components[0].parts) and not case.split_parts
-    flat = layout in ("layer_first", "page_first")  # slots uniformly strided: any page size
-    assert bool(plans) == (flat or (spec.page_size >= MIN_TOKENS and not fused)), [p is not None for p in prep.tma]
+    whole = spec.page_size & -spec.page_size  # boxes never straddle pages: their rows divide the page
+    assert bool(plans) == (whole >= MIN_TOKENS and not fused), [p is not None for p in prep.tma]
 
 
 def _pool(layout: str, spec: PoolSpec, gen: torch.Generator, *, tma: bool = True, guard: int = 0,
@@ -157,21 +158,24 @@ def test_launch_shape_and_what_keeps_the_row_kernel(launches):
         tma = [(grid, c) for k, grid, c in launches if k is kl.PAGED_TMA_LOAD]
         assert len(tma) == len(launches) == 1 and tma[0][1]["ENTRIES"] == 2  # k and v: one launch
         for grid, c in tma:
-            assert c["FLAT"] is flat and grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] >= MIN_TOKENS
+            assert c["FLAT"] is flat and grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] == 16  # one page
             assert c["WIDTH"] * pool.binding.scratch[pool.strategy_name].groups[0].word == 64
     _sync()
 
 
 @pytest.mark.parametrize("spec_kw, layout, why", [
-    (dict(ps=4), "page_first_direct", "pages of 4 tokens are too small"),
+    (dict(ps=4), "layer_first", "pages of 4 tokens give boxes of fewer than 8 rows"),
+    (dict(ps=12), "page_first_direct", "pages of 12 tokens give boxes of fewer than 8 rows"),  # 4 rows divide 12
+    (dict(ps=16, tile_bytes=512), "page_first", "give boxes of fewer than 8 rows within tile_bytes"),
     (dict(ps=16), "page_first_kv_split", "split over two host buffers"),
     (dict(ps=16, lead=8), "layer_first", "not multiples of 16 bytes"),
 ])
 def test_groups_a_descriptor_cannot_address_keep_the_row_kernel(caplog, launches, spec_kw, layout, why):
     gen = torch.Generator().manual_seed(7)
     spec = _mla(spec_kw["ps"], 4, layers=2)
+    opts = {"tile_bytes": spec_kw["tile_bytes"]} if "tile_bytes" in spec_kw else {}
     with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
-        pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, lead=spec_kw.get("lead", 0))
+        pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, lead=spec_kw.get("lead", 0), **opts)
     assert why in caplog.text
     h = torch.arange(spec.capacity)
     d = torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
@@ -186,17 +190,19 @@ def test_groups_a_descriptor_cannot_address_keep_the_row_kernel(caplog, launches
 def test_switch(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(ENV_TMA, raising=False)
-    assert tma_wanted(None, cpu) is False and tma_wanted(True, cpu) is True
+    assert tma_mode(None, cpu) is None and tma_mode(True, cpu) == "all"
     monkeypatch.setenv(ENV_TMA, "1")
-    assert tma_wanted(None, cpu) is True and tma_wanted(False, cpu) is False
+    assert tma_mode(None, cpu) == "all" and tma_mode(False, cpu) is None
     monkeypatch.delenv(ENV_TMA)
+    monkeypatch.setattr(rowcopy_tma, "interpreting", lambda: False)
     for major, want in ((8, None), (9, "flat"), (10, "flat"), (12, None)):  # automatic: by compute capability
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
-        assert tma_mode(None, torch.device("cuda", 0)) == (None if os.environ.get("TRITON_INTERPRET") == "1"
-                                                            else want)
+        assert tma_mode(None, torch.device("cuda", 0)) == want
+    monkeypatch.undo()
+    monkeypatch.delenv(ENV_TMA, raising=False)
     monkeypatch.setenv(ENV_TMA, "maybe")
     with pytest.raises(ConfigError, match="HICACHE_KERNEL_TMA='maybe': use 1"):
-        tma_wanted(None, cpu)
+        tma_mode(None, cpu)
     with pytest.raises(ConfigError, match="tma must be True, False or None"):
         LayerFirstKernelStrategy(tma="yes")
 
@@ -224,17 +230,47 @@ def test_switch(monkeypatch):
         LayerFirstKernelStrategy(tma=True).prepare(bind(spec, layout, plan, hosts, devs))
 
 
-@pytest.mark.parametrize("width, word, ps, flat, tile, want", [
-    (144, 8, 64, True, 40960, (128, 16, 32)),  # 1152-byte MLA rows: 128 + 16 words, 32 rows fill 36 KiB
-    (256, 8, 64, False, 40960, (256, 0, 16)),  # 2 KiB MHA rows
-    (82, 8, 128, False, 40960, (64, 32, 32)),  # 656-byte fp8 rows: the tail box is a power of two
-    (72, 8, 16, False, 1 << 20, (64, 8, 16)),  # at most a page of rows unless flat
-    (72, 8, 16, True, 1 << 20, (64, 8, 256)),  # flat: at most 256 rows (a descriptor's box limit)
-    (20, 1, 16, True, 4096, (16, 16, 128)),  # a tail box is at least 16 bytes
+@pytest.mark.parametrize("width, word, ps, tile, stages, want", [
+    (144, 8, 64, 40960, 4, (128, 16, 32)),  # 1152-byte MLA rows: 128 + 16 words, 32 rows fill 36 KiB
+    (256, 8, 64, 40960, 4, (256, 0, 16)),  # 2 KiB MHA rows
+    (82, 8, 128, 40960, 4, (64, 32, 32)),  # 656-byte fp8 rows: the tail box is a power of two
+    (72, 8, 16, 1 << 20, 1, (64, 8, 16)),  # at most a page of rows
+    (72, 8, 48, 1 << 20, 1, (64, 8, 16)),  # ... a power of two dividing the page (boxes never straddle pages)
+    (72, 8, 1024, 1 << 20, 1, (64, 8, 256)),  # at most 256 rows (a descriptor's box limit)
+    (256, 8, 1024, 1 << 20, 4, (256, 0, 16)),  # 3 buffers of boxes fit the shared memory budget
+    (256, 8, 1024, 1 << 20, 8, (256, 0, 8)),
+    (20, 1, 16, 4096, 1, (16, 16, 16)),  # a tail box is at least 16 bytes
 ])
-def test_box_shape(width, word, ps, flat, tile, want):
-    assert box_shape(width, word, ps, flat, tile) == want
-    assert box_shape(width, word, ps, flat, tile, capacity=48)[2] == min(want[2], 32)  # no box taller than the pool
+def test_box_shape(width, word, ps, tile, stages, want):
+    assert box_shape(width, word, ps, tile, stages=stages) == want
+    rows = want[2]
+    assert rows * (want[0] * (width // want[0]) + want[1]) * word * max(1, stages - 1) <= rowcopy_tma.SMEM_BYTES
+    assert box_shape(width, word, ps, tile, stages=stages, capacity=12)[2] == min(rows, 8)  # no box taller than the pool
+
+
+def test_automatic_tma_takes_uniformly_strided_host_slots_in_measured_boxes(monkeypatch, caplog):
+    """As on a Hopper GPU (automatic mode "flat"): layer_first and page_first loads of 1152-byte rows in 32-row
+    boxes go through TMA; page_first_direct (paged host layers) and small boxes keep the row kernel."""
+    monkeypatch.delenv(ENV_TMA, raising=False)
+    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "flat" if option is None else tma_mode(option, device))
+    gen = torch.Generator().manual_seed(8)
+    big = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                       page_size=32, capacity=64, device=DEVICE)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        for spec, layout, planned in ((big, "layer_first", True), (big, "page_first", True),
+                                      (big, "page_first_direct", False), (_mla(16, 4, layers=2), "layer_first", False)):
+            pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, tma=None)
+            prep = pool.binding.scratch[pool.strategy_name]
+            assert [p is not None for p in prep.tma] == [planned], layout
+            assert "of uniformly strided host slots in boxes of >= 32 KiB by TMA" in pool.strategy.describe(
+                spec, pool.binding.layout)[0]
+            h, d = torch.arange(spec.capacity), torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
+            pool.load_layer(1, h, d)
+            ref.load_layer(1, h, d)
+            _sync()
+            _same(dev, ref_dev)
+    assert "host slots are paged (automatic TMA takes uniformly strided slots only" in caplog.text
+    assert f"are under {AUTO_MIN_BOX_BYTES // 1024} KiB (automatic TMA takes the box sizes it was measured" in caplog.text
 
 
 def test_descriptors_specialise_the_launch_key():
@@ -245,19 +281,3 @@ def test_descriptors_specialise_the_launch_key():
     c = TensorDescriptor(t.view(torch.int32), [64, 64], [64, 1], [16, 32])
     assert _traits(a) == _traits(TensorDescriptor(t[32:], [32, 32], [32, 1], [16, 32]))  # hashable, base-free
     assert len({_traits(a), _traits(b), _traits(c)}) == 3
-
-
-def test_automatic_tma_takes_uniformly_strided_host_slots_only(monkeypatch, caplog):
-    """As on a Hopper GPU (automatic mode "flat"): layer_first and page_first loads go through TMA,
-    page_first_direct (paged host layers) keeps the row kernel; describe says which."""
-    monkeypatch.delenv(ENV_TMA, raising=False)
-    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "flat" if option is None else tma_mode(option, device))
-    gen = torch.Generator().manual_seed(8)
-    spec = _mla(16, 4, layers=2)
-    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
-        for layout, planned in (("layer_first", True), ("page_first", True), ("page_first_direct", False)):
-            pool, *_ = _pool(layout, spec, gen, tma=None)
-            prep = pool.binding.scratch[pool.strategy_name]
-            assert [p is not None for p in prep.tma] == [planned], layout
-            assert "of uniformly strided host slots by TMA" in pool.strategy.describe(spec, pool.binding.layout)[0]
-    assert "host slots are paged (automatic TMA takes uniformly strided slots only" in caplog.text
