@@ -96,7 +96,8 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
     (``1``: all, ``0``: none), else automatic: ``"flat"`` on CUDA devices of
     compute capability 9.x/10.x.  Automatic TMA takes only groups whose host
-    slots are uniformly strided (page stride == page_size x token stride):
+    slots are uniformly strided (page stride == page_size x token stride) and
+    whose boxes hold at least :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`):
     there 4 TMA programs move a load burst as fast as 16 register-staged ones,
     while host layers split into pages measured slower than the row kernel
     (docs/performance.md, "TMA loads").
@@ -154,7 +155,8 @@ def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, 
         return f"rows of {g.width * word} bytes give boxes of fewer than {MIN_TOKENS} rows within tile_bytes and stages"
     for k, (page, tok, off) in enumerate(zip(pages, toks, offs)):
         addr = g.anchor.data_ptr() + off * word
-        if (tok * word) % 16 or (page * word) % 16 or addr % 16 or (addr - g.hosts[k].untyped_storage().data_ptr()) % word:
+        in_storage = addr - g.hosts[k].untyped_storage().data_ptr()
+        if (tok * word) % 16 or (page * word) % 16 or addr % 16 or in_storage % word:
             return "host strides or layer bases are not multiples of 16 bytes"
         if automatic and page != page_size * tok:
             return "its host slots are paged (automatic TMA takes uniformly strided slots only; tma=True forces it)"
