@@ -173,8 +173,8 @@ class RowGroup:
     tables: dict[str, torch.Tensor]  # dev_off, dev_stride, host_off, host_page, host_tok and the _b parts
     all_layers: torch.Tensor
     per_layer: dict[int, torch.Tensor]
-    layers: tuple[int, ...] = ()
-    hosts: tuple[torch.Tensor, ...] = ()
+    layers: tuple[int, ...]
+    hosts: tuple[torch.Tensor, ...]
 
     def entries(self, layer: int | None) -> torch.Tensor | None:
         """Entry positions a transfer of ``layer`` (``None``: every owned layer) moves, or ``None``."""
