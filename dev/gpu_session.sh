@@ -14,7 +14,9 @@
 #   calibrate   hicache calibrate into $OUT/calibration.json
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
 #   tma         TMA loads: tests/test_tma.py and the kernel tests (TMA automatic), then load_layer/load_burst of the
-#               kernel strategies with TMA on and off (TMA_BENCH_ARGS), GEMM slowdown and host time beside
+#               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
+#   hosttime    benchmarks/host_time.py for the kernel strategies with TMA on and off (cProfile in logs.tgz)
+#   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
@@ -91,9 +93,16 @@ for step in "$@"; do
     tma) timeout ${TESTS_T:-240} $PYT tests/test_tma.py $KERNEL_TESTS >"$W/tma_tests.log" 2>&1
       note "tma tests: $(result $?) $(tail -1 "$W/tma_tests.log")"
       for on in 1 0; do
+        args=${TMA_BENCH_ARGS:-}; [ $on = 0 ] && args=${TMA_ROW_ARGS:-$args}
         HICACHE_KERNEL_TMA=$on timeout ${BENCH_T:-240} hicache bench --out "$OUT/bench-tma$on" --reps ${REPS:-10} --gemm \
-          --io-backends kernel --ops load_layer,load_burst ${TMA_BENCH_ARGS:-} >"$W/bench_tma$on.log" 2>&1
+          --io-backends kernel --ops load_layer,load_burst $args >"$W/bench_tma$on.log" 2>&1
         note "bench TMA=$on: $(result $?)"; grep -v "^hicache bench" "$W/bench_tma$on.log" | tail -40; done ;;
+    hosttime) for on in 1 0; do
+        HICACHE_KERNEL_TMA=$on timeout ${HT_T:-120} python3 benchmarks/host_time.py --out "$W/host-tma$on" --backends kernel \
+          --reps ${HT_REPS:-150} >"$W/hosttime_tma$on.log" 2>&1; note "host time TMA=$on: $(result $?)"
+        cat "$W/hosttime_tma$on.log"; done ;;
+    ir) OUT=$W/ir timeout ${IR_T:-120} python3 dev/tma_ir.py ${IR_LAYOUTS:-} >"$W/tma_ir.log" 2>&1
+      note "tma ir: $(result $?)"; grep -v "^ " "$W/tma_ir.log" ;;
     calibrate) HICACHE_CALIBRATION=$OUT/calibration.json timeout 120 hicache calibrate >"$W/calibrate.log" 2>&1
       note "calibrate: $(result $?)"; tail -16 "$W/calibrate.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS

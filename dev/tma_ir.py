@@ -41,6 +41,7 @@ def summary(name: str, compiled) -> None:
 
 
 def main() -> None:
+    os.makedirs(OUT, exist_ok=True)
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                         page_size=64, capacity=4096, device=torch.device("cuda"))
     dev = {"kv": [torch.zeros(8192, 576, dtype=torch.bfloat16, device="cuda") for _ in range(2)]}

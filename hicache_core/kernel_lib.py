@@ -117,70 +117,66 @@ def move_rows(anchor, dev_row, host_row, ok, WIDTH: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS: tl.constexpr, FLAT: tl.constexpr):
+def box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS: tl.constexpr):
     """:func:`index_tile` of tile ``tile``, plus ``h0`` (the box's first host slot: the tile's first slot, clamped
-    into range) and ``hit``: the rows whose slot is the box's row (all of them when the tile is whole pages)."""
+    into range) and ``hit``: the rows whose slot is the box's row and in ``h0``'s page (all of them when the
+    tile is whole pages)."""
     h, d, ok = index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
     h0 = tl.minimum(tl.maximum(tl.load(host_idx + tile * TOKENS).to(tl.int64), 0), capacity - 1)
     i = tl.arange(0, TOKENS)
-    hit = ok & (h == h0 + i)
-    if not FLAT:
-        hit = hit & (h0 % page_size + i < page_size)
+    hit = ok & (h == h0 + i) & (h0 % page_size + i < page_size)
     return h, d, ok, h0, hit
 
 
 @triton.jit
-def store_box_rows(anchor, desc, dev_row, hit, h0, page_size, C0: tl.constexpr, WIDTH: tl.constexpr,
-                   BOX: tl.constexpr, FLAT: tl.constexpr):
-    """Read columns ``C0 .. C0+BOX-1`` of host slots ``h0 ..`` by one descriptor load and store those below
+def store_box_rows(anchor, desc, dev_row, hit, r0, C0: tl.constexpr, WIDTH: tl.constexpr, BOX: tl.constexpr):
+    """Read columns ``C0 .. C0+BOX-1`` of descriptor rows ``r0 ..`` by one bulk copy and store those below
     ``WIDTH`` to the device rows where ``hit``.
 
-    ``FLAT``: ``desc`` is ``[slots, words]``; else ``[pages, page_size, words]``
-    (the box stays in ``h0``'s page, and stays 3-D: no relayout in registers).
-    The descriptor's bounds zero-fill whatever lies outside them: a box never
-    reads past its layer.
+    ``desc`` is 2-D, ``[rows, words]`` at the host token stride; its bounds
+    zero-fill whatever lies outside them, so a box never reads past its layer.
     """
     c = C0 + tl.arange(0, BOX)
-    if FLAT:
-        x = desc.load([h0.to(tl.int32), C0])
-        tl.store(anchor + dev_row[:, None] + c[None, :], x, mask=hit[:, None] & (c < WIDTH)[None, :])
-    else:
-        p = h0 // page_size
-        x = desc.load([p.to(tl.int32), (h0 - p * page_size).to(tl.int32), C0])
-        tl.store(anchor + dev_row[None, :, None] + c[None, None, :], x,
-                 mask=hit[None, :, None] & (c < WIDTH)[None, None, :])
+    x = desc.load([r0.to(tl.int32), C0])
+    tl.store(anchor + dev_row[:, None] + c[None, :], x, mask=hit[:, None] & (c < WIDTH)[None, :])
 
 
 @triton.jit
 def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page, host_tok,
                page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr, TAIL: tl.constexpr,
-               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
+               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr):
     """Load one (segment, layer) entry: host rows by descriptor boxes, device rows by ordinary stores.
 
-    First pass (``STAGES`` boxes in flight per program): each tile's box starts
-    at the host slot of its first position and fills the rows it holds
-    (:func:`box_hits`).  Second pass, only when some row was not in its box
-    (indices that are not whole pages): the same program gathers its tiles'
-    other valid rows one by one.  Positions failing :func:`index_tile`'s bounds move nothing.
-    ``BOX`` words per column step, ``TAIL`` (a power of two, 0: none) for the
-    rest of a row, read through ``tail``.
+    The descriptor's rows are the host layer at its token stride: slot ``s``
+    is row ``page(s) * (host_page / host_tok) + slot_in_page(s)`` (``s`` itself
+    when slots are uniformly strided).  First pass (``STAGES`` boxes in flight
+    per program): each tile's box starts at the row of its first position's
+    slot and fills the rows it holds in that page (:func:`box_hits`).  Second
+    pass, only when some row was not in its box (indices that are not whole
+    pages): the same program gathers its tiles' other valid rows one by one.
+    Positions failing :func:`index_tile`'s bounds move nothing.  ``BOX`` words
+    per column step, ``TAIL`` (a power of two, 0: none) for the rest of a row,
+    read through ``tail``.
     """
     pid, nprog = programs()
     n_tiles = tl.cdiv(n.to(tl.int64), TOKENS)
+    page_rows = host_page // host_tok
     missed = tl.zeros((), tl.int32)
     for tile in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS, FLAT)
+        h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS)
         missed = tl.maximum(missed, tl.max((ok & ~hit).to(tl.int32), 0))
         dev_row = dev_base + d * dev_stride
         if VEC > 1:
             dev_row = tl.multiple_of(dev_row, VEC)
+        p0 = h0 // page_size
+        r0 = p0 * page_rows + (h0 - p0 * page_size)
         for c0 in tl.static_range(0, WIDTH - WIDTH % BOX, BOX):
-            store_box_rows(anchor, desc, dev_row, hit, h0, page_size, c0, WIDTH, BOX, FLAT)
+            store_box_rows(anchor, desc, dev_row, hit, r0, c0, WIDTH, BOX)
         if TAIL > 0:
-            store_box_rows(anchor, tail, dev_row, hit, h0, page_size, WIDTH - WIDTH % BOX, WIDTH, TAIL, FLAT)
+            store_box_rows(anchor, tail, dev_row, hit, r0, WIDTH - WIDTH % BOX, WIDTH, TAIL)
     if missed > 0:  # indices that are not whole pages: this program's tiles again, gathering what no box held
         for tile in tl.range(pid, n_tiles, nprog, num_stages=1):
-            h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS, FLAT)
+            h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS)
             miss = ok & ~hit
             if tl.max(miss.to(tl.int32), 0) > 0:
                 p = h // page_size
@@ -193,11 +189,10 @@ def PAGED_TMA_LOAD(anchor, host_desc, host_tail, host_desc_b, host_tail_b, host_
                    dev_stride, host_base, host_page, host_tok, dev_base_b, dev_stride_b, host_base_b, host_page_b,
                    host_tok_b, page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr,
                    TAIL: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
-                   FLAT: tl.constexpr, ENTRIES: tl.constexpr):
+                   ENTRIES: tl.constexpr):
     """:func:`load_entry` of one entry, or of two (``ENTRIES == 2``: the ``_b`` values, e.g. MHA ``v`` after ``k``)."""
     load_entry(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page,
-               host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT)
+               host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES)
     if ENTRIES == 2:
         load_entry(anchor, host_desc_b, host_tail_b, host_idx, dev_idx, n, dev_base_b, dev_stride_b, host_base_b,
-                   host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES,
-                   FLAT)
+                   host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES)

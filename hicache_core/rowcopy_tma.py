@@ -39,7 +39,8 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "plan_group"]
+__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "descriptor_rows",
+           "plan_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ AUTO_MIN_BOX_BYTES = 32 << 10
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {
     "anchor": "tensor typed as the access word (as for the row kernel)",
-    "host_desc": "tensor descriptor over the entry's host layer: [slots, words] (FLAT) or [pages, page_size, words]",
+    "host_desc": "2-D tensor descriptor over the entry's host layer: [rows, words] at the host token stride, slot s "
+                 "at row page(s) * (host_page / host_tok) + slot_in_page(s)",
     "host_tail": "as host_desc with a TAIL-word box (host_desc itself when TAIL is 0)",
     "host_idx": "int32|int64 [n] host slots (on the pool's device)",
     "dev_idx": "int32|int64 [n] device rows",
@@ -84,7 +86,6 @@ TMA_VALUES = {
     "TOKENS": "constexpr: index positions per tile, rows per box (a power of two)",
     "VEC": "constexpr: every row base is a multiple of VEC words",
     "STAGES": "constexpr: bulk copies in flight per program (tl.range num_stages)",
-    "FLAT": "constexpr: host slots are uniformly strided (page stride == page_size * token stride)",
     "ENTRIES": "constexpr: entries this launch loads (1 or 2: MHA k and v of a layer share a launch)",
 }
 DYNAMIC = ("host_idx", "dev_idx", "n")
@@ -138,14 +139,19 @@ def box_shape(width: int, word: int, page_size: int, tile_bytes: int, *, stages:
     return box, tail, tokens
 
 
+def descriptor_rows(capacity: int, page_size: int, page_rows: int) -> int:
+    """Rows of a layer's 2-D descriptor: slot ``s`` is row ``page(s) * page_rows + slot_in_page(s)``
+    (``page_rows`` = page stride / token stride; ``page_size`` when slots are uniformly strided), and the
+    last row is the layer's last slot."""
+    return (capacity // page_size - 1) * page_rows + page_size
+
+
 def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, automatic: bool = False) -> str | None:
     """Why ``g``'s loads cannot (or, ``automatic``, do not by default) go through tensor descriptors."""
     if g.split < g.width:
         return "its rows are split over two host buffers (a fused group)"
     word = g.word
     pages, toks, offs = (g.tables[k].tolist() for k in ("host_page", "host_tok", "host_off"))
-    if capacity >= 2**31:
-        return f"capacity {capacity} exceeds 32-bit descriptor coordinates"
     box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages, capacity=capacity)
     if box * word < 16:
         return f"rows of {g.width * word} bytes are narrower than a 16-byte box"
@@ -158,6 +164,10 @@ def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, 
         in_storage = addr - g.hosts[k].untyped_storage().data_ptr()
         if (tok * word) % 16 or (page * word) % 16 or addr % 16 or in_storage % word:
             return "host strides or layer bases are not multiples of 16 bytes"
+        if tok <= 0 or page % tok or page < page_size * tok:
+            return "its host page stride is not a multiple of its token stride at least a page long"
+        if descriptor_rows(capacity, page_size, page // tok) >= 2**31:
+            return f"capacity {capacity} at this page stride exceeds 32-bit descriptor coordinates"
         if automatic and page != page_size * tok:
             return "its host slots are paged (automatic TMA takes uniformly strided slots only; tma=True forces it)"
     if automatic and tokens * (box * (g.width // box) + tail) * word < AUTO_MIN_BOX_BYTES:
@@ -193,32 +203,28 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
     entries: dict[int, list[tuple[tuple, dict[str, Any]]]] = {}
     for k, layer in enumerate(g.layers):
         page, tok, off = cols["host_page"][k], cols["host_tok"][k], cols["host_off"][k]
-        flat = page == page_size * tok
         box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages,
                                       capacity=capacity)
         base = _host_base(g, k, off)
-        if flat:
-            shape, strides, lead = [capacity, g.width], [tok, 1], [tokens]
-        else:
-            shape, strides, lead = [capacity // page_size, page_size, g.width], [page, tok, 1], [1, tokens]
-        desc = TensorDescriptor(base, shape, strides, lead + [box])
-        one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, lead + [tail]) if tail else desc,
+        shape, strides = [descriptor_rows(capacity, page_size, page // tok), g.width], [tok, 1]
+        desc = TensorDescriptor(base, shape, strides, [tokens, box])
+        one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, [tokens, tail]) if tail else desc,
                    dev_base=cols["dev_off"][k], dev_stride=cols["dev_stride"][k], host_base=off, host_page=page,
                    host_tok=tok)
-        entries.setdefault(layer, []).append(((flat, box, tail, tokens), one))
+        entries.setdefault(layer, []).append(((box, tail, tokens), one))
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC)
     per_layer: dict[int, tuple[TmaLaunch, ...]] = {}
     for layer, items in entries.items():
         launches = []
         i = 0
         while i < len(items):
-            (flat, box, tail, tokens), a = items[i]
+            (box, tail, tokens), a = items[i]
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else a
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
                           **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, capacity=capacity,
                           dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,
-                          STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
+                          STAGES=tuning.stages, ENTRIES=2 if pair else 1)
             args = launcher.bind(values)
             launches.append(TmaLaunch(tokens, launcher.static_key(args, dynamic), args, slots))
             i += 2 if pair else 1

@@ -141,13 +141,17 @@ def test_indices_that_are_not_whole_pages_are_gathered(layout, launches):
 
 
 def test_launch_shape_and_what_keeps_the_row_kernel(launches):
-    """One launch per (segment, layer) with a grid of at most ``programs``; flat addressing for layer_first and
-    page_first, pages for page_first_direct; backups and load_all_layers stay on the row kernel."""
+    """One launch per (segment, layer) with a grid of at most ``programs``; each entry's descriptor is 2-D at the
+    host token stride: as many rows as slots where slots are uniformly strided (layer_first, page_first), the
+    layer's last slot's row where pages sit ``layers`` pages apart (page_first_direct); backups and
+    load_all_layers stay on the row kernel."""
     gen = torch.Generator().manual_seed(6)
     spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=16, dtype=torch.float16, page_size=16,
                         capacity=64, device=DEVICE)
     h, d = torch.arange(16, 48), torch.arange(64, 96)
-    for layout, flat in (("layer_first", True), ("page_first", True), ("page_first_direct", False)):
+    word_row = 64  # bytes of one k (or v) row: 2 heads x 16 x fp16
+    for layout, rows, tok_rows in (("layer_first", 64, 1), ("page_first", 64, 2),  # 2 layers per slot
+                                   ("page_first_direct", 3 * 2 * 16 + 16, 1)):  # 4 pages, 2 layers per page
         pool, *_ = _pool(layout, spec, gen, programs=3)
         launches.clear()
         pool.backup_all_layers(h, d)
@@ -158,8 +162,12 @@ def test_launch_shape_and_what_keeps_the_row_kernel(launches):
         tma = [(grid, c) for k, grid, c in launches if k is kl.PAGED_TMA_LOAD]
         assert len(tma) == len(launches) == 1 and tma[0][1]["ENTRIES"] == 2  # k and v: one launch
         for grid, c in tma:
-            assert c["FLAT"] is flat and grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] == 16  # one page
-            assert c["WIDTH"] * pool.binding.scratch[pool.strategy_name].groups[0].word == 64
+            word = pool.binding.scratch[pool.strategy_name].groups[0].word
+            assert grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] == 16  # one page
+            assert c["WIDTH"] * word == word_row
+            for desc in (c["host_desc"], c["host_desc_b"]):
+                assert list(desc.shape) == [rows, c["WIDTH"]] and list(desc.block_shape) == [16, c["BOX"]]
+                assert list(desc.strides) == [c["WIDTH"] * tok_rows, 1]
     _sync()
 
 
