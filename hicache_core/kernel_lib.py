@@ -117,15 +117,28 @@ def move_rows(anchor, dev_row, host_row, ok, WIDTH: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS: tl.constexpr):
-    """:func:`index_tile` of tile ``tile``, plus ``h0`` (the box's first host slot: the tile's first slot, clamped
-    into range) and ``hit``: the rows whose slot is the box's row and in ``h0``'s page (all of them when the
-    tile is whole pages)."""
+def box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_rows, TOKENS: tl.constexpr,
+             FLAT: tl.constexpr):
+    """:func:`index_tile` of tile ``tile``, plus ``r0`` (the descriptor row of the box's first host slot ``h0``:
+    the tile's first slot, clamped into range) and ``hit``: the rows whose slot is the box's row (all of them
+    when the tile is whole pages).
+
+    ``FLAT``: slot ``s`` is row ``s``; else row ``page(s) * page_rows + slot_in_page(s)``,
+    and a box's rows past ``h0``'s page are not hits.  Row arithmetic is
+    32-bit (the host checks that rows fit): a 64-bit division in the
+    pipelined loop costs the kernel dozens of spilled registers.
+    """
     h, d, ok = index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-    h0 = tl.minimum(tl.maximum(tl.load(host_idx + tile * TOKENS).to(tl.int64), 0), capacity - 1)
+    h0 = tl.minimum(tl.maximum(tl.load(host_idx + tile * TOKENS), 0), capacity - 1).to(tl.int32)
     i = tl.arange(0, TOKENS)
-    hit = ok & (h == h0 + i) & (h0 % page_size + i < page_size)
-    return h, d, ok, h0, hit
+    hit = ok & (h == h0 + i)
+    if FLAT:
+        r0 = h0
+    else:
+        p0 = h0 // page_size
+        r0 = p0 * page_rows + (h0 - p0 * page_size)
+        hit = hit & (h0 - p0 * page_size + i < page_size)
+    return h, d, ok, r0, hit
 
 
 @triton.jit
@@ -137,19 +150,19 @@ def store_box_rows(anchor, desc, dev_row, hit, r0, C0: tl.constexpr, WIDTH: tl.c
     zero-fill whatever lies outside them, so a box never reads past its layer.
     """
     c = C0 + tl.arange(0, BOX)
-    x = desc.load([r0.to(tl.int32), C0])
+    x = desc.load([r0, C0])
     tl.store(anchor + dev_row[:, None] + c[None, :], x, mask=hit[:, None] & (c < WIDTH)[None, :])
 
 
 @triton.jit
 def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page, host_tok,
                page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr, TAIL: tl.constexpr,
-               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr):
+               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
     """Load one (segment, layer) entry: host rows by descriptor boxes, device rows by ordinary stores.
 
     The descriptor's rows are the host layer at its token stride: slot ``s``
     is row ``page(s) * (host_page / host_tok) + slot_in_page(s)`` (``s`` itself
-    when slots are uniformly strided).  First pass (``STAGES`` boxes in flight
+    when slots are uniformly strided: ``FLAT``).  First pass (``STAGES`` boxes in flight
     per program): each tile's box starts at the row of its first position's
     slot and fills the rows it holds in that page (:func:`box_hits`).  Second
     pass, only when some row was not in its box (indices that are not whole
@@ -160,23 +173,23 @@ def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, h
     """
     pid, nprog = programs()
     n_tiles = tl.cdiv(n.to(tl.int64), TOKENS)
-    page_rows = host_page // host_tok
+    page_rows = (host_page // host_tok).to(tl.int32)
     missed = tl.zeros((), tl.int32)
     for tile in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS)
+        h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_rows, TOKENS,
+                                     FLAT)
         missed = tl.maximum(missed, tl.max((ok & ~hit).to(tl.int32), 0))
         dev_row = dev_base + d * dev_stride
         if VEC > 1:
             dev_row = tl.multiple_of(dev_row, VEC)
-        p0 = h0 // page_size
-        r0 = p0 * page_rows + (h0 - p0 * page_size)
         for c0 in tl.static_range(0, WIDTH - WIDTH % BOX, BOX):
             store_box_rows(anchor, desc, dev_row, hit, r0, c0, WIDTH, BOX)
         if TAIL > 0:
             store_box_rows(anchor, tail, dev_row, hit, r0, WIDTH - WIDTH % BOX, WIDTH, TAIL)
     if missed > 0:  # indices that are not whole pages: this program's tiles again, gathering what no box held
         for tile in tl.range(pid, n_tiles, nprog, num_stages=1):
-            h, d, ok, h0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, TOKENS)
+            h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_rows,
+                                         TOKENS, FLAT)
             miss = ok & ~hit
             if tl.max(miss.to(tl.int32), 0) > 0:
                 p = h // page_size
@@ -189,10 +202,11 @@ def PAGED_TMA_LOAD(anchor, host_desc, host_tail, host_desc_b, host_tail_b, host_
                    dev_stride, host_base, host_page, host_tok, dev_base_b, dev_stride_b, host_base_b, host_page_b,
                    host_tok_b, page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr,
                    TAIL: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
-                   ENTRIES: tl.constexpr):
+                   FLAT: tl.constexpr, ENTRIES: tl.constexpr):
     """:func:`load_entry` of one entry, or of two (``ENTRIES == 2``: the ``_b`` values, e.g. MHA ``v`` after ``k``)."""
     load_entry(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page,
-               host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES)
+               host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT)
     if ENTRIES == 2:
         load_entry(anchor, host_desc_b, host_tail_b, host_idx, dev_idx, n, dev_base_b, dev_stride_b, host_base_b,
-                   host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES)
+                   host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES,
+                   FLAT)

@@ -86,6 +86,8 @@ TMA_VALUES = {
     "TOKENS": "constexpr: index positions per tile, rows per box (a power of two)",
     "VEC": "constexpr: every row base is a multiple of VEC words",
     "STAGES": "constexpr: bulk copies in flight per program (tl.range num_stages)",
+    "FLAT": "constexpr: host slots are uniformly strided (slot s is descriptor row s; page stride == page_size x "
+            "token stride)",
     "ENTRIES": "constexpr: entries this launch loads (1 or 2: MHA k and v of a layer share a launch)",
 }
 DYNAMIC = ("host_idx", "dev_idx", "n")
@@ -211,20 +213,20 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
         one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, [tokens, tail]) if tail else desc,
                    dev_base=cols["dev_off"][k], dev_stride=cols["dev_stride"][k], host_base=off, host_page=page,
                    host_tok=tok)
-        entries.setdefault(layer, []).append(((box, tail, tokens), one))
+        entries.setdefault(layer, []).append(((page == page_size * tok, box, tail, tokens), one))
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC)
     per_layer: dict[int, tuple[TmaLaunch, ...]] = {}
     for layer, items in entries.items():
         launches = []
         i = 0
         while i < len(items):
-            (box, tail, tokens), a = items[i]
+            (flat, box, tail, tokens), a = items[i]
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else a
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
                           **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, capacity=capacity,
                           dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,
-                          STAGES=tuning.stages, ENTRIES=2 if pair else 1)
+                          STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
             args = launcher.bind(values)
             launches.append(TmaLaunch(tokens, launcher.static_key(args, dynamic), args, slots))
             i += 2 if pair else 1

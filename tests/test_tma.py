@@ -164,7 +164,7 @@ def test_launch_shape_and_what_keeps_the_row_kernel(launches):
         for grid, c in tma:
             word = pool.binding.scratch[pool.strategy_name].groups[0].word
             assert grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] == 16  # one page
-            assert c["WIDTH"] * word == word_row
+            assert c["WIDTH"] * word == word_row and c["FLAT"] is (layout != "page_first_direct")
             for desc in (c["host_desc"], c["host_desc_b"]):
                 assert list(desc.shape) == [rows, c["WIDTH"]] and list(desc.block_shape) == [16, c["BOX"]]
                 assert list(desc.strides) == [c["WIDTH"] * tok_rows, 1]
