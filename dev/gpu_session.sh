@@ -17,6 +17,7 @@
 #               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
 #   hosttime    benchmarks/host_time.py for the kernel strategies with TMA on and off (cProfile in logs.tgz)
 #   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
+#   tmasan      compute-sanitizer memcheck and racecheck (concurrently) over tests/test_tma.py -k TMA_SAN_K
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
@@ -77,6 +78,11 @@ for step in "$@"; do
     stress) timeout ${STRESS_T:-150} python3 benchmarks/stress.py --out "$OUT/stress.json" >"$W/stress.log" 2>&1
       r=$?; note "stress: $(result $r); $(tail -3 "$W/stress.log" | tr '\n' ' ')" ;;
     sanitize) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!; wait $s1 $s2 ;;
+    tmasan) for tool in memcheck racecheck; do  # both at once, over tests/test_tma.py -k TMA_SAN_K
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool $tool --target-processes all \
+          --error-exitcode 99 $PYT tests/test_tma.py -k "${TMA_SAN_K:-not round_trip}" >"$W/tmasan_$tool.log" 2>&1 &
+      done; wait
+      for tool in memcheck racecheck; do note "tmasan $tool: $(tail -1 "$W/tmasan_$tool.log"); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/tmasan_$tool.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"; done ;;
     checks) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
       run_tests; wait $s1 $s2 ;;
     focus) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!

@@ -46,7 +46,8 @@ from .kernel_support import (
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
-from .rowcopy_tma import DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group, tma_mode
+from .rowcopy_tma import (AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group,
+                          tma_mode)
 from .validate import parse_programs
 
 __all__ = ["Tuning", "KernelTuning", "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES",
@@ -369,7 +370,7 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, spec.device)
         if t.tma_load is not None and mode is not None:
             where = ("where a descriptor can address the host rows" if mode == "all"
-                     else "of uniformly strided host slots in boxes of >= 32 KiB")
+                     else f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
@@ -396,7 +397,7 @@ class RowKernelStrategy(DirectionalStrategy):
         prep = Prepared(groups, launches, launcher, dynamic, tuning)
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
-            prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "flat")
+            prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])

@@ -20,8 +20,7 @@ row kernel.
 Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
-~228 KiB of shared memory per SM), groups with uniformly strided host slots
-whose boxes hold at least 32 KiB only.  Nothing here imports Triton at import time.
+~228 KiB of shared memory per SM), groups whose rows hold at least 1 KiB only.  Nothing here imports Triton at import time.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "descriptor_rows",
+__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "descriptor_rows",
            "plan_group"]
 
 logger = logging.getLogger(__name__)
@@ -53,15 +52,16 @@ MIN_TOKENS = 8
 #: Shared memory the boxes in flight may take per program (Hopper has ~227 KiB per block; indices and
 #: barriers take the rest).
 SMEM_BYTES = 160 << 10
-#: Smallest box automatic TMA takes: the H200 measurements used 32-36 KiB boxes (docs/performance.md).
-AUTO_MIN_BOX_BYTES = 32 << 10
+#: Narrowest row automatic TMA takes: on the H200, 1152- and 2048-byte rows load as fast through 4 TMA programs as
+#: through 16 register-staged ones, 576-byte rows (a 64-byte tail box per row) 3-5% slower (docs/performance.md).
+AUTO_MIN_ROW_BYTES = 1024
 
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {
     "anchor": "tensor typed as the access word (as for the row kernel)",
     "host_desc": "2-D tensor descriptor over the entry's host layer: [rows, words] at the host token stride, slot s "
                  "at row page(s) * (host_page / host_tok) + slot_in_page(s)",
-    "host_tail": "as host_desc with a TAIL-word box (host_desc itself when TAIL is 0)",
+    "host_tail": "as host_desc with a TAIL-word box (None when TAIL is 0)",
     "host_idx": "int32|int64 [n] host slots (on the pool's device)",
     "dev_idx": "int32|int64 [n] device rows",
     "n": "index positions",
@@ -70,8 +70,8 @@ TMA_VALUES = {
     "host_base": "words from anchor to host slot 0 of the entry's layer",
     "host_page": "host page stride (words)",
     "host_tok": "host token stride (words)",
-    "host_desc_b": "as host_desc, for the launch's second entry (ENTRIES == 2; else host_desc)",
-    "host_tail_b": "as host_tail, second entry",
+    "host_desc_b": "as host_desc, for the launch's second entry (ENTRIES == 2; else None)",
+    "host_tail_b": "as host_tail, second entry (None when ENTRIES == 1)",
     "dev_base_b": "as dev_base, second entry",
     "dev_stride_b": "as dev_stride, second entry",
     "host_base_b": "as host_base, second entry",
@@ -94,16 +94,15 @@ DYNAMIC = ("host_idx", "dev_idx", "n")
 
 
 def tma_mode(option: bool | None, device: torch.device) -> str | None:
-    """Which per-layer loads use TMA: ``"all"`` groups a descriptor can address, ``"flat"`` ones only, or ``None``.
+    """Which per-layer loads use TMA: ``"all"`` groups a descriptor can address, ``"auto"`` the measured ones,
+    or ``None``.
 
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
-    (``1``: all, ``0``: none), else automatic: ``"flat"`` on CUDA devices of
-    compute capability 9.x/10.x.  Automatic TMA takes only groups whose host
-    slots are uniformly strided (page stride == page_size x token stride) and
-    whose boxes hold at least :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`):
-    there 4 TMA programs move a load burst as fast as 16 register-staged ones,
-    while host layers split into pages measured slower than the row kernel
-    (docs/performance.md, "TMA loads").
+    (``1``: all, ``0``: none), else ``"auto"`` on CUDA devices of compute
+    capability 9.x/10.x: groups whose rows hold at least
+    :data:`AUTO_MIN_ROW_BYTES` (:func:`group_reason`), where 4 TMA programs
+    move a load burst at least as fast as 16 register-staged ones and slow a
+    GEMM less (docs/performance.md, "TMA loads").
     """
     if option is not None:
         return "all" if option else None
@@ -116,7 +115,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
         raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on), 0 (off) or leave it unset (automatic)")
     if device.type != "cuda" or interpreting():
         return None
-    return "flat" if torch.cuda.get_device_capability(device)[0] in (9, 10) else None
+    return "auto" if torch.cuda.get_device_capability(device)[0] in (9, 10) else None
 
 
 def _pow2_floor(x: int) -> int:
@@ -170,11 +169,9 @@ def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, 
             return "its host page stride is not a multiple of its token stride at least a page long"
         if descriptor_rows(capacity, page_size, page // tok) >= 2**31:
             return f"capacity {capacity} at this page stride exceeds 32-bit descriptor coordinates"
-        if automatic and page != page_size * tok:
-            return "its host slots are paged (automatic TMA takes uniformly strided slots only; tma=True forces it)"
-    if automatic and tokens * (box * (g.width // box) + tail) * word < AUTO_MIN_BOX_BYTES:
-        return (f"boxes of {tokens} rows are under {AUTO_MIN_BOX_BYTES // 1024} KiB (automatic TMA takes the box sizes "
-                "it was measured with; tma=True forces it)")
+    if automatic and g.width * word < AUTO_MIN_ROW_BYTES:
+        return (f"rows of {g.width * word} bytes are under {AUTO_MIN_ROW_BYTES} (automatic TMA takes the row sizes "
+                "where it measured at least as fast as the row kernel; tma=True forces it)")
     return None
 
 
@@ -210,7 +207,7 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
         base = _host_base(g, k, off)
         shape, strides = [descriptor_rows(capacity, page_size, page // tok), g.width], [tok, 1]
         desc = TensorDescriptor(base, shape, strides, [tokens, box])
-        one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, [tokens, tail]) if tail else desc,
+        one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, [tokens, tail]) if tail else None,
                    dev_base=cols["dev_off"][k], dev_stride=cols["dev_stride"][k], host_base=off, host_page=page,
                    host_tok=tok)
         entries.setdefault(layer, []).append(((page == page_size * tok, box, tail, tokens), one))
@@ -222,7 +219,7 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
         while i < len(items):
             (flat, box, tail, tokens), a = items[i]
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
-            b = items[i + 1][1] if pair else a
+            b = items[i + 1][1] if pair else dict(a, host_desc=None, host_tail=None)  # None: nothing to encode
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
                           **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, capacity=capacity,
                           dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,

@@ -18,7 +18,7 @@ from hicache_core.launch import Launcher, _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
 from hicache_core import rowcopy  # noqa: E402
 from hicache_core import rowcopy_tma  # noqa: E402
-from hicache_core.rowcopy_tma import AUTO_MIN_BOX_BYTES, ENV_TMA, MIN_TOKENS, box_shape, tma_mode  # noqa: E402
+from hicache_core.rowcopy_tma import AUTO_MIN_ROW_BYTES, ENV_TMA, MIN_TOKENS, box_shape, tma_mode  # noqa: E402
 from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
@@ -165,6 +165,7 @@ def test_launch_shape_and_what_keeps_the_row_kernel(launches):
             word = pool.binding.scratch[pool.strategy_name].groups[0].word
             assert grid == min(3, -(-32 // c["TOKENS"])) and c["TOKENS"] == 16  # one page
             assert c["WIDTH"] * word == word_row and c["FLAT"] is (layout != "page_first_direct")
+            assert c["TAIL"] == 0 and c["host_tail"] is None and c["host_tail_b"] is None  # nothing to encode
             for desc in (c["host_desc"], c["host_desc_b"]):
                 assert list(desc.shape) == [rows, c["WIDTH"]] and list(desc.block_shape) == [16, c["BOX"]]
                 assert list(desc.strides) == [c["WIDTH"] * tok_rows, 1]
@@ -203,7 +204,7 @@ def test_switch(monkeypatch):
     assert tma_mode(None, cpu) == "all" and tma_mode(False, cpu) is None
     monkeypatch.delenv(ENV_TMA)
     monkeypatch.setattr(rowcopy_tma, "interpreting", lambda: False)
-    for major, want in ((8, None), (9, "flat"), (10, "flat"), (12, None)):  # automatic: by compute capability
+    for major, want in ((8, None), (9, "auto"), (10, "auto"), (12, None)):  # automatic: by compute capability
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert tma_mode(None, torch.device("cuda", 0)) == want
     monkeypatch.undo()
@@ -256,29 +257,31 @@ def test_box_shape(width, word, ps, tile, stages, want):
     assert box_shape(width, word, ps, tile, stages=stages, capacity=12)[2] == min(rows, 8)  # no box taller than the pool
 
 
-def test_automatic_tma_takes_uniformly_strided_host_slots_in_measured_boxes(monkeypatch, caplog):
-    """As on a Hopper GPU (automatic mode "flat"): layer_first and page_first loads of 1152-byte rows in 32-row
-    boxes go through TMA; page_first_direct (paged host layers) and small boxes keep the row kernel."""
+def test_automatic_tma_takes_rows_of_at_least_1_kib(monkeypatch, caplog):
+    """As on a Hopper GPU (automatic mode "auto"): loads of 1152-byte rows go through TMA whatever the host slot
+    addressing (uniformly strided or paged); narrower rows keep the row kernel, and the log says why."""
     monkeypatch.delenv(ENV_TMA, raising=False)
-    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "flat" if option is None else tma_mode(option, device))
+    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "auto" if option is None else tma_mode(option, device))
     gen = torch.Generator().manual_seed(8)
     big = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                        page_size=32, capacity=64, device=DEVICE)
+    narrow = _mla(16, 4, layers=2)
+    assert (64 + 8) * 2 < AUTO_MIN_ROW_BYTES <= (512 + 64) * 2  # narrow rows, big rows
     with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
         for spec, layout, planned in ((big, "layer_first", True), (big, "page_first", True),
-                                      (big, "page_first_direct", False), (_mla(16, 4, layers=2), "layer_first", False)):
+                                      (big, "page_first_direct", True), (narrow, "layer_first", False),
+                                      (narrow, "page_first_direct", False)):
             pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, tma=None)
             prep = pool.binding.scratch[pool.strategy_name]
             assert [p is not None for p in prep.tma] == [planned], layout
-            assert "of uniformly strided host slots in boxes of >= 32 KiB by TMA" in pool.strategy.describe(
+            assert f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes by TMA" in pool.strategy.describe(
                 spec, pool.binding.layout)[0]
             h, d = torch.arange(spec.capacity), torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
             pool.load_layer(1, h, d)
             ref.load_layer(1, h, d)
             _sync()
             _same(dev, ref_dev)
-    assert "host slots are paged (automatic TMA takes uniformly strided slots only" in caplog.text
-    assert f"are under {AUTO_MIN_BOX_BYTES // 1024} KiB (automatic TMA takes the box sizes it was measured" in caplog.text
+    assert f"bytes are under {AUTO_MIN_ROW_BYTES} (automatic TMA takes the row sizes where it measured" in caplog.text
 
 
 def test_descriptors_specialise_the_launch_key():
