@@ -25,8 +25,9 @@ NAME = "page_first_kv_split.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=8, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
-    # Per-layer loads through TMA only with tma=True (paged host layers): H200 2026-11-30, docs/performance.md
-    # "TMA loads": bursts 0.72-0.76 of memcpy at 4 programs, 0.82-0.87 at 8, the row kernel 0.87-0.90 at 16.
+    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB: MHA parts; MLA's
+    # fused latent + rope rows keep the row kernel): H200 2026-11-30, docs/performance.md "TMA loads for every
+    # host layout": MHA bursts 0.89-0.90 of memcpy at 4 programs, as the row kernel at 16, GEMM -0.9% vs +1.4%.
     tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
 )
 

@@ -22,9 +22,9 @@ STRATEGY_NAME = "layer_first.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
-    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic where a box of whole-page rows is >= 32 KiB):
-    # H200 2026-11-30, docs/performance.md "TMA loads": bursts 0.84-0.89 of memcpy at 4 programs, as the row
-    # kernel at 16, with a GEMM beside them +0-0.5% instead of +1-4%.
+    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB): H200 2026-11-30,
+    # docs/performance.md "TMA loads for every host layout": bursts 0.85-0.89 of memcpy at 4 programs, as the row
+    # kernel at 16, with a GEMM beside them -0.4% to +0.8% instead of up to +6%; single loads slower.
     tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
 )
 

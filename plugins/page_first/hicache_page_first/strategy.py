@@ -19,10 +19,9 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
-    # Per-layer loads through TMA (compute capability 9.x/10.x), H200 2026-11-30, docs/performance.md "TMA
-    # loads": page_first (uniformly strided slots, automatic) bursts 0.84-0.89 of memcpy at 4 programs, as the
-    # row kernel at 16, GEMM beside them +0-0.5% instead of +1-4%; page_first_direct (paged) only with
-    # tma=True: 0.72-0.76 at 4 programs, 0.82-0.87 at 8, the row kernel 0.87-0.90 at 16.
+    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB), H200 2026-11-30,
+    # docs/performance.md "TMA loads for every host layout": page_first and page_first_direct bursts 0.84-0.89
+    # of memcpy at 4 programs, as the row kernel at 16, GEMM beside them -0.9% to +0.8% instead of up to +3.3%.
     tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
 )
 
