@@ -8,8 +8,9 @@ Every variant is a set of strategy options (``programs``, ``num_warps``,
 on a fresh pool of the chosen shape (default MLA 61 x 576 bf16, 4096 tokens in
 64-token pages: 4.7 MB per layer).  Per direction it reports the ratio to a
 pinned memcpy of the same bytes (``backup_all_layers``; ``load_layer`` of one
-layer) and, with ``--gemm``, the slowdown of a bf16 8192^3 GEMM on another
-stream while the transfer runs (a backup of all layers; a burst of
+layer; ``load_burst``: one ``load_layer`` per layer back to back) and, with
+``--gemm``, the slowdown of a bf16 8192^3 GEMM on another stream while the
+transfer runs (a backup of all layers; a burst of
 ``load_layer`` over every layer).  The plugins' ``TUNING`` constants cite the
 run that chose them (docs/performance.md).  Every variant is checked
 bit-exact first.
@@ -87,8 +88,11 @@ def main() -> int:
             if "load" in args.directions:
                 ms = _median_ms(lambda: pool.load_layer(layers // 2, h, d), args.reps)
                 row["load_layer"] = per_layer / ms / 1e6 / memcpy.gbps(per_layer, False, args.reps)
+                burst = lambda: [pool.load_layer(i, h, d) for i in range(layers)]  # noqa: E731
+                ms = _median_ms(burst, args.reps)
+                row["load_burst"] = total / ms / 1e6 / memcpy.gbps(total, False, args.reps)
                 if args.gemm:
-                    row["gemm_load_burst"] = _gemm_slowdown(lambda: [pool.load_layer(i, h, d) for i in range(layers)])
+                    row["gemm_load_burst"] = _gemm_slowdown(burst)
             results.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
