@@ -20,7 +20,8 @@ row kernel.
 Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
-~228 KiB of shared memory per SM), groups whose rows hold at least 1 KiB only.  Nothing here imports Triton at import time.
+~228 KiB of shared memory per SM), groups whose rows hold at least 1 KiB only.
+Nothing here imports Triton at import time.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape", "descriptor_rows",
-           "plan_group"]
+__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape",
+           "descriptor_rows", "plan_group"]
 
 logger = logging.getLogger(__name__)
 

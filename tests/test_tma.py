@@ -261,7 +261,8 @@ def test_automatic_tma_takes_rows_of_at_least_1_kib(monkeypatch, caplog):
     """As on a Hopper GPU (automatic mode "auto"): loads of 1152-byte rows go through TMA whatever the host slot
     addressing (uniformly strided or paged); narrower rows keep the row kernel, and the log says why."""
     monkeypatch.delenv(ENV_TMA, raising=False)
-    monkeypatch.setattr(rowcopy, "tma_mode", lambda option, device: "auto" if option is None else tma_mode(option, device))
+    monkeypatch.setattr(rowcopy, "tma_mode",
+                        lambda option, device: "auto" if option is None else tma_mode(option, device))
     gen = torch.Generator().manual_seed(8)
     big = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                        page_size=32, capacity=64, device=DEVICE)

@@ -28,7 +28,9 @@ TUNING = KernelTuning(
     # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB: MHA parts; MLA's
     # fused latent + rope rows keep the row kernel): H200 2026-11-30, docs/performance.md "TMA loads for every
     # host layout": MHA bursts 0.89-0.90 of memcpy at 4 programs, as the row kernel at 16, GEMM -0.9% vs +1.4%.
-    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
+    # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
+    # (docs/perf/tune-tma-b-*-2026-11-30.json).
+    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4),
 )
 
 

@@ -25,7 +25,9 @@ TUNING = KernelTuning(
     # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB): H200 2026-11-30,
     # docs/performance.md "TMA loads for every host layout": bursts 0.85-0.89 of memcpy at 4 programs, as the row
     # kernel at 16, with a GEMM beside them -0.4% to +0.8% instead of up to +6%; single loads slower.
-    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=40960, stages=4),
+    # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
+    # (docs/perf/tune-tma-b-*-2026-11-30.json).
+    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4),
 )
 
 
