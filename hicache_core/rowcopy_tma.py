@@ -20,7 +20,7 @@ row kernel.
 Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
-~228 KiB of shared memory per SM), groups whose rows hold at least 1 KiB only.
+~228 KiB of shared memory per SM), groups whose rows hold at least 1152 bytes only.
 Nothing here imports Triton at import time.
 """
 
@@ -54,8 +54,9 @@ MIN_TOKENS = 8
 #: barriers take the rest).
 SMEM_BYTES = 160 << 10
 #: Narrowest row automatic TMA takes: on the H200, 1152- and 2048-byte rows load as fast through 4 TMA programs as
-#: through 16 register-staged ones, 576-byte rows (a 64-byte tail box per row) 3-5% slower (docs/performance.md).
-AUTO_MIN_ROW_BYTES = 1024
+#: through 16 register-staged ones, 576-byte rows (a 64-byte tail box per row) 2-5% slower; rows in between are
+#: unmeasured and keep the row kernel (docs/performance.md).
+AUTO_MIN_ROW_BYTES = 1152
 
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {

@@ -25,7 +25,7 @@ NAME = "page_first_kv_split.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=8, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
-    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1 KiB: MHA parts; MLA's
+    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1152 B: MHA parts; MLA's
     # fused latent + rope rows keep the row kernel): H200 2026-11-30, docs/performance.md "TMA loads for every
     # host layout": MHA bursts 0.89-0.90 of memcpy at 4 programs, as the row kernel at 16, GEMM -0.9% vs +1.4%.
     # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
