@@ -26,7 +26,7 @@ A complete kernel built from these pieces is in docs/plugin-authoring.md.
 Loads on Hopper-class GPUs may instead read host rows through a tensor
 descriptor (TMA bulk copies, a few in flight per program): :func:`box_hits`, :func:`store_box_rows`, :func:`load_entry` and the complete kernel :data:`PAGED_TMA_LOAD`, which a
 plugin whose host rows sit at ``page * page_stride + slot_in_page * token_stride``
-re-exports as its ``TMA_LOAD_KERNEL`` (see :mod:`hicache_core.rowcopy_tma`).
+(page stride a whole multiple of the token stride) re-exports as its ``TMA_LOAD_KERNEL`` (see :mod:`hicache_core.rowcopy_tma`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_row
     h, d, ok = index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
     h0 = tl.minimum(tl.maximum(tl.load(host_idx + tile * TOKENS), 0), capacity - 1).to(tl.int32)
     i = tl.arange(0, TOKENS)
-    hit = ok & (h == h0 + i)
+    hit = ok & (h == h0 + i)  # int32: within 256 slots of 2**31 a wrap only turns hits into misses (gathered)
     if FLAT:
         r0 = h0
     else:
@@ -147,7 +147,9 @@ def store_box_rows(anchor, desc, dev_row, hit, r0, C0: tl.constexpr, WIDTH: tl.c
     ``WIDTH`` to the device rows where ``hit``.
 
     ``desc`` is 2-D, ``[rows, words]`` at the host token stride; its bounds
-    zero-fill whatever lies outside them, so a box never reads past its layer.
+    (the layer's first to last slot) zero-fill whatever lies outside them, so a
+    box never reads past its layer's span.  In a paged layer a box may read
+    rows between two pages (other layers' rows): they are never hits.
     """
     c = C0 + tl.arange(0, BOX)
     x = desc.load([r0, C0])

@@ -46,7 +46,7 @@ from .kernel_support import (
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
-from .rowcopy_tma import (AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group,
+from .rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group,
                           tma_mode)
 from .validate import parse_programs
 
@@ -314,7 +314,7 @@ class RowKernelStrategy(DirectionalStrategy):
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
-        capability 9.x/10.x for rows of >= 1152 bytes, when the strategy has a TMA load kernel
+        capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
     """
 
@@ -370,7 +370,7 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, spec.device)
         if t.tma_load is not None and mode is not None:
             where = ("where a descriptor can address the host rows" if mode == "all"
-                     else f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes")
+                     else f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]

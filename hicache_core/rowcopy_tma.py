@@ -9,7 +9,8 @@ so device rows may be anywhere.
 
 A plugin opts in by exporting ``TMA_LOAD_KERNEL`` from its kernel module (the
 shared :data:`hicache_core.kernel_lib.PAGED_TMA_LOAD` serves any layout whose
-host slot ``s`` is at ``page(s) * page_stride + slot_in_page(s) * token_stride``)
+host slot ``s`` is at ``page(s) * page_stride + slot_in_page(s) * token_stride``
+with the page stride a whole multiple, at least ``page_size``, of the token stride)
 and a ``tma_load`` :class:`~hicache_core.rowcopy.Tuning` in its
 :class:`~hicache_core.rowcopy.KernelTuning`.  Per-layer loads of a launch group
 then take one launch per (segment, layer) entry; backups, ``load_all_layers``,
@@ -20,7 +21,8 @@ row kernel.
 Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
-~228 KiB of shared memory per SM), groups whose rows hold at least 1152 bytes only.
+~228 KiB of shared memory per SM), groups whose rows hold at least 1152 bytes
+and whose boxes at least 16 KiB only.
 Nothing here imports Triton at import time.
 """
 
@@ -39,7 +41,7 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape",
+__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape",
            "descriptor_rows", "plan_group"]
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ SMEM_BYTES = 160 << 10
 #: through 16 register-staged ones, 576-byte rows (a 64-byte tail box per row) 2-5% slower; rows in between are
 #: unmeasured and keep the row kernel (docs/performance.md).
 AUTO_MIN_ROW_BYTES = 1152
+#: Smallest box automatic TMA takes: 16-18 KiB boxes (16 rows of 1152 bytes, 8 of 2 KiB) measured best on the H200,
+#: 9 KiB ones (8 rows of 1152 bytes: pages of 8 tokens) 0.61-0.73 of memcpy in bursts (docs/performance.md).
+AUTO_MIN_BOX_BYTES = 16 << 10
 
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {
@@ -73,7 +78,7 @@ TMA_VALUES = {
     "host_page": "host page stride (words)",
     "host_tok": "host token stride (words)",
     "host_desc_b": "as host_desc, for the launch's second entry (ENTRIES == 2; else None)",
-    "host_tail_b": "as host_tail, second entry (None when ENTRIES == 1)",
+    "host_tail_b": "as host_tail, second entry (None when ENTRIES == 1 or TAIL is 0)",
     "dev_base_b": "as dev_base, second entry",
     "dev_stride_b": "as dev_stride, second entry",
     "host_base_b": "as host_base, second entry",
@@ -102,7 +107,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
     (``1``: all, ``0``: none), else ``"auto"`` on CUDA devices of compute
     capability 9.x/10.x: groups whose rows hold at least
-    :data:`AUTO_MIN_ROW_BYTES` (:func:`group_reason`), where 4 TMA programs
+    :data:`AUTO_MIN_ROW_BYTES` and whose boxes at least :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`), where 4 TMA programs
     move a load burst at least as fast as 16 register-staged ones and slow a
     GEMM less (docs/performance.md, "TMA loads").
     """
@@ -168,12 +173,17 @@ def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, 
         if (tok * word) % 16 or (page * word) % 16 or addr % 16 or in_storage % word:
             return "host strides or layer bases are not multiples of 16 bytes"
         if tok <= 0 or page % tok or page < page_size * tok:
-            return "its host page stride is not a multiple of its token stride at least a page long"
+            return (f"its host page stride ({page} words) is not a whole multiple, at least page_size, of its "
+                    f"token stride ({tok} words)")
         if descriptor_rows(capacity, page_size, page // tok) >= 2**31:
             return f"capacity {capacity} at this page stride exceeds 32-bit descriptor coordinates"
     if automatic and g.width * word < AUTO_MIN_ROW_BYTES:
         return (f"rows of {g.width * word} bytes are under {AUTO_MIN_ROW_BYTES} (automatic TMA takes the row sizes "
                 "where it measured at least as fast as the row kernel; tma=True forces it)")
+    box_bytes = tokens * (box * (g.width // box) + tail) * word
+    if automatic and box_bytes < AUTO_MIN_BOX_BYTES:
+        return (f"boxes of {tokens} rows ({box_bytes} bytes) are under {AUTO_MIN_BOX_BYTES} (automatic TMA takes the "
+                "box sizes where it measured at least as fast as the row kernel; tma=True forces it)")
     return None
 
 

@@ -18,7 +18,8 @@ from hicache_core.launch import Launcher, _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
 from hicache_core import rowcopy  # noqa: E402
 from hicache_core import rowcopy_tma  # noqa: E402
-from hicache_core.rowcopy_tma import AUTO_MIN_ROW_BYTES, ENV_TMA, MIN_TOKENS, box_shape, tma_mode  # noqa: E402
+from hicache_core.rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, ENV_TMA, MIN_TOKENS, box_shape,  # noqa: E402
+                                      tma_mode)
 from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
@@ -257,9 +258,10 @@ def test_box_shape(width, word, ps, tile, stages, want):
     assert box_shape(width, word, ps, tile, stages=stages, capacity=12)[2] == min(rows, 8)  # no box taller than the pool
 
 
-def test_automatic_tma_takes_rows_of_at_least_1_kib(monkeypatch, caplog):
-    """As on a Hopper GPU (automatic mode "auto"): loads of 1152-byte rows go through TMA whatever the host slot
-    addressing (uniformly strided or paged); narrower rows keep the row kernel, and the log says why."""
+def test_automatic_tma_takes_measured_row_and_box_sizes(monkeypatch, caplog):
+    """As on a Hopper GPU (automatic mode "auto"): loads of 1152-byte rows in 16-row boxes go through TMA whatever
+    the host slot addressing (uniformly strided or paged); narrower rows, and 8-row boxes of pages of 8 tokens,
+    keep the row kernel, and the log says why."""
     monkeypatch.delenv(ENV_TMA, raising=False)
     monkeypatch.setattr(rowcopy, "tma_mode",
                         lambda option, device: "auto" if option is None else tma_mode(option, device))
@@ -267,15 +269,17 @@ def test_automatic_tma_takes_rows_of_at_least_1_kib(monkeypatch, caplog):
     big = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
                        page_size=32, capacity=64, device=DEVICE)
     narrow = _mla(16, 4, layers=2)
+    small_pages = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                               dtype=torch.bfloat16, page_size=8, capacity=64, device=DEVICE)
     assert (64 + 8) * 2 < AUTO_MIN_ROW_BYTES <= (512 + 64) * 2  # narrow rows, big rows
     with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
         for spec, layout, planned in ((big, "layer_first", True), (big, "page_first", True),
                                       (big, "page_first_direct", True), (narrow, "layer_first", False),
-                                      (narrow, "page_first_direct", False)):
+                                      (narrow, "page_first_direct", False), (small_pages, "layer_first", False)):
             pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, tma=None)
             prep = pool.binding.scratch[pool.strategy_name]
             assert [p is not None for p in prep.tma] == [planned], layout
-            assert f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes by TMA" in pool.strategy.describe(
+            assert f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= 16 KiB by TMA" in pool.strategy.describe(
                 spec, pool.binding.layout)[0]
             h, d = torch.arange(spec.capacity), torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
             pool.load_layer(1, h, d)
@@ -283,6 +287,8 @@ def test_automatic_tma_takes_rows_of_at_least_1_kib(monkeypatch, caplog):
             _sync()
             _same(dev, ref_dev)
     assert f"bytes are under {AUTO_MIN_ROW_BYTES} (automatic TMA takes the row sizes where it measured" in caplog.text
+    assert (f"boxes of 8 rows ({8 * 1152} bytes) are under {AUTO_MIN_BOX_BYTES} (automatic TMA takes the box sizes"
+            in caplog.text)
 
 
 def test_descriptors_specialise_the_launch_key():
