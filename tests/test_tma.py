@@ -299,3 +299,47 @@ def test_descriptors_specialise_the_launch_key():
     c = TensorDescriptor(t.view(torch.int32), [64, 64], [64, 1], [16, 32])
     assert _traits(a) == _traits(TensorDescriptor(t[32:], [32, 32], [32, 1], [16, 32]))  # hashable, base-free
     assert len({_traits(a), _traits(b), _traits(c)}) == 3
+
+
+@pytest.mark.skipif(PIN and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs compute capability >= 9")
+@pytest.mark.parametrize("ps, pages, gap, width, tokens, box, tail", [
+    (16, 5, 3, 12, 8, 8, 4),   # pages 19 token strides apart: page_rows is no multiple of page_size; a tail box
+    (16, 5, 0, 12, 8, 8, 4),   # uniformly strided slots (FLAT)
+    (32, 3, 17, 8, 16, 8, 0),  # a wide gap between pages, no tail
+    (16, 4, 1, 20, 16, 16, 4),  # boxes of a whole page
+])
+def test_the_kernel_maps_slots_to_descriptor_rows(ps, pages, gap, width, tokens, box, tail):
+    """:data:`kernel_lib.PAGED_TMA_LOAD` called directly on a hand-built host layer whose page stride is
+    ``ps + gap`` token strides and whose token stride is padded past the row: every valid position's device row
+    equals its host slot's row, byte for byte (whole pages, shuffled slots, mid-page runs, runs past the last
+    slot, repeats, negative and too-large slots, int32 and int64 indices); other device rows keep the canary."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    gen = torch.Generator().manual_seed(ps + gap + width)
+    tok, cap, off = width + 4, ps * pages, 8  # words (int32); host slot 0 at word 8 (32-byte aligned)
+    page = (ps + gap) * tok
+    rows = rowcopy_tma.descriptor_rows(cap, ps, page // tok)
+    host_words = pages * page + 64
+    patterns = [torch.arange(cap), torch.randperm(cap, generator=gen), (torch.arange(cap) + ps // 2 + 3) % cap,
+                torch.arange(cap - 5, cap + 9), torch.tensor([cap - 1] * 9 + [cap - 2, cap - 3, 0, 1, -1, cap + 4, 5]),
+                torch.arange(-3, 20)]
+    for h in patterns:
+        for dtype in (torch.int64, torch.int32):
+            n = h.numel()
+            big = torch.randint(-2**31, 2**31 - 1, (host_words + n * width,), dtype=torch.int32, generator=gen)
+            big[host_words:] = int.from_bytes(bytes([CANARY]) * 4, "little", signed=True)
+            big = big.to(DEVICE)
+            desc = TensorDescriptor(big[off:], [rows, width], [tok, 1], [tokens, box])
+            tail_desc = TensorDescriptor(big[off:], [rows, width], [tok, 1], [tokens, tail]) if tail else None
+            expect = big.clone()
+            out = expect[host_words:].view(n, width)
+            for i, s in enumerate(h.tolist()):
+                if 0 <= s < cap:
+                    start = off + (s // ps) * page + (s % ps) * tok
+                    out[i] = big[start:start + width]
+            kl.PAGED_TMA_LOAD[(3,)](big, desc, tail_desc, None, None, h.to(dtype).to(DEVICE),
+                                    torch.arange(n).to(DEVICE), n, host_words, width, off, page, tok, 0, 0, 0, 0, 0,
+                                    ps, cap, n, WIDTH=width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=1, STAGES=2,
+                                    FLAT=gap == 0, ENTRIES=1)
+            _sync()
+            assert torch.equal(big, expect), (h.tolist(), dtype)
