@@ -46,12 +46,12 @@ from .kernel_support import (
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
-from .rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch, group_reason, plan_group,
-                          tma_mode)
+from .rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch,
+                          group_reason, plan_group, tma_mode)
 from .validate import parse_programs
 
-__all__ = ["Tuning", "KernelTuning", "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES",
-           "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "RowGroup", "RowKernelStrategy", "build_groups", "tile",
+           "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,14 @@ class KernelTuning:
 
     def direction(self, to_host: bool) -> Tuning:
         return self.backup if to_host else self.load
+
+
+#: Launch shape of the shared TMA load kernel (``kernel_lib.PAGED_TMA_LOAD``), for a plugin's
+#: ``KernelTuning.tma_load``.  H200 2026-11-30 (docs/performance.md, "TMA loads for every host layout";
+#: sweeps in docs/perf/tune-tma-*-2026-11-30.json): 4 programs move a load burst of 1152- or 2048-byte rows
+#: as fast as the row kernel at 16, with a GEMM beside them -0.9% to +1% instead of up to +6%; boxes of
+#: ~20 KiB (16 rows of 1152 bytes, 8 of 2 KiB) beat ~40 KiB by 0.01-0.025 at the same GEMM cost.
+TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
 
 
 def _pow2_floor(x: int) -> int:
@@ -314,7 +322,8 @@ class RowKernelStrategy(DirectionalStrategy):
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
-        capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load kernel
+        capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load
+        kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
     """
 
@@ -369,8 +378,8 @@ class RowKernelStrategy(DirectionalStrategy):
         tma = ""
         mode = tma_mode(self.tma, spec.device)
         if t.tma_load is not None and mode is not None:
-            where = ("where a descriptor can address the host rows" if mode == "all"
-                     else f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB")
+            where = ("where a descriptor can address the host rows" if mode == "all" else
+                     f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]

@@ -41,8 +41,8 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode", "group_reason", "box_shape",
-           "descriptor_rows", "plan_group"]
+__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode",
+           "group_reason", "box_shape", "descriptor_rows", "plan_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
     (``1``: all, ``0``: none), else ``"auto"`` on CUDA devices of compute
     capability 9.x/10.x: groups whose rows hold at least
-    :data:`AUTO_MIN_ROW_BYTES` and whose boxes at least :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`), where 4 TMA programs
+    :data:`AUTO_MIN_ROW_BYTES` and whose boxes at least
+    :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`), where 4 TMA programs
     move a load burst at least as fast as 16 register-staged ones and slow a
     GEMM less (docs/performance.md, "TMA loads").
     """
@@ -211,25 +212,25 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
 
     word = g.word
     cols = {k: g.tables[k].tolist() for k in ("dev_off", "dev_stride", "host_off", "host_page", "host_tok")}
+    box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages,
+                                  capacity=capacity)
     entries: dict[int, list[tuple[tuple, dict[str, Any]]]] = {}
     for k, layer in enumerate(g.layers):
         page, tok, off = cols["host_page"][k], cols["host_tok"][k], cols["host_off"][k]
-        box, tail, tokens = box_shape(g.width, word, page_size, tuning.tile_bytes, stages=tuning.stages,
-                                      capacity=capacity)
         base = _host_base(g, k, off)
         shape, strides = [descriptor_rows(capacity, page_size, page // tok), g.width], [tok, 1]
         desc = TensorDescriptor(base, shape, strides, [tokens, box])
         one = dict(host_desc=desc, host_tail=TensorDescriptor(base, shape, strides, [tokens, tail]) if tail else None,
                    dev_base=cols["dev_off"][k], dev_stride=cols["dev_stride"][k], host_base=off, host_page=page,
                    host_tok=tok)
-        entries.setdefault(layer, []).append(((page == page_size * tok, box, tail, tokens), one))
+        entries.setdefault(layer, []).append((page == page_size * tok, one))
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC)
     per_layer: dict[int, tuple[TmaLaunch, ...]] = {}
     for layer, items in entries.items():
         launches = []
         i = 0
         while i < len(items):
-            (flat, box, tail, tokens), a = items[i]
+            flat, a = items[i]
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else dict(a, host_desc=None, host_tail=None)  # None: nothing to encode
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,

@@ -10,7 +10,7 @@ separate tensors) is grouped by width.  Everything else is
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
 
 from .layout import LAYOUT
 
@@ -25,12 +25,7 @@ NAME = "page_first_kv_split.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=8, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
-    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1152 B: MHA parts; MLA's
-    # fused latent + rope rows keep the row kernel): H200 2026-11-30, docs/performance.md "TMA loads for every
-    # host layout": MHA bursts 0.89-0.90 of memcpy at 4 programs, as the row kernel at 16, GEMM -0.9% vs +1.4%.
-    # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
-    # (docs/perf/tune-tma-b-*-2026-11-30.json).
-    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4),
+    tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
 )
 
 

@@ -8,7 +8,7 @@ one launch per group per transfer.
 from __future__ import annotations
 
 from hicache_core import Layout, PoolSpec
-from hicache_core.rowcopy import KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
 
 __all__ = ["LayerFirstKernelStrategy", "STRATEGY_NAME", "TUNING"]
 
@@ -22,12 +22,7 @@ STRATEGY_NAME = "layer_first.kernel"
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
-    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1152 B): H200 2026-11-30,
-    # docs/performance.md "TMA loads for every host layout": bursts 0.85-0.89 of memcpy at 4 programs, as the row
-    # kernel at 16, with a GEMM beside them -0.4% to +0.8% instead of up to +6%; single loads slower.
-    # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
-    # (docs/perf/tune-tma-b-*-2026-11-30.json).
-    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4),
+    tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
 )
 
 

@@ -7,7 +7,7 @@ explains itself) where Triton is missing.
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
 
 __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 
@@ -19,12 +19,7 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
-    # Per-layer loads through TMA (compute capability 9.x/10.x; automatic for rows of >= 1152 B), H200 2026-11-30,
-    # docs/performance.md "TMA loads for every host layout": page_first and page_first_direct bursts 0.84-0.89
-    # of memcpy at 4 programs, as the row kernel at 16, GEMM beside them -0.9% to +0.8% instead of up to +3.3%.
-    # Boxes of ~20 KiB (16 MLA rows, 8 MHA rows): +0.01-0.025 in bursts over ~40 KiB, same GEMM cost
-    # (docs/perf/tune-tma-b-*-2026-11-30.json).
-    tma_load=Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4),
+    tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
 )
 
 
