@@ -8,7 +8,9 @@ microseconds per call over a burst of calls, median of several bursts):
 * ``load_layer``: the whole public call;
 * ``check``: the pool's argument checks alone;
 * ``transfer``: the strategy's transfer alone (index placement and launches);
-* ``launcher``: hicache's :class:`~hicache_core.launch.Launcher` call for the layer's launches;
+* ``load_layer_triton``: the whole call with the CUDA driver launch off (Triton's compiled-kernel launcher);
+* ``launcher``: hicache's :class:`~hicache_core.launch.Launcher` call for the layer's launches, Triton's launcher;
+* ``launcher_driver``: the same call through the CUDA driver launch (:mod:`hicache_core.drvlaunch`);
 * ``compiled_run``: Triton's compiled-kernel ``run`` with the same arguments (no key lookup);
 * ``encode``: Triton's own per-launch encoding of one host tensor descriptor (TMA only);
 * ``empty_kernel``: ``compiled.run`` of a one-argument kernel (the floor of a Triton launch).
@@ -28,6 +30,7 @@ import torch
 
 from hicache_core.bench import SHAPES, _device_buffers, _indices
 from hicache_core.kernel_support import transfer_indices
+from hicache_core.launch import set_driver_launch
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
@@ -105,6 +108,9 @@ def main() -> int:
                 pool.load_layer(layer, h, d)
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                set_driver_launch(False)
+                row["load_layer_triton"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                set_driver_launch(None)
                 row["check"] = _per_call_us(lambda: pool._check(h, d, to_host=False), calls=200)
                 row["transfer"] = _per_call_us(lambda: strat.transfer(binding, h, d, layer, to_host=False))
                 row["indices"] = _per_call_us(lambda: transfer_indices(binding, h, d), calls=200)
@@ -132,6 +138,11 @@ def main() -> int:
                     row["launches_per_layer"] = len(prep.groups)
                 row["launcher"] = _per_call_us(lambda: launcher(grid, launch_args, num_warps=warps, static_key=key,
                                                                 dynamic=dyn))
+                packs: dict = {}
+                before = launcher.driver_launches
+                row["launcher_driver"] = _per_call_us(lambda: launcher(grid, launch_args, num_warps=warps,
+                                                                       static_key=key, dynamic=dyn, packs=packs))
+                row["driver_used"] = launcher.driver_launches > before
                 compiled = next(iter(launcher._compiled.values()), None)
                 if compiled is not None:
                     stream = torch.cuda.current_stream().cuda_stream

@@ -16,6 +16,14 @@ Anything unusual (the CPU interpreter, a launch hook set for profiling, a Triton
 without the compiled-kernel API, ``HICACHE_FAST_LAUNCH=0``) takes the public
 path, so behaviour never depends on the shortcut.  The environment is read at
 import; :func:`set_fast_launch` changes the setting at run time.
+
+A caller that also hands a launch its own ``packs`` dict (one per launch whose
+non-dynamic arguments never change) gets the CUDA driver launch of
+:mod:`hicache_core.drvlaunch` where that module verifies the kernel's
+parameters: the launch's parameters are packed once, tensor maps included,
+and each call rewrites the dynamic ones and calls ``cuLaunchKernel``.
+``HICACHE_DRIVER_LAUNCH=0`` (or :func:`set_driver_launch`) keeps Triton's
+compiled-kernel launcher instead.
 """
 
 from __future__ import annotations
@@ -26,12 +34,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Launcher", "ENV_FAST_LAUNCH", "fast_launch_enabled", "set_fast_launch", "launch_key"]
+__all__ = ["Launcher", "ENV_FAST_LAUNCH", "ENV_DRIVER_LAUNCH", "fast_launch_enabled", "set_fast_launch",
+           "set_driver_launch", "launch_key"]
 
 logger = logging.getLogger(__name__)
 
 #: ``0`` turns the compiled-handle shortcut off (every launch goes through ``kernel[grid]``).
 ENV_FAST_LAUNCH = "HICACHE_FAST_LAUNCH"
+#: ``0`` keeps Triton's compiled-kernel launcher where the CUDA driver launch would apply.
+ENV_DRIVER_LAUNCH = "HICACHE_DRIVER_LAUNCH"
 
 _I32_MIN, _I32_MAX, _U64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
 
@@ -44,6 +55,20 @@ def fast_launch_enabled() -> bool:
 
 
 _ENABLED = [fast_launch_enabled()]  # read once at import: no environment lookup per launch
+
+
+def _driver_env() -> bool:
+    return os.environ.get(ENV_DRIVER_LAUNCH, "1").lower() not in ("0", "false", "no", "off")
+
+
+_DRIVER = [_driver_env()]
+
+
+def set_driver_launch(enabled: bool | None = None) -> bool:
+    """Turn the CUDA driver launch on or off for every :class:`Launcher`; ``None`` re-reads
+    ``HICACHE_DRIVER_LAUNCH``.  Returns the new state (it applies only where the fast launch does)."""
+    _DRIVER[0] = _driver_env() if enabled is None else bool(enabled)
+    return _DRIVER[0]
 
 
 def set_fast_launch(enabled: bool | None = None) -> bool:
@@ -98,7 +123,11 @@ class Launcher:
         self._constexprs = frozenset(getattr(kernel, "constexprs", ()))
         self._nargs = len(getattr(kernel, "arg_names", ()))
         self._compiled: dict[tuple, Any] = {}
+        self._driver: dict[tuple, Any] = {}  # key -> DriverKernel, or False where not verified
+        self._static_ids: dict[tuple, int] = {}
         self._api = self._handle_api()
+        #: Launches that went through the CUDA driver launch (for tests and benchmarks).
+        self.driver_launches = 0
 
     @staticmethod
     def _handle_api() -> tuple[Any, Any, Any] | None:
@@ -137,14 +166,21 @@ class Launcher:
         wanted = frozenset(names)
         return tuple(i for i, name in enumerate(self.arg_names) if name in wanted)
 
-    def static_key(self, args: Sequence[Any], dynamic: Sequence[int]) -> tuple:
-        """The part of the specialisation key contributed by every position not in ``dynamic``."""
+    def static_key(self, args: Sequence[Any], dynamic: Sequence[int]) -> int:
+        """The part of the specialisation key contributed by every position not in ``dynamic``, as a small
+        int (equal keys give equal ints: calls then hash an int, not the whole key)."""
         dyn = frozenset(dynamic)
-        return tuple(None if i in dyn else (a if i in self._constexprs else _traits(a)) for i, a in enumerate(args))
+        key = tuple(None if i in dyn else (a if i in self._constexprs else _traits(a)) for i, a in enumerate(args))
+        return self._static_ids.setdefault(key, len(self._static_ids))
 
-    def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: tuple | None = None,
-                 dynamic: Sequence[int] = (), maxnreg: int | None = None) -> None:
-        """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap)."""
+    def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: int | None = None,
+                 dynamic: Sequence[int] = (), maxnreg: int | None = None, packs: dict | None = None) -> None:
+        """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap).
+
+        ``packs``: a dict owned by one launch whose positions outside ``dynamic`` hold the same values on
+        every call with it (needs ``static_key``); the driver launch keeps that launch's packed parameters
+        there.
+        """
         if len(args) != self._nargs and self._nargs:
             raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
         opts = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
@@ -159,9 +195,10 @@ class Launcher:
         device = get_device()
         if static_key is None:
             key = launch_key(args, self._constexprs, num_warps, device)
+            packs = None
         else:
-            key = (device, num_warps, static_key, *[_traits(args[i]) for i in dynamic])
-        if maxnreg is not None:
+            key = (device, num_warps, static_key, maxnreg, *[_traits(args[i]) for i in dynamic])
+        if maxnreg is not None and static_key is None:
             key = (*key, "maxnreg", maxnreg)
         compiled = self._compiled.get(key)
         if compiled is None:
@@ -169,5 +206,23 @@ class Launcher:
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self._compiled[key] = compiled
             return
-        compiled.run(grid, 1, 1, get_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                     *args)
+        stream = get_stream(device)
+        if packs is not None and _DRIVER[0]:
+            drv = self._driver.get(key)
+            if drv is None:
+                drv = self._driver[key] = self._driver_kernel(compiled)
+            if drv:
+                packed = packs.get(key)
+                if packed is None:
+                    packed = packs[key] = drv.pack(args, dynamic)
+                if drv.launch(grid, stream, packed, args):
+                    self.driver_launches += 1
+                    return
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    @staticmethod
+    def _driver_kernel(compiled: Any) -> Any:
+        """The verified driver launch of ``compiled``, or ``False``."""
+        from .drvlaunch import DriverKernel
+
+        return DriverKernel.build(compiled) or False

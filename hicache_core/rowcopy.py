@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, cast
 
 import torch
@@ -284,10 +284,11 @@ class _Launch:
     """
 
     tokens: int
-    key: tuple
+    key: int
     tuning: Tuning
     args: tuple
     slots: tuple[tuple[str, int], ...]
+    packs: dict = field(default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
 @dataclass(frozen=True)
@@ -473,7 +474,7 @@ class RowKernelStrategy(DirectionalStrategy):
                 args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
                 items = -(-n // lv.tokens) * n_ents
                 prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
-                              static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg)
+                              static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg, packs=lv.packs)
 
     @staticmethod
     def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int) -> None:
@@ -483,7 +484,8 @@ class RowKernelStrategy(DirectionalStrategy):
         call = {"host_idx": h, "dev_idx": d, "n": n}
         for lv in launches:
             prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), _fill(lv.args, lv.slots, call),
-                              num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg)
+                              num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg,
+                              packs=lv.packs)
 
 
 def _fill(fixed: tuple, slots: tuple[tuple[str, int], ...], call: dict[str, Any]) -> list:

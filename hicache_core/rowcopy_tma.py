@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -193,9 +193,10 @@ class TmaLaunch:
     """One entry's fixed load launch: positional args with per-call slots unset, static key, rows per tile."""
 
     tokens: int
-    key: tuple
+    key: int
     args: tuple
     slots: tuple[tuple[str, int], ...]
+    packs: dict = field(default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
 def _host_base(g: RowGroup, k: int, off: int) -> torch.Tensor:

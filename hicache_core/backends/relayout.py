@@ -180,7 +180,7 @@ class _Group:
     tok: int
     block: int
     nch: int  # most row chunks of any entry
-    keys: dict[bool, tuple] = field(default_factory=dict)  # static launch keys, per direction
+    keys: dict[bool, int] = field(default_factory=dict)  # static launch keys, per direction
 
 
 def _chunking(im: _Image) -> tuple[int, int, int]:

@@ -1,0 +1,282 @@
+"""Launch a compiled Triton kernel straight through the CUDA driver, its parameters packed once.
+
+A compiled Triton kernel's own launcher re-reads every argument on every call
+and, for each host tensor descriptor, encodes a new CUDA tensor map; on the
+H200 that costs 6 us for an empty kernel and ~14 us for the TMA load kernel
+(``benchmarks/launch_cost.py``).  A transfer launches the same kernel with the
+same pool-fixed arguments on every call, and only the index tensors and their
+count change.  :class:`DriverKernel` therefore packs a launch's parameters
+once (:meth:`DriverKernel.pack`: tensor maps encoded once per launch), and a
+call rewrites the changing parameters in place and calls ``cuLaunchKernel``
+through :mod:`ctypes` on the process's ``libcuda``.
+
+The parameter layout is never guessed.  It is derived from the compiled
+kernel's Triton signature (constexprs dropped; a tensor descriptor is a
+128-byte tensor map, then its shape as 32-bit and its strides as 64-bit
+integers; pointers 64-bit) and checked against the ``.entry`` parameter list
+of the kernel's PTX, size by size; trailing parameters must be the global and
+profile scratch pointers of a kernel that uses no scratch.  Any difference,
+any launch attribute Triton would set (clusters, cooperative grids,
+programmatic dependent launch, oversized shared memory), an argument type
+this module does not pack, or a missing driver symbol gives ``None``, and the
+caller keeps Triton's launcher (:class:`hicache_core.launch.Launcher` does).
+Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import re
+from typing import Any, Sequence
+
+__all__ = ["DriverKernel", "Packed", "ptx_params", "expected_params", "driver_available", "DriverLaunchError"]
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of a CUDA tensor map (``CUtensorMap``) and its alignment.
+TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
+#: ``CUtensorMapDataType`` by element size (a copy moves bits: unsigned types of the width suffice).
+_TMA_DTYPE = {1: 0, 2: 1, 4: 2, 8: 4}
+_L2_PROMOTION_128B = 2
+_CUDA_ERROR_INVALID_CONTEXT = 201
+#: Shared memory above which Triton's launcher adds a launch attribute.
+_MAX_PLAIN_SHARED = 228 * 1024
+
+
+class DriverLaunchError(RuntimeError):
+    """The CUDA driver refused a launch or a tensor-map encoding (the message names the call and the error)."""
+
+
+_LIB: list[Any] = []
+
+
+def _cuda() -> Any:
+    """The driver library with the three entry points typed, or ``None``."""
+    if _LIB:
+        return _LIB[0]
+    lib = None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+        c_uint, c_void_p = ctypes.c_uint, ctypes.c_void_p
+        lib.cuLaunchKernel.argtypes = [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
+                                       c_void_p, c_void_p]
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+        lib.cuTensorMapEncodeTiled.argtypes = [c_void_p, ctypes.c_int, c_uint, c_void_p, u64p, u64p, u32p, u32p,
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorName.restype = ctypes.c_int
+    except (OSError, AttributeError) as exc:
+        logger.info("CUDA driver launch unavailable (%s); Triton's launcher is used", exc)
+        lib = None
+    _LIB.append(lib)
+    return lib
+
+
+def driver_available() -> bool:
+    """Whether ``libcuda`` with ``cuLaunchKernel`` and ``cuTensorMapEncodeTiled`` could be loaded."""
+    return _cuda() is not None
+
+
+def _error(lib: Any, res: int, call: str) -> DriverLaunchError:
+    name = ctypes.c_char_p()
+    lib.cuGetErrorName(res, ctypes.byref(name))
+    return DriverLaunchError(f"{call} failed: {(name.value or b'?').decode()} ({res})")
+
+
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)", re.S)
+_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.[a-z]+(\d+)\b[^,]*?\w+(?:\[(\d+)\])?\s*$")
+
+
+def ptx_params(ptx: str, name: str | None = None) -> list[int] | None:
+    """Byte sizes of the parameters of the ``.entry`` named ``name`` (the first entry when ``None``), or
+    ``None`` when the PTX has no such entry or a parameter this parser does not read."""
+    for m in _ENTRY.finditer(ptx):
+        if name is not None and m.group(1) != name:
+            continue
+        sizes = []
+        for p in filter(None, (s.strip() for s in m.group(2).split(","))):
+            pm = _PARAM.search(p)
+            if pm is None:
+                return None
+            bits, count = int(pm.group(1)), int(pm.group(2) or 1)
+            sizes.append(bits // 8 * count)
+        return sizes
+    return None
+
+
+#: Packed kinds: (bytes, ctypes type) of scalar parameters.
+_SCALARS = {"ptr": (8, ctypes.c_uint64), "i32": (4, ctypes.c_int32), "u32": (4, ctypes.c_uint32),
+            "i64": (8, ctypes.c_int64), "u64": (8, ctypes.c_uint64)}
+
+
+def expected_params(signature: dict[str, str], tensordesc_meta: Sequence[Any] | None) -> list[tuple[str, int, int]] | None:
+    """``(kind, argument position, part)`` of each kernel parameter Triton passes for ``signature`` (a compiled
+    kernel's argument types by name, in order), or ``None`` for an argument this module does not pack.
+
+    Kinds: ``ptr``, ``i32``/``u32``/``i64``/``u64`` (the argument itself), ``map`` (a descriptor's tensor map),
+    ``shape``/``stride`` (its ``part``-th dimension).
+    """
+    out: list[tuple[str, int, int]] = []
+    k = 0
+    for pos, ty in enumerate(signature.values()):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("tensordesc"):
+            meta = tensordesc_meta[k] if tensordesc_meta is not None and k < len(tensordesc_meta) else None
+            k += 1
+            if not isinstance(meta, dict) or meta.get("is_im2col") or meta.get("fp4_padded") or \
+                    not {"swizzle", "elem_size", "block_size"} <= set(meta):
+                return None
+            rank = len(meta["block_size"])
+            out += [("map", pos, 0)] + [("shape", pos, i) for i in range(rank)] + \
+                   [("stride", pos, i) for i in range(rank)]
+        elif ty.startswith("*"):
+            out.append(("ptr", pos, 0))
+        elif ty in _SCALARS:
+            out.append((ty, pos, 0))
+        else:
+            return None
+    return out
+
+
+def _size(kind: str) -> int:
+    return {"map": TENSOR_MAP_BYTES, "shape": 4, "stride": 8}.get(kind) or _SCALARS[kind][0]
+
+
+class Packed:
+    """One launch's parameter storage: ``cuLaunchKernel``'s pointer array and the objects it points to."""
+
+    __slots__ = ("array", "keep", "setters")
+
+    def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...]) -> None:
+        self.array, self.keep, self.setters = array, keep, setters
+
+
+class DriverKernel:
+    """A compiled Triton kernel as ``cuLaunchKernel`` sees it; :meth:`build` returns ``None`` where not verified."""
+
+    def __init__(self, lib: Any, compiled: Any, plan: list[tuple[str, int, int]], scratch: int, num_warps: int,
+                 shared: int, metas: dict[int, dict]) -> None:
+        self.lib, self.compiled, self.plan, self.scratch = lib, compiled, plan, scratch
+        self.block, self.shared, self.metas = 32 * num_warps, shared, metas
+
+    @classmethod
+    def build(cls, compiled: Any) -> DriverKernel | None:
+        """The driver launch of ``compiled`` (a Triton ``CompiledKernel`` after its first launch), or ``None``
+        (logged at DEBUG) when its parameters or launch attributes cannot be verified."""
+        why, made = cls._verify(compiled)
+        if made is None:
+            logger.debug("driver launch not used for %s: %s", getattr(getattr(compiled, "metadata", None), "name", "?"),
+                         why)
+        return made
+
+    @classmethod
+    def _verify(cls, compiled: Any) -> tuple[str, DriverKernel | None]:
+        lib = _cuda()
+        if lib is None:
+            return "no libcuda", None
+        md, src = getattr(compiled, "metadata", None), getattr(compiled, "src", None)
+        signature = getattr(src, "signature", None)
+        ptx = getattr(compiled, "asm", {}).get("ptx") if isinstance(getattr(compiled, "asm", None), dict) else None
+        if md is None or not isinstance(signature, dict) or not isinstance(ptx, str) or \
+                not isinstance(getattr(compiled, "function", None), int):
+            return "no metadata, signature, PTX or function handle", None
+        if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or \
+                getattr(md, "launch_pdl", False) or getattr(md, "shared", 0) > _MAX_PLAIN_SHARED:
+            return "launch attributes", None
+        if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
+            return "scratch memory", None
+        metas = getattr(md, "tensordesc_meta", None)
+        plan = expected_params(signature, metas)
+        if plan is None:
+            return "argument types", None
+        sizes = ptx_params(ptx, getattr(md, "name", None))
+        if sizes is None:
+            return "PTX entry", None
+        head, tail = sizes[:len(plan)], sizes[len(plan):]
+        if head != [_size(kind) for kind, _, _ in plan] or any(s != 8 for s in tail) or len(tail) > 2:
+            return f"parameter sizes {sizes} vs {[_size(kind) for kind, _, _ in plan]}", None
+        desc_pos = sorted({pos for kind, pos, _ in plan if kind == "map"})
+        by_pos = {pos: metas[i] for i, pos in enumerate(desc_pos)} if desc_pos and metas is not None else {}
+        return "", cls(lib, compiled, plan, len(tail), md.num_warps, md.shared, by_pos)
+
+    def _encode(self, desc: Any, meta: dict) -> Any:
+        """A tensor map for host descriptor ``desc`` (``base``, ``shape``, ``strides``), as Triton encodes it."""
+        elem = int(meta["elem_size"])
+        dtype = _TMA_DTYPE.get(elem)
+        shape, strides, box = list(desc.shape), list(desc.strides), list(meta["block_size"])
+        if dtype is None or strides[-1] != 1 or getattr(desc, "padding", "zero") == "nan" or \
+                getattr(desc, "round_f32_to_tf32", False) or desc.base.element_size() != elem:
+            raise DriverLaunchError("descriptor not encodable here")
+        rank = len(shape)
+        raw = (ctypes.c_ubyte * (TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN))()
+        addr = ctypes.addressof(raw)
+        addr += -addr % TENSOR_MAP_ALIGN
+        dims = (ctypes.c_uint64 * rank)(*reversed(shape))
+        gstrides = (ctypes.c_uint64 * rank)(*[s * elem for s in reversed(strides[:-1])], 0)
+        boxes = (ctypes.c_uint32 * rank)(*reversed(box))
+        ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+        res = self.lib.cuTensorMapEncodeTiled(addr, dtype, rank, desc.base.data_ptr(), dims, gstrides, boxes, ones, 0,
+                                              int(meta["swizzle"]), _L2_PROMOTION_128B, 0)
+        if res:
+            raise _error(self.lib, res, "cuTensorMapEncodeTiled")
+        return raw, addr
+
+    def pack(self, args: Sequence[Any], dynamic: Sequence[int]) -> Packed:
+        """Parameters for ``args`` (all the kernel's arguments, in order); the positions in ``dynamic`` are
+        rewritten by :meth:`launch` from each call's arguments.
+
+        :raises DriverLaunchError: a dynamic position holds a descriptor, or a descriptor cannot be encoded.
+        """
+        dyn = frozenset(dynamic)
+        n = len(self.plan) + self.scratch
+        array = (ctypes.c_void_p * n)()
+        keep: list = [array]
+        setters = []
+        for i, (kind, pos, part) in enumerate(self.plan):
+            value = args[pos]
+            if kind == "map":
+                if pos in dyn:
+                    raise DriverLaunchError("a tensor descriptor cannot change per call")
+                raw, addr = self._encode(value, self.metas[pos])
+                keep.append(raw)
+                array[i] = addr
+                continue
+            if kind in ("shape", "stride"):
+                obj: Any = (ctypes.c_int32 if kind == "shape" else ctypes.c_int64)(
+                    (value.shape if kind == "shape" else value.strides)[part])
+            else:
+                ctype = _SCALARS[kind][1]
+                obj = ctype(value.data_ptr() if kind == "ptr" else value)
+                if pos in dyn:
+                    setters.append((pos, obj, kind == "ptr"))
+            keep.append(obj)
+            array[i] = ctypes.addressof(obj)
+        for j in range(self.scratch):  # the kernel uses no scratch: null pointers
+            obj = ctypes.c_uint64(0)
+            keep.append(obj)
+            array[len(self.plan) + j] = ctypes.addressof(obj)
+        return Packed(array, keep, tuple(setters))
+
+    def launch(self, grid: int, stream: int, packed: Packed, args: Sequence[Any]) -> bool:
+        """Launch on ``grid`` programs with ``packed`` updated from ``args``' dynamic positions.
+
+        Returns ``False`` (nothing launched) when this thread has no current CUDA context, so the caller can
+        take Triton's launcher, which sets one up.
+
+        :raises DriverLaunchError: the driver refused the launch.
+        """
+        for pos, obj, is_ptr in packed.setters:
+            v = args[pos]
+            obj.value = v.data_ptr() if is_ptr else v
+        res = self.lib.cuLaunchKernel(self.compiled.function, grid, 1, 1, self.block, 1, 1, self.shared, stream,
+                                      packed.array, None)
+        if res == _CUDA_ERROR_INVALID_CONTEXT:
+            return False
+        if res:
+            raise _error(self.lib, res, "cuLaunchKernel")
+        return True
