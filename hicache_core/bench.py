@@ -53,6 +53,7 @@ SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
     "mla61x576-fp8": _mla(61, torch.uint8),
     "mla61x656-fp8": _mla(61, torch.uint8, 656),
     "mha80x8x128-bf16": _mha(80, 8, 128),
+    "mha80x4x128-bf16": _mha(80, 4, 128),  # 1 KiB k and v rows (4 KV heads per rank)
     "mha32x8x128-bf16": _mha(32, 8, 128),
 }
 
