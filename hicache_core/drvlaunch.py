@@ -29,6 +29,7 @@ import ctypes
 import ctypes.util
 import logging
 import re
+import threading
 from typing import Any, Sequence
 
 __all__ = ["DriverKernel", "Packed", "ptx_params", "expected_params", "driver_available", "DriverLaunchError"]
@@ -148,12 +149,17 @@ def _size(kind: str) -> int:
 
 
 class Packed:
-    """One launch's parameter storage: ``cuLaunchKernel``'s pointer array and the objects it points to."""
+    """One launch's parameter storage: ``cuLaunchKernel``'s pointer array and the objects it points to.
 
-    __slots__ = ("array", "keep", "setters")
+    A call rewrites the dynamic values in place, so ``lock`` is held from the first write to the
+    launch (the driver copies the values at launch): threads sharing a launch never mix arguments.
+    """
+
+    __slots__ = ("array", "keep", "setters", "lock")
 
     def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...]) -> None:
         self.array, self.keep, self.setters = array, keep, setters
+        self.lock = threading.Lock()
 
 
 class DriverKernel:
@@ -270,11 +276,12 @@ class DriverKernel:
 
         :raises DriverLaunchError: the driver refused the launch.
         """
-        for pos, obj, is_ptr in packed.setters:
-            v = args[pos]
-            obj.value = v.data_ptr() if is_ptr else v
-        res = self.lib.cuLaunchKernel(self.compiled.function, grid, 1, 1, self.block, 1, 1, self.shared, stream,
-                                      packed.array, None)
+        with packed.lock:
+            for pos, obj, is_ptr in packed.setters:
+                v = args[pos]
+                obj.value = v.data_ptr() if is_ptr else v
+            res = self.lib.cuLaunchKernel(self.compiled.function, grid, 1, 1, self.block, 1, 1, self.shared, stream,
+                                          packed.array, None)
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False
         if res:

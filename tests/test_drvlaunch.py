@@ -47,8 +47,10 @@ class FakeLib:
         self.encodes: list = []
         self.launch_result = 0
         self.encode_result = 0
+        self.locks: list = []  # the Packed locks that must be held during a launch
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        assert all(lock.locked() for lock in self.locks)  # values written and launched under the launch's lock
         read = lambda i, t: t.from_address(params[i]).value  # noqa: E731
         self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream,
                                   anchor=read(0, ctypes.c_uint64), map=bytes((ctypes.c_ubyte * 8).from_address(params[1])),
@@ -128,11 +130,12 @@ def test_pack_encodes_maps_once_and_launch_rewrites_dynamic_values(lib):
     host = torch.zeros(40 * 288, dtype=torch.int32)
     args = [anchor, _desc(host), None, 100, 288]
     packed = k.pack(args, dynamic=(0, 3))
+    lib.locks.append(packed.lock)
     assert lib.encodes == [dict(aligned=True, dtype=2, rank=2, addr=host.data_ptr(), dims=[288, 40], strides=[288 * 4],
                                 box=[32, 16], elem=[1, 1], interleave=0, swizzle=3, l2=2, fill=0)]
     assert k.launch(3, 0x5, packed, args)
     assert k.launch(7, 0x6, packed, [other, args[1], None, 4096, 288])
-    assert len(lib.encodes) == 1  # encoded at pack time only
+    assert len(lib.encodes) == 1 and not packed.lock.locked()  # encoded at pack time only; lock released
     a, b = lib.launches
     assert (a["fn"], a["grid"], a["block"], a["shared"], a["stream"]) == (0xF00, (3, 1, 1), (128, 1, 1), 1024, 0x5)
     assert (a["anchor"], a["n"], a["map"], a["shape"], a["strides"], a["scratch"]) == (
