@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 __all__ = ["Launcher", "ENV_FAST_LAUNCH", "ENV_DRIVER_LAUNCH", "fast_launch_enabled", "set_fast_launch",
-           "set_driver_launch", "launch_key"]
+           "set_driver_launch", "driver_launch_enabled", "launch_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ def _driver_env() -> bool:
 
 
 _DRIVER = [_driver_env()]
+
+
+def driver_launch_enabled() -> bool:
+    """Whether launches given ``packs`` may take the CUDA driver launch (fast launch and driver launch both on)."""
+    return _ENABLED[0] and _DRIVER[0]
 
 
 def set_driver_launch(enabled: bool | None = None) -> bool:

@@ -36,6 +36,7 @@ from .errors import ConfigError, HostBufferError
 from .kernel_support import (
     SegmentTable,
     access_word,
+    interpreting,
     kernel_unsupported_reason,
     on_pool_device,
     require_pinned,
@@ -382,8 +383,16 @@ class RowKernelStrategy(DirectionalStrategy):
             where = ("where a descriptor can address the host rows" if mode == "all" else
                      f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
-        return [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
-                "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
+        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
+                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
+        if spec.device.type == "cuda" and not interpreting():
+            from .launch import driver_launch_enabled
+
+            lines.append(f"{self.name}: launches " + (
+                "through cuLaunchKernel with parameters packed once per pool, where the compiled kernel's parameters "
+                "verify against its PTX (else Triton's launcher; HICACHE_DRIVER_LAUNCH=0 turns it off)"
+                if driver_launch_enabled() else "through Triton's launcher (HICACHE_DRIVER_LAUNCH=0 or fast launch off)"))
+        return lines
 
     # -- set-up -----------------------------------------------------------------------------------
     def effective_tuning(self, device: torch.device) -> KernelTuning:

@@ -297,3 +297,37 @@ def test_gpu_driver_launch_is_bit_exact_and_used(layout, case_id):
     finally:
         set_fast_launch(None)
         set_driver_launch(None)
+
+
+def test_driver_launch_enabled_needs_both_switches(monkeypatch):
+    saved = launch_mod._ENABLED[0], launch_mod._DRIVER[0]
+    try:
+        launch_mod._ENABLED[0] = True
+        assert set_driver_launch(True) and launch_mod.driver_launch_enabled()
+        assert not set_driver_launch(False) and not launch_mod.driver_launch_enabled()
+        monkeypatch.setenv("HICACHE_DRIVER_LAUNCH", "off")
+        assert not set_driver_launch(None)
+        monkeypatch.delenv("HICACHE_DRIVER_LAUNCH")
+        assert set_driver_launch(None)
+        launch_mod._ENABLED[0] = False  # fast launch off (or the interpreter): no driver launch either
+        assert not launch_mod.driver_launch_enabled()
+    finally:
+        launch_mod._ENABLED[0], launch_mod._DRIVER[0] = saved
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_explain_names_the_launch_path():
+    from hicache_core import create_registry
+    from hicache_core.testing.conformance import CASES
+
+    spec = next(c for c in CASES if c.id == "mla576-bf16-ps16-strided").build(torch.device("cuda"))
+    reg = create_registry()
+    strategy = reg.resolve(spec, "layer_first", "kernel").strategy
+    saved = launch_mod._DRIVER[0]
+    try:
+        set_driver_launch(True)
+        assert any("through cuLaunchKernel" in line for line in strategy.describe(spec, reg.layout("layer_first")))
+        set_driver_launch(False)
+        assert any("through Triton's launcher" in line for line in strategy.describe(spec, reg.layout("layer_first")))
+    finally:
+        launch_mod._DRIVER[0] = saved
