@@ -105,6 +105,7 @@ def main() -> int:
                 for lch in (prep.launcher, prep.tma_launcher):
                     if lch is not None:
                         lch._compiled.clear()  # launchers are shared by pools: keep this pool's handle only
+                        lch._driver.clear()
                 pool.load_layer(layer, h, d)
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))

@@ -2,7 +2,7 @@
 
 A compiled Triton kernel's own launcher re-reads every argument on every call
 and, for each host tensor descriptor, encodes a new CUDA tensor map; on the
-H200 that costs 6 us for an empty kernel and ~14 us for the TMA load kernel
+H200 that costs 4-6 us for an empty kernel and 12-16 us for the TMA load kernel
 (``benchmarks/launch_cost.py``).  A transfer launches the same kernel with the
 same pool-fixed arguments on every call, and only the index tensors and their
 count change.  :class:`DriverKernel` therefore packs a launch's parameters
@@ -19,7 +19,8 @@ profile scratch pointers of a kernel that uses no scratch.  Any difference,
 any launch attribute Triton would set (clusters, cooperative grids,
 programmatic dependent launch, oversized shared memory), an argument type
 this module does not pack, or a missing driver symbol gives ``None``, and the
-caller keeps Triton's launcher (:class:`hicache_core.launch.Launcher` does).
+caller keeps Triton's launcher (:class:`hicache_core.launch.Launcher` does, also
+for a launch whose descriptors :meth:`DriverKernel.pack` cannot encode).
 Nothing here imports Triton.
 """
 
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of a CUDA tensor map (``CUtensorMap``) and its alignment.
 TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN = 128, 64
-#: ``CUtensorMapDataType`` by element size (a copy moves bits: unsigned types of the width suffice).
+#: ``CUtensorMapDataType`` by element size.  Bulk tensor copies move bits, so an unsigned type of the
+#: width suffices; kernels that reduce through a tensor map (``cp.reduce.async.bulk``) are refused.
 _TMA_DTYPE = {1: 0, 2: 1, 4: 2, 8: 4}
 _L2_PROMOTION_128B = 2
 _CUDA_ERROR_INVALID_CONTEXT = 201
@@ -114,7 +116,8 @@ _SCALARS = {"ptr": (8, ctypes.c_uint64), "i32": (4, ctypes.c_int32), "u32": (4, 
             "i64": (8, ctypes.c_int64), "u64": (8, ctypes.c_uint64)}
 
 
-def expected_params(signature: dict[str, str], tensordesc_meta: Sequence[Any] | None) -> list[tuple[str, int, int]] | None:
+def expected_params(signature: dict[str, str],
+                    tensordesc_meta: Sequence[Any] | None) -> list[tuple[str, int, int]] | None:
     """``(kind, argument position, part)`` of each kernel parameter Triton passes for ``signature`` (a compiled
     kernel's argument types by name, in order), or ``None`` for an argument this module does not pack.
 
@@ -124,6 +127,8 @@ def expected_params(signature: dict[str, str], tensordesc_meta: Sequence[Any] | 
     out: list[tuple[str, int, int]] = []
     k = 0
     for pos, ty in enumerate(signature.values()):
+        if not isinstance(ty, str):  # a tuple argument
+            return None
         if ty == "constexpr":
             continue
         if ty.startswith("tensordesc"):
@@ -200,10 +205,14 @@ class DriverKernel:
         plan = expected_params(signature, metas)
         if plan is None:
             return "argument types", None
+        if "cp.reduce.async.bulk" in ptx:
+            return "tensor-map reductions (the map's data type would matter)", None
         sizes = ptx_params(ptx, getattr(md, "name", None))
         if sizes is None:
             return "PTX entry", None
         head, tail = sizes[:len(plan)], sizes[len(plan):]
+        # Trailing parameters: Triton's global and profile scratch pointers (null here: the sizes are 0); a
+        # build that appends anything else (instrumentation) gives more than two and is refused.
         if head != [_size(kind) for kind, _, _ in plan] or any(s != 8 for s in tail) or len(tail) > 2:
             return f"parameter sizes {sizes} vs {[_size(kind) for kind, _, _ in plan]}", None
         desc_pos = sorted({pos for kind, pos, _ in plan if kind == "map"})
@@ -241,7 +250,7 @@ class DriverKernel:
         dyn = frozenset(dynamic)
         n = len(self.plan) + self.scratch
         array = (ctypes.c_void_p * n)()
-        keep: list = [array]
+        keep: list = [array, [a for i, a in enumerate(args) if i not in dyn]]  # static tensors stay alive with it
         setters = []
         for i, (kind, pos, part) in enumerate(self.plan):
             value = args[pos]
@@ -276,6 +285,8 @@ class DriverKernel:
 
         :raises DriverLaunchError: the driver refused the launch.
         """
+        if grid <= 0:  # as Triton's launcher: nothing to launch
+            return True
         with packed.lock:
             for pos, obj, is_ptr in packed.setters:
                 v = args[pos]

@@ -11,7 +11,7 @@ own ``JITFunction.run``.
 The key is never coarser than Triton's: the device, ``num_warps``, every
 constexpr's value, each tensor's dtype and 16-byte alignment, each tensor
 descriptor's dtype, rank and block shape, and for each integer whether it fits
-int32 / uint64, equals 1 and is a multiple of 16.
+int32, whether it fits int64, whether it equals 1 and whether it is a multiple of 16.
 Anything unusual (the CPU interpreter, a launch hook set for profiling, a Triton
 without the compiled-kernel API, ``HICACHE_FAST_LAUNCH=0``) takes the public
 path, so behaviour never depends on the shortcut.  The environment is read at
@@ -28,8 +28,10 @@ compiled-kernel launcher instead.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -44,7 +46,11 @@ ENV_FAST_LAUNCH = "HICACHE_FAST_LAUNCH"
 #: ``0`` keeps Triton's compiled-kernel launcher where the CUDA driver launch would apply.
 ENV_DRIVER_LAUNCH = "HICACHE_DRIVER_LAUNCH"
 
-_I32_MIN, _I32_MAX, _U64_MAX = -(2**31), 2**31 - 1, 2**64 - 1
+_I32_MIN, _I32_MAX, _I64_MIN, _I64_MAX = -(2**31), 2**31 - 1, -(2**63), 2**63 - 1
+#: Static-key tokens, unique across every Launcher of the process (a token never means another
+#: launcher's key), handed out under a lock.
+_TOKENS = itertools.count()
+_TOKEN_LOCK = threading.Lock()
 
 
 def fast_launch_enabled() -> bool:
@@ -92,7 +98,7 @@ def _traits(arg: Any) -> Any:
     if isinstance(arg, bool):
         return ("b", arg)
     if isinstance(arg, int):
-        return (_I32_MIN <= arg <= _I32_MAX, arg <= _U64_MAX and arg >= 0, arg == 1, arg & 15 == 0)
+        return (_I32_MIN <= arg <= _I32_MAX, _I64_MIN <= arg <= _I64_MAX, arg == 1, arg & 15 == 0)
     if hasattr(arg, "block_shape") and hasattr(arg, "base"):  # a host tensor descriptor (TMA)
         return ("desc", type(arg), arg.base.dtype, tuple(arg.block_shape), len(arg.shape),
                 getattr(arg, "padding", None), getattr(arg, "round_f32_to_tf32", None), repr(getattr(arg, "layout", None)))
@@ -172,11 +178,16 @@ class Launcher:
         return tuple(i for i, name in enumerate(self.arg_names) if name in wanted)
 
     def static_key(self, args: Sequence[Any], dynamic: Sequence[int]) -> int:
-        """The part of the specialisation key contributed by every position not in ``dynamic``, as a small
-        int (equal keys give equal ints: calls then hash an int, not the whole key)."""
+        """The part of the specialisation key contributed by every position not in ``dynamic``, as an int
+        token (equal keys give equal tokens: calls then hash an int, not the whole key).  Tokens are unique
+        across launchers; pass a token only to the launcher that issued it."""
         dyn = frozenset(dynamic)
         key = tuple(None if i in dyn else (a if i in self._constexprs else _traits(a)) for i, a in enumerate(args))
-        return self._static_ids.setdefault(key, len(self._static_ids))
+        token = self._static_ids.get(key)
+        if token is None:
+            with _TOKEN_LOCK:  # two threads never get one token for two keys
+                token = self._static_ids.setdefault(key, next(_TOKENS))
+        return token
 
     def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: int | None = None,
                  dynamic: Sequence[int] = (), maxnreg: int | None = None, packs: dict | None = None) -> None:
@@ -184,7 +195,8 @@ class Launcher:
 
         ``packs``: a dict owned by one launch whose positions outside ``dynamic`` hold the same values on
         every call with it (needs ``static_key``); the driver launch keeps that launch's packed parameters
-        there.
+        there.  Tensors at dynamic positions must then live on the launch's device (the driver launch
+        passes their addresses as they are; Triton's launcher would reject a CPU tensor).
         """
         if len(args) != self._nargs and self._nargs:
             raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
@@ -202,7 +214,7 @@ class Launcher:
             key = launch_key(args, self._constexprs, num_warps, device)
             packs = None
         else:
-            key = (device, num_warps, static_key, maxnreg, *[_traits(args[i]) for i in dynamic])
+            key = ("static", device, num_warps, static_key, maxnreg, *[_traits(args[i]) for i in dynamic])
         if maxnreg is not None and static_key is None:
             key = (*key, "maxnreg", maxnreg)
         compiled = self._compiled.get(key)
@@ -219,15 +231,31 @@ class Launcher:
             if drv:
                 packed = packs.get(key)
                 if packed is None:
-                    packed = packs[key] = drv.pack(args, dynamic)
-                if drv.launch(grid, stream, packed, args):
+                    packed = packs[key] = self._pack(drv, args, dynamic)
+                if packed and drv.launch(grid, stream, packed, args):
                     self.driver_launches += 1
                     return
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
     @staticmethod
     def _driver_kernel(compiled: Any) -> Any:
-        """The verified driver launch of ``compiled``, or ``False``."""
-        from .drvlaunch import DriverKernel
+        """The verified driver launch of ``compiled``, or ``False`` (Triton's launcher then)."""
+        try:
+            from .drvlaunch import DriverKernel
 
-        return DriverKernel.build(compiled) or False
+            return DriverKernel.build(compiled) or False
+        except Exception as exc:  # anything this module cannot read keeps Triton's launcher
+            logger.info("driver launch not used: %r", exc)
+            return False
+
+    @staticmethod
+    def _pack(drv: Any, args: Sequence[Any], dynamic: Sequence[int]) -> Any:
+        """``drv``'s packed parameters for this launch, or ``False`` when they cannot be packed (Triton's
+        launcher then serves this launch)."""
+        from .drvlaunch import DriverLaunchError
+
+        try:
+            return drv.pack(args, dynamic)
+        except DriverLaunchError as exc:
+            logger.info("driver launch not used for this launch: %s", exc)
+            return False

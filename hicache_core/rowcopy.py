@@ -289,7 +289,7 @@ class _Launch:
     tuning: Tuning
     args: tuple
     slots: tuple[tuple[str, int], ...]
-    packs: dict = field(default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
+    packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
 @dataclass(frozen=True)
@@ -391,7 +391,8 @@ class RowKernelStrategy(DirectionalStrategy):
             lines.append(f"{self.name}: launches " + (
                 "through cuLaunchKernel with parameters packed once per pool, where the compiled kernel's parameters "
                 "verify against its PTX (else Triton's launcher; HICACHE_DRIVER_LAUNCH=0 turns it off)"
-                if driver_launch_enabled() else "through Triton's launcher (HICACHE_DRIVER_LAUNCH=0 or fast launch off)"))
+                if driver_launch_enabled() else
+                "through Triton's launcher (HICACHE_DRIVER_LAUNCH=0 or fast launch off)"))
         return lines
 
     # -- set-up -----------------------------------------------------------------------------------

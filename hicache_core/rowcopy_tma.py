@@ -196,7 +196,7 @@ class TmaLaunch:
     key: int
     args: tuple
     slots: tuple[tuple[str, int], ...]
-    packs: dict = field(default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
+    packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
 def _host_base(g: RowGroup, k: int, off: int) -> torch.Tensor:

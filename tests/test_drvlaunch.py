@@ -53,10 +53,12 @@ class FakeLib:
         assert all(lock.locked() for lock in self.locks)  # values written and launched under the launch's lock
         read = lambda i, t: t.from_address(params[i]).value  # noqa: E731
         self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream,
-                                  anchor=read(0, ctypes.c_uint64), map=bytes((ctypes.c_ubyte * 8).from_address(params[1])),
+                                  anchor=read(0, ctypes.c_uint64),
+                                  map=bytes((ctypes.c_ubyte * 8).from_address(params[1])),
                                   shape=(read(2, ctypes.c_int32), read(3, ctypes.c_int32)),
                                   strides=(read(4, ctypes.c_int64), read(5, ctypes.c_int64)),
-                                  n=read(6, ctypes.c_int32), scratch=(read(7, ctypes.c_uint64), read(8, ctypes.c_uint64))))
+                                  n=read(6, ctypes.c_int32),
+                                  scratch=(read(7, ctypes.c_uint64), read(8, ctypes.c_uint64))))
         return self.launch_result
 
     def cuTensorMapEncodeTiled(self, out, dtype, rank, addr, dims, strides, box, elem, interleave, swizzle, l2, fill):
@@ -143,6 +145,27 @@ def test_pack_encodes_maps_once_and_launch_rewrites_dynamic_values(lib):
     assert (b["anchor"], b["n"], b["grid"], b["stream"]) == (other.data_ptr(), 4096, (7, 1, 1), 0x6)
 
 
+def test_static_values_are_packed_once_and_never_rewritten(lib):
+    k = DriverKernel.build(_compiled())
+    anchor, other = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    args = [anchor, _desc(torch.zeros(40 * 288, dtype=torch.int32)), None, 100, 288]
+    packed = k.pack(args, dynamic=(3,))
+    assert k.launch(1, 0, packed, [other, args[1], None, 7, 288])  # a static position changed: not read
+    assert (lib.launches[0]["anchor"], lib.launches[0]["n"]) == (anchor.data_ptr(), 7)
+    assert anchor in packed.keep[1]  # the static tensors live as long as the packed parameters
+
+
+def test_grid_zero_launches_nothing(lib):
+    k = DriverKernel.build(_compiled())
+    args = [torch.zeros(4, dtype=torch.int32), _desc(torch.zeros(40 * 288, dtype=torch.int32)), None, 1, 8]
+    assert k.launch(0, 0, k.pack(args, dynamic=(3,)), args) and lib.launches == []
+
+
+def test_tuple_arguments_and_tensor_map_reductions_keep_tritons_launcher(lib):
+    assert expected_params({"pair": ("*i32", "i32")}, None) is None
+    assert DriverKernel.build(_compiled(ptx=PTX + "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add")) is None
+
+
 def test_driver_errors(lib):
     k = DriverKernel.build(_compiled())
     args = [torch.zeros(4, dtype=torch.int32), _desc(torch.zeros(40 * 288, dtype=torch.int32)), None, 1, 8]
@@ -216,12 +239,53 @@ def test_launcher_takes_the_driver_launch_only_with_packs(fast_launcher, lib, mo
     assert (kernel.runs, launcher.driver_launches) == (3, 2)
 
 
+def test_a_launch_whose_descriptor_cannot_be_packed_keeps_tritons_launcher(fast_launcher, lib):
+    kernel, launcher = fast_launcher
+    desc = _desc(torch.zeros(40 * 288, dtype=torch.int32))
+    desc.padding = "nan"  # Triton encodes it with NaN fill; the driver launch does not
+    args = [torch.zeros(4, dtype=torch.int32), desc, None, 100, 288]
+    key, packs = launcher.static_key(args, (3,)), {}
+    for _ in range(3):
+        launcher(2, args, num_warps=4, static_key=key, dynamic=(3,), packs=packs)
+    assert (kernel.public, kernel.runs, launcher.driver_launches, lib.launches) == (1, 2, 0, [])
+    assert list(packs.values()) == [False]  # refused once, not retried per call
+
+
+def test_launches_sharing_a_static_key_keep_their_own_values(fast_launcher, lib):
+    """Two pools' launches: same traits, other static values, each its own packs."""
+    _, launcher = fast_launcher
+    a, b = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    desc = _desc(torch.zeros(40 * 288, dtype=torch.int32))
+    args_a, args_b = [a, desc, None, 100, 288], [b, desc, None, 100, 288]
+    key = launcher.static_key(args_a, (3,))
+    assert key == launcher.static_key(args_b, (3,))
+    packs_a: dict = {}
+    packs_b: dict = {}
+    launcher(1, args_a, num_warps=4, static_key=key, dynamic=(3,), packs=packs_a)  # compiles (public)
+    for args, packs in ((args_a, packs_a), (args_b, packs_b), (args_a, packs_a)):
+        launcher(1, args, num_warps=4, static_key=key, dynamic=(3,), packs=packs)
+    assert [x["anchor"] for x in lib.launches] == [a.data_ptr(), b.data_ptr(), a.data_ptr()]
+
+
+def test_static_and_plain_keys_never_meet(fast_launcher):
+    """A plain call whose arguments spell out another launch's static key gets its own kernel."""
+    kernel, launcher = fast_launcher
+    launcher._constexprs, launcher._nargs = frozenset({0, 1}), 3
+    buf = torch.zeros(64, dtype=torch.int32)
+    token = launcher.static_key((5, 7, buf), (2,))
+    launcher(1, (5, 7, buf), num_warps=4, static_key=token, dynamic=(2,))
+    launcher(1, (token, None, buf), num_warps=4)  # no static key: compiled for these constexprs
+    assert kernel.public == 2
+
+
 def test_static_keys_are_small_ints_equal_for_equal_traits(fast_launcher):
     _, launcher = fast_launcher
     a = torch.zeros(64, dtype=torch.int32)
     k1 = launcher.static_key((a, None, 1, 8), (1,))
     assert isinstance(k1, int) and k1 == launcher.static_key((a.clone(), None, 1, 8), (1,))
-    assert k1 != launcher.static_key((a, None, 1, 16), (1,)) != launcher.static_key((a[1:], None, 1, 8), (1,))
+    k2, k3 = launcher.static_key((a, None, 1, 16), (1,)), launcher.static_key((a[1:], None, 1, 8), (1,))
+    assert len({k1, k2, k3}) == 3  # a constexpr, an alignment: other keys
+    assert Launcher(_Kernel()).static_key((a, None, 1, 8), (1,)) not in (k1, k2, k3)  # tokens are per launcher
 
 
 _REAL_KERNELS = r"""
@@ -243,7 +307,8 @@ def compile_sm90(kernel, types_by_name, consts):
 
 ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_tok")}
 row = compile_sm90(lf.KERNEL, {"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32",
-                               "dev_rows": "i32"}, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1))
+                               "dev_rows": "i32"},
+                   dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1))
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
 tma = compile_sm90(kl.PAGED_TMA_LOAD, {**ints, "anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64",
                                        "host_desc": "tensordesc<i32[16, 256]>", "host_tail": "tensordesc<i32[16, 32]>"},
@@ -254,7 +319,7 @@ for c in (row, tma):
     c.function = 0  # what loading on a GPU sets (the CUfunction handle)
     k = DriverKernel.build(c)
     out[c.metadata.name] = None if k is None else dict(
-        kinds=[kind for kind, _, _ in k.plan], scratch=k.scratch, ptx=len(ptx_params(c.asm["ptx"], c.metadata.name)))
+        kinds=[kind for kind, _, _ in k.plan], scratch=k.scratch, sizes=ptx_params(c.asm["ptx"], c.metadata.name))
 print(json.dumps(out))
 """
 
@@ -272,10 +337,12 @@ def test_real_kernels_verify_against_their_ptx():
     out = json.loads(res.stdout.strip().splitlines()[-1])
     row, tma = out["KERNEL"], out["PAGED_TMA_LOAD"]
     assert row is not None and tma is not None, out
-    assert row["kinds"].count("map") == 0 and row["kinds"].count("ptr") == 8
-    assert tma["kinds"][:7] == ["ptr", "map", "shape", "shape", "stride", "stride", "map"]
-    for k in (row, tma):
-        assert k["ptx"] == len(k["kinds"]) + k["scratch"] and k["scratch"] <= 2
+    # Written out by hand from the kernels' signatures: anchor, two 2-D descriptors (map, 2 x i32 shape,
+    # 2 x i64 stride), host_idx, dev_idx, then the 14 int arguments (the _b descriptors are None: constexprs).
+    assert tma["sizes"][:27] == [8, 128, 4, 4, 8, 8, 128, 4, 4, 8, 8, 8, 8] + [4] * 14
+    assert row["sizes"][:12] == [8, 8, 8, 4, 8, 4, 8, 8, 8, 8, 4, 4]
+    for k, n in ((row, 12), (tma, 27)):
+        assert len(k["kinds"]) == n and k["scratch"] in (1, 2) and k["sizes"][n:] == [8] * k["scratch"]
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -289,11 +356,15 @@ def test_gpu_driver_launch_is_bit_exact_and_used(layout, case_id):
     case = next(c for c in CASES if c.id == case_id)
     try:
         assert set_fast_launch(True) and set_driver_launch(True)
-        before = sum(lch.driver_launches for lch in rowcopy._LAUNCHERS.values())
+        before = {id(lch): lch.driver_launches for lch in rowcopy._LAUNCHERS.values()}
         for per_layer_backup in (False, True):
-            check_strategy(create_registry(), case, layout, "kernel", device=torch.device("cuda"),
-                           per_layer_backup=per_layer_backup)
-        assert sum(lch.driver_launches for lch in rowcopy._LAUNCHERS.values()) > before
+            pool = check_strategy(create_registry(), case, layout, "kernel", device=torch.device("cuda"),
+                                  per_layer_backup=per_layer_backup)
+            prep = pool.binding.scratch[pool.strategy_name]
+            used = [prep.launcher] + ([prep.tma_launcher] if any(p is not None for p in prep.tma) else [])
+            for lch in used:  # the row kernel (backups) and, where a group loads through TMA, the TMA kernel
+                assert lch.driver_launches > before.get(id(lch), 0), lch.kernel
+                before[id(lch)] = lch.driver_launches
     finally:
         set_fast_launch(None)
         set_driver_launch(None)

@@ -182,3 +182,13 @@ def test_index_memo_is_per_stream():
         other = kernel_indices(idx, cuda, memo)
     side.synchronize()
     assert other is not first and torch.equal(other.cpu(), idx)
+
+
+def test_int64_and_uint64_are_other_specialisations(fast):
+    """Triton passes an int that fits int64 as i64 and a larger one as u64: never one compiled handle for both."""
+    kernel, launch = fast
+    buf = torch.zeros(64, dtype=torch.int32)
+    launch(1, (buf, 2**40 + 3, 8), num_warps=4)
+    launch(1, (buf, 2**63 + 3, 8), num_warps=4)
+    launch(1, (buf, 2**40 + 5, 8), num_warps=4)
+    assert [e[0] for e in kernel.log] == ["public", "public", "fast"]
