@@ -5,7 +5,9 @@ MHA 80 x 8 x 128 bf16 (4096 tokens, 64-token pages, GPU-resident indices), layou
 ``layer_first`` and ``page_first_direct``, TMA loads on and off, it times (mean host
 microseconds per call over a burst of calls, median of several bursts):
 
-* ``load_layer``: the whole public call;
+* ``load_layer``: the whole public call (in a burst: the link busy with the calls before it);
+* ``load_layer_idle``: the whole call issued on an idle GPU (synchronised before each call), as a lone
+  load pays it;
 * ``check``: the pool's argument checks alone;
 * ``transfer``: the strategy's transfer alone (index placement and launches);
 * ``load_layer_triton``: the whole call with the CUDA driver launch off (Triton's compiled-kernel launcher);
@@ -43,6 +45,17 @@ def _per_call_us(fn: Callable[[], Any], calls: int = 60, rounds: int = 7) -> flo
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return round(statistics.median(out), 2)
+
+
+def _idle_call_us(fn: Callable[[], Any], calls: int = 60) -> float:
+    out = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return round(statistics.median(out), 2)
 
@@ -109,6 +122,7 @@ def main() -> int:
                 pool.load_layer(layer, h, d)
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                row["load_layer_idle"] = _idle_call_us(lambda: pool.load_layer(layer, h, d))
                 set_driver_launch(False)
                 row["load_layer_triton"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
                 set_driver_launch(None)
