@@ -35,6 +35,7 @@ from hicache_core.kernel_support import transfer_indices
 from hicache_core.launch import set_driver_launch
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
+from host_time import _sync_us  # benchmarks/ is this script's directory
 
 
 def _per_call_us(fn: Callable[[], Any], calls: int = 60, rounds: int = 7) -> float:
@@ -45,17 +46,6 @@ def _per_call_us(fn: Callable[[], Any], calls: int = 60, rounds: int = 7) -> flo
         for _ in range(calls):
             fn()
         out.append((time.perf_counter() - t0) * 1e6 / calls)
-    torch.cuda.synchronize()
-    return round(statistics.median(out), 2)
-
-
-def _idle_call_us(fn: Callable[[], Any], calls: int = 60) -> float:
-    out = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
     return round(statistics.median(out), 2)
 
@@ -122,7 +112,7 @@ def main() -> int:
                 pool.load_layer(layer, h, d)
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
-                row["load_layer_idle"] = _idle_call_us(lambda: pool.load_layer(layer, h, d))
+                row["load_layer_idle"] = round(_sync_us(lambda: pool.load_layer(layer, h, d), 60), 2)
                 set_driver_launch(False)
                 row["load_layer_triton"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
                 set_driver_launch(None)
