@@ -121,8 +121,9 @@ def expected_params(signature: dict[str, str],
     """``(kind, argument position, part)`` of each kernel parameter Triton passes for ``signature`` (a compiled
     kernel's argument types by name, in order), or ``None`` for an argument this module does not pack.
 
-    Kinds: ``ptr``, ``i32``/``u32``/``i64``/``u64`` (the argument itself), ``map`` (a descriptor's tensor map),
-    ``shape``/``stride`` (its ``part``-th dimension).
+    Kinds: ``ptr``, ``i32``/``u32``/``i64``/``u64`` (the argument itself), ``map`` (a descriptor's tensor map;
+    ``part``: which descriptor, the index into ``tensordesc_meta``), ``shape``/``stride`` (its ``part``-th
+    dimension).
     """
     out: list[tuple[str, int, int]] = []
     k = 0
@@ -138,7 +139,7 @@ def expected_params(signature: dict[str, str],
                     not {"swizzle", "elem_size", "block_size"} <= set(meta):
                 return None
             rank = len(meta["block_size"])
-            out += [("map", pos, 0)] + [("shape", pos, i) for i in range(rank)] + \
+            out += [("map", pos, k - 1)] + [("shape", pos, i) for i in range(rank)] + \
                    [("stride", pos, i) for i in range(rank)]
         elif ty.startswith("*"):
             out.append(("ptr", pos, 0))
@@ -171,7 +172,7 @@ class DriverKernel:
     """A compiled Triton kernel as ``cuLaunchKernel`` sees it; :meth:`build` returns ``None`` where not verified."""
 
     def __init__(self, lib: Any, compiled: Any, plan: list[tuple[str, int, int]], scratch: int, num_warps: int,
-                 shared: int, metas: dict[int, dict]) -> None:
+                 shared: int, metas: Sequence[dict]) -> None:
         self.lib, self.compiled, self.plan, self.scratch = lib, compiled, plan, scratch
         self.block, self.shared, self.metas = 32 * num_warps, shared, metas
 
@@ -215,9 +216,7 @@ class DriverKernel:
         # build that appends anything else (instrumentation) gives more than two and is refused.
         if head != [_size(kind) for kind, _, _ in plan] or any(s != 8 for s in tail) or len(tail) > 2:
             return f"parameter sizes {sizes} vs {[_size(kind) for kind, _, _ in plan]}", None
-        desc_pos = sorted({pos for kind, pos, _ in plan if kind == "map"})
-        by_pos = {pos: metas[i] for i, pos in enumerate(desc_pos)} if desc_pos and metas is not None else {}
-        return "", cls(lib, compiled, plan, len(tail), md.num_warps, md.shared, by_pos)
+        return "", cls(lib, compiled, plan, len(tail), md.num_warps, md.shared, metas or ())
 
     def _encode(self, desc: Any, meta: dict) -> Any:
         """A tensor map for host descriptor ``desc`` (``base``, ``shape``, ``strides``), as Triton encodes it."""
@@ -257,7 +256,7 @@ class DriverKernel:
             if kind == "map":
                 if pos in dyn:
                     raise DriverLaunchError("a tensor descriptor cannot change per call")
-                raw, addr = self._encode(value, self.metas[pos])
+                raw, addr = self._encode(value, self.metas[part])
                 keep.append(raw)
                 array[i] = addr
                 continue

@@ -212,11 +212,11 @@ class Launcher:
         device = get_device()
         if static_key is None:
             key = launch_key(args, self._constexprs, num_warps, device)
+            if maxnreg is not None:
+                key = (*key, "maxnreg", maxnreg)
             packs = None
         else:
             key = ("static", device, num_warps, static_key, maxnreg, *[_traits(args[i]) for i in dynamic])
-        if maxnreg is not None and static_key is None:
-            key = (*key, "maxnreg", maxnreg)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[(grid,)](*args, **opts)
