@@ -5,7 +5,9 @@ MHA 80 x 8 x 128 bf16 (4096 tokens, 64-token pages, GPU-resident indices), layou
 ``layer_first`` and ``page_first_direct``, TMA loads on and off, it times (mean host
 microseconds per call over a burst of calls, median of several bursts):
 
-* ``load_layer``: the whole public call (in a burst: the link busy with the calls before it);
+* ``load_layer``: the whole public call (in a burst: the link busy with the calls before it), replays on
+  (:mod:`hicache_core.replay`: the same index tensors, so every call after the first is replayed);
+* ``load_layer_noreplay``: the same with ``HICACHE_REPLAY=0`` (every call derives its launches);
 * ``load_layer_idle``: the whole call issued on an idle GPU (synchronised before each call), as a lone
   load pays it;
 * ``check``: the pool's argument checks alone;
@@ -35,6 +37,7 @@ from hicache_core.kernel_support import transfer_indices
 from hicache_core.launch import set_driver_launch
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
+from hicache_core.replay import set_replay
 from host_time import _sync_us  # benchmarks/ is this script's directory
 
 
@@ -111,7 +114,12 @@ def main() -> int:
                         lch._driver.clear()
                 pool.load_layer(layer, h, d)
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
+                hits = prep.replays.hits if prep.replays is not None else 0
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                row["replayed"] = (prep.replays.hits if prep.replays is not None else 0) - hits
+                set_replay(False)
+                row["load_layer_noreplay"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                set_replay(None)
                 row["load_layer_idle"] = round(_sync_us(lambda: pool.load_layer(layer, h, d), 60), 2)
                 set_driver_launch(False)
                 row["load_layer_triton"] = _per_call_us(lambda: pool.load_layer(layer, h, d))

@@ -63,8 +63,9 @@ def _cuda() -> Any:
     try:
         lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
         c_uint, c_void_p = ctypes.c_uint, ctypes.c_void_p
-        lib.cuLaunchKernel.argtypes = [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p,
-                                       c_void_p, c_void_p]
+        # cuLaunchKernel has no argtypes: every call passes the ctypes objects a Packed prebuilt with the
+        # exact C types (no per-call conversion; a plain int would be passed as a C int, so nothing else
+        # may call it).
         lib.cuLaunchKernel.restype = ctypes.c_int
         u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
         lib.cuTensorMapEncodeTiled.argtypes = [c_void_p, ctypes.c_int, c_uint, c_void_p, u64p, u64p, u32p, u32p,
@@ -155,17 +156,23 @@ def _size(kind: str) -> int:
 
 
 class Packed:
-    """One launch's parameter storage: ``cuLaunchKernel``'s pointer array and the objects it points to.
+    """One launch's parameter storage: ``cuLaunchKernel``'s pointer array and the objects it points to, and
+    the call's own arguments as C objects (``call``: function, grid, block, shared bytes, stream, parameters).
 
-    A call rewrites the dynamic values in place, so ``lock`` is held from the first write to the
-    launch (the driver copies the values at launch): threads sharing a launch never mix arguments.
+    A call rewrites the grid, the stream and the dynamic values in place, so ``lock`` is held from the first
+    write to the launch (the driver copies the values at launch): threads sharing a launch never mix
+    arguments.
     """
 
-    __slots__ = ("array", "keep", "setters", "lock")
+    __slots__ = ("array", "keep", "setters", "lock", "grid", "stream", "call")
 
-    def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...]) -> None:
+    def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int = 0,
+                 block: int = 1, shared: int = 0) -> None:
         self.array, self.keep, self.setters = array, keep, setters
         self.lock = threading.Lock()
+        self.grid, self.stream, one = ctypes.c_uint(1), ctypes.c_void_p(0), ctypes.c_uint(1)
+        self.call = (ctypes.c_void_p(function), self.grid, one, one, ctypes.c_uint(block), one, one,
+                     ctypes.c_uint(shared), self.stream, array, None)
 
 
 class DriverKernel:
@@ -274,7 +281,7 @@ class DriverKernel:
             obj = ctypes.c_uint64(0)
             keep.append(obj)
             array[len(self.plan) + j] = ctypes.addressof(obj)
-        return Packed(array, keep, tuple(setters))
+        return Packed(array, keep, tuple(setters), self.compiled.function, self.block, self.shared)
 
     def launch(self, grid: int, stream: int, packed: Packed, args: Sequence[Any]) -> bool:
         """Launch on ``grid`` programs with ``packed`` updated from ``args``' dynamic positions.
@@ -287,11 +294,11 @@ class DriverKernel:
         if grid <= 0:  # as Triton's launcher: nothing to launch
             return True
         with packed.lock:
+            packed.grid.value, packed.stream.value = grid, stream
             for pos, obj, is_ptr in packed.setters:
                 v = args[pos]
                 obj.value = v.data_ptr() if is_ptr else v
-            res = self.lib.cuLaunchKernel(self.compiled.function, grid, 1, 1, self.block, 1, 1, self.shared, stream,
-                                          packed.array, None)
+            res = self.lib.cuLaunchKernel(*packed.call)
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False
         if res:

@@ -190,13 +190,19 @@ class Launcher:
         return token
 
     def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: int | None = None,
-                 dynamic: Sequence[int] = (), maxnreg: int | None = None, packs: dict | None = None) -> None:
+                 dynamic: Sequence[int] = (), maxnreg: int | None = None,
+                 packs: dict | None = None) -> tuple[Any, Any] | None:
         """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap).
 
         ``packs``: a dict owned by one launch whose positions outside ``dynamic`` hold the same values on
         every call with it (needs ``static_key``); the driver launch keeps that launch's packed parameters
         there.  Tensors at dynamic positions must then live on the launch's device (the driver launch
         passes their addresses as they are; Triton's launcher would reject a CPU tensor).
+
+        Returns ``(DriverKernel, Packed)`` when the launch went through the CUDA driver, else ``None``: a
+        caller may repeat the same launch with other values at the dynamic positions *of the same traits*
+        (same dtypes, alignment and integer classes, so the same key) through
+        ``DriverKernel.launch(grid, stream, packed, args)`` while :meth:`driver_ready` holds.
         """
         if len(args) != self._nargs and self._nargs:
             raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
@@ -204,11 +210,11 @@ class Launcher:
         api = self._api
         if api is None or not _ENABLED[0]:
             self.kernel[(grid,)](*args, **opts)
-            return
+            return None
         get_device, get_stream, runtime = api
         if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
             self.kernel[(grid,)](*args, **opts)  # profilers hook the public path
-            return
+            return None
         device = get_device()
         if static_key is None:
             key = launch_key(args, self._constexprs, num_warps, device)
@@ -222,7 +228,7 @@ class Launcher:
             compiled = self.kernel[(grid,)](*args, **opts)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self._compiled[key] = compiled
-            return
+            return None
         stream = get_stream(device)
         if packs is not None and _DRIVER[0]:
             drv = self._driver.get(key)
@@ -234,8 +240,18 @@ class Launcher:
                     packed = packs[key] = self._pack(drv, args, dynamic)
                 if packed and drv.launch(grid, stream, packed, args):
                     self.driver_launches += 1
-                    return
+                    return drv, packed
         compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        return None
+
+    def driver_ready(self) -> bool:
+        """Whether a launch this launcher made through the CUDA driver may be repeated directly now: fast and
+        driver launches on, no Triton launch hook set (a profiler's hooks see only the public path)."""
+        api = self._api
+        if api is None or not (_ENABLED[0] and _DRIVER[0]):
+            return False
+        runtime = api[2]
+        return not (_hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook))
 
     @staticmethod
     def _driver_kernel(compiled: Any) -> Any:

@@ -45,6 +45,7 @@ from .kernel_support import (
     transfer_indices,
 )
 from .layout import Layout
+from .replay import Replays, Step, replay_enabled, step as replay_step
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
 from .rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch,
@@ -304,6 +305,7 @@ class Prepared:
     tma: tuple[dict[int, tuple[TmaLaunch, ...]] | None, ...] = ()  # per group: TMA loads by layer, or None
     tma_launcher: Any = None
     tma_dynamic: tuple[int, ...] = ()
+    replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -390,7 +392,9 @@ class RowKernelStrategy(DirectionalStrategy):
 
             lines.append(f"{self.name}: launches " + (
                 "through cuLaunchKernel with parameters packed once per pool, where the compiled kernel's parameters "
-                "verify against its PTX (else Triton's launcher; HICACHE_DRIVER_LAUNCH=0 turns it off)"
+                "verify against its PTX (else Triton's launcher; HICACHE_DRIVER_LAUNCH=0 turns it off); calls passing "
+                "the same index tensors, unchanged, on the same stream replay their launches ("
+                + ("on" if replay_enabled() else "off") + ", HICACHE_REPLAY)"
                 if driver_launch_enabled() else
                 "through Triton's launcher (HICACHE_DRIVER_LAUNCH=0 or fast launch off)"))
         return lines
@@ -418,6 +422,8 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
+        if Replays.usable(binding) and not interpreting():
+            prep = replace(prep, replays=Replays(binding))
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])
@@ -468,13 +474,21 @@ class RowKernelStrategy(DirectionalStrategy):
         if n == 0:
             return
         prep: Prepared = binding.scratch[self.name]
-        h, d = transfer_indices(binding, host_indices, device_indices)
+        rp = prep.replays
+        b = None if rp is None else rp.batch(host_indices, device_indices, to_host, prep.launcher)
+        if b is not None:
+            if rp.run(b, layer, to_host):  # type: ignore[union-attr]
+                return
+            h, d = b.h, b.d
+        else:
+            h, d = transfer_indices(binding, host_indices, device_indices)
+        steps: list[Step] | None = [] if b is not None else None  # recorded when every launch took the driver
         tma = prep.tma if layer is not None and not to_host else ()
         with on_pool_device(binding.device):
             for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
                 plan = tma[gi] if tma else None
                 if plan is not None:
-                    self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n)
+                    steps = self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n, steps)
                     continue
                 ents = g.entries(layer)
                 if ents is None:
@@ -483,19 +497,42 @@ class RowKernelStrategy(DirectionalStrategy):
                 n_ents = ents.numel()
                 args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
                 items = -(-n // lv.tokens) * n_ents
-                prep.launcher(max(1, min(lv.tuning.programs, items)), args, num_warps=lv.tuning.num_warps,
-                              static_key=lv.key, dynamic=prep.dynamic, maxnreg=lv.tuning.maxnreg, packs=lv.packs)
+                kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=prep.dynamic,
+                          maxnreg=lv.tuning.maxnreg, packs=lv.packs)
+                used = prep.launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
+                steps = _keep(steps, used, prep.launcher, args, lv.slots, lv.tuning.programs, lv.tokens, n_ents, kw)
+        if steps is not None and b is not None:
+            rp.record(b, layer, to_host, steps)  # type: ignore[union-attr]
 
     @staticmethod
-    def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int) -> None:
-        """One TMA launch per (pair of) entries of the layer (:func:`hicache_core.rowcopy_tma.plan_group`)."""
+    def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int,
+                   steps: list[Step] | None) -> list[Step] | None:
+        """One TMA launch per (pair of) entries of the layer (:func:`hicache_core.rowcopy_tma.plan_group`);
+        returns ``steps`` with them appended (``None`` once one did not take the driver)."""
         t = prep.tuning.tma_load
         assert t is not None  # plans exist only with a tma_load tuning
         call = {"host_idx": h, "dev_idx": d, "n": n}
         for lv in launches:
-            prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), _fill(lv.args, lv.slots, call),
-                              num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg,
-                              packs=lv.packs)
+            args = _fill(lv.args, lv.slots, call)
+            kw = dict(num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg,
+                      packs=lv.packs)
+            used = prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, **kw)
+            steps = _keep(steps, used, prep.tma_launcher, args, lv.slots, t.programs, lv.tokens, 1, kw)
+        return steps
+
+
+def _keep(steps: list[Step] | None, used: Any, launcher: Any, args: list, slots: tuple[tuple[str, int], ...],
+          programs: int, tokens: int, per_tile: int, kw: dict) -> list[Step] | None:
+    """``steps`` with this launch's :class:`~hicache_core.replay.Step` appended, or ``None`` when it did not
+    go through the driver (``used`` is ``None``) or does not take all three batch values."""
+    if steps is None or used is None:
+        return None
+    pos = dict(slots)
+    if not {"host_idx", "dev_idx", "n"} <= pos.keys():
+        return None
+    steps.append(replay_step(used, launcher, args, (pos["host_idx"], pos["dev_idx"], pos["n"]), programs=programs,
+                             tokens=tokens, per_tile=per_tile, fallback=kw))
+    return steps
 
 
 def _fill(fixed: tuple, slots: tuple[tuple[str, int], ...], call: dict[str, Any]) -> list:

@@ -49,8 +49,13 @@ class FakeLib:
         self.encode_result = 0
         self.locks: list = []  # the Packed locks that must be held during a launch
 
-    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+    def cuLaunchKernel(self, *call):
         assert all(lock.locked() for lock in self.locks)  # values written and launched under the launch's lock
+        # the real function has no argtypes: every argument must already be a C object of the C type
+        kinds = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,)
+        assert len(call) == 11 and all(type(a) is k for a, k in zip(call, kinds)) and call[10] is None, call
+        fn, gx, gy, gz, bx, by, bz, shared, stream = (a.value or 0 for a in call[:9])
+        params = call[9]
         read = lambda i, t: t.from_address(params[i]).value  # noqa: E731
         self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream,
                                   anchor=read(0, ctypes.c_uint64),

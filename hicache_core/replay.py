@@ -1,0 +1,166 @@
+"""Repeat a transfer's CUDA driver launches for the next call of the same batch, without re-deriving them.
+
+An engine moves a batch layer by layer: ``load_layer(layer, host_indices, device_indices)`` once per layer,
+every call with the same two index tensors.  Everything a row-copy strategy derives from those tensors
+(their device copies, the kernel specialisation they select, the grid) is the same for every layer of the
+batch, and everything it derives from the layer (the launch's packed parameters, its entry table) is the
+same for every batch.  :class:`Replays` keeps both halves:
+
+* a **batch** per direction: the index tensors as the caller passed them (identity and version counter,
+  as the pool's own check memo), the stream, and what the kernels read (device copies, count, traits);
+* **steps** per (layer, direction, traits): each launch's :class:`~hicache_core.drvlaunch.DriverKernel`,
+  its packed parameters and how its grid follows the count, recorded from a call that launched every
+  one of them through the driver.
+
+A call whose batch matches and whose layer has steps launches them straight through ``cuLaunchKernel``;
+anything else (a new tensor, an in-place change, another stream or device, the driver launch off, a
+Triton launch hook set, no steps yet, ``HICACHE_REPLAY=0``) takes the strategy's normal path, which records
+the steps.  A replay moves exactly what the normal path moves: the same kernels, parameters and grids,
+only the derivation is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .kernel_support import current_device_index, current_stream_handle, index_memos, tensor_version, transfer_indices
+
+__all__ = ["Replays", "Step", "Batch", "ENV_REPLAY", "set_replay", "replay_enabled"]
+
+logger = logging.getLogger(__name__)
+
+#: ``0`` turns replays off (every call takes the strategy's normal path).
+ENV_REPLAY = "HICACHE_REPLAY"
+
+
+def _env() -> bool:
+    return os.environ.get(ENV_REPLAY, "1").lower() not in ("0", "false", "no", "off")
+
+
+_ON = [_env()]  # read once at import: no environment lookup per call
+
+
+def replay_enabled() -> bool:
+    """Whether calls may be replayed (``HICACHE_REPLAY`` not ``0``, or :func:`set_replay`)."""
+    return _ON[0]
+
+
+def set_replay(enabled: bool | None = None) -> bool:
+    """Turn replays on or off for every pool; ``None`` re-reads ``HICACHE_REPLAY``.  Returns the new state."""
+    _ON[0] = _env() if enabled is None else bool(enabled)
+    return _ON[0]
+
+
+class Batch(NamedTuple):
+    """One direction's last index pair, as passed and as the kernels read it."""
+
+    host_indices: torch.Tensor
+    host_version: int
+    device_indices: torch.Tensor
+    device_version: int
+    stream: int
+    h: torch.Tensor  # what kernels read (device copies of CPU indices, contiguous)
+    d: torch.Tensor
+    n: int
+    traits: tuple  # the launch-key traits of h, d and n
+
+
+@dataclass(frozen=True)
+class Step:
+    """One launch of a recorded call: its driver launch and how a batch's values fill it.
+
+    ``template`` is the launch's positional arguments with the batch's positions (``slots``: host indices,
+    device indices, count) unset; the grid is ``max(1, min(programs, ceil(n / tokens) * per_tile))``.
+    ``fallback`` holds the keyword arguments of the normal ``launcher`` call, taken when the driver
+    declines (no CUDA context on this thread).
+    """
+
+    kernel: Any  # hicache_core.drvlaunch.DriverKernel
+    packed: Any  # hicache_core.drvlaunch.Packed
+    template: tuple
+    slots: tuple[int, int, int]
+    programs: int
+    tokens: int
+    per_tile: int
+    launcher: Any  # hicache_core.launch.Launcher
+    fallback: dict
+
+
+class Replays:
+    """The batches and recorded steps of one pool binding (see the module docstring).
+
+    Thread-safe as the memos it mirrors: a batch is one immutable tuple replaced whole, steps are
+    immutable tuples, and each driver launch holds its packed parameters' lock.
+    """
+
+    def __init__(self, binding: Any) -> None:
+        self.binding = binding
+        self.device_index = binding.device.index if binding.device.index is not None else current_device_index()
+        self._batches: list[Batch | None] = [None, None]  # by to_host
+        self._steps: dict[tuple, tuple[Step, ...]] = {}
+        #: Calls served by a replay (for tests and benchmarks).
+        self.hits = 0
+
+    @staticmethod
+    def usable(binding: Any) -> bool:
+        """Whether ``binding``'s transfers may be replayed: a CUDA pool whose index memos are on."""
+        return binding.device.type == "cuda" and index_memos(binding)[0].enabled
+
+    def batch(self, host_indices: torch.Tensor, device_indices: torch.Tensor, to_host: bool,
+              launcher: Any) -> Batch | None:
+        """The batch of these index tensors on the current stream (resolved now when new), or ``None`` when
+        this call cannot replay (other current device, tensors without a version counter, the driver launch
+        of ``launcher`` not ready)."""
+        if not _ON[0] or current_device_index() != self.device_index or not launcher.driver_ready():
+            return None
+        stream = current_stream_handle(self.device_index)
+        b = self._batches[to_host]
+        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
+        if (b is not None and b.host_indices is host_indices and b.device_indices is device_indices
+                and b.host_version == hv and b.device_version == dv and b.stream == stream):
+            return b
+        if hv is None or dv is None:
+            return None
+        from .launch import _traits
+
+        h, d = transfer_indices(self.binding, host_indices, device_indices)
+        n = int(h.numel())
+        b = Batch(host_indices, hv, device_indices, dv, stream, h, d, n, (_traits(h), _traits(d), _traits(n)))
+        self._batches[to_host] = b
+        return b
+
+    def run(self, b: Batch, layer: int | None, to_host: bool) -> bool:
+        """Launch the steps recorded for ``layer`` with batch ``b``; ``False`` (nothing launched) when none."""
+        steps = self._steps.get((layer, to_host, b.traits))
+        if steps is None:
+            return False
+        h, d, n, stream = b.h, b.d, b.n, b.stream
+        for st in steps:
+            args = list(st.template)
+            ih, idv, i_n = st.slots
+            args[ih], args[idv], args[i_n] = h, d, n
+            grid = max(1, min(st.programs, -(-n // st.tokens) * st.per_tile))
+            if st.kernel.launch(grid, stream, st.packed, args):
+                st.launcher.driver_launches += 1
+            else:  # no CUDA context on this thread: the normal launch sets one up
+                st.launcher(grid, args, **st.fallback)
+        self.hits += 1
+        return True
+
+    def record(self, b: Batch, layer: int | None, to_host: bool, steps: list[Step]) -> None:
+        """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
+        self._steps[(layer, to_host, b.traits)] = tuple(steps)
+
+
+def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int, int], *, programs: int,
+         tokens: int, per_tile: int, fallback: dict) -> Step:
+    """The :class:`Step` of a launch that ``launcher`` made through the driver (``used``: what it returned)."""
+    template = list(args)
+    for i in slots:
+        template[i] = None  # the batch's values: never kept alive by a recording
+    return Step(used[0], used[1], tuple(template), slots, programs, tokens, per_tile, launcher, fallback)

@@ -1,0 +1,299 @@
+"""hicache_core.replay: a replayed call launches exactly what the normal path launches, and only when nothing
+it depends on changed (tensors, versions, stream, device, driver switches, launch hooks).
+
+On CPU the CUDA driver is a recording fake and the kernels are fake compiled handles, so what is compared is the
+launches themselves: function, grid, block, shared memory, stream and every parameter's bytes.  On a GPU the
+replayed bursts are checked byte for byte against the rows they must move.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import itertools
+import os
+import types
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from hicache_core import drvlaunch, launch as launch_mod, replay as replay_mod, rowcopy  # noqa: E402
+from hicache_core.bench import SHAPES  # noqa: E402
+from hicache_core.drvlaunch import DriverKernel, expected_params  # noqa: E402
+from hicache_core.launch import Launcher, set_driver_launch  # noqa: E402
+from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
+
+GPU = torch.cuda.is_available()
+_FN = itertools.count(0x1000)
+
+
+class RecordingLib:
+    """A CUDA driver that records each launch with every parameter's bytes (sizes per function handle)."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, list[int]] = {}
+        self.launches: list[tuple] = []
+        self.result = 0
+
+    def cuLaunchKernel(self, *call):
+        fn, gx, gy, gz, bx, by, bz, shared, stream = (a.value or 0 for a in call[:9])
+        params = call[9]
+        body = tuple(ctypes.string_at(params[i], size) for i, size in enumerate(self.sizes[fn]))
+        if self.result == 0:
+            self.launches.append((fn, (gx, gy, gz), (bx, by, bz), shared, stream, body))
+        return self.result
+
+    def cuGetErrorName(self, res, out):
+        return 0
+
+
+class FakeKernel:
+    """Stands for a ``@triton.jit`` kernel: its public launch returns a compiled handle whose ``run`` records."""
+
+    def __init__(self, real, lib: RecordingLib, runs: list) -> None:
+        self.arg_names = list(real.arg_names)
+        params = inspect.signature(getattr(real, "fn", real)).parameters
+        self.constexprs = [i for i, p in enumerate(params.values()) if "constexpr" in str(p.annotation)]
+        self.lib, self.runs, self.public = lib, runs, 0
+
+    def _sig(self, args) -> dict:
+        def one(i, a):
+            if i in self.constexprs:
+                return "constexpr"
+            if isinstance(a, torch.Tensor):
+                return {torch.int64: "*i64", torch.int32: "*i32"}.get(a.dtype, "*u8")
+            return "i64" if abs(a) >= 2**31 else "i32"
+        return {n: one(i, a) for i, (n, a) in enumerate(zip(self.arg_names, args))}
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, **opts):
+            self.public += 1
+            fn = next(_FN)
+            sig = self._sig(args)
+            self.lib.sizes[fn] = [drvlaunch._size(kind) for kind, _, _ in expected_params(sig, None)] + [8, 8]
+            return types.SimpleNamespace(
+                function=fn, packed_metadata=object(), sig=sig, num_warps=num_warps,
+                run=lambda grid_x, gy, gz, stream, *rest: self.runs.append((fn, grid_x, stream)))
+        return launch
+
+
+def _driver_kernel(compiled):
+    plan = expected_params(compiled.sig, None)
+    return DriverKernel(drvlaunch._LIB[0], compiled, plan, 2, compiled.num_warps, 0, ())
+
+
+class World:
+    """A CPU pool whose kernel launches go through the fake driver; ``stream``/``device`` are what the replay
+    module sees as current."""
+
+    def __init__(self, monkeypatch, layout: str, *, replays: bool = True, validate: str = "shapes") -> None:
+        self.lib, self.runs, self.stream, self.device = RecordingLib(), [], 0x50, 0
+        monkeypatch.setattr(drvlaunch, "_LIB", [self.lib])
+        monkeypatch.setattr(Launcher, "_driver_kernel", staticmethod(_driver_kernel))
+        monkeypatch.setattr(replay_mod, "current_device_index", lambda: self.device)
+        monkeypatch.setattr(replay_mod, "current_stream_handle", lambda index: self.stream)
+        monkeypatch.setattr(replay_mod.Replays, "usable", staticmethod(lambda b: replays and replay_mod.index_memos(b)[0].enabled))
+        monkeypatch.setattr(rowcopy, "interpreting", lambda: False)
+        monkeypatch.setattr(launch_mod, "_ENABLED", [True])
+        monkeypatch.setattr(launch_mod, "_DRIVER", [True])
+        reg = create_registry()
+        spec = SHAPES["mla61x576-bf16"](64, 16, torch.device("cpu"))
+        self.spec = spec
+        dev = {c.name: [torch.zeros(160, c.row_bytes // c.itemsize, dtype=c.dtype)
+                        for _ in range(spec.layer_map.num_device_layers)] for c in spec.components}
+        host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=False)
+        self.pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, registry=reg, validate=validate,
+                               strategy_options={"programs": 3})
+        prep = self.pool.binding.scratch[self.pool.strategy.name]
+        self.prep, self.replays = prep, prep.replays
+        self.hook = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+        self.launcher = prep.launcher
+        monkeypatch.setattr(self.launcher, "kernel", FakeKernel(self.launcher.kernel, self.lib, self.runs))
+        monkeypatch.setattr(self.launcher, "_api", (lambda: 0, lambda device: self.stream, self.hook))
+        monkeypatch.setattr(self.launcher, "_compiled", {})
+        monkeypatch.setattr(self.launcher, "_driver", {})
+        self.layers = list(spec.layer_map.device_layers)
+
+    def burst(self, h, d) -> list[tuple]:
+        """Every layer's load, then one backup of all layers; the launches they made."""
+        start = len(self.lib.launches)
+        for layer in self.layers:
+            assert self.pool.load_layer(layer, h, d)
+        self.pool.backup_all_layers(h, d)
+        return self.lib.launches[start:]
+
+
+def _idx(seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    pages_h, pages_d = torch.randperm(4, generator=g)[: n // 16], torch.randperm(10, generator=g)[: n // 16]
+    ex = lambda p: (p.unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)  # noqa: E731
+    return ex(pages_h), ex(pages_d)
+
+
+def _forget(w: "World") -> None:
+    """Drop every batch and recorded step: the next calls take the normal path (and record again)."""
+    w.replays._steps.clear()
+    w.replays._batches[:] = [None, None]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_replayed_launches_equal_the_normal_path(monkeypatch, layout):
+    """The same burst replayed and then through the normal path: byte-identical launches (function, grid, block,
+    shared memory, stream, every parameter), for a batch seen before and a new one."""
+    w = World(monkeypatch, layout)
+    assert w.replays is not None
+    h, d = _idx(1)
+    w.burst(h, d)  # compiles (Triton's public launch: nothing recorded for that call)
+    w.burst(h, d)  # packs and records
+    hits = w.replays.hits
+    replayed = w.burst(h, d)
+    assert w.replays.hits - hits == len(w.layers) + 1  # every call of the burst
+    _forget(w)
+    assert w.burst(h, d) == replayed and w.replays.hits - hits == len(w.layers) + 1
+    h2, d2 = _idx(2)
+    replayed = w.burst(h2, d2)  # a new batch: resolved by its first call, replayed from its first call
+    assert w.replays.hits - hits == 2 * (len(w.layers) + 1)
+    _forget(w)
+    assert w.burst(h2, d2) == replayed
+    assert replayed and not w.runs  # everything went through the (fake) driver, nothing through Triton
+
+
+def _replayed(w: World, call) -> bool:
+    before = w.replays.hits
+    call()
+    return w.replays.hits > before
+
+
+def test_replays_only_while_nothing_they_depend_on_changed(monkeypatch):
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(3)
+    layer = w.layers[1]
+    load = lambda: w.pool.load_layer(layer, h, d)  # noqa: E731
+    w.burst(h, d)
+    w.burst(h, d)
+    assert _replayed(w, load)
+    batch = w.replays._batches[False]
+    assert _replayed(w, load) and w.replays._batches[False] is batch  # same tensors, same versions: same batch
+    h[:16], h[16:32] = h[16:32].clone(), h[:16].clone()  # in place: the version moves, the batch is resolved again
+    assert _replayed(w, load) and w.replays._batches[False] is not batch
+    assert w.replays._batches[False].host_version == h._version
+    batch = w.replays._batches[False]
+    w.stream = 0x60  # another stream: resolved again (a CPU index copy is reused only on its own stream)
+    assert _replayed(w, load) and w.replays._batches[False] is not batch
+    assert w.replays._batches[False].stream == 0x60 and w.lib.launches[-1][4] == 0x60
+    w.device = 1  # another current device: the normal path (it switches devices)
+    assert not _replayed(w, load)
+    w.device = 0
+    assert _replayed(w, load)
+    set_driver_launch(False)
+    runs = len(w.runs)
+    assert not _replayed(w, load) and len(w.runs) == runs + 1  # Triton's launcher, no replay
+    set_driver_launch(True)
+    w.hook.launch_enter_hook = lambda *a: None  # a profiler's hook: the public path, never a replay
+    assert not _replayed(w, load)
+    w.hook.launch_enter_hook = None
+    assert _replayed(w, load)
+    monkeypatch.setenv("HICACHE_REPLAY", "0")
+    assert not replay_mod.set_replay(None) and not _replayed(w, load)
+    monkeypatch.delenv("HICACHE_REPLAY")
+    assert replay_mod.set_replay(None) and _replayed(w, load)
+    with torch.inference_mode():
+        hi, di = h.clone(), d.clone()  # no version counter: never replayed
+    assert not _replayed(w, lambda: w.pool.load_layer(layer, hi, di))
+    assert not _replayed(w, lambda: w.pool.load_layer(layer, hi, di))
+
+
+def test_indices_of_other_traits_record_their_own_steps(monkeypatch):
+    """int32 indices specialise the kernel differently from int64 ones: steps are recorded per traits, never
+    shared across them."""
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(4)
+    w.burst(h, d)
+    w.burst(h, d)
+    h1, d1 = h[:16].to(torch.int32), d[:16].to(torch.int32)
+    layer = w.layers[2]
+    load = lambda: w.pool.load_layer(layer, h1, d1)  # noqa: E731
+    assert not _replayed(w, load) and not _replayed(w, load)  # compiled (public launch), then recorded
+    assert _replayed(w, load)
+    assert w.lib.launches[-1] == w.lib.launches[-2]
+    assert _replayed(w, lambda: w.pool.load_layer(layer, h, d))  # the int64 steps are still there
+
+
+def test_no_context_on_this_thread_falls_back_to_tritons_launcher(monkeypatch):
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(5)
+    w.burst(h, d)
+    w.burst(h, d)
+    w.lib.result = 201  # CUDA_ERROR_INVALID_CONTEXT: nothing launched by the driver
+    runs = len(w.runs)
+    assert _replayed(w, lambda: w.pool.load_layer(w.layers[0], h, d))
+    assert len(w.runs) == runs + 1  # the step's launch went through the launcher, which took Triton's path
+
+
+def test_pools_that_check_every_call_never_replay(monkeypatch):
+    w = World(monkeypatch, "layer_first", validate="full")
+    assert w.replays is None
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_first_kv_split"])
+@pytest.mark.parametrize("where", ["cuda", "cpu"])
+def test_gpu_replayed_bursts_move_the_right_rows(layout, where):
+    """Bursts of loads with the same indices (replayed), an in-place change, another stream: bit-exact, canaries kept."""
+    reg = create_registry()
+    spec = SHAPES["mla61x576-bf16"](256, 16, torch.device("cuda"))
+    rows = 768
+    dev = {c.name: [torch.randint(0, 256, (rows, c.row_bytes), dtype=torch.uint8, device="cuda").view(c.dtype)
+                    for _ in range(spec.layer_map.num_device_layers)] for c in spec.components}
+    host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
+    pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, registry=reg)
+    replays = pool.binding.scratch[pool.strategy.name].replays
+    assert replays is not None
+    g = torch.Generator().manual_seed(7)
+    src = (torch.randperm(rows // 16, generator=g)[:8].unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)
+    hidx = (torch.randperm(16, generator=g)[:8].unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)
+    pool.backup_all_layers(hidx.cuda(), src.cuda())
+    free = sorted(set(range(rows // 16)) - set((src // 16).tolist()))
+    layers = list(spec.layer_map.device_layers)
+
+    def burst(h, d, stream=None):
+        with torch.cuda.stream(stream) if stream is not None else torch.cuda.device(0):
+            for layer in layers:
+                pool.load_layer(layer, h, d)
+        torch.cuda.synchronize()
+
+    def check(h_rows, d_rows, canary_rows):
+        pos = (h_rows.cpu().unsqueeze(1) == hidx.unsqueeze(0)).nonzero()[:, 1].cuda()  # h_rows[i] == hidx[pos[i]]
+        for name, lst in dev.items():
+            for layer in layers:
+                t = lst[layer].view(torch.uint8)
+                assert torch.equal(t[d_rows], t_src[name][layer][pos]), (name, layer)
+                assert torch.equal(t[canary_rows], canaries[name][layer]), (name, layer)
+
+    t_src = {name: [lst[layer].view(torch.uint8)[src.cuda()].clone() for layer in layers] for name, lst in dev.items()}
+    for round_, stream in ((0, None), (1, None), (2, torch.cuda.Stream())):
+        pages = torch.tensor(free[round_ * 8:(round_ + 1) * 8])
+        d_rows = (pages.unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)
+        canary_pages = torch.tensor(free[-4:])
+        canary_rows = ((canary_pages.unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)).cuda()
+        for lst in dev.values():
+            for layer in layers:
+                lst[layer].view(torch.uint8)[canary_rows] = 0xA5
+        canaries = {name: [lst[layer].view(torch.uint8)[canary_rows].clone() for layer in layers]
+                    for name, lst in dev.items()}
+        h = hidx.clone() if where == "cpu" else hidx.cuda()
+        d = d_rows.clone() if where == "cpu" else d_rows.cuda()
+        before = replays.hits
+        burst(h, d, stream)
+        burst(h, d, stream)
+        assert replays.hits - before >= len(layers)  # the second burst at least (recorded by the first)
+        check(hidx, d_rows.cuda(), canary_rows)
+        h[:16] = h[16:32].clone()  # in place: the next burst must read the new indices
+        h[16:32] = (hidx[:16]).to(h.device)
+        burst(h, d, stream)
+        check(h.cpu(), d_rows.cuda(), canary_rows)
