@@ -67,7 +67,7 @@ class Batch(NamedTuple):
     h: torch.Tensor  # what kernels read (device copies of CPU indices, contiguous)
     d: torch.Tensor
     n: int
-    traits: tuple  # the launch-key traits of h, d and n
+    traits: tuple  # the launch-key traits of h, d and n, and which side of each split n lies
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,11 @@ class Replays:
     immutable tuples, and each driver launch holds its packed parameters' lock.
     """
 
-    def __init__(self, binding: Any) -> None:
+    def __init__(self, binding: Any, *, splits: tuple[int, ...] = ()) -> None:
         self.binding = binding
+        #: Counts at which the strategy's launches change (e.g. a TMA row limit): a batch's traits record which
+        #: side of each its count lies, so steps recorded on one side are never replayed on the other.
+        self.splits = splits
         self.device_index = binding.device.index if binding.device.index is not None else current_device_index()
         self._batches: list[Batch | None] = [None, None]  # by to_host
         self._steps: dict[tuple, tuple[Step, ...]] = {}
@@ -130,7 +133,8 @@ class Replays:
 
         h, d = transfer_indices(self.binding, host_indices, device_indices)
         n = int(h.numel())
-        b = Batch(host_indices, hv, device_indices, dv, stream, h, d, n, (_traits(h), _traits(d), _traits(n)))
+        traits = (_traits(h), _traits(d), _traits(n), *[n > cut for cut in self.splits])
+        b = Batch(host_indices, hv, device_indices, dv, stream, h, d, n, traits)
         self._batches[to_host] = b
         return b
 

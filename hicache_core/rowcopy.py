@@ -48,8 +48,8 @@ from .layout import Layout
 from .replay import Replays, Step, replay_enabled, step as replay_step
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
-from .rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC, TMA_VALUES, TmaLaunch,
-                          group_reason, plan_group, tma_mode)
+from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC,
+                          TMA_VALUES, TmaLaunch, group_reason, plan_group, row_limit, tma_mode)
 from .validate import parse_programs
 
 __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "RowGroup", "RowKernelStrategy", "build_groups", "tile",
@@ -305,6 +305,7 @@ class Prepared:
     tma: tuple[dict[int, tuple[TmaLaunch, ...]] | None, ...] = ()  # per group: TMA loads by layer, or None
     tma_launcher: Any = None
     tma_dynamic: tuple[int, ...] = ()
+    tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
     replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
 
 
@@ -383,7 +384,8 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, spec.device)
         if t.tma_load is not None and mode is not None:
             where = ("where a descriptor can address the host rows" if mode == "all" else
-                     f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB")
+                     f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB "
+                     f"(rows strided on the host: calls of <= {AUTO_MAX_STRIDED_ROWS} rows)")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
                  "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
@@ -423,7 +425,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
         if Replays.usable(binding) and not interpreting():
-            prep = replace(prep, replays=Replays(binding))
+            # calls on either side of a TMA row limit take other launches: their steps are recorded apart
+            splits = sorted({lim for lim in prep.tma_rows if lim is not None})
+            prep = replace(prep, replays=Replays(binding, splits=tuple(splits)))
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])
@@ -445,15 +449,18 @@ class RowKernelStrategy(DirectionalStrategy):
         launcher = _launcher(kernel, TMA_VALUES, f"{self.kernel_module}.TMA_LOAD_KERNEL", "rowcopy_tma.TMA_VALUES")
         dynamic = launcher.positions(TMA_DYNAMIC)
         plans: list[dict[int, tuple[TmaLaunch, ...]] | None] = []
+        limits: list[int | None] = []
         for g in prep.groups:
             why = group_reason(g, spec.capacity, spec.page_size, t, automatic=automatic)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 plans.append(None)
+                limits.append(None)
             else:
                 plans.append(plan_group(g, capacity=spec.capacity, page_size=spec.page_size, tuning=t,
                                         launcher=launcher, dynamic=dynamic))
-        return replace(prep, tma=tuple(plans), tma_launcher=launcher, tma_dynamic=dynamic)
+                limits.append(row_limit(g, automatic=automatic))
+        return replace(prep, tma=tuple(plans), tma_launcher=launcher, tma_dynamic=dynamic, tma_rows=tuple(limits))
 
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
@@ -487,7 +494,8 @@ class RowKernelStrategy(DirectionalStrategy):
         with on_pool_device(binding.device):
             for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
                 plan = tma[gi] if tma else None
-                if plan is not None:
+                limit = prep.tma_rows[gi] if plan is not None else None
+                if plan is not None and (limit is None or n <= limit):
                     steps = self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n, steps)
                     continue
                 ents = g.entries(layer)

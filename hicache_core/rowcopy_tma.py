@@ -22,7 +22,8 @@ Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
 else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
 ~228 KiB of shared memory per SM), groups whose rows hold at least 1152 bytes
-and whose boxes at least 16 KiB only.
+and whose boxes at least 16 KiB only, and where a group's host rows are strided
+(token-major), calls of at most 8192 rows only (:func:`row_limit`).
 Nothing here imports Triton at import time.
 """
 
@@ -41,8 +42,8 @@ from .kernel_support import interpreting, word_anchor
 if TYPE_CHECKING:
     from .rowcopy import RowGroup, Tuning
 
-__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "TMA_VALUES", "TmaLaunch", "tma_mode",
-           "group_reason", "box_shape", "descriptor_rows", "plan_group"]
+__all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "AUTO_MAX_STRIDED_ROWS", "TMA_VALUES", "TmaLaunch",
+           "tma_mode", "group_reason", "row_limit", "box_shape", "descriptor_rows", "plan_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,13 @@ AUTO_MIN_ROW_BYTES = 1152
 #: Smallest box automatic TMA takes: 16-18 KiB boxes (16 rows of 1152 bytes, 8 of 2 KiB) measured best on the H200,
 #: 9 KiB ones (8 rows of 1152 bytes: pages of 8 tokens) 0.61-0.73 of memcpy in bursts (docs/performance.md).
 AUTO_MIN_BOX_BYTES = 16 << 10
+#: Most rows per call automatic TMA loads where a group's host rows are strided (token-major ``page_first``:
+#: one row per slot, the other layers' rows between two slots).  On the H200 (MLA 1152-byte rows, page 64,
+#: ``benchmarks/tma_span_probe.py``): TMA ahead of the row kernel at 4096 and 8192 rows per call (lone +0.02-0.03,
+#: bursts +0.02-0.03 of memcpy, whatever the pool's capacity, 0.3 to 9.2 GB of host rows), behind it at 16384
+#: (-0.02) and 32768 (-0.10); larger calls keep the row kernel.  Groups whose rows are contiguous per page are not
+#: limited (TMA ahead at 32768 rows too).
+AUTO_MAX_STRIDED_ROWS = 8192
 
 #: Every name a TMA load kernel may declare, and what the launch passes for it.
 TMA_VALUES = {
@@ -186,6 +194,16 @@ def group_reason(g: RowGroup, capacity: int, page_size: int, tuning: Tuning, *, 
         return (f"boxes of {tokens} rows ({box_bytes} bytes) are under {AUTO_MIN_BOX_BYTES} (automatic TMA takes the "
                 "box sizes where it measured at least as fast as the row kernel; tma=True forces it)")
     return None
+
+
+def row_limit(g: RowGroup, *, automatic: bool) -> int | None:
+    """Most index positions per call ``g``'s loads take through TMA (``None``: any): automatic TMA limits groups
+    whose host rows are strided (a host token stride other than the row width) to
+    :data:`AUTO_MAX_STRIDED_ROWS`; forced TMA (``tma=True``) takes every call."""
+    if not automatic:
+        return None
+    strided = any(int(t) != g.width for t in g.tables["host_tok"].tolist())
+    return AUTO_MAX_STRIDED_ROWS if strided else None
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,24 @@ def test_indices_of_other_traits_record_their_own_steps(monkeypatch):
     assert _replayed(w, lambda: w.pool.load_layer(layer, h, d))  # the int64 steps are still there
 
 
+def test_counts_on_either_side_of_a_split_record_their_own_steps(monkeypatch):
+    """A strategy whose launches change with the count (a TMA row limit) splits replays there: steps recorded for
+    counts up to the split never serve a call above it."""
+    w = World(monkeypatch, "layer_first")
+    w.replays.splits = (40,)
+    h, d = _idx(6, 32)
+    w.burst(h, d)
+    w.burst(h, d)
+    layer = w.layers[3]
+    assert _replayed(w, lambda: w.pool.load_layer(layer, h, d))
+    h2, d2 = _idx(7, 48)  # above the split: same launch-key traits, other side
+    below = w.replays._batches[False].traits
+    above = w.replays.batch(h2, d2, False, w.launcher).traits
+    assert above[:3] == below[:3] and above != below
+    load = lambda: w.pool.load_layer(layer, h2, d2)  # noqa: E731
+    assert not _replayed(w, load) and _replayed(w, load)  # recorded by its own first call, then replayed
+
+
 def test_no_context_on_this_thread_falls_back_to_tritons_launcher(monkeypatch):
     w = World(monkeypatch, "layer_first")
     h, d = _idx(5)

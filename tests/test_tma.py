@@ -18,8 +18,8 @@ from hicache_core.launch import Launcher, _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
 from hicache_core import rowcopy  # noqa: E402
 from hicache_core import rowcopy_tma  # noqa: E402
-from hicache_core.rowcopy_tma import (AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, ENV_TMA, MIN_TOKENS, box_shape,  # noqa: E402
-                                      tma_mode)
+from hicache_core.rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, ENV_TMA,  # noqa: E402
+                                      MIN_TOKENS, box_shape, tma_mode)
 from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
@@ -279,8 +279,8 @@ def test_automatic_tma_takes_measured_row_and_box_sizes(monkeypatch, caplog):
             pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, tma=None)
             prep = pool.binding.scratch[pool.strategy_name]
             assert [p is not None for p in prep.tma] == [planned], layout
-            assert f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= 16 KiB by TMA" in pool.strategy.describe(
-                spec, pool.binding.layout)[0]
+            assert (f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= 16 KiB (rows strided on the host: calls "
+                    f"of <= {AUTO_MAX_STRIDED_ROWS} rows) by TMA") in pool.strategy.describe(spec, pool.binding.layout)[0]
             h, d = torch.arange(spec.capacity), torch.randperm(2 * spec.capacity, generator=gen)[: spec.capacity]
             pool.load_layer(1, h, d)
             ref.load_layer(1, h, d)
@@ -289,6 +289,35 @@ def test_automatic_tma_takes_measured_row_and_box_sizes(monkeypatch, caplog):
     assert f"bytes are under {AUTO_MIN_ROW_BYTES} (automatic TMA takes the row sizes where it measured" in caplog.text
     assert (f"boxes of 8 rows ({8 * 1152} bytes) are under {AUTO_MIN_BOX_BYTES} (automatic TMA takes the box sizes"
             in caplog.text)
+
+
+@pytest.mark.parametrize("layout, strided", [("page_first", True), ("layer_first", False), ("page_first_direct", False)])
+@pytest.mark.parametrize("forced", [False, True], ids=["automatic", "tma=True"])
+def test_automatic_tma_limits_calls_over_strided_host_rows(monkeypatch, launches, layout, strided, forced):
+    """Token-major host rows (``page_first``: one row per slot, the other layers' rows between) load through TMA
+    only up to AUTO_MAX_STRIDED_ROWS rows per call in automatic mode (the row kernel above, where it measured
+    faster); forced TMA and page-contiguous host rows take every call.  Bit-exact either way."""
+    monkeypatch.delenv(ENV_TMA, raising=False)
+    monkeypatch.setattr(rowcopy, "tma_mode",
+                        lambda option, device: "auto" if option is None else tma_mode(option, device))
+    monkeypatch.setattr(rowcopy_tma, "AUTO_MAX_STRIDED_ROWS", 64)  # small pools here: the limit scaled down
+    gen = torch.Generator().manual_seed(9)
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=32, capacity=128, device=DEVICE)
+    pool, ref, _, dev, ref_dev = _pool(layout, spec, gen, tma=True if forced else None)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert prep.tma_rows == ((64 if strided and not forced else None),)
+    for n, tma_expected in ((64, True), (96, forced or not strided)):
+        pages = torch.randperm(spec.capacity // 32, generator=gen)[: n // 32]
+        h = (pages.unsqueeze(1) * 32 + torch.arange(32)).reshape(-1)
+        d = torch.randperm(2 * spec.capacity, generator=gen)[:n]
+        launches.clear()
+        pool.load_layer(1, h, d)
+        ref.load_layer(1, h, d)
+        _sync()
+        _same(dev, ref_dev)
+        kernels = {k for k, _, _ in launches if k is not None}
+        assert (kl.PAGED_TMA_LOAD in kernels) == tma_expected and len(kernels) == 1, (n, kernels)  # one or the other
 
 
 def test_descriptors_specialise_the_launch_key():
