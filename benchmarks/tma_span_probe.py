@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-
 import torch
 
-from hicache_core.bench import SHAPES, _device_buffers
+from hicache_core.bench import SHAPES, _device_buffers, _median_ms
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
 
 def _events_ms(fn, reps: int) -> float:
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return _median_ms(fn, reps, warmup=1, idle=True)  # each call after a synchronise: a lone call
 
 
 def main() -> int:
