@@ -63,8 +63,8 @@ AUTO_MIN_ROW_BYTES = 1152
 #: Smallest box automatic TMA takes: 16-18 KiB boxes (16 rows of 1152 bytes, 8 of 2 KiB) measured best on the H200,
 #: 9 KiB ones (8 rows of 1152 bytes: pages of 8 tokens) 0.61-0.73 of memcpy in bursts (docs/performance.md).
 AUTO_MIN_BOX_BYTES = 16 << 10
-#: Most rows per call automatic TMA loads where a group's host rows are strided (token-major ``page_first``:
-#: one row per slot, the other layers' rows between two slots).  On the H200 (MLA 1152-byte rows, page 64,
+#: Most rows per call automatic TMA loads where a group's host rows are strided (token-major host layouts: one row
+#: per slot, the other layers' rows between two slots).  On the H200 (MLA 1152-byte rows, page 64,
 #: ``benchmarks/tma_span_probe.py``): TMA ahead of the row kernel at 4096 and 8192 rows per call (lone +0.02-0.03,
 #: bursts +0.02-0.03 of memcpy, whatever the pool's capacity, 0.3 to 9.2 GB of host rows), behind it at 16384
 #: (-0.02) and 32768 (-0.10); larger calls keep the row kernel.  Groups whose rows are contiguous per page are not
