@@ -166,8 +166,8 @@ class Packed:
 
     __slots__ = ("array", "keep", "setters", "lock", "grid", "stream", "call")
 
-    def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int = 0,
-                 block: int = 1, shared: int = 0) -> None:
+    def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int,
+                 block: int, shared: int) -> None:
         self.array, self.keep, self.setters = array, keep, setters
         self.lock = threading.Lock()
         self.grid, self.stream, one = ctypes.c_uint(1), ctypes.c_void_p(0), ctypes.c_uint(1)

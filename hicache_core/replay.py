@@ -15,7 +15,10 @@ same for every batch.  :class:`Replays` keeps both halves:
 A call whose batch matches and whose layer has steps launches them straight through ``cuLaunchKernel``;
 anything else (a new tensor, an in-place change, another stream or device, the driver launch off, a
 Triton launch hook set, no steps yet, ``HICACHE_REPLAY=0``) takes the strategy's normal path, which records
-the steps.  A replay moves exactly what the normal path moves: the same kernels, parameters and grids,
+the steps.  As with the pool's own memos, writes that bypass torch's version counter (``.data``, a NumPy view)
+are not seen: a CPU index tensor changed that way keeps its earlier device copy (pools built with
+``validate="full"`` or ``"strict"`` never replay); a same-device index tensor is read where it lies, and a
+non-contiguous one is never replayed.  A replay moves exactly what the normal path moves: the same kernels, parameters and grids,
 only the derivation is skipped.
 """
 
@@ -28,9 +31,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .kernel_support import current_device_index, current_stream_handle, index_memos, tensor_version, transfer_indices
+from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices, tensor_version
 
-__all__ = ["Replays", "Step", "Batch", "ENV_REPLAY", "set_replay", "replay_enabled"]
+__all__ = ["Replays", "Step", "Batch", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ def _env() -> bool:
 
 
 _ON = [_env()]  # read once at import: no environment lookup per call
+#: Device types whose pools replay (the CUDA driver launch exists there only).
+DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 def replay_enabled() -> bool:
@@ -61,8 +66,10 @@ class Batch(NamedTuple):
 
     host_indices: torch.Tensor
     host_version: int
+    host_ptr: int  # data_ptr() of the tensors as passed: a ``.data`` swap keeps identity and version, not these
     device_indices: torch.Tensor
     device_version: int
+    device_ptr: int
     stream: int
     h: torch.Tensor  # what kernels read (device copies of CPU indices, contiguous)
     d: torch.Tensor
@@ -99,7 +106,10 @@ class Replays:
     """
 
     def __init__(self, binding: Any, *, splits: tuple[int, ...] = ()) -> None:
-        self.binding = binding
+        # not the binding itself: it holds this object (scratch), and a cycle would keep a dropped pool's
+        # buffers alive until the garbage collector runs
+        self.memos = index_memos(binding)
+        self.device = binding.device
         #: Counts at which the strategy's launches change (e.g. a TMA row limit): a batch's traits record which
         #: side of each its count lies, so steps recorded on one side are never replayed on the other.
         self.splits = splits
@@ -111,30 +121,37 @@ class Replays:
 
     @staticmethod
     def usable(binding: Any) -> bool:
-        """Whether ``binding``'s transfers may be replayed: a CUDA pool whose index memos are on."""
-        return binding.device.type == "cuda" and index_memos(binding)[0].enabled
+        """Whether ``binding``'s transfers may be replayed: a pool on a device of :data:`DEVICE_TYPES` (CUDA)
+        whose index memos are on (``validate="full"``/``"strict"`` pools check and copy every call)."""
+        return binding.device.type in DEVICE_TYPES and index_memos(binding)[0].enabled
 
-    def batch(self, host_indices: torch.Tensor, device_indices: torch.Tensor, to_host: bool,
+    def batch(self, host_indices: torch.Tensor, device_indices: torch.Tensor, n: int, to_host: bool,
               launcher: Any) -> Batch | None:
-        """The batch of these index tensors on the current stream (resolved now when new), or ``None`` when
-        this call cannot replay (other current device, tensors without a version counter, the driver launch
-        of ``launcher`` not ready)."""
+        """The batch of these index tensors (``n`` positions each) on the current stream, resolved now when
+        new, or ``None`` when this call cannot replay: another current device, tensors without a version
+        counter, a same-device index tensor that is not contiguous (its copy could go stale through writes
+        torch does not count), or the driver launch of ``launcher`` not ready."""
         if not _ON[0] or current_device_index() != self.device_index or not launcher.driver_ready():
             return None
         stream = current_stream_handle(self.device_index)
         b = self._batches[to_host]
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         if (b is not None and b.host_indices is host_indices and b.device_indices is device_indices
-                and b.host_version == hv and b.device_version == dv and b.stream == stream):
+                and b.host_version == hv and b.device_version == dv and b.stream == stream and b.n == n
+                and b.host_ptr == host_indices.data_ptr() and b.device_ptr == device_indices.data_ptr()):
             return b
         if hv is None or dv is None:
             return None
         from .launch import _traits
 
-        h, d = transfer_indices(self.binding, host_indices, device_indices)
-        n = int(h.numel())
+        memo_h, memo_d = self.memos
+        h, d = kernel_indices(host_indices, self.device, memo_h), kernel_indices(device_indices, self.device, memo_d)
+        if (h is not host_indices and host_indices.device == h.device) or \
+                (d is not device_indices and device_indices.device == d.device):
+            return None  # a contiguous copy of a same-device view: made anew by every call (normal path)
         traits = (_traits(h), _traits(d), _traits(n), *[n > cut for cut in self.splits])
-        b = Batch(host_indices, hv, device_indices, dv, stream, h, d, n, traits)
+        b = Batch(host_indices, hv, host_indices.data_ptr(), device_indices, dv, device_indices.data_ptr(), stream,
+                  h, d, n, traits)
         self._batches[to_host] = b
         return b
 

@@ -482,7 +482,7 @@ class RowKernelStrategy(DirectionalStrategy):
             return
         prep: Prepared = binding.scratch[self.name]
         rp = prep.replays
-        b = None if rp is None else rp.batch(host_indices, device_indices, to_host, prep.launcher)
+        b = None if rp is None else rp.batch(host_indices, device_indices, n, to_host, prep.launcher)
         if b is not None:
             if rp.run(b, layer, to_host):  # type: ignore[union-attr]
                 return

@@ -375,3 +375,36 @@ def test_get_page_synchronize_flag_reads_the_same_bytes_on_cpu() -> None:
     assert torch.equal(page, pool.get_page(0))
     pool.set_page(1, page, synchronize=True)
     assert torch.equal(pool.get_page(1), page)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_first_kv_split"])
+@pytest.mark.parametrize("backend", ["direct", "auto", "reference", "kernel"])
+def test_a_dropped_pool_frees_its_buffers_without_the_garbage_collector(backend: str, layout: str) -> None:
+    """Nothing a strategy keeps per pool (plans, replays, memos) refers back to the pool's binding strongly: the
+    last reference to a pool frees its (often many GB of pinned) host buffers at once, not at the next collection."""
+    import gc
+    import weakref
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "kernel" and device.type == "cpu" and not kernel_support.interpreting():
+        pytest.skip("kernel strategies need CUDA or TRITON_INTERPRET=1")
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(3), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=16, capacity=64, device=device)
+    dev = [torch.randn(96, 576, device=device).to(torch.bfloat16) for _ in range(3)]
+    pool = HostKVPool(spec, layout, backend, {"kv": dev}, registry=default_registry())
+    h = torch.arange(32, device=device)
+    d = torch.arange(32, device=device) + 64
+    for _ in range(2):  # the second calls hit every memo and replay
+        pool.backup_all_layers(h, d)
+        for layer in range(3):
+            pool.load_layer(layer, h, d)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    host = weakref.ref(next(iter(pool.host_buffers.values())))
+    gc.collect()
+    gc.disable()
+    try:
+        del pool
+        assert host() is None
+    finally:
+        gc.enable()

@@ -37,6 +37,7 @@ class RecordingLib:
 
     def __init__(self) -> None:
         self.sizes: dict[int, list[int]] = {}
+        self.positions: dict[int, list[int]] = {}  # argument position of each parameter
         self.launches: list[tuple] = []
         self.result = 0
 
@@ -75,7 +76,9 @@ class FakeKernel:
             self.public += 1
             fn = next(_FN)
             sig = self._sig(args)
-            self.lib.sizes[fn] = [drvlaunch._size(kind) for kind, _, _ in expected_params(sig, None)] + [8, 8]
+            plan = expected_params(sig, None)
+            self.lib.sizes[fn] = [drvlaunch._size(kind) for kind, _, _ in plan] + [8, 8]
+            self.lib.positions[fn] = [pos for _, pos, _ in plan]
             return types.SimpleNamespace(
                 function=fn, packed_metadata=object(), sig=sig, num_warps=num_warps,
                 run=lambda grid_x, gy, gz, stream, *rest: self.runs.append((fn, grid_x, stream)))
@@ -91,13 +94,15 @@ class World:
     """A CPU pool whose kernel launches go through the fake driver; ``stream``/``device`` are what the replay
     module sees as current."""
 
-    def __init__(self, monkeypatch, layout: str, *, replays: bool = True, validate: str = "shapes") -> None:
+    def __init__(self, monkeypatch, layout: str, *, validate: str = "shapes") -> None:
         self.lib, self.runs, self.stream, self.device = RecordingLib(), [], 0x50, 0
         monkeypatch.setattr(drvlaunch, "_LIB", [self.lib])
         monkeypatch.setattr(Launcher, "_driver_kernel", staticmethod(_driver_kernel))
         monkeypatch.setattr(replay_mod, "current_device_index", lambda: self.device)
         monkeypatch.setattr(replay_mod, "current_stream_handle", lambda index: self.stream)
-        monkeypatch.setattr(replay_mod.Replays, "usable", staticmethod(lambda b: replays and replay_mod.index_memos(b)[0].enabled))
+        monkeypatch.setattr(replay_mod, "DEVICE_TYPES", ("cuda", "cpu"))
+        monkeypatch.setattr(replay_mod, "_ON", [True])  # whatever HICACHE_REPLAY says; restored after the test
+        monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")  # the row kernel only: TMA has no fake here
         monkeypatch.setattr(rowcopy, "interpreting", lambda: False)  # replays are made for this CPU pool
         monkeypatch.setattr(kernel_support, "interpreting", lambda: True)  # a CPU pool may take kernels (on GPU hosts too)
         monkeypatch.setattr(launch_mod, "_ENABLED", [True])
@@ -237,7 +242,7 @@ def test_counts_on_either_side_of_a_split_record_their_own_steps(monkeypatch):
     assert _replayed(w, lambda: w.pool.load_layer(layer, h, d))
     h2, d2 = _idx(7, 48)  # above the split: same launch-key traits, other side
     below = w.replays._batches[False].traits
-    above = w.replays.batch(h2, d2, False, w.launcher).traits
+    above = w.replays.batch(h2, d2, 48, False, w.launcher).traits
     assert above[:3] == below[:3] and above != below
     load = lambda: w.pool.load_layer(layer, h2, d2)  # noqa: E731
     assert not _replayed(w, load) and _replayed(w, load)  # recorded by its own first call, then replayed
@@ -254,9 +259,96 @@ def test_no_context_on_this_thread_falls_back_to_tritons_launcher(monkeypatch):
     assert len(w.runs) == runs + 1  # the step's launch went through the launcher, which took Triton's path
 
 
-def test_pools_that_check_every_call_never_replay(monkeypatch):
-    w = World(monkeypatch, "layer_first", validate="full")
+@pytest.mark.parametrize("validate", ["full", "strict"])
+def test_pools_that_check_every_call_never_replay(monkeypatch, validate):
+    w = World(monkeypatch, "layer_first", validate=validate)
     assert w.replays is None
+
+
+def test_a_data_swap_is_seen_and_same_device_views_are_not_replayed(monkeypatch):
+    """``.data`` replaced keeps the tensor's identity and version counter: its pointer and count still tell.  A
+    non-contiguous index tensor on the pool's device would be replayed from a contiguous copy that writes torch
+    does not count could leave stale: it takes the normal path every call."""
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(11)
+    w.burst(h, d)
+    w.burst(h, d)
+    layer = w.layers[4]
+    load = lambda: w.pool.load_layer(layer, h, d)  # noqa: E731
+    batch = w.replays._batches[False]
+    assert _replayed(w, load) and w.replays._batches[False] is batch
+    version = h._version
+    h.data = h.data[16:].clone()  # 16 positions, same object, same version counter
+    d.data = d.data[16:].clone()
+    assert h._version == version
+    assert _replayed(w, load) and w.replays._batches[False] is not batch
+    assert w.replays._batches[False].n == 16
+    base = torch.stack([d, d + 1000], dim=1)  # d as a strided view
+    view = base[:, 0]
+    assert not view.is_contiguous()
+    assert w.replays.batch(h, view, 16, False, w.launcher) is None
+    assert not _replayed(w, lambda: w.pool.load_layer(layer, h, view))
+    assert not _replayed(w, lambda: w.pool.load_layer(layer, h, view))
+
+
+def test_a_dropped_pool_frees_its_buffers_without_the_garbage_collector(monkeypatch):
+    import gc
+    import weakref
+
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(12)
+    w.burst(h, d)
+    w.burst(h, d)
+    host = weakref.ref(next(iter(w.pool.binding.host_buffers.values())))
+    gc.disable()
+    try:
+        w.pool = w.prep = w.replays = None
+        assert host() is None  # no reference cycle through the replays
+    finally:
+        gc.enable()
+
+
+def test_a_load_thread_and_a_backup_thread_never_mix_their_batches(monkeypatch):
+    """An engine's load and backup threads share one pool: every launch carries one batch's host and device
+    indices, never one of each."""
+    import threading
+
+    w = World(monkeypatch, "layer_first")
+    (h1, d1), (h2, d2) = _idx(13), _idx(14)
+    w.burst(h1, d1)
+    w.burst(h2, d2)
+    start = len(w.lib.launches)
+    errors = []
+
+    def loads():
+        try:
+            for _ in range(30):
+                for layer in w.layers:
+                    w.pool.load_layer(layer, h1, d1)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def backups():
+        try:
+            for _ in range(300):
+                w.pool.backup_all_layers(h2, d2)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=loads), threading.Thread(target=backups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    names = w.launcher.arg_names
+    ih, idv = names.index("host_idx"), names.index("dev_idx")
+    pairs = set()
+    for fn, *_rest, body in w.lib.launches[start:]:
+        pos = w.lib.positions[fn]
+        ptr = lambda i: int.from_bytes(body[pos.index(i)], "little")  # noqa: E731
+        pairs.add((ptr(ih), ptr(idv)))
+    assert pairs == {(h1.data_ptr(), d1.data_ptr()), (h2.data_ptr(), d2.data_ptr())}
+    assert len(w.lib.launches) - start == 30 * len(w.layers) + 300
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
@@ -281,6 +373,8 @@ def test_gpu_replayed_bursts_move_the_right_rows(layout, where):
     layers = list(spec.layer_map.device_layers)
 
     def burst(h, d, stream=None):
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the index edits below run on the default stream
         with torch.cuda.stream(stream) if stream is not None else torch.cuda.device(0):
             for layer in layers:
                 pool.load_layer(layer, h, d)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -506,7 +507,9 @@ class PlanCache:
     """The last :data:`MEMO_SLOTS` plans of one pool, keyed by index tensors, versions and stream."""
 
     def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int, pitched: bool = False) -> None:
-        self.binding = binding
+        # a proxy, also in the plans made here: the cache lives in the binding's scratch, and a strong reference
+        # back would keep a dropped pool's buffers alive until the garbage collector runs
+        self.binding = cast(PoolBinding, weakref.proxy(binding))
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
         self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
