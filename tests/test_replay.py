@@ -352,7 +352,7 @@ def test_a_load_thread_and_a_backup_thread_never_mix_their_batches(monkeypatch):
 
 
 @pytest.mark.skipif(not GPU, reason="needs CUDA")
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_first_kv_split"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_first_kv_split"])
 @pytest.mark.parametrize("where", ["cuda", "cpu"])
 def test_gpu_replayed_bursts_move_the_right_rows(layout, where):
     """Bursts of loads with the same indices (replayed), an in-place change, another stream: bit-exact, canaries kept."""
@@ -411,3 +411,43 @@ def test_gpu_replayed_bursts_move_the_right_rows(layout, where):
         h[16:32] = (hidx[:16]).to(h.device)
         burst(h, d, stream)
         check(h.cpu(), d_rows.cuda(), canary_rows)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA")
+def test_gpu_replays_on_either_side_of_the_tma_row_limit(monkeypatch):
+    """Token-major host rows with the automatic TMA row limit scaled down to 64: calls of 64 rows (TMA) and of 128
+    (row kernel) alternate, each replayed from its own steps, bit-exact against the rows backed up."""
+    from hicache_core import rowcopy_tma
+
+    monkeypatch.delenv("HICACHE_KERNEL_TMA", raising=False)
+    monkeypatch.setattr(rowcopy_tma, "AUTO_MAX_STRIDED_ROWS", 64)
+    reg = create_registry()
+    spec = SHAPES["mla61x576-bf16"](256, 16, torch.device("cuda"))
+    rows = 512
+    dev = {c.name: [torch.randint(0, 256, (rows, c.row_bytes), dtype=torch.uint8, device="cuda").view(c.dtype)
+                    for _ in range(spec.layer_map.num_device_layers)] for c in spec.components}
+    pool = HostKVPool(spec, "page_first", "kernel", dev, registry=reg)
+    prep = pool.binding.scratch[pool.strategy.name]
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("automatic TMA loads need compute capability 9.x/10.x")
+    assert prep.tma_rows == (64,) and prep.replays.splits == (64,)
+    g = torch.Generator().manual_seed(8)
+    hidx = (torch.randperm(16, generator=g)[:8].unsqueeze(1) * 16 + torch.arange(16)).reshape(-1).cuda()
+    src = (torch.randperm(8, generator=g).unsqueeze(1) * 16 + torch.arange(16)).reshape(-1).cuda()  # rows 0..127
+    pool.backup_all_layers(hidx, src)
+    layers = list(spec.layer_map.device_layers)
+    name = next(iter(dev))
+    want = [dev[name][layer].view(torch.uint8)[src].clone() for layer in layers]
+    small = (hidx[:64], (torch.arange(64) + 256).cuda())  # 64 rows: TMA
+    large = (hidx, (torch.arange(128) + 384).cuda())  # 128 rows: the row kernel
+    before = prep.replays.hits
+    for _ in range(3):
+        for (h, d), cut in ((small, 64), (large, 128)):
+            for layer in layers:
+                dev[name][layer].view(torch.uint8)[d] = 0
+            for layer in layers:
+                pool.load_layer(layer, h, d)
+            torch.cuda.synchronize()
+            for layer in layers:
+                assert torch.equal(dev[name][layer].view(torch.uint8)[d], want[layer][:cut]), (cut, layer)
+    assert prep.replays.hits - before >= 4 * len(layers)  # the later rounds replay on both sides
