@@ -8,6 +8,7 @@ SGLang's original method runs with the original arguments.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, cast
 
 import torch
@@ -18,7 +19,9 @@ from ...registry import Registry, default_registry
 from .adapter import Bridge, bridge_for, pool_kind
 from .buffers import init_kv_split_buffer, wants_kv_split_takeover
 from .plugin_layouts import init_plugin_layout, wants_plugin_layout
-from .mode import BACKUP, BACKUP_LAYER, IO_BACKENDS, LOAD, current_mode, hicache_io_backend, stock_serves
+from . import mode as _mode
+from .mode import BACKUP, BACKUP_LAYER, ENV_KERNEL, ENV_MODE, IO_BACKENDS, LOAD, current_mode, hicache_io_backend, stock_serves
+from .takeover import ENV_TABLE, TakeoverTableError, active_table
 
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
@@ -36,25 +39,57 @@ def _sharded(host: Any, kind: str) -> bool:
     return False
 
 
+#: The decision of :func:`_backend` by everything it depends on (environment included): SGLang's own cells pay
+#: one lookup per call, not the mode, table and registry walk (~5 us of Python per call otherwise).
+_decided: dict[tuple[Any, ...], str | None] = {}
+_ENV_NAMES = (ENV_MODE, ENV_KERNEL, ENV_TABLE)
+_ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own dict behind os.environ (bytes keys on POSIX)
+_ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES) if hasattr(os.environ, "encodekey") else ()
+
+
+def _env_key() -> tuple[Any, ...]:
+    """The environment variables the decision reads, as they are now (every os.environ write shows here)."""
+    if isinstance(_ENV_DATA, dict) and _ENV_KEYS:
+        return tuple(_ENV_DATA.get(k) for k in _ENV_KEYS)
+    return tuple(os.environ.get(n) for n in _ENV_NAMES)
+
+
 def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
     """The hicache io_backend for this call per the mode (and table).
 
     When the chosen one has no strategy for the layout: the exact mapping, then,
     for a cell SGLang cannot serve at all (a plugin layout with no kernel under
-    SGLang's default ``kernel`` io, say), the core's generic ``direct``.
+    SGLang's default ``kernel`` io, say), the core's generic ``direct``.  Decided once per cell, mode,
+    environment, registry and availability of SGLang's stock kernels (a broken takeover table is re-read
+    on every call until it is fixed).
     """
     sharded = _sharded(host, kind)
     jit = bool(getattr(host, "can_use_jit", False))
-    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
-    if chosen is None:
-        return None
-    gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
     registry = default_registry()
-    key = (registry, host.layout, chosen, io_backend, gap, sharded)
-    hit = _resolved.get(key)
-    if hit is None:
-        hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
+    memo = (kind, host.layout, io_backend, sharded, jit, op, registry, _mode.stock_kernels_available(kind), _env_key())
+    try:
+        return _decided[memo]
+    except KeyError:
+        pass
+    hit = None
+    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    if chosen is not None:
+        gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+        key = (registry, host.layout, chosen, io_backend, gap, sharded)
+        hit = _resolved.get(key)
+        if hit is None:
+            hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
+    if _table_readable():
+        _decided[memo] = hit
     return hit
+
+
+def _table_readable() -> bool:
+    try:
+        active_table()
+    except TakeoverTableError:
+        return False
+    return True
 
 
 def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool, sharded: bool) -> str:
