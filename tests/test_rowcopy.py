@@ -253,7 +253,7 @@ def launches(monkeypatch):
 
     def counting(self, grid, args, **kw):
         log.append((grid, dict(zip(self.arg_names, args))))
-        real(self, grid, args, **kw)
+        real(self, grid, args, **kw)  # returns None: no replay is recorded, every call is logged here
     monkeypatch.setattr(Launcher, "__call__", counting)
     return log
 
