@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices, tensor_version
+from .launch import _traits
 
 __all__ = ["Replays", "Step", "Batch", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
 
@@ -142,8 +143,6 @@ class Replays:
             return b
         if hv is None or dv is None:
             return None
-        from .launch import _traits
-
         memo_h, memo_d = self.memos
         h, d = kernel_indices(host_indices, self.device, memo_h), kernel_indices(device_indices, self.device, memo_d)
         if (h is not host_indices and host_indices.device == h.device) or \
