@@ -441,7 +441,9 @@ def test_gpu_replays_on_either_side_of_the_tma_row_limit(monkeypatch):
     small = (hidx[:64], (torch.arange(64) + 256).cuda())  # 64 rows: TMA
     large = (hidx, (torch.arange(128) + 384).cuda())  # 128 rows: the row kernel
     before = prep.replays.hits
-    for _ in range(3):
+    for round_ in range(4):
+        if round_ == 2:  # recorded by now on both sides (a first call that compiles records nothing)
+            before = prep.replays.hits
         for (h, d), cut in ((small, 64), (large, 128)):
             for layer in layers:
                 dev[name][layer].view(torch.uint8)[d] = 0
@@ -450,4 +452,4 @@ def test_gpu_replays_on_either_side_of_the_tma_row_limit(monkeypatch):
             torch.cuda.synchronize()
             for layer in layers:
                 assert torch.equal(dev[name][layer].view(torch.uint8)[d], want[layer][:cut]), (cut, layer)
-    assert prep.replays.hits - before >= 4 * len(layers)  # the later rounds replay on both sides
+    assert prep.replays.hits - before == 4 * len(layers)  # the last two rounds replay every call on both sides
