@@ -110,9 +110,11 @@ def launch_key(args: Sequence[Any], constexpr_positions: frozenset[int], num_war
     return (device, num_warps, *[a if i in constexpr_positions else _traits(a) for i, a in enumerate(args)])
 
 
-def _hook_active(hook: Any) -> bool:
-    """Triton < 3.4 keeps ``None`` when no launch hook is set; later versions keep an empty ``HookChain``."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _hooked(runtime: Any) -> bool:
+    """Whether a Triton launch hook is set (profilers hook the public path).  Triton < 3.4 keeps ``None`` when no
+    hook is set; later versions keep an empty ``HookChain``."""
+    return any(h is not None and bool(getattr(h, "calls", True))
+               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 class Launcher:
@@ -212,7 +214,7 @@ class Launcher:
             self.kernel[(grid,)](*args, **opts)
             return None
         get_device, get_stream, runtime = api
-        if _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook):
+        if _hooked(runtime):
             self.kernel[(grid,)](*args, **opts)  # profilers hook the public path
             return None
         device = get_device()
@@ -251,7 +253,7 @@ class Launcher:
         if api is None or not (_ENABLED[0] and _DRIVER[0]):
             return False
         runtime = api[2]
-        return not (_hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook))
+        return not _hooked(runtime)
 
     @staticmethod
     def _driver_kernel(compiled: Any) -> Any:

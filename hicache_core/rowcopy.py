@@ -45,7 +45,7 @@ from .kernel_support import (
     transfer_indices,
 )
 from .layout import Layout
-from .replay import Replays, Step, replay_enabled, step as replay_step
+from .replay import Batch, Replays, Step, replay_enabled, step as replay_step
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
 from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC,
@@ -509,8 +509,8 @@ class RowKernelStrategy(DirectionalStrategy):
                           maxnreg=lv.tuning.maxnreg, packs=lv.packs)
                 used = prep.launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
                 steps = _keep(steps, used, prep.launcher, args, lv.slots, lv.tuning.programs, lv.tokens, n_ents, kw)
-        if steps is not None and b is not None:
-            rp.record(b, layer, to_host, steps)  # type: ignore[union-attr]
+        if steps is not None:  # only made with a batch, hence replays
+            rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
 
     @staticmethod
     def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int,
