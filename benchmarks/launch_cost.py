@@ -7,6 +7,8 @@ microseconds per call over a burst of calls, median of several bursts):
 
 * ``load_layer``: the whole public call (in a burst: the link busy with the calls before it), replays on
   (:mod:`hicache_core.replay`: the same index tensors, so every call after the first is replayed);
+* ``relaunch``: a replayed call's driver launches alone (``cuLaunchKernel`` through :mod:`ctypes`, parameters
+  resolved): the floor of ``load_layer``;
 * ``load_layer_noreplay``: the same with ``HICACHE_REPLAY=0`` (every call derives its launches);
 * ``load_layer_idle``: the whole call issued on an idle GPU (synchronised before each call), as a lone
   load pays it;
@@ -117,6 +119,14 @@ def main() -> int:
                 hits = prep.replays.hits if prep.replays is not None else 0
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
                 row["replayed"] = (prep.replays.hits if prep.replays is not None else 0) - hits
+                ready = getattr(prep.replays, "_ready", [{}])[False].get(layer) if prep.replays is not None else None
+                if ready is not None:  # the layer's launches as a replay makes them: ctypes and the driver only
+                    rb = ready[0]
+
+                    def relaunch_only() -> None:
+                        for st, g, values in ready[1]:
+                            st.kernel.relaunch(g, rb.stream, st.packed, values)
+                    row["relaunch"] = _per_call_us(relaunch_only)
                 set_replay(False)
                 row["load_layer_noreplay"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
                 set_replay(None)

@@ -164,11 +164,12 @@ class Packed:
     arguments.
     """
 
-    __slots__ = ("array", "keep", "setters", "lock", "grid", "stream", "call")
+    __slots__ = ("array", "keep", "setters", "objs", "lock", "grid", "stream", "call")
 
     def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int,
                  block: int, shared: int) -> None:
         self.array, self.keep, self.setters = array, keep, setters
+        self.objs = tuple(obj for _, obj, _ in setters)  # the dynamic values' C objects, in ``setters`` order
         self.lock = threading.Lock()
         self.grid, self.stream, one = ctypes.c_uint(1), ctypes.c_void_p(0), ctypes.c_uint(1)
         self.call = (ctypes.c_void_p(function), self.grid, one, one, ctypes.c_uint(block), one, one,
@@ -298,6 +299,22 @@ class DriverKernel:
             for pos, obj, is_ptr in packed.setters:
                 v = args[pos]
                 obj.value = v.data_ptr() if is_ptr else v
+            res = self.lib.cuLaunchKernel(*packed.call)
+        if res == _CUDA_ERROR_INVALID_CONTEXT:
+            return False
+        if res:
+            raise _error(self.lib, res, "cuLaunchKernel")
+        return True
+
+    def relaunch(self, grid: int, stream: int, packed: Packed, values: tuple[int, ...]) -> bool:
+        """:meth:`launch` with the dynamic parameters already resolved: ``values`` holds one int per entry of
+        ``packed.setters``, in order (a pointer as its address).  Same result and errors as :meth:`launch`."""
+        if grid <= 0:
+            return True
+        with packed.lock:
+            packed.grid.value, packed.stream.value = grid, stream
+            for obj, v in zip(packed.objs, values):
+                obj.value = v
             res = self.lib.cuLaunchKernel(*packed.call)
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False

@@ -113,8 +113,10 @@ def launch_key(args: Sequence[Any], constexpr_positions: frozenset[int], num_war
 def _hooked(runtime: Any) -> bool:
     """Whether a Triton launch hook is set (profilers hook the public path).  Triton < 3.4 keeps ``None`` when no
     hook is set; later versions keep an empty ``HookChain``."""
-    return any(h is not None and bool(getattr(h, "calls", True))
-               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    for h in (runtime.launch_enter_hook, runtime.launch_exit_hook):  # a loop, not any(): called per transfer
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
 
 
 class Launcher:

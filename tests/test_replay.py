@@ -291,6 +291,31 @@ def test_a_data_swap_is_seen_and_same_device_views_are_not_replayed(monkeypatch)
     assert not _replayed(w, lambda: w.pool.load_layer(layer, h, view))
 
 
+def test_resolved_launches_belong_to_the_current_batch_only(monkeypatch):
+    """A layer's launches are resolved once per batch (grid and parameter values); a new batch drops the last
+    batch's (they would keep its index tensors alive), and a batch never launches another batch's values."""
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(13)
+    w.burst(h, d)
+    w.burst(h, d)
+    replayed = w.burst(h, d)
+    ready = w.replays._ready[False]
+    assert set(ready) == set(w.layers) and all(r[0] is w.replays._batches[False] for r in ready.values())
+    stale = ready[w.layers[1]]
+    h2, d2 = _idx(14)
+    assert _replayed(w, lambda: w.pool.load_layer(w.layers[0], h2, d2))
+    ready = w.replays._ready[False]
+    assert set(ready) == {w.layers[0]} and ready[w.layers[0]][0] is w.replays._batches[False]
+    assert w.replays._ready[True] and all(r[0] is w.replays._batches[True] for r in w.replays._ready[True].values())
+    # an entry resolved for another batch (stored by a thread that lost a race) is never used: resolved again
+    w.replays._ready[False][w.layers[1]] = stale
+    start = len(w.lib.launches)
+    assert _replayed(w, lambda: w.pool.load_layer(w.layers[1], h2, d2))
+    _forget(w)
+    assert w.pool.load_layer(w.layers[1], h2, d2) and w.lib.launches[-1] == w.lib.launches[start]
+    assert w.burst(h, d) == replayed  # and the first batch, resolved again, launches what it launched
+
+
 def test_a_dropped_pool_frees_its_buffers_without_the_garbage_collector(monkeypatch):
     import gc
     import weakref

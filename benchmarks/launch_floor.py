@@ -1,0 +1,156 @@
+"""What one kernel launch costs the host, by route (H200 probe for the replayed ``load_layer``).
+
+Usage (GPU): ``python benchmarks/launch_floor.py [--out FILE]``.  Mean host microseconds per launch (median of
+several bursts of launches, each burst synchronised before it starts) of:
+
+* ``triton_run``: Triton's compiled-kernel launcher (a C extension) for a one-pointer empty kernel;
+* ``ctypes_cdll`` / ``ctypes_pydll``: ``cuLaunchKernel`` of the same kernel through :mod:`ctypes` with prebuilt C
+  arguments (as :mod:`hicache_core.drvlaunch`), releasing the GIL (``CDLL``) or not (``PyDLL``);
+* ``c_loop``: the same launch repeated by a C loop (a helper built here with the system compiler): the driver's
+  own cost, with no Python per launch;
+* ``replay_relaunch`` / ``replay_c_loop``: a replayed MLA ``layer_first`` load's launch (TMA kernel, its packed
+  parameters) through :meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`, and repeated by the C loop;
+* ``load_layer``: the whole replayed public call, for reference.
+
+Host timings only; nothing here is a pass/fail check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hicache_core import drvlaunch  # noqa: E402
+from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
+from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
+
+_C = r"""
+typedef int (*launch_t)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                        void**);
+int loop_launch(void* launch, void* fn, unsigned grid, unsigned block, unsigned shared, void* stream, void** params,
+                int n) {
+  int res = 0;
+  for (int i = 0; i < n && !res; ++i)
+    res = ((launch_t)launch)(fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0);
+  return res;
+}
+"""
+
+
+def _helper() -> Any:
+    d = tempfile.mkdtemp()
+    src, lib = os.path.join(d, "floor.c"), os.path.join(d, "floor.so")
+    Path(src).write_text(_C)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    h = ctypes.CDLL(lib)
+    h.loop_launch.restype = ctypes.c_int
+    h.loop_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return h
+
+
+def _per_launch_us(fn: Callable[[], Any], launches: int = 1, calls: int = 100, bursts: int = 7) -> float:
+    """Median over ``bursts`` of the mean host microseconds per launch (``fn`` makes ``launches`` of them)."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) * 1e6 / (calls * launches))
+    torch.cuda.synchronize()
+    return round(statistics.median(out), 2)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="launch_floor.json")
+    args = ap.parse_args()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(x):
+        tl.store(x + tl.program_id(0), 1)
+
+    row: dict[str, Any] = {"gpu": torch.cuda.get_device_name()}
+    x = torch.zeros(4, dtype=torch.int32, device="cuda")
+    compiled = _empty[(1,)](x)
+    stream = torch.cuda.current_stream().cuda_stream
+    row["triton_run"] = _per_launch_us(lambda: compiled.run(1, 1, 1, stream, compiled.function,
+                                                            compiled.packed_metadata, None, None, None, x))
+    ptr, null = ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(0)
+    params = (ctypes.c_void_p * 3)(ctypes.addressof(ptr), ctypes.addressof(null), ctypes.addressof(null))
+    one = ctypes.c_uint(1)
+    block = 32 * compiled.metadata.num_warps
+    call = (ctypes.c_void_p(compiled.function), one, one, one, ctypes.c_uint(block), one, one,
+            ctypes.c_uint(compiled.metadata.shared), ctypes.c_void_p(stream), params, None)
+    sizes = drvlaunch.ptx_params(compiled.asm["ptx"], compiled.metadata.name)
+    row["empty_params"] = sizes
+    if sizes is not None and len(sizes) <= 3:
+        for name, dll in (("ctypes_cdll", ctypes.CDLL), ("ctypes_pydll", ctypes.PyDLL)):
+            lib = dll("libcuda.so.1")
+            f = lib.cuLaunchKernel
+            f.restype = ctypes.c_int
+            row[name] = _per_launch_us(lambda f=f: f(*call))
+        cu = ctypes.CDLL("libcuda.so.1")
+        addr = ctypes.cast(cu.cuLaunchKernel, ctypes.c_void_p).value
+        try:
+            h = _helper()
+            row["c_loop"] = _per_launch_us(lambda: h.loop_launch(addr, compiled.function, 1, block,
+                                                                 compiled.metadata.shared, stream, params, 100),
+                                           launches=100, calls=5)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            row["c_loop"] = f"not built: {exc}"
+            h = None
+    else:
+        h, addr = None, None
+    reg = create_registry()
+    spec = SHAPES["mla61x576-bf16"](4096, 64, torch.device("cuda"))
+    dev = _device_buffers(spec, 2 * 4096 + 64)
+    hi, _, di = _indices(spec, torch.Generator().manual_seed(0))
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=True)
+    pool = HostKVPool(spec, "layer_first", "kernel", dev, host_buffers=host, registry=reg, validate="shapes")
+    layer = spec.layer_map.device_layers[0]
+    for _ in range(3):
+        pool.load_layer(layer, hi, di)
+    prep = pool.binding.scratch[pool.strategy.name]
+    row["load_layer"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
+    ready = getattr(prep.replays, "_ready", [{}])[False].get(layer) if prep.replays is not None else None
+    if ready is not None:
+        b, launches = ready
+        row["replay_launches"] = len(launches)
+        row["replay_relaunch"] = _per_launch_us(
+            lambda: [st.kernel.relaunch(g, b.stream, st.packed, v) for st, g, v in launches], launches=len(launches))
+        st, g, v = launches[0]
+        st.kernel.relaunch(g, b.stream, st.packed, v)  # the packed values now hold this launch's
+        if h is not None:
+            c = st.packed.call
+            row["replay_c_loop"] = _per_launch_us(
+                lambda: h.loop_launch(addr, c[0].value, g, c[4].value, c[7].value, b.stream, st.packed.array, 100),
+                launches=100, calls=5)
+    print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(row, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
