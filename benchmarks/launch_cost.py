@@ -9,6 +9,8 @@ microseconds per call over a burst of calls, median of several bursts):
   (:mod:`hicache_core.replay`: the same index tensors, so every call after the first is replayed);
 * ``relaunch``: a replayed call's driver launches alone (``cuLaunchKernel`` through :mod:`ctypes`, parameters
   resolved): the floor of ``load_layer``;
+* ``load_layer_ctypes``: ``load_layer`` with the driver called through :mod:`ctypes` (``HICACHE_C_LAUNCH=0``;
+  ``c_launch``: whether the compiled call was used otherwise);
 * ``load_layer_noreplay``: the same with ``HICACHE_REPLAY=0`` (every call derives its launches);
 * ``load_layer_idle``: the whole call issued on an idle GPU (synchronised before each call), as a lone
   load pays it;
@@ -34,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from hicache_core import claunch
 from hicache_core.bench import SHAPES, _device_buffers, _indices
 from hicache_core.kernel_support import transfer_indices
 from hicache_core.launch import set_driver_launch
@@ -118,6 +121,10 @@ def main() -> int:
                 row: dict[str, Any] = {"shape": shape, "layout": layout, "tma": tma, "strategy": strat.name}
                 hits = prep.replays.hits if prep.replays is not None else 0
                 row["load_layer"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                row["c_launch"] = claunch.module() is not None
+                claunch.set_c_launch(False)
+                row["load_layer_ctypes"] = _per_call_us(lambda: pool.load_layer(layer, h, d))
+                claunch.set_c_launch(None)
                 row["replayed"] = (prep.replays.hits if prep.replays is not None else 0) - hits
                 ready = getattr(prep.replays, "_ready", [{}])[False].get(layer) if prep.replays is not None else None
                 if ready is not None:  # the layer's launches as a replay makes them: ctypes and the driver only

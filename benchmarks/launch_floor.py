@@ -8,9 +8,10 @@ several bursts of launches, each burst synchronised before it starts) of:
   arguments (as :mod:`hicache_core.drvlaunch`), releasing the GIL (``CDLL``) or not (``PyDLL``);
 * ``c_loop``: the same launch repeated by a C loop (a helper built here with the system compiler): the driver's
   own cost, with no Python per launch;
-* ``replay_relaunch`` / ``replay_c_loop``: a replayed MLA ``layer_first`` load's launch (TMA kernel, its packed
-  parameters) through :meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`, and repeated by the C loop;
-* ``load_layer``: the whole replayed public call, for reference.
+* ``replay_relaunch`` / ``replay_relaunch_ctypes`` / ``replay_c_loop``: a replayed MLA ``layer_first`` load's
+  launch (TMA kernel, its packed parameters) through :meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`
+  (the compiled call of :mod:`hicache_core.claunch` where built; then through ctypes), and repeated by the C loop;
+* ``load_layer`` / ``load_layer_ctypes``: the whole replayed public call, for reference.
 
 Host timings only; nothing here is a pass/fail check.
 """
@@ -34,7 +35,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache_core import drvlaunch  # noqa: E402
+from hicache_core import claunch, drvlaunch  # noqa: E402
 from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
@@ -137,8 +138,13 @@ def main() -> int:
     if ready is not None:
         b, launches = ready
         row["replay_launches"] = len(launches)
-        row["replay_relaunch"] = _per_launch_us(
-            lambda: [st.kernel.relaunch(g, b.stream, st.packed, v) for st, g, v in launches], launches=len(launches))
+        relaunch = lambda: [st.kernel.relaunch(g, b.stream, st.packed, v) for st, g, v in launches]  # noqa: E731
+        row["c_launch"] = launches[0][0].packed.fast is not None
+        row["replay_relaunch"] = _per_launch_us(relaunch, launches=len(launches))
+        claunch.set_c_launch(False)
+        row["replay_relaunch_ctypes"] = _per_launch_us(relaunch, launches=len(launches))
+        row["load_layer_ctypes"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
+        claunch.set_c_launch(None)
         st, g, v = launches[0]
         st.kernel.relaunch(g, b.stream, st.packed, v)  # the packed values now hold this launch's
         if h is not None:

@@ -7,8 +7,10 @@ H200 that costs 4-6 us for an empty kernel and 12-16 us for the TMA load kernel
 same pool-fixed arguments on every call, and only the index tensors and their
 count change.  :class:`DriverKernel` therefore packs a launch's parameters
 once (:meth:`DriverKernel.pack`: tensor maps encoded once per launch), and a
-call rewrites the changing parameters in place and calls ``cuLaunchKernel``
-through :mod:`ctypes` on the process's ``libcuda``.
+call passes the changing parameters and calls ``cuLaunchKernel`` of the process's
+``libcuda``: through a compiled call (:mod:`hicache_core.claunch`, which copies the
+parameter pointers per call) where it could be built, else through :mod:`ctypes`
+(the changing parameters rewritten in place, under the launch's lock).
 
 The parameter layout is never guessed.  It is derived from the compiled
 kernel's Triton signature (constexprs dropped; a tensor descriptor is a
@@ -33,6 +35,8 @@ import re
 import threading
 from typing import Any, Sequence
 
+from . import claunch
+
 __all__ = ["DriverKernel", "Packed", "ptx_params", "expected_params", "driver_available", "DriverLaunchError"]
 
 logger = logging.getLogger(__name__)
@@ -53,6 +57,15 @@ class DriverLaunchError(RuntimeError):
 
 
 _LIB: list[Any] = []
+_C_ON = claunch._ON  # the compiled call's switch (claunch.set_c_launch), read per launch
+
+
+def _launch_address(lib: Any) -> int | None:
+    """The C address of ``lib.cuLaunchKernel`` when it is a C function (``None`` for a stand-in object)."""
+    f = getattr(lib, "cuLaunchKernel", None)
+    if not isinstance(f, ctypes._CFuncPtr):  # type: ignore[attr-defined]
+        return None
+    return ctypes.cast(f, ctypes.c_void_p).value
 
 
 def _cuda() -> Any:
@@ -164,16 +177,18 @@ class Packed:
     arguments.
     """
 
-    __slots__ = ("array", "keep", "setters", "objs", "lock", "grid", "stream", "call")
+    __slots__ = ("array", "keep", "setters", "objs", "lock", "grid", "stream", "call", "fast")
 
     def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int,
-                 block: int, shared: int) -> None:
+                 block: int, shared: int, fast: tuple[Any, Any] | None = None) -> None:
         self.array, self.keep, self.setters = array, keep, setters
         self.objs = tuple(obj for _, obj, _ in setters)  # the dynamic values' C objects, in ``setters`` order
         self.lock = threading.Lock()
         self.grid, self.stream, one = ctypes.c_uint(1), ctypes.c_void_p(0), ctypes.c_uint(1)
         self.call = (ctypes.c_void_p(function), self.grid, one, one, ctypes.c_uint(block), one, one,
                      ctypes.c_uint(shared), self.stream, array, None)
+        #: ``(launch, handle)`` of the compiled call (:mod:`hicache_core.claunch`), or ``None`` (ctypes only).
+        self.fast = fast
 
 
 class DriverKernel:
@@ -258,7 +273,7 @@ class DriverKernel:
         n = len(self.plan) + self.scratch
         array = (ctypes.c_void_p * n)()
         keep: list = [array, [a for i, a in enumerate(args) if i not in dyn]]  # static tensors stay alive with it
-        setters = []
+        setters, dyn_params = [], []
         for i, (kind, pos, part) in enumerate(self.plan):
             value = args[pos]
             if kind == "map":
@@ -276,13 +291,25 @@ class DriverKernel:
                 obj = ctype(value.data_ptr() if kind == "ptr" else value)
                 if pos in dyn:
                     setters.append((pos, obj, kind == "ptr"))
+                    dyn_params.append(i)
             keep.append(obj)
             array[i] = ctypes.addressof(obj)
         for j in range(self.scratch):  # the kernel uses no scratch: null pointers
             obj = ctypes.c_uint64(0)
             keep.append(obj)
             array[len(self.plan) + j] = ctypes.addressof(obj)
-        return Packed(array, keep, tuple(setters), self.compiled.function, self.block, self.shared)
+        return Packed(array, keep, tuple(setters), self.compiled.function, self.block, self.shared,
+                      self._fast(array, n, tuple(dyn_params)))
+
+    def _fast(self, array: Any, n: int, dyn_params: tuple[int, ...]) -> tuple[Any, Any] | None:
+        """The compiled call's ``(launch, handle)`` for a packed launch, or ``None`` (ctypes) where it is
+        unavailable: no compiled module, a driver without a C entry point (a stand-in), too many parameters."""
+        addr = _launch_address(self.lib)
+        mod = claunch.module() if addr is not None else None
+        if mod is None or n > claunch.MAX_PARAMS or len(dyn_params) > claunch.MAX_DYNAMIC:
+            return None
+        return mod.launch, mod.make(addr, self.compiled.function, self.block, self.shared, ctypes.addressof(array),
+                                    n, dyn_params)
 
     def launch(self, grid: int, stream: int, packed: Packed, args: Sequence[Any]) -> bool:
         """Launch on ``grid`` programs with ``packed`` updated from ``args``' dynamic positions.
@@ -294,28 +321,26 @@ class DriverKernel:
         """
         if grid <= 0:  # as Triton's launcher: nothing to launch
             return True
-        with packed.lock:
-            packed.grid.value, packed.stream.value = grid, stream
-            for pos, obj, is_ptr in packed.setters:
-                v = args[pos]
-                obj.value = v.data_ptr() if is_ptr else v
-            res = self.lib.cuLaunchKernel(*packed.call)
-        if res == _CUDA_ERROR_INVALID_CONTEXT:
-            return False
-        if res:
-            raise _error(self.lib, res, "cuLaunchKernel")
-        return True
+        values = tuple(args[pos].data_ptr() if is_ptr else args[pos] for pos, _, is_ptr in packed.setters)
+        return self.relaunch(grid, stream, packed, values)
 
     def relaunch(self, grid: int, stream: int, packed: Packed, values: tuple[int, ...]) -> bool:
         """:meth:`launch` with the dynamic parameters already resolved: ``values`` holds one int per entry of
-        ``packed.setters``, in order (a pointer as its address).  Same result and errors as :meth:`launch`."""
+        ``packed.setters``, in order (a pointer as its address).  Same result and errors as :meth:`launch`.
+
+        Through the compiled call where ``packed`` has one (:mod:`hicache_core.claunch`: the parameters are
+        copied per call, nothing shared is written), else through :mod:`ctypes` under ``packed.lock``."""
         if grid <= 0:
             return True
-        with packed.lock:
-            packed.grid.value, packed.stream.value = grid, stream
-            for obj, v in zip(packed.objs, values):
-                obj.value = v
-            res = self.lib.cuLaunchKernel(*packed.call)
+        fast = packed.fast
+        if fast is not None and _C_ON[0]:
+            res = fast[0](fast[1], grid, stream, *values)
+        else:
+            with packed.lock:
+                packed.grid.value, packed.stream.value = grid, stream
+                for obj, v in zip(packed.objs, values):
+                    obj.value = v
+                res = self.lib.cuLaunchKernel(*packed.call)
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False
         if res:

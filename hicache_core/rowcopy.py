@@ -31,6 +31,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
+from . import claunch
 from .binding import PoolBinding
 from .errors import ConfigError, HostBufferError
 from .kernel_support import (
@@ -396,7 +397,9 @@ class RowKernelStrategy(DirectionalStrategy):
                 "through cuLaunchKernel with parameters packed once per pool, where the compiled kernel's parameters "
                 "verify against its PTX (else Triton's launcher; HICACHE_DRIVER_LAUNCH=0 turns it off); calls passing "
                 "the same index tensors, unchanged, on the same stream replay their launches ("
-                + ("on" if replay_enabled() else "off") + ", HICACHE_REPLAY)"
+                + ("on" if replay_enabled() else "off") + ", HICACHE_REPLAY); the driver is called "
+                + ("through a compiled call" if claunch.module() is not None else "through ctypes")
+                + " (HICACHE_C_LAUNCH)"
                 if driver_launch_enabled() else
                 "through Triton's launcher (HICACHE_DRIVER_LAUNCH=0 or fast launch off)"))
         return lines

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hicache_core import drvlaunch, kernel_support, launch as launch_mod, replay as replay_mod, rowcopy  # noqa: E402
+from hicache_core import claunch, drvlaunch, kernel_support, launch as launch_mod, replay as replay_mod, rowcopy  # noqa: E402
 from hicache_core.bench import SHAPES  # noqa: E402
 from hicache_core.drvlaunch import DriverKernel, expected_params  # noqa: E402
 from hicache_core.launch import Launcher, set_driver_launch  # noqa: E402
@@ -32,18 +32,25 @@ GPU = torch.cuda.is_available()
 _FN = itertools.count(0x1000)
 
 
+_LAUNCH_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
 class RecordingLib:
-    """A CUDA driver that records each launch with every parameter's bytes (sizes per function handle)."""
+    """A CUDA driver that records each launch with every parameter's bytes (sizes per function handle).
+
+    Its ``cuLaunchKernel`` is a C function (a ctypes callback), so launches reach it both through ctypes and
+    through the compiled call of :mod:`hicache_core.claunch`, which takes its address."""
 
     def __init__(self) -> None:
         self.sizes: dict[int, list[int]] = {}
         self.positions: dict[int, list[int]] = {}  # argument position of each parameter
         self.launches: list[tuple] = []
         self.result = 0
+        self.cuLaunchKernel = _LAUNCH_T(self._launch)
 
-    def cuLaunchKernel(self, *call):
-        fn, gx, gy, gz, bx, by, bz, shared, stream = (a.value or 0 for a in call[:9])
-        params = call[9]
+    def _launch(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        fn, stream = fn or 0, stream or 0
         body = tuple(ctypes.string_at(params[i], size) for i, size in enumerate(self.sizes[fn]))
         if self.result == 0:
             self.launches.append((fn, (gx, gy, gz), (bx, by, bz), shared, stream, body))
@@ -134,6 +141,16 @@ class World:
         return self.lib.launches[start:]
 
 
+@pytest.fixture(params=["compiled", "ctypes"])
+def route(request) -> str:
+    """Driver launches through the compiled call (:mod:`hicache_core.claunch`) or through ctypes."""
+    if request.param == "compiled" and claunch.module() is None:
+        pytest.skip("no compiled launch call here (no C compiler or Python headers)")
+    claunch.set_c_launch(request.param == "compiled")
+    request.addfinalizer(claunch.set_c_launch)
+    return request.param
+
+
 def _idx(seed: int, n: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     pages_h, pages_d = torch.randperm(4, generator=g)[: n // 16], torch.randperm(10, generator=g)[: n // 16]
@@ -148,7 +165,7 @@ def _forget(w: "World") -> None:
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_replayed_launches_equal_the_normal_path(monkeypatch, layout):
+def test_replayed_launches_equal_the_normal_path(monkeypatch, layout, route):
     """The same burst replayed and then through the normal path: byte-identical launches (function, grid, block,
     shared memory, stream, every parameter), for a batch seen before and a new one."""
     w = World(monkeypatch, layout)
@@ -291,6 +308,30 @@ def test_a_data_swap_is_seen_and_same_device_views_are_not_replayed(monkeypatch)
     assert not _replayed(w, lambda: w.pool.load_layer(layer, h, view))
 
 
+@pytest.mark.skipif(claunch.module() is None, reason="no compiled launch call here (no C compiler or Python headers)")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_the_compiled_call_launches_what_ctypes_launches_and_writes_nothing_shared(monkeypatch, layout):
+    """Bursts through the compiled call and through ctypes: byte-identical launches, replayed or not; the compiled
+    call never writes a packed launch's shared parameter storage (so threads need no lock around it)."""
+    w = World(monkeypatch, layout)
+    (h1, d1), (h2, d2) = _idx(15), _idx(16)
+    w.burst(h1, d1)
+    w.burst(h1, d1)
+    packs = [st.packed for steps in w.replays._steps.values() for st in steps]
+    assert packs and all(p.fast is not None for p in packs)
+    stored = [tuple(o.value for o in p.objs) for p in packs]
+    compiled = [w.burst(h1, d1), w.burst(h2, d2)]
+    assert [tuple(o.value for o in p.objs) for p in packs] == stored  # the stack copies took the new values
+    claunch.set_c_launch(False)
+    try:
+        through_ctypes = [w.burst(h1, d1), w.burst(h2, d2)]
+        assert [tuple(o.value for o in p.objs) for p in packs] != stored  # (ctypes writes them, under the lock)
+    finally:
+        claunch.set_c_launch()
+    assert compiled == through_ctypes and all(compiled)
+    assert len({body for *_rest, body in compiled[0]} - {body for *_rest, body in compiled[1]}) > 0
+
+
 def test_resolved_launches_belong_to_the_current_batch_only(monkeypatch):
     """A layer's launches are resolved once per batch (grid and parameter values); a new batch drops the last
     batch's (they would keep its index tensors alive), and a batch never launches another batch's values."""
@@ -333,7 +374,7 @@ def test_a_dropped_pool_frees_its_buffers_without_the_garbage_collector(monkeypa
         gc.enable()
 
 
-def test_a_load_thread_and_a_backup_thread_never_mix_their_batches(monkeypatch):
+def test_a_load_thread_and_a_backup_thread_never_mix_their_batches(monkeypatch, route):
     """An engine's load and backup threads share one pool: every launch carries one batch's host and device
     indices, never one of each."""
     import threading
