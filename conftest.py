@@ -1,4 +1,4 @@
-"""Repository-wide pytest set-up: without a GPU, Triton kernels run in the interpreter."""
+"""Repository-wide pytest set-up: without a GPU, Triton kernels run in the interpreter; a session build cache."""
 
 import os
 
@@ -10,3 +10,14 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The compiled launch call (hicache_core/claunch.py) is built by the first test that needs it: into a directory of
+# this session, not the user's cache (a build there would outlive the tests).
+if "HICACHE_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="hicache-test-cache-")
+    os.environ["HICACHE_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, True)

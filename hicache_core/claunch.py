@@ -45,6 +45,8 @@ ENV_CACHE_DIR = "HICACHE_CACHE_DIR"
 MAX_PARAMS = 256
 #: Dynamic parameters a compiled launch rewrites at most.
 MAX_DYNAMIC = 16
+#: Seconds the compiler may take (a hung compiler wrapper must not hold the first transfer forever).
+BUILD_TIMEOUT_S = 60
 
 _NAME = "_hicache_claunch"
 _SOURCE = r"""
@@ -65,20 +67,27 @@ typedef struct {
   void *function;
   unsigned block, shared;
   void **params; /* the packed launch's pointer array (static parameters point into its storage) */
+  PyObject *owner; /* keeps that array and storage alive as long as this handle */
   int n_params, n_dynamic;
   int dynamic[MAX_DYNAMIC]; /* parameter index of each dynamic value, in the order launch() takes them */
 } Handle;
 
-static void drop(PyObject *capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, CAPSULE)); }
+static void drop(PyObject *capsule) {
+  Handle *h = PyCapsule_GetPointer(capsule, CAPSULE);
+  if (h) {
+    Py_XDECREF(h->owner);
+    PyMem_Free(h);
+  }
+}
 
-/* make(launch_address, function, block, shared, params_address, n_params, dynamic_indices) -> handle */
+/* make(launch_address, function, block, shared, params_address, n_params, dynamic_indices, owner) -> handle */
 static PyObject *make(PyObject *self, PyObject *args) {
   unsigned long long launch, function, params;
   unsigned block, shared;
   int n_params;
-  PyObject *dynamic;
-  if (!PyArg_ParseTuple(args, "KKIIKiO!", &launch, &function, &block, &shared, &params, &n_params, &PyTuple_Type,
-                        &dynamic))
+  PyObject *dynamic, *owner;
+  if (!PyArg_ParseTuple(args, "KKIIKiO!O", &launch, &function, &block, &shared, &params, &n_params, &PyTuple_Type,
+                        &dynamic, &owner))
     return NULL;
   Py_ssize_t n_dynamic = PyTuple_GET_SIZE(dynamic);
   if (!launch || !params || n_params < 0 || n_params > MAX_PARAMS || n_dynamic > MAX_DYNAMIC) {
@@ -92,6 +101,7 @@ static PyObject *make(PyObject *self, PyObject *args) {
   h->block = block;
   h->shared = shared;
   h->params = (void **)(uintptr_t)params;
+  h->owner = NULL;
   h->n_params = n_params;
   h->n_dynamic = (int)n_dynamic;
   for (Py_ssize_t i = 0; i < n_dynamic; ++i) {
@@ -104,7 +114,12 @@ static PyObject *make(PyObject *self, PyObject *args) {
     h->dynamic[i] = (int)k;
   }
   PyObject *capsule = PyCapsule_New(h, CAPSULE, drop);
-  if (!capsule) PyMem_Free(h);
+  if (!capsule) {
+    PyMem_Free(h);
+    return NULL;
+  }
+  Py_INCREF(owner);
+  h->owner = owner;
   return capsule;
 }
 
@@ -121,23 +136,32 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyErr_SetString(PyExc_TypeError, "claunch.launch: one value per dynamic parameter");
     return NULL;
   }
-  unsigned grid = (unsigned)PyLong_AsUnsignedLong(args[1]);
-  void *stream = (void *)(uintptr_t)PyLong_AsUnsignedLongLong(args[2]);
+  /* every conversion is checked at once: nothing runs with an error set, nothing launches after one */
+  unsigned long grid = PyLong_AsUnsignedLong(args[1]);
+  if (grid == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+  unsigned long long stream = PyLong_AsUnsignedLongLong(args[2]);
+  if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
   uint64_t values[MAX_DYNAMIC];
-  for (int i = 0; i < h->n_dynamic; ++i) values[i] = (uint64_t)PyLong_AsUnsignedLongLongMask(args[3 + i]);
-  if (PyErr_Occurred()) return NULL;
+  for (int i = 0; i < h->n_dynamic; ++i) {
+    values[i] = (uint64_t)PyLong_AsUnsignedLongLongMask(args[3 + i]);
+    if (values[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+  }
   void *params[MAX_PARAMS];
   memcpy(params, h->params, sizeof(void *) * (size_t)h->n_params);
   for (int i = 0; i < h->n_dynamic; ++i) params[h->dynamic[i]] = &values[i];
+  launch_t fn = h->launch;
+  void *function = h->function;
+  unsigned block = h->block, shared = h->shared;
   int res;
   Py_BEGIN_ALLOW_THREADS
-  res = h->launch(h->function, grid, 1, 1, h->block, 1, 1, h->shared, stream, params, NULL);
+  res = fn(function, (unsigned)grid, 1, 1, block, 1, 1, shared, (void *)(uintptr_t)stream, params, NULL);
   Py_END_ALLOW_THREADS
   return PyLong_FromLong(res);
 }
 
 static PyMethodDef methods[] = {
-    {"make", make, METH_VARARGS, "make(launch_address, function, block, shared, params_address, n_params, dynamic)"},
+    {"make", make, METH_VARARGS,
+     "make(launch_address, function, block, shared, params_address, n_params, dynamic, owner)"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch(handle, grid, stream, *values)"},
     {NULL, NULL, 0, NULL}};
 
@@ -162,7 +186,8 @@ def c_launch_enabled() -> bool:
 
 
 def set_c_launch(enabled: bool | None = None) -> bool:
-    """Turn the compiled call on or off for launches packed from now on; ``None`` re-reads ``HICACHE_C_LAUNCH``."""
+    """Turn the compiled call on or off; ``None`` re-reads ``HICACHE_C_LAUNCH``.  Off takes effect at the next
+    launch; on applies to launches packed from then on (those packed while it was off keep ctypes)."""
     _ON[0] = _env() if enabled is None else bool(enabled)
     return _ON[0]
 
@@ -189,20 +214,37 @@ def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / f"{_NAME}.c", Path(tmp) / target.name
         src.write_text(_SOURCE)
-        cmd = [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(out)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        includes = dict.fromkeys([include, sysconfig.get_paths().get("platinclude") or include])
+        cmd = [*cc, "-O2", "-DNDEBUG", "-shared", "-fPIC", *[f"-I{i}" for i in includes], str(src), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=BUILD_TIMEOUT_S)
         if proc.returncode:
             raise RuntimeError(f"{shlex.join(cmd)} failed: {(proc.stderr or proc.stdout).strip()[-500:]}")
         os.replace(out, target)  # atomic: another process building at once finds one whole file
 
 
-def _load() -> ModuleType:
-    key = hashlib.sha256((_SOURCE + sys.version + sysconfig.get_config_var("EXT_SUFFIX")).encode()).hexdigest()[:16]
+def _target() -> Path:
+    """Where this source, built for this Python, lives in the cache."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    key = hashlib.sha256((_SOURCE + sys.version + suffix).encode()).hexdigest()[:16]
     root = Path(os.environ.get(ENV_CACHE_DIR) or Path.home() / ".cache" / "hicache")
-    target = root / "claunch" / key / f"{_NAME}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return root / "claunch" / key / f"{_NAME}{suffix}"
+
+
+def _load() -> ModuleType:
+    target = _target()
     if not target.exists():
         _build(target)
         logger.info("built the compiled launch call: %s", target)
+        return _import(target)
+    try:
+        return _import(target)
+    except ImportError as exc:  # a damaged file (a full disk, a killed copy): built again, once
+        logger.info("rebuilding the compiled launch call (%s)", exc)
+        _build(target)
+        return _import(target)
+
+
+def _import(target: Path) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(_NAME, str(target))
     spec = importlib.util.spec_from_loader(_NAME, loader)
     assert spec is not None

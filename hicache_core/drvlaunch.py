@@ -299,17 +299,18 @@ class DriverKernel:
             keep.append(obj)
             array[len(self.plan) + j] = ctypes.addressof(obj)
         return Packed(array, keep, tuple(setters), self.compiled.function, self.block, self.shared,
-                      self._fast(array, n, tuple(dyn_params)))
+                      self._fast(array, keep, n, tuple(dyn_params)))
 
-    def _fast(self, array: Any, n: int, dyn_params: tuple[int, ...]) -> tuple[Any, Any] | None:
+    def _fast(self, array: Any, keep: list, n: int, dyn_params: tuple[int, ...]) -> tuple[Any, Any] | None:
         """The compiled call's ``(launch, handle)`` for a packed launch, or ``None`` (ctypes) where it is
         unavailable: no compiled module, a driver without a C entry point (a stand-in), too many parameters."""
         addr = _launch_address(self.lib)
         mod = claunch.module() if addr is not None else None
         if mod is None or n > claunch.MAX_PARAMS or len(dyn_params) > claunch.MAX_DYNAMIC:
             return None
+        # the handle keeps ``keep`` (the array and every static parameter's storage) alive itself
         return mod.launch, mod.make(addr, self.compiled.function, self.block, self.shared, ctypes.addressof(array),
-                                    n, dyn_params)
+                                    n, dyn_params, keep)
 
     def launch(self, grid: int, stream: int, packed: Packed, args: Sequence[Any]) -> bool:
         """Launch on ``grid`` programs with ``packed`` updated from ``args``' dynamic positions.

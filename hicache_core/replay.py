@@ -168,7 +168,9 @@ class Replays:
             steps = self._steps.get((layer, to_host, b.traits))
             if steps is None:
                 return False
-            r = ready[layer] = (b, tuple(_resolve(st, b) for st in steps))
+            r = (b, tuple(_resolve(st, b) for st in steps))
+            if self._ready[to_host] is ready and self._batches[to_host] is b:  # not an old batch's, kept alive
+                ready[layer] = r
         stream = b.stream
         for st, grid, values in r[1]:
             if st.kernel.relaunch(grid, stream, st.packed, values):

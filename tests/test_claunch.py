@@ -43,7 +43,7 @@ def test_a_launch_carries_the_static_parameters_and_the_new_dynamic_values():
     mod = claunch.module()
     drv = Driver(4)
     objs, array = _storage(11, 22, 33, 44)
-    h = mod.make(drv.address, 0x1234, 128, 4096, ctypes.addressof(array), 4, (3, 1))
+    h = mod.make(drv.address, 0x1234, 128, 4096, ctypes.addressof(array), 4, (3, 1), objs)
     assert mod.launch(h, 7, 0x50, 2**40 + 5, -1) == 0
     fn, grid, block, shared, stream, body, extra = drv.calls[-1]
     assert (fn, grid, block, shared, stream, extra) == (0x1234, (7, 1, 1), (128, 1, 1), 4096, 0x50, None)
@@ -60,21 +60,55 @@ def test_bad_handles_and_values_are_refused_before_any_launch():
     _, array = _storage(1, 2)
     addr = ctypes.addressof(array)
     with pytest.raises(ValueError, match="dynamic index out of range"):
-        mod.make(drv.address, 1, 32, 0, addr, 2, (2,))
+        mod.make(drv.address, 1, 32, 0, addr, 2, (2,), array)
     with pytest.raises(ValueError, match="out of range"):
-        mod.make(drv.address, 1, 32, 0, addr, claunch.MAX_PARAMS + 1, ())
+        mod.make(drv.address, 1, 32, 0, addr, claunch.MAX_PARAMS + 1, (), array)
     with pytest.raises(ValueError, match="out of range"):
-        mod.make(drv.address, 1, 32, 0, addr, 2, tuple(range(claunch.MAX_DYNAMIC + 1)))
+        mod.make(drv.address, 1, 32, 0, addr, 2, tuple(range(claunch.MAX_DYNAMIC + 1)), array)
     with pytest.raises(ValueError, match="out of range"):
-        mod.make(0, 1, 32, 0, addr, 2, ())
-    h = mod.make(drv.address, 1, 32, 0, addr, 2, (0,))
+        mod.make(0, 1, 32, 0, addr, 2, (), array)
+    h = mod.make(drv.address, 1, 32, 0, addr, 2, (0,), array)
     with pytest.raises(TypeError, match="one value per dynamic parameter"):
         mod.launch(h, 1, 0)
     with pytest.raises(TypeError):
         mod.launch(h, 1, 0, "x")
     with pytest.raises(ValueError):
         mod.launch(object(), 1, 0, 5)
-    assert drv.calls == []
+
+    class Index:  # converts, but after a bad grid must never be asked to
+        asked = 0
+
+        def __index__(self) -> int:
+            Index.asked += 1
+            return 3
+    with pytest.raises(TypeError):  # the real error, not a SystemError from converting on with it set
+        mod.launch(h, "x", 0, Index())
+    with pytest.raises(OverflowError):
+        mod.launch(h, 1, -1, Index())
+    assert Index.asked == 0 and drv.calls == []
+
+
+@needs_module
+def test_a_handle_keeps_its_parameter_storage_alive():
+    import gc
+    import weakref
+
+    class Storage(list):
+        pass
+
+    mod = claunch.module()
+    drv = Driver(2)
+    objs, array = _storage(5, 6)
+    owner = Storage([objs, array])
+    alive = weakref.ref(owner)
+    h = mod.make(drv.address, 1, 32, 0, ctypes.addressof(array), 2, (1,), owner)
+    del owner, objs, array
+    gc.collect()
+    assert alive() is not None
+    assert mod.launch(h, 1, 0, 9) == 0 and drv.calls[-1][5] == [(5).to_bytes(8, "little"), (9).to_bytes(8, "little")]
+    del h
+    gc.collect()
+    assert alive() is None
 
 
 @needs_module
@@ -119,6 +153,7 @@ def test_off_by_environment(monkeypatch):
 
 
 def test_no_compiler_keeps_ctypes_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(claunch, "_ON", [True])  # whatever HICACHE_C_LAUNCH says here
     monkeypatch.setattr(claunch, "_MOD", [])
     monkeypatch.setattr(claunch, "_compiler", lambda: None)
     monkeypatch.setenv(claunch.ENV_CACHE_DIR, str(tmp_path))
@@ -140,7 +175,22 @@ def test_builds_into_the_cache_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(claunch, "_MOD", [])
     monkeypatch.setenv(claunch.ENV_CACHE_DIR, str(tmp_path))
     mod = claunch.module()
-    assert mod is not None and [p.parent.parent.name for p in tmp_path.rglob("_hicache_claunch*")] == ["claunch"]
+    built = list(tmp_path.rglob("_hicache_claunch*"))
+    assert mod is not None and [p.parent.parent.name for p in built] == ["claunch"]
+    build = claunch._build
+
+    def no_build(target):
+        raise AssertionError("rebuilt although the file was there")
+    monkeypatch.setattr(claunch, "_build", no_build)
     monkeypatch.setattr(claunch, "_MOD", [])
-    assert claunch.module() is not None  # found, not rebuilt: one file
-    assert len(list(tmp_path.rglob("_hicache_claunch*"))) == 1
+    assert claunch.module() is not None  # found and imported, not built again
+
+    # a damaged file (never loaded: another cache directory) is built again, once, and imported
+    monkeypatch.setattr(claunch, "_MOD", [])
+    monkeypatch.setenv(claunch.ENV_CACHE_DIR, str(tmp_path / "other"))
+    damaged = claunch._target()
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a shared object")
+    calls = []
+    monkeypatch.setattr(claunch, "_build", lambda target: (calls.append(target), build(target)))
+    assert claunch.module() is not None and calls == [damaged] and damaged.read_bytes()[:4] == b"\x7fELF"

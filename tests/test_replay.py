@@ -173,6 +173,7 @@ def test_replayed_launches_equal_the_normal_path(monkeypatch, layout, route):
     h, d = _idx(1)
     w.burst(h, d)  # compiles (Triton's public launch: nothing recorded for that call)
     w.burst(h, d)  # packs and records
+    assert all((st.packed.fast is not None) == (route == "compiled") for sts in w.replays._steps.values() for st in sts)
     hits = w.replays.hits
     replayed = w.burst(h, d)
     assert w.replays.hits - hits == len(w.layers) + 1  # every call of the burst
@@ -265,7 +266,7 @@ def test_counts_on_either_side_of_a_split_record_their_own_steps(monkeypatch):
     assert not _replayed(w, load) and _replayed(w, load)  # recorded by its own first call, then replayed
 
 
-def test_no_context_on_this_thread_falls_back_to_tritons_launcher(monkeypatch):
+def test_no_context_on_this_thread_falls_back_to_tritons_launcher(monkeypatch, route):
     w = World(monkeypatch, "layer_first")
     h, d = _idx(5)
     w.burst(h, d)
@@ -348,6 +349,9 @@ def test_resolved_launches_belong_to_the_current_batch_only(monkeypatch):
     ready = w.replays._ready[False]
     assert set(ready) == {w.layers[0]} and ready[w.layers[0]][0] is w.replays._batches[False]
     assert w.replays._ready[True] and all(r[0] is w.replays._batches[True] for r in w.replays._ready[True].values())
+    # a thread still running the first batch (it matched before the second replaced it) launches it, but does not
+    # store its resolution where the second batch's live (it would keep the first batch's tensors alive)
+    assert w.replays.run(stale[0], w.layers[2], False) and w.layers[2] not in w.replays._ready[False]
     # an entry resolved for another batch (stored by a thread that lost a race) is never used: resolved again
     w.replays._ready[False][w.layers[1]] = stale
     start = len(w.lib.launches)
