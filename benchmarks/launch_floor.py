@@ -22,11 +22,9 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,6 +37,7 @@ from hicache_core import claunch, drvlaunch  # noqa: E402
 from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
+from launch_cost import _per_call_us  # noqa: E402  (benchmarks/ is this script's directory)
 
 _C = r"""
 typedef int (*launch_t)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
@@ -65,19 +64,10 @@ def _helper() -> Any:
     return h
 
 
-def _per_launch_us(fn: Callable[[], Any], launches: int = 1, calls: int = 100, bursts: int = 7) -> float:
-    """Median over ``bursts`` of the mean host microseconds per launch (``fn`` makes ``launches`` of them)."""
+def _per_launch_us(fn: Callable[[], Any], launches: int = 1, calls: int = 100) -> float:
+    """:func:`launch_cost._per_call_us` of ``fn`` (after one warm-up call) per launch (``fn`` makes ``launches``)."""
     fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(bursts):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) * 1e6 / (calls * launches))
-    torch.cuda.synchronize()
-    return round(statistics.median(out), 2)
+    return round(_per_call_us(fn, calls=calls) / launches, 2)
 
 
 def main() -> int:
