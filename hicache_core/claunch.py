@@ -13,7 +13,8 @@ The launch it makes is exactly :meth:`hicache_core.drvlaunch.DriverKernel.launch
 block, shared memory, stream and parameter bytes; ``tests/test_claunch.py`` compares them byte for byte).
 Where the extension cannot be built (no C compiler or Python headers) or ``HICACHE_C_LAUNCH=0``, the
 :mod:`ctypes` call is used; the reason is logged once at INFO.  The build goes to ``HICACHE_CACHE_DIR``
-(default ``~/.cache/hicache``), keyed by the source and the Python build.
+(default ``~/.cache/hicache``), keyed by the source and the Python build; kernel strategies ask for it when a
+pool is made, so the build (a fraction of a second, once per machine) never lands inside a transfer.
 """
 
 from __future__ import annotations

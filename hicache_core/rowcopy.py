@@ -431,6 +431,7 @@ class RowKernelStrategy(DirectionalStrategy):
             # calls on either side of a TMA row limit take other launches: their steps are recorded apart
             splits = sorted({lim for lim in prep.tma_rows if lim is not None})
             prep = replace(prep, replays=Replays(binding, splits=tuple(splits)))
+            claunch.module()  # built (once per machine) with the pool, not inside its first transfer
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])

@@ -333,6 +333,14 @@ def test_the_compiled_call_launches_what_ctypes_launches_and_writes_nothing_shar
     assert len({body for *_rest, body in compiled[0]} - {body for *_rest, body in compiled[1]}) > 0
 
 
+def test_the_compiled_call_is_built_with_the_pool_not_in_its_first_transfer(monkeypatch, tmp_path):
+    monkeypatch.setattr(claunch, "_MOD", [])
+    monkeypatch.setenv(claunch.ENV_CACHE_DIR, str(tmp_path))
+    w = World(monkeypatch, "layer_first")
+    assert claunch._MOD and w.lib.launches == []  # asked for (built, or found unbuildable) before any launch
+    assert (claunch._MOD[0] is not None) == bool(list(tmp_path.rglob("_hicache_claunch*")))
+
+
 def test_resolved_launches_belong_to_the_current_batch_only(monkeypatch):
     """A layer's launches are resolved once per batch (grid and parameter values); a new batch drops the last
     batch's (they would keep its index tensors alive), and a batch never launches another batch's values."""
