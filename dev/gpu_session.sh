@@ -17,6 +17,7 @@
 #               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
 #   hosttime    benchmarks/host_time.py for the kernel strategies with TMA on and off (cProfile in logs.tgz)
 #   launchcost  benchmarks/launch_cost.py: a kernel load_layer's host time, part by part (TMA on and off)
+#   launchfloor benchmarks/launch_floor.py: one launch's host time by route (driver alone, compiled call, ctypes, Triton)
 #   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
 #   tmasan      compute-sanitizer memcheck and racecheck (concurrently) over tests/test_tma.py -k TMA_SAN_K
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
@@ -113,6 +114,8 @@ for step in "$@"; do
         cat "$W/hosttime_tma$on.log"; done ;;
     launchcost) timeout ${LC_T:-150} python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json" >"$W/launch_cost.log" 2>&1
       note "launch cost: $(result $?)"; cat "$W/launch_cost.log" ;;
+    launchfloor) timeout ${LF_T:-60} python3 benchmarks/launch_floor.py --out "$OUT/launch_floor.json" >"$W/launch_floor.log" 2>&1
+      note "launch floor: $(result $?)"; tail -1 "$W/launch_floor.log" ;;
     ir) OUT=$W/ir timeout ${IR_T:-120} python3 dev/tma_ir.py ${IR_LAYOUTS:-} >"$W/tma_ir.log" 2>&1
       note "tma ir: $(result $?)"; grep -v "^ " "$W/tma_ir.log" ;;
     calibrate) HICACHE_CALIBRATION=$OUT/calibration.json timeout 120 hicache calibrate >"$W/calibrate.log" 2>&1
