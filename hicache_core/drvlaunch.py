@@ -190,6 +190,11 @@ class Packed:
         #: ``(launch, handle)`` of the compiled call (:mod:`hicache_core.claunch`), or ``None`` (ctypes only).
         self.fast = fast
 
+    def values(self, args: Sequence[Any]) -> tuple[int, ...]:
+        """The dynamic parameters' values taken from a launch's positional ``args`` (a pointer as its address),
+        in ``setters`` order: what :meth:`DriverKernel.relaunch` takes."""
+        return tuple(args[pos].data_ptr() if is_ptr else args[pos] for pos, _, is_ptr in self.setters)
+
 
 class DriverKernel:
     """A compiled Triton kernel as ``cuLaunchKernel`` sees it; :meth:`build` returns ``None`` where not verified."""
@@ -322,8 +327,7 @@ class DriverKernel:
         """
         if grid <= 0:  # as Triton's launcher: nothing to launch
             return True
-        values = tuple(args[pos].data_ptr() if is_ptr else args[pos] for pos, _, is_ptr in packed.setters)
-        return self.relaunch(grid, stream, packed, values)
+        return self.relaunch(grid, stream, packed, packed.values(args))
 
     def relaunch(self, grid: int, stream: int, packed: Packed, values: tuple[int, ...]) -> bool:
         """:meth:`launch` with the dynamic parameters already resolved: ``values`` holds one int per entry of

@@ -198,9 +198,7 @@ def _resolve(st: Step, b: Batch) -> tuple[Step, int, tuple[int, ...]]:
     """``(st, grid, values)``: the grid of ``st`` for batch ``b`` and the value of each of its packed dynamic
     parameters (:meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`), as :meth:`DriverKernel.launch` would
     set them from :func:`_args`."""
-    args = _args(st, b)
-    values = tuple(args[pos].data_ptr() if is_ptr else args[pos] for pos, _, is_ptr in st.packed.setters)
-    return st, max(1, min(st.programs, -(-b.n // st.tokens) * st.per_tile)), values
+    return st, max(1, min(st.programs, -(-b.n // st.tokens) * st.per_tile)), st.packed.values(_args(st, b))
 
 
 def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int, int], *, programs: int,

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from . import claunch
+from . import claunch, replay
 from .binding import PoolBinding
 from .errors import ConfigError, HostBufferError
 from .kernel_support import (
@@ -431,6 +431,7 @@ class RowKernelStrategy(DirectionalStrategy):
             # calls on either side of a TMA row limit take other launches: their steps are recorded apart
             splits = sorted({lim for lim in prep.tma_rows if lim is not None})
             prep = replace(prep, replays=Replays(binding, splits=tuple(splits)))
+        if binding.device.type in replay.DEVICE_TYPES and not interpreting():  # where driver launches are made
             claunch.module()  # built (once per machine) with the pool, not inside its first transfer
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
