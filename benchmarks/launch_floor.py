@@ -11,7 +11,10 @@ several bursts of launches, each burst synchronised before it starts) of:
 * ``replay_relaunch`` / ``replay_relaunch_ctypes`` / ``replay_c_loop``: a replayed MLA ``layer_first`` load's
   launch (TMA kernel, its packed parameters) through :meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`
   (the compiled call of :mod:`hicache_core.claunch` where built; then through ctypes), and repeated by the C loop;
-* ``load_layer`` / ``load_layer_ctypes``: the whole replayed public call, for reference.
+* ``load_layer`` / ``load_layer_ctypes``: the whole replayed public call, for reference; ``load_layer_nolane``: the
+  same without the pool's fast path (the pool's checks, then the strategy's replay);
+* ``load_layer_new_batch``: per call of a batch loaded layer by layer with index tensors the pool has not seen
+  (an engine's pattern: each batch's first call is checked and resolved, the others replay).
 
 Host timings only; nothing here is a pass/fail check.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import subprocess
@@ -124,6 +128,17 @@ def main() -> int:
         pool.load_layer(layer, hi, di)
     prep = pool.binding.scratch[pool.strategy.name]
     row["load_layer"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
+    lanes, pool._lanes = pool._lanes, (None, None)  # the same call through the pool's checks and the strategy
+    row["load_layer_nolane"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
+    pool._lanes = lanes
+    layers = spec.layer_map.device_layers
+    fresh = itertools.cycle([(hi.clone(), di.clone()) for _ in range(8)])
+
+    def batch() -> None:  # an engine's pattern: every layer once per batch, each batch its own index tensors
+        hn, dn = next(fresh)
+        for one in layers:
+            pool.load_layer(one, hn, dn)
+    row["load_layer_new_batch"] = _per_launch_us(batch, launches=len(layers), calls=20)
     ready = getattr(prep.replays, "_ready", [{}])[False].get(layer) if prep.replays is not None else None
     if ready is not None:
         b, launches = ready

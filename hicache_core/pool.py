@@ -105,6 +105,8 @@ class HostKVPool:
             self.binding.scratch["core.index_memos"] = (IndexMemo(enabled=False), IndexMemo(enabled=False))
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
+        lane = getattr(self.strategy, "lane", None)  # the optional fast path (see Strategy): by to_host
+        self._lanes = (lane(self.binding, False), lane(self.binding, True)) if callable(lane) else (None, None)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)
         # page views follow the host plan, not how the device happens to hold parts
         self._page_segments = [
@@ -196,11 +198,17 @@ class HostKVPool:
 
     def backup_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """D2H: every owned layer's rows ``device_indices`` -> host slots ``host_indices``."""
+        lane = self._lanes[1]
+        if lane is not None and lane(None, host_indices, device_indices):
+            return
         self._check(host_indices, device_indices, to_host=True)
         self.strategy.backup(self.binding, host_indices, device_indices, None)
 
     def backup_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """D2H of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
+        lane = self._lanes[1]
+        if lane is not None and layer_id.__class__ is int and lane(layer_id, host_indices, device_indices):
+            return True
         layer = check_layer(self.spec, layer_id)
         self._check(host_indices, device_indices, to_host=True)
         if not self.spec.layer_map.owns(layer):
@@ -210,6 +218,9 @@ class HostKVPool:
 
     def load_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """H2D of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
+        lane = self._lanes[0]
+        if lane is not None and layer_id.__class__ is int and lane(layer_id, host_indices, device_indices):
+            return True
         layer = check_layer(self.spec, layer_id)
         self._check(host_indices, device_indices, to_host=False)
         if not self.spec.layer_map.owns(layer):
@@ -219,6 +230,9 @@ class HostKVPool:
 
     def load_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """H2D: every owned layer."""
+        lane = self._lanes[0]
+        if lane is not None and lane(None, host_indices, device_indices):
+            return
         self._check(host_indices, device_indices, to_host=False)
         self.strategy.load(self.binding, host_indices, device_indices, None)
 

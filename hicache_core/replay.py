@@ -12,7 +12,9 @@ same for every batch.  :class:`Replays` keeps both halves:
   its packed parameters and how its grid follows the count, recorded from a call that launched every
   one of them through the driver.
 
-A call whose batch matches and whose layer has steps launches them straight through ``cuLaunchKernel``;
+A call whose batch matches and whose layer has steps launches them straight through ``cuLaunchKernel``; the pool
+makes that match first, before its own checks, through the direction's :meth:`Replays.lane` (one function between
+the public call and the launch: the checks it skips were made for these very tensors by an earlier call);
 anything else (a new tensor, an in-place change, another stream or device, the driver launch off, a
 Triton launch hook set, no steps yet, ``HICACHE_REPLAY=0``) takes the strategy's normal path, which records
 the steps.  As with the pool's own memos, writes that bypass torch's version counter (``.data``, a NumPy view)
@@ -27,14 +29,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices
 from .launch import _traits
 
-__all__ = ["Replays", "Step", "Batch", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
+__all__ = ["Replays", "Step", "Batch", "Lane", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,11 @@ class Batch(NamedTuple):
     d: torch.Tensor
     n: int
     traits: tuple  # the launch-key traits of h, d and n, and which side of each split n lies
+    values: tuple[int, int, int]  # what a launch's batch parameters take: h's and d's addresses, n
+
+
+#: ``lane(layer, host_indices, device_indices) -> bool`` (:meth:`Replays.lane`).
+Lane = Callable[[Any, torch.Tensor, torch.Tensor], bool]
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,9 @@ class Step:
     ``template`` is the launch's positional arguments with the batch's positions (``slots``: host indices,
     device indices, count) unset; the grid is ``max(1, min(programs, ceil(n / tokens) * per_tile))``.
     ``fallback`` holds the keyword arguments of the normal ``launcher`` call, taken when the driver
-    declines (no CUDA context on this thread).
+    declines (no CUDA context on this thread).  ``base`` is the launch's dynamic parameter values
+    (:meth:`~hicache_core.drvlaunch.Packed.values`) with the batch's unset, and ``where`` says which of them
+    take a batch's :attr:`Batch.values`: ``(index in base, index in Batch.values)`` pairs.
     """
 
     kernel: Any  # hicache_core.drvlaunch.DriverKernel
@@ -97,6 +106,8 @@ class Step:
     per_tile: int
     launcher: Any  # hicache_core.launch.Launcher
     fallback: dict
+    base: tuple[int, ...]
+    where: tuple[tuple[int, int], ...]
 
 
 class Replays:
@@ -155,30 +166,70 @@ class Replays:
             return None  # a contiguous copy of a same-device view: made anew by every call (normal path)
         traits = (_traits(h), _traits(d), _traits(n), *[n > cut for cut in self.splits])
         b = Batch(host_indices, hv, host_indices.data_ptr(), device_indices, dv, device_indices.data_ptr(), stream,
-                  h, d, n, traits)
+                  h, d, n, traits, (h.data_ptr(), d.data_ptr(), n))
         self._batches[to_host] = b
         self._ready[to_host] = {}
         return b
 
     def run(self, b: Batch, layer: int | None, to_host: bool) -> bool:
         """Launch the steps recorded for ``layer`` with batch ``b``; ``False`` (nothing launched) when none."""
+        r = self._resolved(b, layer, to_host)
+        if r is None:
+            return False
+        self._launch(r, b.stream)
+        return True
+
+    def lane(self, to_host: bool, launcher: Any) -> Lane:
+        """The direction's fast path: ``lane(layer, host_indices, device_indices)`` replays ``layer``'s launches
+        and returns ``True`` when :meth:`batch` would match these tensors as they are now and steps of the layer
+        are recorded, else returns ``False`` having launched nothing (the normal path then).  The caller passes
+        ``layer`` as an ``int`` (exactly, not a subclass) or ``None``; it must not use a lane for tensors its own
+        checks have not passed: only tensors of a batch, which only :meth:`batch` makes, are replayed.
+
+        One call, no frames between the caller and the launch: the checks of :meth:`batch` (identity, version
+        counters, addresses, length, device, stream, the driver launch of ``launcher``) then :meth:`run`'s."""
+        batches, device_index, driver_ready = self._batches, self.device_index, launcher.driver_ready
+
+        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+            b = batches[to_host]
+            if b is None or b.host_indices is not host_indices or b.device_indices is not device_indices:
+                return False
+            # a batch's tensors have version counters (batch() never keeps an inference tensor)
+            if (host_indices._version != b.host_version or device_indices._version != b.device_version
+                    or host_indices.data_ptr() != b.host_ptr or device_indices.data_ptr() != b.device_ptr
+                    or host_indices.numel() != b.n or not _ON[0] or current_device_index() != device_index
+                    or current_stream_handle(device_index) != b.stream or not driver_ready()):
+                return False
+            r = self._resolved(b, layer, to_host)
+            if r is None:
+                return False
+            self._launch(r, b.stream)
+            return True
+
+        return lane
+
+    def _resolved(self, b: Batch, layer: int | None, to_host: bool) -> tuple | None:
+        """``(b, ((step, grid, values), ...))`` for ``layer``'s recorded steps, or ``None`` when none."""
         ready = self._ready[to_host]
         r = ready.get(layer)
         if r is None or r[0] is not b:  # another thread's batch may have replaced it: identity, not the key
             steps = self._steps.get((layer, to_host, b.traits))
             if steps is None:
-                return False
-            r = (b, tuple(_resolve(st, b) for st in steps))
+                return None
+            r = (b, tuple([_resolve(st, b) for st in steps]))
             if self._ready[to_host] is ready and self._batches[to_host] is b:  # not an old batch's, kept alive
                 ready[layer] = r
-        stream = b.stream
+        return r
+
+    def _launch(self, r: tuple, stream: int) -> None:
+        """Launch resolved steps ``r`` (:meth:`_resolved`) on ``stream``."""
+        b = r[0]
         for st, grid, values in r[1]:
             if st.kernel.relaunch(grid, stream, st.packed, values):
                 st.launcher.driver_launches += 1
             else:  # no CUDA context on this thread: the normal launch sets one up
                 st.launcher(grid, _args(st, b), **st.fallback)
         self.hits += 1
-        return True
 
     def record(self, b: Batch, layer: int | None, to_host: bool, steps: list[Step]) -> None:
         """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
@@ -194,11 +245,20 @@ def _args(st: Step, b: Batch) -> list:
     return args
 
 
+_IN_ORDER = ((0, 0), (1, 1), (2, 2))  # Step.where when the batch values are a launch's first three
+
+
 def _resolve(st: Step, b: Batch) -> tuple[Step, int, tuple[int, ...]]:
     """``(st, grid, values)``: the grid of ``st`` for batch ``b`` and the value of each of its packed dynamic
     parameters (:meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`), as :meth:`DriverKernel.launch` would
-    set them from :func:`_args`."""
-    return st, max(1, min(st.programs, -(-b.n // st.tokens) * st.per_tile)), st.packed.values(_args(st, b))
+    set them from :func:`_args` (``st.base`` with ``b``'s values at ``st.where``)."""
+    grid = max(1, min(st.programs, -(-b.n // st.tokens) * st.per_tile))
+    if st.where == _IN_ORDER:  # the usual case
+        return st, grid, b.values + st.base[3:]
+    values = list(st.base)
+    for i, k in st.where:
+        values[i] = b.values[k]
+    return st, grid, tuple(values)
 
 
 def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int, int], *, programs: int,
@@ -207,4 +267,9 @@ def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int
     template = list(args)
     for i in slots:
         template[i] = None  # the batch's values: never kept alive by a recording
-    return Step(used[0], used[1], tuple(template), slots, programs, tokens, per_tile, launcher, fallback)
+    packed = used[1]
+    kind = {pos: k for k, pos in enumerate(slots)}  # argument position -> index in Batch.values
+    base = tuple(0 if pos in kind else (template[pos].data_ptr() if is_ptr else template[pos])
+                 for pos, _, is_ptr in packed.setters)  # the template keeps those tensors alive
+    where = tuple((i, kind[pos]) for i, (pos, _, _) in enumerate(packed.setters) if pos in kind)
+    return Step(used[0], packed, tuple(template), slots, programs, tokens, per_tile, launcher, fallback, base, where)

@@ -46,7 +46,7 @@ from .kernel_support import (
     transfer_indices,
 )
 from .layout import Layout
-from .replay import Batch, Replays, Step, replay_enabled, step as replay_step
+from .replay import Batch, Lane, Replays, Step, replay_enabled, step as replay_step
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
 from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC,
@@ -480,6 +480,12 @@ class RowKernelStrategy(DirectionalStrategy):
         return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
 
     # -- transfers ----------------------------------------------------------------------------------
+    def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
+        """The replay fast path of one direction (:meth:`hicache_core.replay.Replays.lane`), ``None`` where this
+        pool does not replay (see :class:`hicache_core.strategy.Strategy` for how a pool calls it)."""
+        prep: Prepared = binding.scratch[self.name]
+        return None if prep.replays is None else prep.replays.lane(to_host, prep.launcher)
+
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
         n = int(host_indices.numel())

@@ -38,6 +38,16 @@ class Strategy(Protocol):
     a strategy must keep device-resident values in bounds itself (mask or check).
     Work is enqueued on the current stream of the pool's device; no host
     synchronisation.  Rows of other slots must stay untouched.
+
+    Optional, outside the protocol: ``lane(binding, to_host)`` returning ``None`` or a callable
+    ``(layer, host_indices, device_indices) -> bool``, a fast path for repeated calls.  A pool asks once
+    per direction after ``prepare``; each transfer call of that direction then first calls the lane, before
+    the pool's own checks, with the layer (an ``int`` exactly, never a subclass, or ``None`` for every
+    layer) and the index tensors as the caller passed them.  ``True``: the lane has enqueued exactly what
+    ``backup``/``load`` would, and the pool returns.  ``False``: nothing was enqueued; the pool checks and
+    calls ``backup``/``load`` as usual.  A lane may return ``True`` only for a layer and index tensors
+    (the same objects, unchanged) that an earlier ``backup``/``load`` call of its direction received, i.e.
+    that the pool checked (:meth:`hicache_core.replay.Replays.lane` is the built-in one).
     """
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:

@@ -309,6 +309,83 @@ def test_a_data_swap_is_seen_and_same_device_views_are_not_replayed(monkeypatch)
     assert not _replayed(w, lambda: w.pool.load_layer(layer, h, view))
 
 
+def test_the_lane_never_skips_a_check_the_pool_would_make(monkeypatch):
+    """The pool's fast path (:meth:`Replays.lane`) runs before the pool's checks: it replays only a layer id that is
+    an ``int`` and was served before, and only index tensors the pool checked, unchanged; anything else reaches
+    the checks, which raise before any launch."""
+    from hicache_core.errors import IndexRangeError, LayerIdError
+
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(13)
+    w.burst(h, d)
+    w.burst(h, d)
+    assert _replayed(w, lambda: w.pool.load_layer(1, h, d))
+    launches = len(w.lib.launches)
+    for bad in (True, 1.0, torch.tensor(1), len(w.layers), -1):  # equal to a served layer's key, or out of range
+        with pytest.raises(LayerIdError):
+            w.pool.load_layer(bad, h, d)
+        with pytest.raises(LayerIdError):
+            w.pool.backup_layer(bad, h, d)
+    assert len(w.lib.launches) == launches
+
+    class Layer(int):
+        pass
+
+    launches = len(w.lib.launches)
+    assert w.pool.load_layer(1, h, d) and w.pool.load_layer(Layer(1), h, d)  # the normal path for the subclass
+    assert w.lib.launches[launches + 1:] == w.lib.launches[launches:launches + 1]
+    launches = len(w.lib.launches)
+    h[0] = w.spec.capacity + 5  # in place, out of range: the version moves, the pool checks again
+    with pytest.raises(IndexRangeError):
+        w.pool.load_layer(1, h, d)
+    with pytest.raises(IndexRangeError):
+        w.pool.load_all_layers(h, d)
+    assert len(w.lib.launches) == launches  # nothing launched
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (3, 2, 0, 4, 1), (4, 0, 1, 2), (0, 1, 3, 4)])
+def test_a_resolution_takes_the_values_the_normal_launch_would(order):
+    """A step's dynamic values resolved for a batch equal :meth:`Packed.values` of the normal path's arguments,
+    whatever order the launch's setters list the batch parameters in (and with one of them left out)."""
+    names = ["host_idx", "dev_idx", "n", "ents", "n_ents"]
+    ents, h, d = torch.arange(3), torch.arange(32), torch.arange(32)
+    args = [ents, h, d, 32, 3]  # positions: ents 0, host_idx 1, dev_idx 2, n 3, n_ents 4
+    pos = {"ents": 0, "host_idx": 1, "dev_idx": 2, "n": 3, "n_ents": 4}
+    setters = tuple((pos[names[i]], None, names[i] in ("host_idx", "dev_idx", "ents")) for i in order)
+    packed = types.SimpleNamespace(setters=setters, values=lambda a: drvlaunch.Packed.values(packed, a))
+    st = replay_mod.step((None, packed), None, args, (1, 2, 3), programs=8, tokens=16, per_tile=1, fallback={})
+    b = replay_mod.Batch(h, 0, h.data_ptr(), d, 0, d.data_ptr(), 0, h, d, 32, (), (h.data_ptr(), d.data_ptr(), 32))
+    _, grid, values = replay_mod._resolve(st, b)
+    assert values == packed.values(args) and grid == 2
+
+
+def test_every_operation_replays_through_its_lane(monkeypatch):
+    """``backup_layer``, ``load_all_layers`` and ``backup_all_layers`` take their direction's lane too, and launch
+    byte for byte what the normal path launches."""
+    w = World(monkeypatch, "page_first")
+    h, d = _idx(14)
+    calls = [lambda: w.pool.backup_layer(2, h, d), lambda: w.pool.load_all_layers(h, d),
+             lambda: w.pool.backup_all_layers(h, d), lambda: w.pool.load_layer(3, h, d)]
+    def checked(*a, **k):
+        raise AssertionError("a lane call reached the pool's checks")
+
+    for call in calls:
+        call()
+        call()
+        start = len(w.lib.launches)
+        w.pool._check = checked  # an instance attribute over the method
+        try:
+            assert _replayed(w, call)  # through the lane: the pool's checks were made by the calls before
+        finally:
+            del w.pool._check
+        replayed = w.lib.launches[start:]
+        replay_mod.set_replay(False)
+        start = len(w.lib.launches)
+        assert not _replayed(w, call)
+        assert w.lib.launches[start:] == replayed and replayed
+        replay_mod.set_replay(True)
+
+
 @pytest.mark.skipif(claunch.module() is None, reason="no compiled launch call here (no C compiler or Python headers)")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 def test_the_compiled_call_launches_what_ctypes_launches_and_writes_nothing_shared(monkeypatch, layout):
