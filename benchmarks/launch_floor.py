@@ -12,9 +12,10 @@ several bursts of launches, each burst synchronised before it starts) of:
   launch (TMA kernel, its packed parameters) through :meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`
   (the compiled call of :mod:`hicache_core.claunch` where built; then through ctypes), and repeated by the C loop;
 * ``load_layer`` / ``load_layer_ctypes``: the whole replayed public call, for reference; ``load_layer_nolane``: the
-  same without the pool's fast path (the pool's checks, then the strategy's replay);
-* ``load_layer_new_batch``: per call of a batch loaded layer by layer with index tensors the pool has not seen
-  (an engine's pattern: each batch's first call is checked and resolved, the others replay).
+  same on a second pool without the pool's fast path (the pool's checks, then the strategy's replay);
+* ``load_layer_new_batch`` / ``..._nolane``: per call of a batch loaded layer by layer with index tensors the pool
+  has not seen (an engine's pattern: each batch's first call is checked and resolved, the others replay).
+  These four are timed in alternating rounds (a drift of the host's speed reaches them alike).
 
 Host timings only; nothing here is a pass/fail check.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import itertools
+import statistics
 import json
 import os
 import subprocess
@@ -66,6 +68,18 @@ def _helper() -> Any:
     h.loop_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     return h
+
+
+def _alternating(fns: dict[str, tuple[Callable[[], Any], int]], rounds: int = 9) -> dict[str, float]:
+    """Per launch, each ``(fn, launches)`` of ``fns`` timed in turn, one short round each, ``rounds`` times over:
+    the median of each one's rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn, _ in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, (fn, launches) in fns.items():
+            times[name].append(_per_call_us(fn, calls=max(5, 100 // launches), rounds=1) / launches)
+    return {name: round(statistics.median(t), 2) for name, t in times.items()}
 
 
 def _per_launch_us(fn: Callable[[], Any], launches: int = 1, calls: int = 100) -> float:
@@ -127,18 +141,30 @@ def main() -> int:
     for _ in range(3):
         pool.load_layer(layer, hi, di)
     prep = pool.binding.scratch[pool.strategy.name]
-    row["load_layer"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
-    lanes, pool._lanes = pool._lanes, (None, None)  # the same call through the pool's checks and the strategy
-    row["load_layer_nolane"] = _per_launch_us(lambda: pool.load_layer(layer, hi, di))
-    pool._lanes = lanes
+    # a second pool on other buffers, without the pool's fast path (its checks, then the strategy's replay);
+    # the two are timed in alternating rounds, so a drift of the host's speed reaches both alike
+    other = HostKVPool(spec, "layer_first", "kernel", _device_buffers(spec, 2 * 4096 + 64),
+                       host_buffers=allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=True),
+                       registry=reg, validate="shapes")
+    other._lanes = (None, None)
     layers = spec.layer_map.device_layers
-    fresh = itertools.cycle([(hi.clone(), di.clone()) for _ in range(8)])
+    fresh = [(hi.clone(), di.clone()) for _ in range(8)]
 
-    def batch() -> None:  # an engine's pattern: every layer once per batch, each batch its own index tensors
-        hn, dn = next(fresh)
-        for one in layers:
-            pool.load_layer(one, hn, dn)
-    row["load_layer_new_batch"] = _per_launch_us(batch, launches=len(layers), calls=20)
+    def batches(p: HostKVPool) -> Callable[[], None]:
+        turn = itertools.cycle(fresh)
+
+        def batch() -> None:  # an engine's pattern: every layer once per batch, each batch its own index tensors
+            hn, dn = next(turn)
+            for one in layers:
+                p.load_layer(one, hn, dn)
+        return batch
+    row.update(_alternating({
+        "load_layer": (lambda: pool.load_layer(layer, hi, di), 1),
+        "load_layer_nolane": (lambda: other.load_layer(layer, hi, di), 1),
+        "load_layer_new_batch": (batches(pool), len(layers)),
+        "load_layer_new_batch_nolane": (batches(other), len(layers)),
+    }))
+    pool.load_layer(layer, hi, di)  # its batch current again (read below)
     ready = getattr(prep.replays, "_ready", [{}])[False].get(layer) if prep.replays is not None else None
     if ready is not None:
         b, launches = ready
