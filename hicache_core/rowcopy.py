@@ -486,6 +486,18 @@ class RowKernelStrategy(DirectionalStrategy):
         prep: Prepared = binding.scratch[self.name]
         return None if prep.replays is None else prep.replays.lane(to_host, prep.launcher)
 
+    def tma_load(self, binding: PoolBinding, layer: int, n: int) -> bool:
+        """Whether a ``load`` of ``layer`` moving ``n`` positions goes through TMA launches only (a few programs
+        keep it at link speed from its first microseconds, and a GEMM beside it loses nothing measurable:
+        ``docs/performance.md``).  ``auto`` sends a lone per-layer load here."""
+        prep: Prepared | None = binding.scratch.get(self.name)
+        if prep is None or not prep.tma:
+            return False
+        for g, plan, limit in zip(prep.groups, prep.tma, prep.tma_rows):
+            if (plan is None or (limit is not None and n > limit)) and g.entries(layer) is not None:
+                return False
+        return True
+
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
         n = int(host_indices.numel())

@@ -949,3 +949,65 @@ def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
         assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(small, wide))
         assert int(small[2].sum()) == n * nbytes
         assert small[0].data_ptr() != dst.data_ptr()  # never a view of the caller's tensors
+
+
+def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its_rule(monkeypatch):
+    """A one-layer load on a stream where nothing ``auto`` queued may still run goes to a kernel whose load of
+    that layer is TMA only; loads that follow while it may run, all-layer loads, backups and kernels without TMA
+    loads go by the block-size rule (``pick``).  The clock books both candidates' bytes."""
+    import types
+
+    from hicache_core.backends import auto as auto_mod
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, QueueClock
+
+    served: list[tuple[str, object]] = []
+
+    class Candidate:
+        def __init__(self, name: str, tma: bool | None) -> None:
+            self.name = name
+            if tma is not None:
+                self.tma_load = lambda binding, layer, n: tma and layer != 3  # layer 3: row kernel only
+
+        def load(self, binding, h, d, layer):
+            served.append((self.name, layer))
+
+        def backup(self, binding, h, d, layer):
+            served.append((self.name + " backup", layer))
+
+    spec = types.SimpleNamespace(bytes_per_token=4 * 1152, layer_map=types.SimpleNamespace(device_layers=range(4)))
+    binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
+    monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
+    t = [100.0]
+    h, d = torch.arange(64), torch.arange(64)
+    layer_us = 64 * 1152 / DRAIN_BYTES_PER_US  # one layer's bytes at the clock's drain rate
+
+    def make(tma: bool | None) -> AutoStrategy:
+        auto = AutoStrategy()
+        auto.direct, auto.kernel = Candidate("direct", None), Candidate("kernel", tma)
+        auto.clock = QueueClock(now=lambda: t[0])
+        auto._token_bytes, auto._layer_token_bytes = spec.bytes_per_token, 1152
+        monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
+        return auto
+
+    auto = make(True)
+    for layer in range(4):  # a burst: the first load finds the stream idle, the others follow it at once
+        auto.load(binding, h, d, layer)
+    assert served == [("kernel", 0), ("direct", 1), ("direct", 2), ("direct", 3)] and auto.lone_kernel_loads == 1
+    t[0] += 3.5 * layer_us * 1e-6  # not all four layers' bytes drained yet
+    auto.load(binding, h, d, 1)
+    t[0] += 2 * layer_us * 1e-6  # now they have
+    auto.load(binding, h, d, 1)
+    auto.load(binding, h, d, None)  # all layers: the rule, even right after a lone load is done
+    assert served[4:] == [("direct", 1), ("kernel", 1), ("direct", None)]
+    t[0] += 10 * layer_us * 1e-6
+    auto.backup(binding, h, d, 2)
+    auto.load(binding, h, d, 3)  # idle, but the kernel would load layer 3 with its row kernel
+    assert served[7:] == [("direct backup", 2), ("direct", 3)]
+    served.clear()
+    t[0] += 10 * layer_us * 1e-6
+    plain = make(None)  # a kernel without TMA loads: always the rule
+    plain.load(binding, h, d, 0)
+    cpu = make(True)
+    cpu.load(types.SimpleNamespace(device=torch.device("cpu"), spec=spec), h, d, 0)
+    assert served == [("direct", 0), ("direct", 0)] and plain.lone_kernel_loads == cpu.lone_kernel_loads == 0

@@ -65,6 +65,11 @@ class QueueClock:
             return False
         return left_us <= cost_us
 
+    def idle(self, stream: int) -> bool:
+        """Whether the copies queued on ``stream`` through this clock are certainly done by now (their
+        estimated end, at a drain rate above the link's, has passed)."""
+        return self._until.get(stream, 0.0) <= self.now()
+
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
         self._until[stream] = max(self._until.get(stream, 0.0), since) + nbytes / DRAIN_BYTES_PER_US * 1e-6
