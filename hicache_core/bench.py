@@ -288,6 +288,8 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
         return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
     if backend == "direct":
         return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
+    if backend == "auto":  # lone one-layer loads to a TMA kernel (the default), and the block-size rule alone
+        return [("", None), ("lone=off", {"lone": False})]
     return [("", None)]
 
 
@@ -350,7 +352,9 @@ def run_bench(
                         for op in ops:
                             fn, nbytes, to_host, lay = calls[op]
                             warm_link()  # every row from the same state, whatever ran before it
+                            lone = getattr(pool.strategy, "lone_kernel_loads", 0)
                             ms = _median_ms(fn, reps)
+                            lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
                             slow = _gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
@@ -358,7 +362,8 @@ def run_bench(
                                        else _host_us(fn, max(5, reps // 2)))
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
                                            gbps / base, host_us, slow, variant,
-                                           _served_by(pool, h, s if to_host else d, lay, to_host))
+                                           _served_by(pool, h, s if to_host else d, lay, to_host)
+                                           + (f" ({lone} lone loads by the kernel)" if lone else ""))
                             rows.append(row)
                             if sink:
                                 sink(row)

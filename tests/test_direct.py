@@ -951,63 +951,108 @@ def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
         assert small[0].data_ptr() != dst.data_ptr()  # never a view of the caller's tensors
 
 
+class _Candidate:
+    """A stand-in for ``auto``'s candidates: records what it serves; the kernel may have TMA loads (not for
+    layer 3) and a lane (``lane_ok``: what its lane answers)."""
+
+    def __init__(self, name: str, served: list, tma: bool | None = None, lane_ok: bool | None = None) -> None:
+        self.name, self.served = name, served
+        if tma is not None:
+            self.tma_load = lambda binding, layer, n: tma and layer != 3
+        if lane_ok is not None:
+            self.lane = lambda binding, to_host: (
+                lambda layer, h, d: served.append((name + " lane", layer)) or lane_ok)
+
+    def load(self, binding, h, d, layer):
+        self.served.append((self.name, layer))
+
+    def backup(self, binding, h, d, layer):
+        self.served.append((self.name + " backup", layer))
+
+
+class _AutoWorld:
+    """A CUDA-looking binding (stream 0x77, one 1152-byte row per token and layer, 4 layers), a settable clock
+    and ``auto`` strategies over :class:`_Candidate` s whose block-size rule always says ``direct``."""
+
+    def __init__(self, monkeypatch) -> None:
+        import types
+
+        from hicache_core.backends import auto as auto_mod
+        from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US
+
+        self.monkeypatch, self.served, self.t = monkeypatch, [], [100.0]
+        spec = types.SimpleNamespace(bytes_per_token=4 * 1152, layer_map=types.SimpleNamespace(device_layers=range(4)))
+        self.binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
+        self.on_cpu = types.SimpleNamespace(device=torch.device("cpu"), spec=spec)
+        monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
+        self.layer_s = 64 * 1152 / DRAIN_BYTES_PER_US * 1e-6  # one 64-token layer at the clock's drain rate
+
+    def make(self, tma: bool | None, lane_ok: bool | None = None, where=None, lone: bool = True):
+        from hicache_core.backends.auto import AutoStrategy
+        from hicache_core.backends.memcpy import QueueClock
+
+        auto = AutoStrategy(lone=lone)
+        auto.direct = _Candidate("direct", self.served)
+        auto.kernel = _Candidate("kernel", self.served, tma, lane_ok)
+        auto.clock = QueueClock(now=lambda: self.t[0])
+        auto._arm(where or self.binding)  # what prepare does after preparing both candidates
+        self.monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
+        return auto
+
+
 def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its_rule(monkeypatch):
     """A one-layer load on a stream where nothing ``auto`` queued may still run goes to a kernel whose load of
     that layer is TMA only; loads that follow while it may run, all-layer loads, backups and kernels without TMA
     loads go by the block-size rule (``pick``).  The clock books both candidates' bytes."""
-    import types
-
-    from hicache_core.backends import auto as auto_mod
-    from hicache_core.backends.auto import AutoStrategy
-    from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, QueueClock
-
-    served: list[tuple[str, object]] = []
-
-    class Candidate:
-        def __init__(self, name: str, tma: bool | None) -> None:
-            self.name = name
-            if tma is not None:
-                self.tma_load = lambda binding, layer, n: tma and layer != 3  # layer 3: row kernel only
-
-        def load(self, binding, h, d, layer):
-            served.append((self.name, layer))
-
-        def backup(self, binding, h, d, layer):
-            served.append((self.name + " backup", layer))
-
-    spec = types.SimpleNamespace(bytes_per_token=4 * 1152, layer_map=types.SimpleNamespace(device_layers=range(4)))
-    binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
-    monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
-    t = [100.0]
+    w = _AutoWorld(monkeypatch)
+    binding, served, t = w.binding, w.served, w.t
     h, d = torch.arange(64), torch.arange(64)
-    layer_us = 64 * 1152 / DRAIN_BYTES_PER_US  # one layer's bytes at the clock's drain rate
-
-    def make(tma: bool | None) -> AutoStrategy:
-        auto = AutoStrategy()
-        auto.direct, auto.kernel = Candidate("direct", None), Candidate("kernel", tma)
-        auto.clock = QueueClock(now=lambda: t[0])
-        auto._token_bytes, auto._layer_token_bytes = spec.bytes_per_token, 1152
-        monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
-        return auto
-
-    auto = make(True)
+    auto = w.make(True)
     for layer in range(4):  # a burst: the first load finds the stream idle, the others follow it at once
         auto.load(binding, h, d, layer)
     assert served == [("kernel", 0), ("direct", 1), ("direct", 2), ("direct", 3)] and auto.lone_kernel_loads == 1
-    t[0] += 3.5 * layer_us * 1e-6  # not all four layers' bytes drained yet
+    t[0] += 3.5 * w.layer_s  # not all four layers' bytes drained yet
     auto.load(binding, h, d, 1)
-    t[0] += 2 * layer_us * 1e-6  # now they have
+    t[0] += 2 * w.layer_s  # now they have
     auto.load(binding, h, d, 1)
     auto.load(binding, h, d, None)  # all layers: the rule, even right after a lone load is done
     assert served[4:] == [("direct", 1), ("kernel", 1), ("direct", None)]
-    t[0] += 10 * layer_us * 1e-6
+    t[0] += 10 * w.layer_s
     auto.backup(binding, h, d, 2)
     auto.load(binding, h, d, 3)  # idle, but the kernel would load layer 3 with its row kernel
     assert served[7:] == [("direct backup", 2), ("direct", 3)]
     served.clear()
-    t[0] += 10 * layer_us * 1e-6
-    plain = make(None)  # a kernel without TMA loads: always the rule
+    t[0] += 10 * w.layer_s
+    plain = w.make(None)  # a kernel without TMA loads: always the rule
     plain.load(binding, h, d, 0)
-    cpu = make(True)
-    cpu.load(types.SimpleNamespace(device=torch.device("cpu"), spec=spec), h, d, 0)
-    assert served == [("direct", 0), ("direct", 0)] and plain.lone_kernel_loads == cpu.lone_kernel_loads == 0
+    cpu = w.make(True, where=w.on_cpu)
+    cpu.load(w.on_cpu, h, d, 0)
+    off = w.make(True, lane_ok=True, lone=False)  # the option: the block-size rule for every call
+    off.load(binding, h, d, 0)
+    assert off.lane(binding, False) is None
+    assert served == [("direct", 0)] * 3 and plain.lone_kernel_loads == cpu.lone_kernel_loads == off.lone_kernel_loads == 0
+    from hicache_core.backends.auto import AutoStrategy
+
+    with pytest.raises(ConfigError, match="lone"):
+        AutoStrategy(lone="yes")
+
+
+def test_auto_lane_is_the_kernels_lane_for_lone_tma_loads_only(monkeypatch):
+    """``auto``'s fast path takes the kernel's lane exactly where :meth:`load` would send the call to the kernel,
+    books the bytes only when that lane launched, and declines everything else (the normal path decides)."""
+    w = _AutoWorld(monkeypatch)
+    served, t = w.served, w.t
+    h, d = torch.arange(64), torch.arange(64)
+    auto = w.make(True, lane_ok=True)
+    assert auto.lane(w.binding, True) is None  # backups: no lane
+    lane = auto.lane(w.binding, False)
+    assert lane(0, h, d) and auto.lone_kernel_loads == 1
+    assert not lane(1, h, d)  # the stream is busy with layer 0 by the clock
+    t[0] += 2 * w.layer_s
+    assert not lane(None, h, d) and not lane(3, h, d)  # all layers; a layer without TMA loads
+    assert served == [("kernel lane", 0)]
+    refused = w.make(True, lane_ok=False)  # the kernel's lane declines (e.g. tensors it has not seen)
+    assert not refused.lane(w.binding, False)(0, h, d) and refused.clock.idle(0x77)  # nothing booked
+    assert w.make(True).lane(w.binding, False) is None  # a kernel without a lane
+    assert w.make(None, lane_ok=True).lane(w.binding, False) is None  # without TMA loads
+    assert w.make(True, lane_ok=True, where=w.on_cpu).lane(w.on_cpu, False) is None  # a CPU pool

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..binding import PoolBinding
 from ..calibration import DEFAULT, Calibration, load_calibration
-from ..errors import HicacheError
-from ..kernel_support import current_stream_handle
+from ..errors import ConfigError, HicacheError
+from ..kernel_support import current_device_index, current_stream_handle
 from ..layout import Layout
 from ..spec import PoolSpec
+from ..replay import Lane
 from ..strategy import Strategy
 from ..validate import tensor_version
 from .direct import DirectStrategy
@@ -66,17 +67,24 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
 #: stale one (an index tensor freed and another made at the same address) costs speed, never bytes;
 #: per-layer calls of a batch (same index tensors, one layer each) share the decision of the first.
 _PICKS = 16
+#: (layer, count) answers of the kernel's ``tma_load`` kept per pool.
+_TMA_MEMO = 256
 
 
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
 
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
+    :param lone: send a lone one-layer load to a kernel that loads the layer through TMA (the module docstring);
+        ``False`` keeps the block-size rule for every call.
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
-                 **kernel_options: Any) -> None:
+                 lone: bool = True, **kernel_options: Any) -> None:
+        if not isinstance(lone, bool):
+            raise ConfigError(f"auto's lone option must be True or False, got {lone!r}")
+        self.lone = lone
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
         self._kernel_options = kernel_options
         self.direct: DirectStrategy | None = None
@@ -91,6 +99,8 @@ class AutoStrategy:
         #: Loads of one layer sent to the kernel because the stream was idle (for tests and benchmarks).
         self.lone_kernel_loads = 0
         self._token_bytes = self._layer_token_bytes = 0
+        self._clocked = False
+        self._tma_memo: dict[tuple[int, int], bool] = {}
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -122,8 +132,7 @@ class AutoStrategy:
                                str(exc).splitlines()[0])
                 self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
-        self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
-        self._layer_token_bytes = self._token_bytes // max(1, len(binding.spec.layer_map.device_layers))
+        self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
 
@@ -236,41 +245,71 @@ class AutoStrategy:
                        f"{'large enough' if big else 'too small'}, host {'keeps up' if fed else 'cannot keep up'})")
         return out
 
+    def _arm(self, binding: PoolBinding) -> None:
+        """Whether this pool keeps the clock (a CUDA pool with both candidates, the kernel with TMA loads), and
+        the bytes a call books on it."""
+        self._clocked = (self.lone and binding.device.type == "cuda" and self.direct is not None
+                         and callable(getattr(self.kernel, "tma_load", None)))
+        self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
+        self._layer_token_bytes = self._token_bytes // max(1, len(binding.spec.layer_map.device_layers))
+
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
-        since = self.clock.now()
         self.pick(binding, host_indices, device_indices, layer, to_host=True).backup(
             binding, host_indices, device_indices, layer)
-        self._queued(binding, host_indices, layer, since)
+        if self._clocked:  # a backup on the loads' stream delays them too
+            per = self._layer_token_bytes if layer is not None else self._token_bytes
+            self.clock.queued(self._stream(binding), host_indices.numel() * per, self.clock.now())
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:
-        since = self.clock.now()
-        if layer is not None and self._lone(binding, layer, host_indices):
+        if not self._clocked:
+            self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
+                binding, host_indices, device_indices, layer)
+            return
+        clock = self.clock
+        now, stream, n = clock.now(), self._stream(binding), host_indices.numel()
+        if layer is not None and clock.idle(stream, now) and self._tma(binding, layer, n):
             self.lone_kernel_loads += 1
-            assert self.kernel is not None
-            self.kernel.load(binding, host_indices, device_indices, layer)
+            cast(Strategy, self.kernel).load(binding, host_indices, device_indices, layer)
         else:
             self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
                 binding, host_indices, device_indices, layer)
-        self._queued(binding, host_indices, layer, since)
+        clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
 
-    def _lone(self, binding: PoolBinding, layer: int, host_indices: torch.Tensor) -> bool:
-        """Whether this one-layer load goes to the kernel whatever the block sizes (see the module docstring)."""
-        tma = getattr(self.kernel, "tma_load", None)
-        if tma is None or self.direct is None or binding.device.type != "cuda":
-            return False
-        return self.clock.idle(self._stream(binding)) and bool(tma(binding, layer, host_indices.numel()))
+    def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
+        """The fast path of a lone one-layer load (see :class:`~hicache_core.strategy.Strategy`): the kernel's own
+        lane, taken when the stream is idle by the clock and the kernel loads the layer through TMA, as
+        :meth:`load` decides; ``None`` for backups, or where the kernel has no lane or the pool keeps no clock."""
+        make = getattr(self.kernel, "lane", None)
+        inner = make(binding, False) if not to_host and self._clocked and callable(make) else None
+        if inner is None:
+            return None
+        clock, tma, stream_of = self.clock, self._tma, self._stream
 
-    def _queued(self, binding: PoolBinding, host_indices: torch.Tensor, layer: int | None, since: float) -> None:
-        """Book a transfer's bytes on the stream's clock (CUDA pools whose kernel has TMA loads: the clock's
-        only reader)."""
-        if binding.device.type != "cuda" or getattr(self.kernel, "tma_load", None) is None:
-            return
-        per_token = self._layer_token_bytes if layer is not None else self._token_bytes
-        self.clock.queued(self._stream(binding), host_indices.numel() * per_token, since)
+        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+            if layer is None:
+                return False
+            now, stream, n = clock.now(), stream_of(binding), host_indices.numel()
+            if not (clock.idle(stream, now) and tma(binding, layer, n) and inner(layer, host_indices, device_indices)):
+                return False
+            self.lone_kernel_loads += 1
+            clock.queued(stream, n * self._layer_token_bytes, now)
+            return True
+
+        return lane
+
+    def _tma(self, binding: PoolBinding, layer: int, n: int) -> bool:
+        """The kernel's ``tma_load(binding, layer, n)``, memoised per layer and count."""
+        key = (layer, n)
+        hit = self._tma_memo.get(key)
+        if hit is None:
+            if len(self._tma_memo) >= _TMA_MEMO:
+                self._tma_memo.clear()
+            hit = self._tma_memo[key] = bool(getattr(self.kernel, "tma_load")(binding, layer, n))
+        return hit
 
     @staticmethod
     def _stream(binding: PoolBinding) -> int:
         index = binding.device.index
-        return current_stream_handle(index if index is not None else torch.cuda.current_device())
+        return current_stream_handle(index if index is not None else current_device_index())

@@ -65,10 +65,10 @@ class QueueClock:
             return False
         return left_us <= cost_us
 
-    def idle(self, stream: int) -> bool:
-        """Whether the copies queued on ``stream`` through this clock are certainly done by now (their
-        estimated end, at a drain rate above the link's, has passed)."""
-        return self._until.get(stream, 0.0) <= self.now()
+    def idle(self, stream: int, now: float | None = None) -> bool:
+        """Whether the copies queued on ``stream`` through this clock are certainly done by ``now`` (default:
+        the clock's now; their estimated end, at a drain rate above the link's, has passed)."""
+        return self._until.get(stream, 0.0) <= (self.now() if now is None else now)
 
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
