@@ -1001,9 +1001,12 @@ class _AutoWorld:
 
 
 def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its_rule(monkeypatch):
-    """A one-layer load on a stream where nothing ``auto`` queued may still run goes to a kernel whose load of
-    that layer is TMA only; loads that follow while it may run, all-layer loads, backups and kernels without TMA
-    loads go by the block-size rule (``pick``).  The clock books both candidates' bytes."""
+    """A one-layer load on a stream where nothing ``auto`` queued may still run, not issued right after the last
+    call, goes to a kernel whose load of that layer is TMA only; loads that follow while it may run or in a loop,
+    all-layer loads, backups and kernels without TMA loads go by the block-size rule (``pick``).  The clock books
+    both candidates' bytes."""
+    from hicache_core.backends.memcpy import TIGHT_GAP_US
+
     w = _AutoWorld(monkeypatch)
     binding, served, t = w.binding, w.served, w.t
     h, d = torch.arange(64), torch.arange(64)
@@ -1013,14 +1016,16 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
     assert served == [("kernel", 0), ("direct", 1), ("direct", 2), ("direct", 3)] and auto.lone_kernel_loads == 1
     t[0] += 3.5 * w.layer_s  # not all four layers' bytes drained yet
     auto.load(binding, h, d, 1)
-    t[0] += 2 * w.layer_s  # now they have
+    t[0] += 2 * w.layer_s  # now they have, but the last call ended microseconds ago: a loop of calls
+    auto.load(binding, h, d, 1)
+    t[0] += 3 * w.layer_s + TIGHT_GAP_US * 1e-6  # drained, and a pause since the last call: lone
     auto.load(binding, h, d, 1)
     auto.load(binding, h, d, None)  # all layers: the rule, even right after a lone load is done
-    assert served[4:] == [("direct", 1), ("kernel", 1), ("direct", None)]
+    assert served[4:] == [("direct", 1), ("direct", 1), ("kernel", 1), ("direct", None)]
     t[0] += 10 * w.layer_s
     auto.backup(binding, h, d, 2)
     auto.load(binding, h, d, 3)  # idle, but the kernel would load layer 3 with its row kernel
-    assert served[7:] == [("direct backup", 2), ("direct", 3)]
+    assert served[8:] == [("direct backup", 2), ("direct", 3)]
     served.clear()
     t[0] += 10 * w.layer_s
     plain = w.make(None)  # a kernel without TMA loads: always the rule
@@ -1049,6 +1054,8 @@ def test_auto_lane_is_the_kernels_lane_for_lone_tma_loads_only(monkeypatch):
     assert lane(0, h, d) and auto.lone_kernel_loads == 1
     assert not lane(1, h, d)  # the stream is busy with layer 0 by the clock
     t[0] += 2 * w.layer_s
+    assert not lane(1, h, d)  # drained, but right after the last call
+    t[0] += 1e-3
     assert not lane(None, h, d) and not lane(3, h, d)  # all layers; a layer without TMA loads
     assert served == [("kernel lane", 0)]
     refused = w.make(True, lane_ok=False)  # the kernel's lane declines (e.g. tensors it has not seen)

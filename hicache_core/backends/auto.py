@@ -13,8 +13,9 @@ keeps the GPU); otherwise the kernel does.  With only one candidate available, t
 
 One exception, for loads of one layer: when the kernel candidate loads that layer through TMA only (its
 optional ``tma_load(binding, layer, n)`` says so; a few programs, no measurable cost to a GEMM beside them)
-and nothing ``auto`` queued on the stream may still be running (a lone load, such as the first layer a
-forward pass waits for), the kernel serves it: it reaches the link within microseconds, where the copy
+and nothing ``auto`` queued on the stream may still be running nor did its last call end within
+microseconds (a lone load, such as the first layer a forward pass waits for, not one of a loop of calls),
+the kernel serves it: it reaches the link within microseconds, where the copy
 engine's lone loads start slower (H200: 0.88-0.91 of memcpy against 0.68-0.90).  The loads that follow while
 it runs (the rest of a burst) go as above, to the copy engine where its blocks are large.
 """
@@ -100,6 +101,7 @@ class AutoStrategy:
         self.lone_kernel_loads = 0
         self._token_bytes = self._layer_token_bytes = 0
         self._clocked = False
+        self._index = 0  # the pool's CUDA device (when clocked)
         self._tma_memo: dict[tuple[int, int], bool] = {}
 
     def use_registry(self, registry: Registry) -> None:
@@ -250,6 +252,8 @@ class AutoStrategy:
         the bytes a call books on it."""
         self._clocked = (self.lone and binding.device.type == "cuda" and self.direct is not None
                          and callable(getattr(self.kernel, "tma_load", None)))
+        index = binding.device.index
+        self._index = (index if index is not None else current_device_index()) if self._clocked else 0
         self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
         self._layer_token_bytes = self._token_bytes // max(1, len(binding.spec.layer_map.device_layers))
 
@@ -259,7 +263,7 @@ class AutoStrategy:
             binding, host_indices, device_indices, layer)
         if self._clocked:  # a backup on the loads' stream delays them too
             per = self._layer_token_bytes if layer is not None else self._token_bytes
-            self.clock.queued(self._stream(binding), host_indices.numel() * per, self.clock.now())
+            self.clock.queued(current_stream_handle(self._index), host_indices.numel() * per, self.clock.now())
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:
@@ -268,8 +272,8 @@ class AutoStrategy:
                 binding, host_indices, device_indices, layer)
             return
         clock = self.clock
-        now, stream, n = clock.now(), self._stream(binding), host_indices.numel()
-        if layer is not None and clock.idle(stream, now) and self._tma(binding, layer, n):
+        now, stream, n = clock.now(), current_stream_handle(self._index), host_indices.numel()
+        if layer is not None and clock.lone(stream, now) and self._tma(binding, layer, n):
             self.lone_kernel_loads += 1
             cast(Strategy, self.kernel).load(binding, host_indices, device_indices, layer)
         else:
@@ -285,13 +289,13 @@ class AutoStrategy:
         inner = make(binding, False) if not to_host and self._clocked and callable(make) else None
         if inner is None:
             return None
-        clock, tma, stream_of = self.clock, self._tma, self._stream
+        clock, tma, index = self.clock, self._tma, self._index
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if layer is None:
                 return False
-            now, stream, n = clock.now(), stream_of(binding), host_indices.numel()
-            if not (clock.idle(stream, now) and tma(binding, layer, n) and inner(layer, host_indices, device_indices)):
+            now, stream, n = clock.now(), current_stream_handle(index), host_indices.numel()
+            if not (clock.lone(stream, now) and tma(binding, layer, n) and inner(layer, host_indices, device_indices)):
                 return False
             self.lone_kernel_loads += 1
             clock.queued(stream, n * self._layer_token_bytes, now)
@@ -308,8 +312,3 @@ class AutoStrategy:
                 self._tma_memo.clear()
             hit = self._tma_memo[key] = bool(getattr(self.kernel, "tma_load")(binding, layer, n))
         return hit
-
-    @staticmethod
-    def _stream(binding: PoolBinding) -> int:
-        index = binding.device.index
-        return current_stream_handle(index if index is not None else current_device_index())

@@ -70,6 +70,13 @@ class QueueClock:
         the clock's now; their estimated end, at a drain rate above the link's, has passed)."""
         return self._until.get(stream, 0.0) <= (self.now() if now is None else now)
 
+    def lone(self, stream: int, now: float) -> bool:
+        """Whether a submission at ``now`` is a lone one: :meth:`idle`, and not issued within
+        :data:`TIGHT_GAP_US` of the previous one's end (a loop of calls whose host time outlasts their copies
+        is a burst all the same)."""
+        return (self._until.get(stream, 0.0) <= now
+                and (now - self._last_end.get(stream, float("-inf"))) * 1e6 >= TIGHT_GAP_US)
+
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
         self._until[stream] = max(self._until.get(stream, 0.0), since) + nbytes / DRAIN_BYTES_PER_US * 1e-6

@@ -1,0 +1,68 @@
+"""Per-call view of ``auto``'s lone one-layer loads on a GPU: which candidate served each call and its time.
+
+Usage (GPU): ``python dev/auto_lone_probe.py``.  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
+page 64, GPU-resident indices), layouts ``layer_first`` and ``page_first_direct``: 12 lone ``load_layer`` calls
+(each after a synchronise) through ``auto`` and through the kernel, event-timed, with the route ``auto`` took.
+A diagnostic, not a benchmark: medians and ratios are in ``hicache bench``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
+from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
+
+
+def _calls(pool: HostKVPool, layer: int, hi: torch.Tensor, di: torch.Tensor, pause: float) -> list[tuple]:
+    """15 lone calls (synchronised before each, then ``pause`` seconds): (route, device us, host us) each."""
+    calls = []
+    for _ in range(15):
+        torch.cuda.synchronize()
+        if pause:
+            time.sleep(pause)
+        lone = getattr(pool.strategy, "lone_kernel_loads", None)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        pool.load_layer(layer, hi, di)
+        host_us = (time.perf_counter() - t0) * 1e6
+        b.record()
+        b.synchronize()
+        route = "kernel" if lone is None or pool.strategy.lone_kernel_loads > lone else "direct"  # type: ignore
+        calls.append((route, round(a.elapsed_time(b) * 1e3, 1), round(host_us, 1)))
+    return calls
+
+
+def main() -> None:
+    reg = create_registry()
+    for shape in ("mla61x576-bf16", "mha80x8x128-bf16"):
+        spec = SHAPES[shape](4096, 64, torch.device("cuda"))
+        dev = _device_buffers(spec, 2 * 4096 + 64)
+        hi, _, di = _indices(spec, torch.Generator().manual_seed(0))
+        hi, di = hi.cuda(), di.cuda()
+        layer = spec.layer_map.device_layers[len(spec.layer_map.device_layers) // 2]
+        for layout in ("layer_first", "page_first_direct"):
+            host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
+            for backend in ("auto", "kernel"):
+                pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes")
+                for pause in (0.001, 0.0):
+                    calls = _calls(pool, layer, hi, di, pause)
+                    print(json.dumps({"shape": shape, "layout": layout, "backend": backend, "pause": pause,
+                                      "lanes": [x is not None for x in pool._lanes],
+                                      "median_us": statistics.median(c[1] for c in calls[3:]), "calls": calls}),
+                          flush=True)
+                del pool
+
+
+if __name__ == "__main__":
+    main()
