@@ -1,6 +1,7 @@
 """Per-call view of ``auto``'s lone one-layer loads on a GPU: which candidate served each call and its time.
 
-Usage (GPU): ``python dev/auto_lone_probe.py``.  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
+Usage (GPU): ``python dev/auto_lone_probe.py`` (or ``... SHAPE LAYOUT``: the call sequence of ``hicache bench``'s
+lone row for ``auto``, each call's route and times, and a profile).  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
 page 64, GPU-resident indices), layouts ``layer_first`` and ``page_first_direct``: 12 lone ``load_layer`` calls
 (each after a synchronise) through ``auto`` and through the kernel, event-timed, with the route ``auto`` took.
 A diagnostic, not a benchmark: medians and ratios are in ``hicache bench``.
@@ -64,5 +65,37 @@ def main() -> None:
                 del pool
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and len(sys.argv) == 1:
     main()
+
+
+def bench_sequence(shape: str, layout: str) -> None:
+    """The calls ``hicache bench`` makes for ``auto``'s lone ``load_layer`` row (its data check first, the middle
+    layer), each with its route, host and device time; then a profile of five more."""
+    import cProfile
+    import io
+    import pstats
+
+    from hicache_core.bench import _check
+
+    reg = create_registry()
+    spec = SHAPES[shape](4096, 64, torch.device("cuda"))
+    dev = _device_buffers(spec, 2 * 4096 + 64)
+    h, s, d = _indices(spec, torch.Generator().manual_seed(0))
+    host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
+    pool = HostKVPool(spec, layout, "auto", dev, host_buffers=host, registry=reg, validate="shapes")
+    _check(pool, dev, h, s, d)
+    owned = spec.layer_map.device_layers
+    calls = _calls(pool, owned[len(owned) // 2], h, d, 0.0)
+    print(json.dumps({"bench_sequence": f"{shape} {layout}", "calls": calls}), flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    _calls(pool, owned[len(owned) // 2], h, d, 0.0)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
+    print(buf.getvalue()[-4000:], flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:
+    bench_sequence(sys.argv[1], sys.argv[2])
