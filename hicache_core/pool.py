@@ -17,7 +17,7 @@ from .registry import Registry, Resolution, default_registry
 from .spec import PoolSpec
 from .validate import check_device_buffers, check_host_buffers_disjoint, check_indices, check_layer, tensor_version
 
-__all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE"]
+__all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE", "ENV_LANES"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 #: check that every host slot is allocated in this pool's allocator (engines that
 #: allocate host slots themselves must not use it).
 ENV_VALIDATE = "HICACHE_VALIDATE"
+#: ``0`` turns the strategies' fast paths off for pools built from then on (every call is checked and goes
+#: through the strategy; for measurements and debugging).
+ENV_LANES = "HICACHE_LANES"
 
 VALIDATE_LEVELS = ("shapes", "full", "strict")
 
@@ -105,7 +108,9 @@ class HostKVPool:
             self.binding.scratch["core.index_memos"] = (IndexMemo(enabled=False), IndexMemo(enabled=False))
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
-        lane = getattr(self.strategy, "lane", None)  # the optional fast path (see Strategy): by to_host
+        # the optional fast path (see Strategy), by to_host; never where every call is checked
+        on = self.validate == "shapes" and os.environ.get(ENV_LANES, "1").lower() not in ("0", "false", "no", "off")
+        lane = getattr(self.strategy, "lane", None) if on else None
         self._lanes = (lane(self.binding, False), lane(self.binding, True)) if callable(lane) else (None, None)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)
         # page views follow the host plan, not how the device happens to hold parts

@@ -41,7 +41,7 @@ class Strategy(Protocol):
 
     Optional, outside the protocol: ``lane(binding, to_host)`` returning ``None`` or a callable
     ``(layer, host_indices, device_indices) -> bool``, a fast path for repeated calls.  A pool asks once
-    per direction after ``prepare``; each transfer call of that direction then first calls the lane, before
+    per direction after ``prepare`` (never with ``validate="full"`` or ``"strict"``: those check every call); each transfer call of that direction then first calls the lane, before
     the pool's own checks, with the layer (an ``int`` exactly, never a subclass, or ``None`` for every
     layer) and the index tensors as the caller passed them.  ``True``: the lane has enqueued exactly what
     ``backup``/``load`` would, and the pool returns.  ``False``: nothing was enqueued; the pool checks and

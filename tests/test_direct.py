@@ -987,12 +987,13 @@ class _AutoWorld:
         monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
         self.layer_s = 64 * 1152 / DRAIN_BYTES_PER_US * 1e-6  # one 64-token layer at the clock's drain rate
 
-    def make(self, tma: bool | None, lane_ok: bool | None = None, where=None, lone: bool = True):
+    def make(self, tma: bool | None, lane_ok: bool | None = None, where=None, lone: bool = True,
+             direct_lane: bool | None = None):
         from hicache_core.backends.auto import AutoStrategy
         from hicache_core.backends.memcpy import QueueClock
 
         auto = AutoStrategy(lone=lone)
-        auto.direct = _Candidate("direct", self.served)
+        auto.direct = _Candidate("direct", self.served, lane_ok=direct_lane)
         auto.kernel = _Candidate("kernel", self.served, tma, lane_ok)
         auto.clock = QueueClock(now=lambda: self.t[0])
         auto._arm(where or self.binding)  # what prepare does after preparing both candidates
@@ -1034,7 +1035,7 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
     cpu.load(w.on_cpu, h, d, 0)
     off = w.make(True, lane_ok=True, lone=False)  # the option: the block-size rule for every call
     off.load(binding, h, d, 0)
-    assert off.lane(binding, False) is None
+    assert not off.lane(binding, False)(0, h, d)  # no lone route, nothing memoised
     assert served == [("direct", 0)] * 3 and plain.lone_kernel_loads == cpu.lone_kernel_loads == off.lone_kernel_loads == 0
     from hicache_core.backends.auto import AutoStrategy
 
@@ -1042,24 +1043,106 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
         AutoStrategy(lone="yes")
 
 
-def test_auto_lane_is_the_kernels_lane_for_lone_tma_loads_only(monkeypatch):
-    """``auto``'s fast path takes the kernel's lane exactly where :meth:`load` would send the call to the kernel,
-    books the bytes only when that lane launched, and declines everything else (the normal path decides)."""
+def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):
+    """``auto``'s fast path takes the kernel's lane exactly where :meth:`load` would send a lone load to the kernel,
+    and otherwise the lane of the candidate memoised for these tensors; it books the bytes only when that lane
+    launched, and declines everything else (the normal path decides), bad arguments included."""
+    from hicache_core.backends.auto import _pick_key
+
     w = _AutoWorld(monkeypatch)
     served, t = w.served, w.t
     h, d = torch.arange(64), torch.arange(64)
-    auto = w.make(True, lane_ok=True)
-    assert auto.lane(w.binding, True) is None  # backups: no lane
+    auto = w.make(True, lane_ok=True, direct_lane=True)
     lane = auto.lane(w.binding, False)
     assert lane(0, h, d) and auto.lone_kernel_loads == 1
-    assert not lane(1, h, d)  # the stream is busy with layer 0 by the clock
-    t[0] += 2 * w.layer_s
-    assert not lane(1, h, d)  # drained, but right after the last call
+    assert not lane(1, h, d)  # the stream is busy with layer 0 by the clock, and no decision is memoised
+    auto._picks[_pick_key(h, d, 1, False)] = auto.direct
+    assert lane(1, h, d) and not auto.clock.idle(0x77, t[0] + 1.5 * w.layer_s)  # the memoised route, booked
+    t[0] += 3 * w.layer_s
+    assert lane(1, h, d)  # drained, but right after the last call: not lone, the memoised route again
     t[0] += 1e-3
-    assert not lane(None, h, d) and not lane(3, h, d)  # all layers; a layer without TMA loads
-    assert served == [("kernel lane", 0)]
+    assert not lane(None, h, d)  # nothing memoised for all layers
+    assert lane(3, h, d)  # lone, but no TMA loads for layer 3: the memoised route (per-layer calls share it)
+    t[0] += 1e-3
+    assert lane(1, h, d)  # lone: the kernel
+    assert served == [("kernel lane", 0), ("direct lane", 1), ("direct lane", 1), ("direct lane", 3),
+                      ("kernel lane", 1)]
+    for bad in ([0, 1], None, "x"):  # never raises, never moves: the pool's checks speak
+        assert not lane(1, bad, d) and not lane(1, h, bad)
+    backups = auto.lane(w.binding, True)
+    auto._picks[_pick_key(h, d, None, True)] = auto.kernel
+    t[0] += 1e-3
+    assert backups(None, h, d) and served[-1] == ("kernel lane", None) and not auto.clock.idle(0x77)
+    served.clear()
+    t[0] += 1e-3
     refused = w.make(True, lane_ok=False)  # the kernel's lane declines (e.g. tensors it has not seen)
     assert not refused.lane(w.binding, False)(0, h, d) and refused.clock.idle(0x77)  # nothing booked
-    assert w.make(True).lane(w.binding, False) is None  # a kernel without a lane
-    assert w.make(None, lane_ok=True).lane(w.binding, False) is None  # without TMA loads
-    assert w.make(True, lane_ok=True, where=w.on_cpu).lane(w.on_cpu, False) is None  # a CPU pool
+    served.clear()
+    assert w.make(True).lane(w.binding, False) is None  # no candidate has a lane
+    plain = w.make(None, lane_ok=True)  # a kernel without TMA loads: only memoised routes
+    assert not plain.lane(w.binding, False)(0, h, d) and served == [] and plain.lone_kernel_loads == 0
+    cpu = w.make(True, lane_ok=True, where=w.on_cpu)  # no clock on a CPU pool: only memoised routes
+    cpu._picks[_pick_key(h, d, 0, False)] = cpu.kernel
+    assert cpu.lane(w.on_cpu, False)(0, h, d) and cpu.lone_kernel_loads == 0 and served == [("kernel lane", 0)]
+
+
+@pytest.mark.parametrize("layout", [x for x in ("layer_first", "page_first") if x in LAYOUTS])
+@pytest.mark.parametrize("staging", ["never", "always"])
+def test_direct_lane_repeats_a_checked_submission_of_its_direction_only(layout, staging):
+    """``direct``'s fast path resubmits what a call of the same direction submitted for these tensors and layer
+    (the bytes of the normal path, canaries untouched); the other direction, new or changed tensors and bad
+    arguments reach the pool's checks, which raise before any byte moves."""
+    from hicache_core.errors import DuplicateIndexError, IndexDtypeError, IndexRangeError
+
+    pool = _mla_pool(layout, staging=staging, ps=16, layers=3, pages=8)
+    dev = pool.binding.segments[0].device_rows
+    g = torch.Generator().manual_seed(5)
+    for rows in dev:
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=g))
+    src = [rows.clone() for rows in dev]
+    h = torch.tensor([2, 5], dtype=torch.int64).repeat_interleave(16) * 16 + torch.arange(16).repeat(2)
+    s = torch.arange(0, 32)
+    d = torch.arange(64, 96)
+    pool.backup_all_layers(h, s)
+    for layer in range(3):
+        pool.load_layer(layer, h, d)
+
+    def checked(*a, **k):
+        raise AssertionError("a lane call reached the pool's checks")
+
+    canary = [rows[96:].clone() for rows in dev]
+    for rows in dev:
+        rows[64:96] = 0
+    pool._check = checked  # an instance attribute over the method: every call below must take the lane
+    try:
+        for layer in range(3):
+            assert pool.load_layer(layer, h, d)
+        pool.backup_all_layers(h, s)
+    finally:
+        del pool._check
+    for rows, orig, can in zip(dev, src, canary):
+        assert torch.equal(rows[64:96], orig[0:32]) and torch.equal(rows[96:], can)
+    dup = torch.cat([s[:16], s[:16]])  # a backup may read a device row twice; a load must not write one twice
+    assert pool.backup_layer(0, h, dup) and pool.backup_layer(0, h, dup)
+    with pytest.raises(DuplicateIndexError):
+        pool.load_layer(0, h, dup)  # the backup's submission of layer 0 exists, but not one of this direction
+    for bad in ([0, 1], h.tolist()):
+        with pytest.raises(IndexDtypeError):
+            pool.load_layer(0, bad, d)
+    d[0] = 10_000  # in place: the version moves, the pool checks again
+    with pytest.raises(IndexRangeError):
+        pool.load_layer(0, h, d)
+
+
+@pytest.mark.parametrize("validate, env, lanes", [("shapes", None, True), ("shapes", "0", False),
+                                                   ("full", None, False), ("strict", None, False)])
+def test_pools_take_lanes_only_where_calls_may_skip_their_checks(monkeypatch, validate, env, lanes):
+    """Pools that check every call (``validate="full"``/``"strict"``) never take a strategy's fast path, nor any
+    pool built under ``HICACHE_LANES=0``."""
+    if env is not None:
+        monkeypatch.setenv("HICACHE_LANES", env)
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=16, capacity=64)
+    dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate=validate)
+    assert all((lane is not None) == lanes for lane in pool._lanes)

@@ -331,9 +331,13 @@ def test_the_lane_never_skips_a_check_the_pool_would_make(monkeypatch):
     class Layer(int):
         pass
 
-    launches = len(w.lib.launches)
-    assert w.pool.load_layer(1, h, d) and w.pool.load_layer(Layer(1), h, d)  # the normal path for the subclass
-    assert w.lib.launches[launches + 1:] == w.lib.launches[launches:launches + 1]
+    checks = []
+    real = w.pool._check
+    w.pool._check = lambda *a, **k: checks.append(a) or real(*a, **k)  # an instance attribute over the method
+    assert w.pool.load_layer(1, h, d) and not checks  # the lane
+    assert w.pool.load_layer(Layer(1), h, d) and len(checks) == 1  # a subclass: the pool's checks, then the launch
+    assert w.lib.launches[-1] == w.lib.launches[-2]
+    del w.pool._check
     launches = len(w.lib.launches)
     h[0] = w.spec.capacity + 5  # in place, out of range: the version moves, the pool checks again
     with pytest.raises(IndexRangeError):
@@ -341,6 +345,33 @@ def test_the_lane_never_skips_a_check_the_pool_would_make(monkeypatch):
     with pytest.raises(IndexRangeError):
         w.pool.load_all_layers(h, d)
     assert len(w.lib.launches) == launches  # nothing launched
+
+
+@pytest.mark.parametrize("change", ["in place", ".data"])
+def test_the_lane_sees_device_indices_change(monkeypatch, change):
+    """A CPU device-index tensor changed after a batch was resolved (in place: its version counter moves; ``.data``
+    swapped for other values of the same length: its address moves) is checked and copied again, never replayed
+    from the batch's stale device copy."""
+    from hicache_core.errors import IndexRangeError
+
+    w = World(monkeypatch, "layer_first")
+    h, d = _idx(15)
+    w.burst(h, d)
+    w.burst(h, d)
+    assert _replayed(w, lambda: w.pool.load_layer(1, h, d))
+    before = w.lib.launches[-1]
+    if change == "in place":
+        d[0] = 10_000  # out of every device layer's rows
+        with pytest.raises(IndexRangeError):
+            w.pool.load_layer(1, h, d)
+        assert w.lib.launches[-1] is before
+        return
+    other = _idx(16)[1]
+    assert not torch.equal(other, d)
+    d.data = other.clone()  # same length, same object, same version counter, other storage
+    w.pool.load_layer(1, h, d)
+    assert w.lib.launches[-1] != before  # the device copy the launch reads is the new one
+    assert w.replays._batches[False].device_ptr == d.data_ptr()
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (3, 2, 0, 4, 1), (4, 0, 1, 2), (0, 1, 3, 4)])

@@ -36,7 +36,6 @@ from ..layout import Layout
 from ..spec import PoolSpec
 from ..replay import Lane
 from ..strategy import Strategy
-from ..validate import tensor_version
 from .direct import DirectStrategy
 from .memcpy import QueueClock
 from .staging import LAUNCH_US, page_image
@@ -70,6 +69,17 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
 _PICKS = 16
 #: (layer, count) answers of the kernel's ``tma_load`` kept per pool.
 _TMA_MEMO = 256
+
+
+def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
+              to_host: bool) -> tuple | None:
+    """A call's key in :attr:`AutoStrategy._picks` (tensor ids and versions, length, one layer or all, direction),
+    ``None`` for tensors without a version counter (never memoised)."""
+    try:
+        vh, vd = host_indices._version, device_indices._version
+    except RuntimeError:
+        return None
+    return id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host
 
 
 class AutoStrategy:
@@ -154,9 +164,7 @@ class AutoStrategy:
             return self.direct
         if self.direct is None:
             return self.kernel
-        vh, vd = tensor_version(host_indices), tensor_version(device_indices)
-        key = None if vh is None or vd is None else (
-            id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host)
+        key = _pick_key(host_indices, device_indices, layer, to_host)
         hit = self._picks.get(key) if key is not None else None
         if hit is not None:
             return hit
@@ -282,23 +290,39 @@ class AutoStrategy:
         clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
-        """The fast path of a lone one-layer load (see :class:`~hicache_core.strategy.Strategy`): the kernel's own
-        lane, taken when the stream is idle by the clock and the kernel loads the layer through TMA, as
-        :meth:`load` decides; ``None`` for backups, or where the kernel has no lane or the pool keeps no clock."""
-        make = getattr(self.kernel, "lane", None)
-        inner = make(binding, False) if not to_host and self._clocked and callable(make) else None
-        if inner is None:
+        """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the lane of the
+        candidate :meth:`load` / :meth:`backup` would send the call to (the kernel for a lone load, else the
+        candidate memoised for these index tensors); ``False`` where that candidate has no lane, declines, or no
+        decision is memoised.  ``None`` where neither candidate has a lane."""
+        def inner(cand: Any) -> Lane | None:
+            make = getattr(cand, "lane", None)
+            return make(binding, to_host) if callable(make) else None
+        k_lane, d_lane = inner(self.kernel), inner(self.direct)
+        if k_lane is None and d_lane is None:
             return None
-        clock, tma, index = self.clock, self._tma, self._index
+        clock, tma, index, picks = self.clock, self._tma, self._index, self._picks
+        clocked, direct, kernel = self._clocked, self.direct, self.kernel
+        per_layer, per_call = self._layer_token_bytes, self._token_bytes
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
-            if layer is None:
+            if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
                 return False
-            now, stream, n = clock.now(), current_stream_handle(index), host_indices.numel()
-            if not (clock.lone(stream, now) and tma(binding, layer, n) and inner(layer, host_indices, device_indices)):
+            n = host_indices.numel()
+            if clocked:
+                now, stream = clock.now(), current_stream_handle(index)
+                if not to_host and layer is not None and clock.lone(stream, now) and tma(binding, layer, n):
+                    if k_lane is None or not k_lane(layer, host_indices, device_indices):
+                        return False  # load() would send it to the kernel: its normal path
+                    self.lone_kernel_loads += 1
+                    clock.queued(stream, n * per_layer, now)
+                    return True
+            key = _pick_key(host_indices, device_indices, layer, to_host)
+            pick = None if key is None else picks.get(key)
+            route = d_lane if pick is direct else k_lane if pick is kernel else None
+            if pick is None or route is None or not route(layer, host_indices, device_indices):
                 return False
-            self.lone_kernel_loads += 1
-            clock.queued(stream, n * self._layer_token_bytes, now)
+            if clocked:
+                clock.queued(stream, n * (per_layer if layer is not None else per_call), now)
             return True
 
         return lane

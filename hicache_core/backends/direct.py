@@ -38,12 +38,14 @@ call and pointing to ``auto``, which serves such calls with the layout's kernel.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from ..binding import PoolBinding
 from ..errors import ConfigError
 from ..layout import Layout
+from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
 from .memcpy import BatchCopier
@@ -129,6 +131,31 @@ class DirectStrategy(DirectionalStrategy):
         if not sub.vetted:  # once per submission: a pool moving tiny blocks is told about auto
             sub.vetted = True
             warn_small_blocks(binding, sub, layer)
+        self._run(binding, copier, sub, stream, to_host)
+        sub.served[to_host] = True
+
+    def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
+        """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the submission a
+        transfer of this direction made for these index tensors (the same objects, unchanged) and layer on the
+        current stream, submitted again; ``False`` (nothing submitted) when there is none."""
+        plans: PlanCache = binding.scratch["direct.plans"]
+        copier: BatchCopier = binding.scratch["direct.copier"]
+        run = self._run
+
+        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+            stream = copier.stream()
+            plan = plans.peek(host_indices, device_indices, stream)
+            sub = None if plan is None else plan.peek(layer)
+            if sub is None or not sub.served[to_host]:
+                return False
+            run(binding, copier, sub, stream, to_host)
+            return True
+
+        return lane
+
+    @staticmethod
+    def _run(binding: PoolBinding, copier: BatchCopier, sub: Submission, stream: int, to_host: bool) -> None:
+        """Submit ``sub`` in one direction on ``stream``."""
         if sub.staged is None:
             if sub.pitched is not None:
                 copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream,

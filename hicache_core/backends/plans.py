@@ -115,6 +115,9 @@ class Submission:
         # derived once: a Submission is not changed after it is built (plans memoise it)
         self._ops: dict[bool, torch.Tensor] = {}
         self.vetted = False  # set by the first transfer that submits it (see warn_small_blocks)
+        #: By ``to_host``: whether a transfer of that direction submitted it (the pool checked its indices
+        #: for that direction then), which ``direct``'s lane requires.
+        self.served = [False, False]
         self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
         self.pitched_nbytes = self.pitched.nbytes if self.pitched is not None else 0
 
@@ -327,6 +330,10 @@ class Plan:
             self._d_dev = src.to(self.binding.device, non_blocking=True)
         return self._d_dev
 
+    def peek(self, layer: int | None) -> Submission | None:
+        """The submission of ``layer`` if one was built, else ``None`` (builds nothing)."""
+        return self._subs.get(layer)
+
     def submission(self, layer: int | None) -> Submission:
         sub = self._subs.get(layer)
         if sub is None:
@@ -516,16 +523,20 @@ class PlanCache:
         self._lock = threading.Lock()
 
     def get(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan:
-        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
-        memo = hv is not None and dv is not None
-        if memo:
-            with self._lock:
-                for h, hv0, d, dv0, s, plan in self._slots:
-                    if h is host_indices and d is device_indices and hv0 == hv and dv0 == dv and s == stream:
-                        return plan
+        plan = self.peek(host_indices, device_indices, stream)
+        if plan is not None:
+            return plan
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched)
-        if memo:
-            with self._lock:
-                self._slots.insert(0, (host_indices, hv, device_indices, dv, stream, plan))  # type: ignore[arg-type]
-                del self._slots[MEMO_SLOTS:]
+        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
+        if hv is not None and dv is not None:
+            with self._lock:  # a new list each time: readers iterate a snapshot without the lock
+                self._slots = [(host_indices, hv, device_indices, dv, stream, plan), *self._slots][:MEMO_SLOTS]
         return plan
+
+    def peek(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan | None:
+        """The memoised plan of these index tensors (the same objects, unchanged) on ``stream``, else ``None``
+        (builds nothing)."""
+        for h, hv0, d, dv0, s, plan in self._slots:  # identity first: anything else passed finds nothing
+            if h is host_indices and d is device_indices and s == stream:
+                return plan if h._version == hv0 and d._version == dv0 else None
+        return None
