@@ -1146,3 +1146,18 @@ def test_pools_take_lanes_only_where_calls_may_skip_their_checks(monkeypatch, va
     dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
     pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate=validate)
     assert all((lane is not None) == lanes for lane in pool._lanes)
+
+
+def test_auto_lane_with_one_candidate_takes_its_lane_without_a_decision(monkeypatch):
+    """Where only one candidate serves the pool (e.g. the kernel could not prepare), ``auto`` routes every call to
+    it without a decision memo, and so does its lane."""
+    w = _AutoWorld(monkeypatch)
+    h, d = torch.arange(64), torch.arange(64)
+    auto = w.make(True, lane_ok=True, direct_lane=True)
+    auto.kernel = None
+    auto._arm(w.binding)
+    assert auto.lane(w.binding, False)(2, h, d) and w.served == [("direct lane", 2)]
+    auto = w.make(True, lane_ok=True)
+    auto.direct = None
+    auto._arm(w.binding)
+    assert auto.lane(w.binding, True)(None, h, d) and w.served[-1] == ("kernel lane", None)

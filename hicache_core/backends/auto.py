@@ -33,8 +33,8 @@ from ..calibration import DEFAULT, Calibration, load_calibration
 from ..errors import ConfigError, HicacheError
 from ..kernel_support import current_device_index, current_stream_handle
 from ..layout import Layout
-from ..spec import PoolSpec
 from ..replay import Lane
+from ..spec import PoolSpec
 from ..strategy import Strategy
 from .direct import DirectStrategy
 from .memcpy import QueueClock
@@ -270,8 +270,7 @@ class AutoStrategy:
         self.pick(binding, host_indices, device_indices, layer, to_host=True).backup(
             binding, host_indices, device_indices, layer)
         if self._clocked:  # a backup on the loads' stream delays them too
-            per = self._layer_token_bytes if layer is not None else self._token_bytes
-            self.clock.queued(current_stream_handle(self._index), host_indices.numel() * per, self.clock.now())
+            self._book(current_stream_handle(self._index), host_indices.numel(), layer, self.clock.now())
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:
@@ -279,15 +278,23 @@ class AutoStrategy:
             self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
                 binding, host_indices, device_indices, layer)
             return
-        clock = self.clock
-        now, stream, n = clock.now(), current_stream_handle(self._index), host_indices.numel()
-        if layer is not None and clock.lone(stream, now) and self._tma(binding, layer, n):
+        now, stream, n = self.clock.now(), current_stream_handle(self._index), host_indices.numel()
+        if self._lone(binding, layer, n, stream, now):
             self.lone_kernel_loads += 1
             cast(Strategy, self.kernel).load(binding, host_indices, device_indices, layer)
         else:
             self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
                 binding, host_indices, device_indices, layer)
-        clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
+        self._book(stream, n, layer, now)
+
+    def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> bool:
+        """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
+        module docstring); only on a clocked pool."""
+        return layer is not None and self.clock.lone(stream, now) and self._tma(binding, layer, n)
+
+    def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
+        """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock."""
+        self.clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the lane of the
@@ -300,9 +307,9 @@ class AutoStrategy:
         k_lane, d_lane = inner(self.kernel), inner(self.direct)
         if k_lane is None and d_lane is None:
             return None
-        clock, tma, index, picks = self.clock, self._tma, self._index, self._picks
-        clocked, direct, kernel = self._clocked, self.direct, self.kernel
-        per_layer, per_call = self._layer_token_bytes, self._token_bytes
+        clock, index, picks, clocked = self.clock, self._index, self._picks, self._clocked
+        direct, kernel = self.direct, self.kernel
+        only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -310,19 +317,22 @@ class AutoStrategy:
             n = host_indices.numel()
             if clocked:
                 now, stream = clock.now(), current_stream_handle(index)
-                if not to_host and layer is not None and clock.lone(stream, now) and tma(binding, layer, n):
+                if not to_host and self._lone(binding, layer, n, stream, now):
                     if k_lane is None or not k_lane(layer, host_indices, device_indices):
                         return False  # load() would send it to the kernel: its normal path
                     self.lone_kernel_loads += 1
-                    clock.queued(stream, n * per_layer, now)
+                    self._book(stream, n, layer, now)
                     return True
-            key = _pick_key(host_indices, device_indices, layer, to_host)
-            pick = None if key is None else picks.get(key)
-            route = d_lane if pick is direct else k_lane if pick is kernel else None
-            if pick is None or route is None or not route(layer, host_indices, device_indices):
+            if direct is None or kernel is None:
+                route = only
+            else:
+                key = _pick_key(host_indices, device_indices, layer, to_host)
+                pick = None if key is None else picks.get(key)
+                route = d_lane if pick is direct else k_lane if pick is kernel else None
+            if route is None or not route(layer, host_indices, device_indices):
                 return False
             if clocked:
-                clock.queued(stream, n * (per_layer if layer is not None else per_call), now)
+                self._book(stream, n, layer, now)
             return True
 
         return lane
