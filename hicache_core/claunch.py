@@ -34,6 +34,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from .envflags import env_on
+
 __all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "MAX_PARAMS", "module", "c_launch_enabled", "set_c_launch"]
 
 logger = logging.getLogger(__name__)
@@ -173,7 +175,7 @@ PyMODINIT_FUNC PyInit_%(name)s(void) { return PyModule_Create(&mod); }
 
 
 def _env() -> bool:
-    return os.environ.get(ENV_C_LAUNCH, "1").lower() not in ("0", "false", "no", "off")
+    return env_on(ENV_C_LAUNCH)
 
 
 _ON = [_env()]

@@ -36,6 +36,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from .envflags import env_on
+
 __all__ = ["Launcher", "ENV_FAST_LAUNCH", "ENV_DRIVER_LAUNCH", "fast_launch_enabled", "set_fast_launch",
            "set_driver_launch", "driver_launch_enabled", "launch_key"]
 
@@ -55,7 +57,7 @@ _TOKEN_LOCK = threading.Lock()
 
 def fast_launch_enabled() -> bool:
     """Whether the environment allows compiled handles (not ``HICACHE_FAST_LAUNCH=0``, not interpreting)."""
-    if os.environ.get(ENV_FAST_LAUNCH, "1").lower() in ("0", "false", "no", "off"):
+    if not env_on(ENV_FAST_LAUNCH):
         return False
     return os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
@@ -64,7 +66,7 @@ _ENABLED = [fast_launch_enabled()]  # read once at import: no environment lookup
 
 
 def _driver_env() -> bool:
-    return os.environ.get(ENV_DRIVER_LAUNCH, "1").lower() not in ("0", "false", "no", "off")
+    return env_on(ENV_DRIVER_LAUNCH)
 
 
 _DRIVER = [_driver_env()]

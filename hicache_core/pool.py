@@ -10,6 +10,7 @@ import torch
 
 from .allocator import PageAllocator
 from .binding import PoolBinding, bind, flat_bytes
+from .envflags import env_on
 from .errors import HostBufferError, SpecError, UnallocatedSlotError
 from .kernel_support import IndexMemo
 from .layout import HostPlan, page_blocks
@@ -109,7 +110,7 @@ class HostKVPool:
         self.strategy = self.resolution.strategy
         self.strategy.prepare(self.binding)
         # the optional fast path (see Strategy), by to_host; never where every call is checked
-        on = self.validate == "shapes" and os.environ.get(ENV_LANES, "1").lower() not in ("0", "false", "no", "off")
+        on = self.validate == "shapes" and env_on(ENV_LANES)
         lane = getattr(self.strategy, "lane", None) if on else None
         self._lanes = (lane(self.binding, False), lane(self.binding, True)) if callable(lane) else (None, None)
         self.allocator = PageAllocator(spec.capacity, spec.page_size)

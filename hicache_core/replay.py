@@ -27,12 +27,12 @@ only the derivation is skipped.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 import torch
 
+from .envflags import env_on
 from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices
 from .launch import _traits
 
@@ -45,7 +45,7 @@ ENV_REPLAY = "HICACHE_REPLAY"
 
 
 def _env() -> bool:
-    return os.environ.get(ENV_REPLAY, "1").lower() not in ("0", "false", "no", "off")
+    return env_on(ENV_REPLAY)
 
 
 _ON = [_env()]  # read once at import: no environment lookup per call

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .envflags import OFF, ON
 from .errors import ConfigError
 from .kernel_support import interpreting, word_anchor
 
@@ -123,9 +124,9 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     if option is not None:
         return "all" if option else None
     env = os.environ.get(ENV_TMA, "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
+    if env in ON:
         return "all"
-    if env in ("0", "false", "no", "off"):
+    if env in OFF:
         return None
     if env:
         raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on), 0 (off) or leave it unset (automatic)")
