@@ -155,9 +155,7 @@ class Replays:
             hv, dv = host_indices._version, device_indices._version
         except RuntimeError:  # an inference tensor keeps no version counter: never replayed
             return None
-        if (b is not None and b.host_indices is host_indices and b.device_indices is device_indices
-                and b.host_version == hv and b.device_version == dv and b.stream == stream and b.n == n
-                and b.host_ptr == host_indices.data_ptr() and b.device_ptr == device_indices.data_ptr()):
+        if b is not None and _matches(b, host_indices, device_indices, n, stream):
             return b
         memo_h, memo_d = self.memos
         h, d = kernel_indices(host_indices, self.device, memo_h), kernel_indices(device_indices, self.device, memo_d)
@@ -176,7 +174,12 @@ class Replays:
         r = self._resolved(b, layer, to_host)
         if r is None:
             return False
-        self._launch(r, b.stream)
+        for st, grid, values in r[1]:
+            if st.kernel.relaunch(grid, b.stream, st.packed, values):
+                st.launcher.driver_launches += 1
+            else:  # no CUDA context on this thread: the normal launch sets one up
+                st.launcher(grid, _args(st, b), **st.fallback)
+        self.hits += 1
         return True
 
     def lane(self, to_host: bool, launcher: Any) -> Lane:
@@ -192,19 +195,13 @@ class Replays:
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             b = batches[to_host]
-            if b is None or b.host_indices is not host_indices or b.device_indices is not device_indices:
+            if b is None or b.host_indices is not host_indices:  # identity first: no other argument is read
                 return False
-            # a batch's tensors have version counters (batch() never keeps an inference tensor)
-            if (host_indices._version != b.host_version or device_indices._version != b.device_version
-                    or host_indices.data_ptr() != b.host_ptr or device_indices.data_ptr() != b.device_ptr
-                    or host_indices.numel() != b.n or not _ON[0] or current_device_index() != device_index
-                    or current_stream_handle(device_index) != b.stream or not driver_ready()):
+            if (not _ON[0] or current_device_index() != device_index or not driver_ready()
+                    or not _matches(b, host_indices, device_indices, host_indices.numel(),
+                                    current_stream_handle(device_index))):
                 return False
-            r = self._resolved(b, layer, to_host)
-            if r is None:
-                return False
-            self._launch(r, b.stream)
-            return True
+            return self.run(b, layer, to_host)
 
         return lane
 
@@ -221,20 +218,19 @@ class Replays:
                 ready[layer] = r
         return r
 
-    def _launch(self, r: tuple, stream: int) -> None:
-        """Launch resolved steps ``r`` (:meth:`_resolved`) on ``stream``."""
-        b = r[0]
-        for st, grid, values in r[1]:
-            if st.kernel.relaunch(grid, stream, st.packed, values):
-                st.launcher.driver_launches += 1
-            else:  # no CUDA context on this thread: the normal launch sets one up
-                st.launcher(grid, _args(st, b), **st.fallback)
-        self.hits += 1
-
     def record(self, b: Batch, layer: int | None, to_host: bool, steps: list[Step]) -> None:
         """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
         self._steps[(layer, to_host, b.traits)] = tuple(steps)
         self._ready[to_host].pop(layer, None)
+
+
+def _matches(b: Batch, host_indices: torch.Tensor, device_indices: torch.Tensor, n: int, stream: int) -> bool:
+    """Whether ``b`` is these index tensors (``n`` positions) as they are now, on ``stream``: the same objects, their
+    version counters and addresses unchanged (a ``.data`` swap keeps identity and version, not the address)."""
+    return (b.host_indices is host_indices and b.device_indices is device_indices
+            and host_indices._version == b.host_version and device_indices._version == b.device_version
+            and host_indices.data_ptr() == b.host_ptr and device_indices.data_ptr() == b.device_ptr
+            and b.n == n and b.stream == stream)
 
 
 def _args(st: Step, b: Batch) -> list:

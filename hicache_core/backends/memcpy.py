@@ -74,8 +74,7 @@ class QueueClock:
         """Whether a submission at ``now`` is a lone one: :meth:`idle`, and not issued within
         :data:`TIGHT_GAP_US` of the previous one's end (a loop of calls whose host time outlasts their copies
         is a burst all the same)."""
-        return (self._until.get(stream, 0.0) <= now
-                and (now - self._last_end.get(stream, float("-inf"))) * 1e6 >= TIGHT_GAP_US)
+        return self.idle(stream, now) and (now - self._last_end.get(stream, float("-inf"))) * 1e6 >= TIGHT_GAP_US
 
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
