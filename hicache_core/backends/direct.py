@@ -128,8 +128,7 @@ class DirectStrategy(DirectionalStrategy):
         copier: BatchCopier = binding.scratch["direct.copier"]
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
-        if not sub.vetted:  # once per submission: a pool moving tiny blocks is told about auto
-            sub.vetted = True
+        if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
         self._run(binding, copier, sub, stream, to_host)
         sub.served[to_host] = True

@@ -114,9 +114,8 @@ class Submission:
     def __post_init__(self) -> None:
         # derived once: a Submission is not changed after it is built (plans memoise it)
         self._ops: dict[bool, torch.Tensor] = {}
-        self.vetted = False  # set by the first transfer that submits it (see warn_small_blocks)
         #: By ``to_host``: whether a transfer of that direction submitted it (the pool checked its indices
-        #: for that direction then), which ``direct``'s lane requires.
+        #: for that direction then), which ``direct``'s lane requires; before any, it is new (see warn_small_blocks).
         self.served = [False, False]
         self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
         self.pitched_nbytes = self.pitched.nbytes if self.pitched is not None else 0
