@@ -310,14 +310,18 @@ class AutoStrategy:
         clock, index, picks, clocked = self.clock, self._index, self._picks, self._clocked
         direct, kernel = self.direct, self.kernel
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
+        # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
+        # decides, inlined, with the TMA answer from its memo
+        lone_loads, now_of, lone_at, tma_memo = clocked and not to_host, clock.now, clock.lone, self._tma_memo
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
                 return False
             n = host_indices.numel()
             if clocked:
-                now, stream = clock.now(), current_stream_handle(index)
-                if not to_host and self._lone(binding, layer, n, stream, now):
+                now, stream = now_of(), current_stream_handle(index)
+                if lone_loads and layer is not None and lone_at(stream, now) and (
+                        tma_memo.get((layer, n)) or self._tma(binding, layer, n)):
                     if k_lane is None or not k_lane(layer, host_indices, device_indices):
                         return False  # load() would send it to the kernel: its normal path
                     self.lone_kernel_loads += 1

@@ -32,6 +32,7 @@ BURST_GAP_US = 100.0
 #: A gap this short is a caller issuing calls back to back (a loop of loads), not one waiting for
 #: the last call's copies: the copy engine cannot have drained more than the host submits meanwhile.
 TIGHT_GAP_US = 20.0
+_NEVER = float("-inf")
 
 
 class QueueClock:
@@ -59,7 +60,7 @@ class QueueClock:
         ``burstable``: it fits one runtime call, so following a burst it may skip them; a larger one
         would keep an idle engine waiting for its first full call."""
         now = self.now()
-        gap_us = (now - self._last_end.get(stream, float("-inf"))) * 1e6
+        gap_us = (now - self._last_end.get(stream, _NEVER)) * 1e6
         left_us = (self._until.get(stream, 0.0) - now) * 1e6
         if burstable and gap_us < BURST_GAP_US and (left_us > 0.0 or gap_us < TIGHT_GAP_US):
             return False
@@ -74,7 +75,8 @@ class QueueClock:
         """Whether a submission at ``now`` is a lone one: :meth:`idle`, and not issued within
         :data:`TIGHT_GAP_US` of the previous one's end (a loop of calls whose host time outlasts their copies
         is a burst all the same)."""
-        return self.idle(stream, now) and (now - self._last_end.get(stream, float("-inf"))) * 1e6 >= TIGHT_GAP_US
+        return (self._until.get(stream, 0.0) <= now  # idle(), inlined: a lone load's launch waits on this
+                and (now - self._last_end.get(stream, _NEVER)) * 1e6 >= TIGHT_GAP_US)
 
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
