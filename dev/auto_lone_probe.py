@@ -1,8 +1,8 @@
 """Per-call view of ``auto``'s lone one-layer loads on a GPU: which candidate served each call and its time.
 
 Usage (GPU): ``python dev/auto_lone_probe.py`` (or ``... SHAPE LAYOUT``: the call sequence of ``hicache bench``'s
-lone row for ``auto``, each call's route and times, and a profile; or ``... bench``: the bench's own MLA
-``layer_first`` rows, with how many of ``auto``'s loads took its lane).  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
+lone row for ``auto``, each call's route and times, and a profile; or ``... bench [SHAPE LAYOUT]``: the bench's own
+rows of one cell, MLA ``layer_first`` by default, with how many of ``auto``'s loads took its lane).  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
 page 64, GPU-resident indices), layouts ``layer_first`` and ``page_first_direct``: 12 lone ``load_layer`` calls
 (each after a synchronise) through ``auto`` and through the kernel, event-timed, with the route ``auto`` took.
 A diagnostic, not a benchmark: medians and ratios are in ``hicache bench``.
@@ -98,12 +98,12 @@ def bench_sequence(shape: str, layout: str) -> None:
     print(buf.getvalue()[-4000:], flush=True)
 
 
-if __name__ == "__main__" and len(sys.argv) > 2:
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] != "bench":
     bench_sequence(sys.argv[1], sys.argv[2])
 
 
-def bench_rows(gemm: bool) -> None:
-    """``hicache bench``'s own rows for MLA ``layer_first`` (``kernel`` and ``auto``; ``load_layer`` alone, then
+def bench_rows(gemm: bool, shape: str = "mla61x576-bf16", layout: str = "layer_first") -> None:
+    """``hicache bench``'s own rows for one cell (``kernel`` and ``auto``; ``load_layer`` alone, then
     with the backup and burst rows and the GEMM before it when ``gemm``), with how many of ``auto``'s calls its lane
     took, declined, or never saw (the pool's checked path)."""
     from hicache_core.backends.auto import AutoStrategy
@@ -128,14 +128,15 @@ def bench_rows(gemm: bool) -> None:
         return load(self, *a)
 
     AutoStrategy.lane, AutoStrategy.load = lane, counted_load  # type: ignore[method-assign]
+    print(json.dumps({"cell": f"{shape} {layout}"}), flush=True)
     ops = ["backup_all_layers", "load_layer", "load_burst"] if gemm else ["load_layer"]
-    for row in run_bench(shapes=["mla61x576-bf16"], tokens=[4096], page_sizes=[64], programs=[None],
-                         layouts=["layer_first"], backends=["kernel", "auto"], ops=ops, reps=10, gemm=gemm):
+    for row in run_bench(shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[layout], backends=["kernel", "auto"], ops=ops, reps=10, gemm=gemm):
         print(json.dumps({"gemm_rows": gemm, "backend": row.io_backend, "variant": row.variant, "op": row.op,
                           "ratio": round(row.ratio, 3), "host_us": round(row.host_us, 1), "served_by": row.served_by,
                           "auto_calls": dict(stats)}), flush=True)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "bench":
-    bench_rows(False)
-    bench_rows(True)
+    cell = sys.argv[2:4] if len(sys.argv) > 3 else ["mla61x576-bf16", "layer_first"]
+    bench_rows(False, *cell)
+    bench_rows(True, *cell)

@@ -38,6 +38,7 @@ from ..spec import PoolSpec
 from ..strategy import Strategy
 from .direct import DirectStrategy
 from .memcpy import QueueClock
+from .plans import Submission
 from .staging import LAUNCH_US, page_image
 
 if TYPE_CHECKING:
@@ -80,6 +81,16 @@ def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: i
     except RuntimeError:
         return None
     return id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host
+
+
+def _fed(sub: Submission, cal: Calibration) -> bool:
+    """Whether the host submits ``sub`` within its transfer time at link speed, at the host cost of an idle engine's
+    schedule (small first calls).  A burst submits in fewer calls, but this margin is kept on purpose: H200, fp8
+    MLA rows (36.9-42 KB pages, 64 per layer, 43-49 us per layer at link speed), where a burst's estimate (38 us)
+    would send the loads to the copy engine, bursts reached 0.93 of memcpy on page_first_direct but 0.57-0.62 on
+    layer_first rows of the same run (host-bound: the host's speed drifts by up to 2x), and lone loads 0.48-0.54,
+    against the kernel's steady 0.75-0.79 (docs/performance.md)."""
+    return sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
 
 
 class AutoStrategy:
@@ -174,8 +185,7 @@ class AutoStrategy:
             pick = self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
         else:
             sub = self.direct.submission(binding, host_indices, device_indices, layer)
-            fed = sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
-            pick = self.direct if fed and sub.smallest_block >= cal.min_block(to_host) else self.kernel
+            pick = self.direct if _fed(sub, cal) and sub.smallest_block >= cal.min_block(to_host) else self.kernel
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
@@ -245,7 +255,7 @@ class AutoStrategy:
         out = []
         for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
             sub = direct.submission(pool.binding, idx, idx, layer)
-            fed = sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+            fed = _fed(sub, cal)
             big = sub.smallest_block >= cal.min_block(to_host)
             pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
             out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
