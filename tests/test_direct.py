@@ -471,6 +471,7 @@ def test_auto_keeps_a_host_margin_for_feeding():
     layer_first rows of the same run (host-bound), against the kernel's steady 0.75-0.79.  Pages of 256 tokens
     (168 KB blocks, 16 per layer) are fed either way."""
     from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.backends.cudart import batch_schedule
     from hicache_core.calibration import DEFAULT
 
     kernel = object()
@@ -484,7 +485,11 @@ def test_auto_keeps_a_host_margin_for_feeding():
         d = torch.arange(ps * pages)
         h = torch.arange(pages).flip(0).repeat_interleave(ps) * ps + torch.arange(ps).repeat(pages)  # no two pages merge
         sub = _submission(pool, h, d, 1)
-        assert sub.count == pages and sub.smallest_block == ps * 656
+        assert sub.count == pages and sub.smallest_block == ps * 656 >= DEFAULT.h2d_min_block
+        link_us = sub.nbytes / (DEFAULT.link_gbps * 1e3)
+        idle_us = sub.host_us(DEFAULT.submit_us, DEFAULT.call_us)  # an idle engine's schedule: small calls first
+        burst_us = idle_us - (len(batch_schedule(pages)) - len(batch_schedule(pages, eager=False))) * DEFAULT.call_us
+        assert (burst_us < link_us < idle_us) == (want == "kernel")  # only the margin decides the 64-page case
         chosen = auto.pick(pool.binding, h, d, 1, to_host=False)
         assert ("direct" if chosen is pool.strategy else "kernel") == want, (ps, pages)
 

@@ -299,7 +299,8 @@ class AutoStrategy:
 
     def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> bool:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
-        module docstring); only on a clocked pool."""
+        module docstring); only on a clocked pool.  :meth:`lane` holds an inlined copy of this rule (a lone load's
+        launch waits on it): change both together."""
         return layer is not None and self.clock.lone(stream, now) and self._tma(binding, layer, n)
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
@@ -331,7 +332,7 @@ class AutoStrategy:
             if clocked:
                 now, stream = now_of(), current_stream_handle(index)
                 if lone_loads and layer is not None and lone_at(stream, now) and (
-                        tma_memo.get((layer, n)) or self._tma(binding, layer, n)):
+                        tma if (tma := tma_memo.get((layer, n))) is not None else self._tma(binding, layer, n)):
                     if k_lane is None or not k_lane(layer, host_indices, device_indices):
                         return False  # load() would send it to the kernel: its normal path
                     self.lone_kernel_loads += 1
