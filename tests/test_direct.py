@@ -486,10 +486,10 @@ def test_auto_keeps_a_host_margin_for_feeding():
         h = torch.arange(pages).flip(0).repeat_interleave(ps) * ps + torch.arange(ps).repeat(pages)  # no two pages merge
         sub = _submission(pool, h, d, 1)
         assert sub.count == pages and sub.smallest_block == ps * 656 >= DEFAULT.h2d_min_block
-        link_us = sub.nbytes / (DEFAULT.link_gbps * 1e3)
-        idle_us = sub.host_us(DEFAULT.submit_us, DEFAULT.call_us)  # an idle engine's schedule: small calls first
-        burst_us = idle_us - (len(batch_schedule(pages)) - len(batch_schedule(pages, eager=False))) * DEFAULT.call_us
-        assert (burst_us < link_us < idle_us) == (want == "kernel")  # only the margin decides the 64-page case
+        link_est = sub.nbytes / (DEFAULT.link_gbps * 1e3)  # estimates from the calibration's constants
+        idle_est = sub.host_us(DEFAULT.submit_us, DEFAULT.call_us)  # an idle engine's schedule: small calls first
+        burst_est = idle_est - (len(batch_schedule(pages)) - len(batch_schedule(pages, eager=False))) * DEFAULT.call_us
+        assert (burst_est < link_est < idle_est) == (want == "kernel")  # only the margin decides the 64-page case
         chosen = auto.pick(pool.binding, h, d, 1, to_host=False)
         assert ("direct" if chosen is pool.strategy else "kernel") == want, (ps, pages)
 

@@ -87,8 +87,8 @@ def _fed(sub: Submission, cal: Calibration) -> bool:
     """Whether the host submits ``sub`` within its transfer time at link speed, at the host cost of an idle engine's
     schedule (small first calls).  A burst submits in fewer calls, but this margin is kept on purpose: H200, fp8
     MLA rows (36.9-42 KB pages, 64 per layer, 43-49 us per layer at link speed), where a burst's estimate (38 us)
-    would send the loads to the copy engine, bursts reached 0.93 of memcpy on page_first_direct but 0.57-0.62 on
-    layer_first rows of the same run (host-bound: the host's speed drifts by up to 2x), and lone loads 0.48-0.54,
+    would send the loads to the copy engine, bursts reached 0.93 of memcpy in a page-major host layout but 0.57-0.62
+    in a layer-major one in the same run (host-bound: the host's speed drifts by up to 2x), and lone loads 0.48-0.54,
     against the kernel's steady 0.75-0.79 (docs/performance.md)."""
     return sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
 
