@@ -33,7 +33,8 @@ COUNTS = (1, 16, 64, 256)
 _LOC_DEVICE, _LOC_HOST = 1, 2  # CUmemLocationType / cudaMemLocationType
 
 
-def _driver_batch(version: int) -> Callable[..., int] | None:
+def _driver_batch() -> Callable[..., int] | None:
+    """libcuda's cuMemcpyBatchAsync (the CUDA 13 ``_v2`` signature, else 12.8's with ``failIdx``), or ``None``."""
     lib = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     fn = getattr(lib, "cuMemcpyBatchAsync_v2", None)
@@ -68,7 +69,7 @@ def main() -> int:
     haddr, daddr = hp * BLOCK + host.data_ptr(), dp * BLOCK + dev.data_ptr()
     lens = torch.full((nmax,), BLOCK, dtype=torch.int64)
     attr_idx = (ctypes.c_size_t * 1)(0)
-    drv = _driver_batch(rt.version)
+    drv = _driver_batch()
     loc = cudart._MemLocation
 
     def attrs(hints: bool, to_host: bool) -> cudart._MemcpyAttributes:
