@@ -27,6 +27,11 @@ Loads on Hopper-class GPUs may instead read host rows through a tensor
 descriptor (TMA bulk copies, a few in flight per program): :func:`box_hits`, :func:`store_box_rows`, :func:`load_entry` and the complete kernel :data:`PAGED_TMA_LOAD`, which a
 plugin whose host rows sit at ``page * page_stride + slot_in_page * token_stride``
 (page stride a whole multiple of the token stride) re-exports as its ``TMA_LOAD_KERNEL`` (see :mod:`hicache_core.rowcopy_tma`).
+
+Loads of layouts whose host page of one layer is one contiguous run of rows (rows packed on
+both sides) may instead copy whole pages as flat words: :func:`page_item`, :func:`load_piece`,
+:func:`store_piece` and the complete kernel :data:`PAGE_LOAD`, which a plugin re-exports as its
+``PAGE_LOAD_KERNEL`` (see :class:`hicache_core.rowcopy.RowKernelStrategy`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "box_hits",
-           "store_box_rows", "load_entry", "PAGED_TMA_LOAD"]
+           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "load_piece", "store_piece", "PAGE_LOAD"]
 
 
 @triton.jit
@@ -212,3 +217,106 @@ def PAGED_TMA_LOAD(anchor, host_desc, host_tail, host_desc_b, host_tail_b, host_
         load_entry(anchor, host_desc_b, host_tail_b, host_idx, dev_idx, n, dev_base_b, dev_stride_b, host_base_b,
                    host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES,
                    FLAT)
+
+
+@triton.jit
+def page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, per_ent, PARTS: tl.constexpr):
+    """``(entry, page, part, h0, d0, inb)`` of work item ``item`` of :data:`PAGE_LOAD`: the page's first host
+    slot and device row, and ``inb`` (int32 0/1): ``h0`` starts a host page, and the page's slots and rows
+    ``h0 ..``, ``d0 ..`` are all in range (so the page's host span can be read)."""
+    k = item // per_ent
+    rest = item - k * per_ent
+    pg = rest // PARTS
+    j = rest - pg * PARTS
+    p0 = pg * page_size
+    h0 = tl.load(host_idx + p0).to(tl.int64)
+    d0 = tl.load(dev_idx + p0).to(tl.int64)
+    inb = ((p0 + page_size <= n) & (h0 >= 0) & (h0 + page_size <= capacity) & (h0 % page_size == 0) & (d0 >= 0) &
+           (d0 + page_size <= dev_rows)).to(tl.int32)
+    return tl.load(ents + k), pg, j, h0, d0, inb
+
+
+@triton.jit
+def load_piece(anchor, src, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit):
+    """Words ``OFF .. OFF+SIZE-1`` (those below ``limit``) from ``anchor + src`` where ``on`` (int32 0/1)."""
+    c = OFF + tl.arange(0, SIZE)
+    return tl.load(anchor + src + c, mask=c < limit * on)
+
+
+@triton.jit
+def store_piece(anchor, dst, x, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit):
+    """:func:`load_piece`'s words ``x`` to ``anchor + dst`` (same columns, where ``on``)."""
+    c = OFF + tl.arange(0, SIZE)
+    tl.store(anchor + dst + c, x, mask=c < limit * on)
+
+
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+              page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+              VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+              R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr):
+    """Load whole pages as flat words: host page ``h0 // page_size`` of entry ``e`` (``page_size * WIDTH``
+    contiguous words at ``host_off + page * host_page``) to device rows ``d0 ..`` (contiguous: the device
+    token stride is ``WIDTH``), for every page whose host slots and device rows are runs.
+
+    A work item is one part of one page of one entry: ``PARTS`` parts of ``PART`` words (a power of two),
+    the last one followed by the rest of the page in pieces ``R1``, ``R2``, ``R3`` (powers of two, 0:
+    none) and ``R4`` (a power of two covering what is left, masked to the page).  Every piece is read
+    before any is stored, so a program keeps a whole part in flight, and the read starts as soon as the
+    page's first slot and row are known to be in range (:func:`page_item`); the check that the page is a
+    run on both sides only gates the stores.  Pages that are not runs (device rows anywhere, or
+    indices that are not whole pages) move nothing in that pass: the program then gathers their valid
+    rows one by one, as the row kernel would.  Positions failing :func:`index_tile`'s bounds move nothing.
+    """
+    pid, nprog = programs()
+    per_ent = tl.cdiv(n.to(tl.int64), page_size) * PARTS
+    n_items = per_ent * n_ents.to(tl.int64)
+    i = tl.arange(0, TOKENS)
+    missed = tl.zeros((), tl.int32)
+    for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, per_ent,
+                                          PARTS)
+        tail = page_size * WIDTH - (PARTS - 1) * PART  # the page's words from the last part's start
+        src = tl.load(host_off + e) + (h0 // page_size) * tl.load(host_page + e) + j * PART
+        dst = tl.load(dev_off + e) + d0 * WIDTH + j * PART
+        if VEC > 1:
+            src = tl.multiple_of(src, VEC)
+            dst = tl.multiple_of(dst, VEC)
+        last = inb * (j == PARTS - 1).to(tl.int32)
+        x = load_piece(anchor, src, inb, 0, PART, PART)
+        if R1 > 0:
+            x1 = load_piece(anchor, src, last, PART, R1, PART + R1)
+        if R2 > 0:
+            x2 = load_piece(anchor, src, last, PART + R1, R2, PART + R1 + R2)
+        if R3 > 0:
+            x3 = load_piece(anchor, src, last, PART + R1 + R2, R3, PART + R1 + R2 + R3)
+        if R4 > 0:
+            x4 = load_piece(anchor, src, last, PART + R1 + R2 + R3, R4, tail)
+        t = pg * page_size + i
+        live = (i < page_size) & (t < n)
+        hh = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+        dd = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+        run = tl.min(((hh == h0 + i) & (dd == d0 + i) | (i >= page_size)).to(tl.int32), 0) * inb
+        missed = tl.maximum(missed, 1 - run)
+        store_piece(anchor, dst, x, run, 0, PART, PART)
+        if R1 > 0:
+            store_piece(anchor, dst, x1, run * last, PART, R1, PART + R1)
+        if R2 > 0:
+            store_piece(anchor, dst, x2, run * last, PART + R1, R2, PART + R1 + R2)
+        if R3 > 0:
+            store_piece(anchor, dst, x3, run * last, PART + R1 + R2, R3, PART + R1 + R2 + R3)
+        if R4 > 0:
+            store_piece(anchor, dst, x4, run * last, PART + R1 + R2 + R3, R4, tail)
+    if missed > 0:  # pages that were not runs: this program's first-part items again, gathering row by row
+        for item in tl.range(pid, n_items, nprog, num_stages=1):
+            e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows,
+                                              per_ent, PARTS)
+            t = pg * page_size + i
+            live = (i < page_size) & (t < n)
+            h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+            d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+            run = tl.min(((h == h0 + i) & (d == d0 + i) | (i >= page_size)).to(tl.int32), 0) * inb
+            gather = (1 - run) * (j == 0).to(tl.int32)  # one item per page gathers it: its first part's
+            ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows) & (i < TOKENS * gather)
+            move_rows(anchor, device_rows(dev_off, dev_stride, e, d), paged_rows(host_off, host_page, host_tok, e, h,
+                      page_size), ok, WIDTH, BLOCK, VEC, False)

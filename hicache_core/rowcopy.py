@@ -52,8 +52,9 @@ from .strategy import DirectionalStrategy
 from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC,
                           TMA_VALUES, TmaLaunch, group_reason, plan_group, row_limit, tma_mode)
 from .validate import parse_programs
+from . import rowcopy_pages
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "RowGroup", "RowKernelStrategy", "build_groups", "tile",
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "RowGroup", "RowKernelStrategy", "build_groups", "tile",
            "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,12 @@ LAUNCH_VALUES = {
     "TO_HOST": "constexpr: True backup (device to host), False load",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
+    "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces)",
+    "PARTS": "constexpr: whole parts per page",
+    "R1": "constexpr: words of the page's first piece after its parts (0: none)",
+    "R2": "constexpr: second piece (0: none)",
+    "R3": "constexpr: third piece (0: none)",
+    "R4": "constexpr: masked tail piece covering the rest of the page (0: none)",
 }
 #: The launch values that change from call to call (the rest is fixed per pool, group and direction).
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
@@ -125,11 +132,13 @@ class Tuning:
 @dataclass(frozen=True)
 class KernelTuning:
     """A strategy's :class:`Tuning` per direction; ``tma_load``: per-layer loads through tensor
-    descriptors (``None``: the strategy has no TMA loads)."""
+    descriptors (``None``: the strategy has no TMA loads); ``page_load``: loads of whole pages as flat
+    words (``tile_bytes``: the largest part of a page one work item reads; ``None``: no page loads)."""
 
     backup: Tuning
     load: Tuning
     tma_load: Tuning | None = None
+    page_load: Tuning | None = None
 
     def direction(self, to_host: bool) -> Tuning:
         return self.backup if to_host else self.load
@@ -141,6 +150,9 @@ class KernelTuning:
 #: as fast as the row kernel at 16, with a GEMM beside them -0.9% to +1% instead of up to +6%; boxes of
 #: ~20 KiB (16 rows of 1152 bytes, 8 of 2 KiB) beat ~40 KiB by 0.01-0.025 at the same GEMM cost.
 TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
+#: Launch shape of the shared page load kernel (``kernel_lib.PAGE_LOAD``), for a plugin's
+#: ``KernelTuning.page_load``: parts of up to 64 KiB (a 64 x 656-byte page is one item).
+PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
 
 
 def _pow2_floor(x: int) -> int:
@@ -308,6 +320,10 @@ class Prepared:
     tma_dynamic: tuple[int, ...] = ()
     tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
     replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
+    pages: tuple[_Launch | None, ...] = ()  # per group: its page load (rowcopy_pages), or None
+    page_launcher: Any = None
+    page_dynamic: tuple[int, ...] = ()
+    page_parts: tuple[int, ...] = ()  # per group: work items per page and entry (0: no page loads)
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -331,6 +347,9 @@ class RowKernelStrategy(DirectionalStrategy):
         capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load
         kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
+    :param pages: loads of whole pages as flat words where the layout keeps a layer's page contiguous and
+        device rows are packed (:mod:`hicache_core.rowcopy_pages`): ``True``/``False``, or ``None`` for
+        ``HICACHE_KERNEL_PAGES`` (unset: on), when the strategy has a page load kernel; calls TMA takes stay TMA's.
     """
 
     name: ClassVar[str]
@@ -342,7 +361,7 @@ class RowKernelStrategy(DirectionalStrategy):
 
     def __init__(self, programs: int | None = None, *, num_warps: int | None = None, tile_bytes: int | None = None,
                  num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None,
-                 tma: bool | None = None) -> None:
+                 tma: bool | None = None, pages: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
@@ -355,6 +374,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if tma is not None and not isinstance(tma, bool):
             raise ConfigError(f"tma must be True, False or None (automatic), got {tma!r}")
         self.tma = tma
+        if pages is not None and not isinstance(pages, bool):
+            raise ConfigError(f"pages must be True, False or None (HICACHE_KERNEL_PAGES, else on), got {pages!r}")
+        self.pages = pages
 
     # -- resolution -----------------------------------------------------------------------------
     def layout_reason(self, spec: PoolSpec, layout: Layout) -> str | None:
@@ -410,8 +432,9 @@ class RowKernelStrategy(DirectionalStrategy):
         def one(t: Tuning) -> Tuning:
             programs = self.programs if self.programs is not None else sm_budget(t.programs, device)
             return replace(t, programs=programs, **self._overrides)
-        tma = self.tuning.tma_load
-        return KernelTuning(one(self.tuning.backup), one(self.tuning.load), None if tma is None else one(tma))
+        tma, page = self.tuning.tma_load, self.tuning.page_load
+        return KernelTuning(one(self.tuning.backup), one(self.tuning.load), None if tma is None else one(tma),
+                            None if page is None else one(page))
 
     def prepare(self, binding: PoolBinding) -> None:
         """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""
@@ -427,6 +450,8 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
+        if rowcopy_pages.pages_enabled(self.pages):
+            prep = self._prepare_pages(binding.spec, module, prep)
         if Replays.usable(binding) and not interpreting():
             # calls on either side of a TMA row limit take other launches: their steps are recorded apart
             splits = sorted({lim for lim in prep.tma_rows if lim is not None})
@@ -467,6 +492,42 @@ class RowKernelStrategy(DirectionalStrategy):
                 limits.append(row_limit(g, automatic=automatic))
         return replace(prep, tma=tuple(plans), tma_launcher=launcher, tma_dynamic=dynamic, tma_rows=tuple(limits))
 
+    def _prepare_pages(self, spec: PoolSpec, module: Any, prep: Prepared) -> Prepared:
+        """``prep`` with a page load launch for every group :func:`~hicache_core.rowcopy_pages.group_reason`
+        accepts."""
+        kernel, t = getattr(module, "PAGE_LOAD_KERNEL", None), prep.tuning.page_load
+        if kernel is None or t is None:
+            if self.pages:
+                raise ConfigError(f"{self.name} has no page load kernel (PAGE_LOAD_KERNEL in {self.kernel_module} "
+                                  "and a page_load tuning); leave the pages option unset")
+            return prep
+        launcher = _launcher(kernel, LAUNCH_VALUES, f"{self.kernel_module}.PAGE_LOAD_KERNEL", "rowcopy.LAUNCH_VALUES")
+        dynamic = launcher.positions(DYNAMIC_VALUES)
+        launches: list[_Launch | None] = []
+        parts: list[int] = []
+        for g in prep.groups:
+            why = rowcopy_pages.group_reason(g, spec.page_size)
+            if why:
+                logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
+                launches.append(None)
+                parts.append(0)
+                continue
+            part, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * g.width,
+                                                                 max(1, t.tile_bytes // g.word), g.vec)
+            block, _, _ = tile(g.width, g.split, g.word, t.tile_bytes)
+            values: dict[str, Any] = dict(
+                anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
+                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, WIDTH=g.width, SPLIT=g.split,
+                BLOCK=block, BLOCK_B=block, TOKENS=1 << (spec.page_size - 1).bit_length(), VEC=g.vec, TO_HOST=False,
+                STAGES=t.stages, ENTRIES_INNER=self.entries_inner, PART=part, PARTS=n_parts, R1=r1, R2=r2, R3=r3,
+                R4=r4)
+            args = launcher.bind(values)
+            slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
+            launches.append(_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots))
+            parts.append(n_parts)
+        return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic,
+                       page_parts=tuple(parts))
+
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
         block, block_b, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
@@ -486,15 +547,19 @@ class RowKernelStrategy(DirectionalStrategy):
         prep: Prepared = binding.scratch[self.name]
         return None if prep.replays is None else prep.replays.lane(to_host, prep.launcher)
 
-    def tma_load(self, binding: PoolBinding, layer: int, n: int) -> bool:
-        """Whether a ``load`` of ``layer`` moving ``n`` positions goes through TMA launches only (a few programs
-        keep it at link speed from its first microseconds, and a GEMM beside it loses nothing measurable:
+    def fast_load(self, binding: PoolBinding, layer: int, n: int) -> bool:
+        """Whether a ``load`` of ``layer`` moving ``n`` positions goes through TMA or page loads only, no row
+        kernel launch (they reach the link within microseconds, and a GEMM beside them loses nothing measurable:
         ``docs/performance.md``).  ``auto`` sends a lone per-layer load here."""
         prep: Prepared | None = binding.scratch.get(self.name)
-        if prep is None or not prep.tma:
+        if prep is None or not (prep.tma or prep.pages):
             return False
-        for g, plan, limit in zip(prep.groups, prep.tma, prep.tma_rows):
-            if (plan is None or (limit is not None and n > limit)) and g.entries(layer) is not None:
+        for gi, g in enumerate(prep.groups):
+            plan = prep.tma[gi] if prep.tma else None
+            limit = prep.tma_rows[gi] if plan is not None else None
+            by_tma = plan is not None and (limit is None or n <= limit)
+            by_pages = bool(prep.pages) and prep.pages[gi] is not None
+            if not (by_tma or by_pages) and g.entries(layer) is not None:
                 return False
         return True
 
@@ -524,14 +589,17 @@ class RowKernelStrategy(DirectionalStrategy):
                 ents = g.entries(layer)
                 if ents is None:
                     continue
-                lv = by_dir[to_host]
                 n_ents = ents.numel()
+                page = prep.pages[gi] if prep.pages and not to_host else None
+                lv, launcher, dyn = (by_dir[to_host], prep.launcher, prep.dynamic) if page is None else \
+                    (page, prep.page_launcher, prep.page_dynamic)
+                per_tile = n_ents * (prep.page_parts[gi] if page is not None else 1)
                 args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
-                items = -(-n // lv.tokens) * n_ents
-                kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=prep.dynamic,
+                items = -(-n // lv.tokens) * per_tile
+                kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                           maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                used = prep.launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
-                steps = _keep(steps, used, prep.launcher, args, lv.slots, lv.tuning.programs, lv.tokens, n_ents, kw)
+                used = launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
+                steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, per_tile, kw)
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
 

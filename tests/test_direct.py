@@ -982,13 +982,13 @@ def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
 
 
 class _Candidate:
-    """A stand-in for ``auto``'s candidates: records what it serves; the kernel may have TMA loads (not for
-    layer 3) and a lane (``lane_ok``: what its lane answers)."""
+    """A stand-in for ``auto``'s candidates: records what it serves; the kernel may have fast loads (TMA or page
+    loads; not for layer 3) and a lane (``lane_ok``: what its lane answers)."""
 
     def __init__(self, name: str, served: list, tma: bool | None = None, lane_ok: bool | None = None) -> None:
         self.name, self.served = name, served
         if tma is not None:
-            self.tma_load = lambda binding, layer, n: tma and layer != 3
+            self.fast_load = lambda binding, layer, n: tma and layer != 3
         if lane_ok is not None:
             self.lane = lambda binding, to_host: (
                 lambda layer, h, d: served.append((name + " lane", layer)) or lane_ok)

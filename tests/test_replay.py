@@ -126,10 +126,13 @@ class World:
         self.prep, self.replays = prep, prep.replays
         self.hook = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
         self.launcher = prep.launcher
-        monkeypatch.setattr(self.launcher, "kernel", FakeKernel(self.launcher.kernel, self.lib, self.runs))
-        monkeypatch.setattr(self.launcher, "_api", (lambda: 0, lambda device: self.stream, self.hook))
-        monkeypatch.setattr(self.launcher, "_compiled", {})
-        monkeypatch.setattr(self.launcher, "_driver", {})
+        for launcher in (prep.launcher, prep.page_launcher):  # the row kernel, and page loads where the layout has them
+            if launcher is None:
+                continue
+            monkeypatch.setattr(launcher, "kernel", FakeKernel(launcher.kernel, self.lib, self.runs))
+            monkeypatch.setattr(launcher, "_api", (lambda: 0, lambda device: self.stream, self.hook))
+            monkeypatch.setattr(launcher, "_compiled", {})
+            monkeypatch.setattr(launcher, "_driver", {})
         self.layers = list(spec.layer_map.device_layers)
 
     def burst(self, h, d) -> list[tuple]:

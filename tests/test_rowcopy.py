@@ -105,7 +105,9 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert cls().effective_tuning(cpu) == t
     assert t.backup.programs < t.load.programs  # loads are latency-bound: more programs in flight
     assert t.tma_load is not None and t.tma_load.programs <= 4  # TMA loads: a few programs, bulk copies in flight
-    every = lambda **kw: KernelTuning(*(replace(x, **kw) for x in (t.backup, t.load, t.tma_load)))  # noqa: E731
+    assert t.page_load is not None  # every in-tree plugin offers page loads (its groups decide where they apply)
+    every = lambda **kw: KernelTuning(*(replace(x, **kw) for x in (t.backup, t.load, t.tma_load,  # noqa: E731
+                                                                    t.page_load)))
     monkeypatch.setenv(ENV_PROGRAMS, "5")
     assert cls().effective_tuning(cpu) == every(programs=5)
     opts = {"num_warps": 2, "tile_bytes": 1024, "maxnreg": 96}
@@ -116,7 +118,7 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert cls(100).effective_tuning(cuda).load.programs == 100
     assert cls().effective_tuning(cuda) == every(programs=4)
     monkeypatch.delenv(ENV_PROGRAMS)
-    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load))
+    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load), cap(t.page_load))
     monkeypatch.setenv(ENV_PROGRAMS, "abc")
     with pytest.raises(ConfigError, match=ENV_PROGRAMS):
         cls().effective_tuning(cpu)
@@ -246,9 +248,11 @@ def test_every_access_word_round_trips(layout, case, word):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch (``Launcher.__call__`` wrapped): ``(grid, {parameter: value})``, with per-layer loads on
-    the row kernel (TMA loads, automatic on Hopper-class GPUs, are tested in tests/test_tma.py)."""
+    """Every kernel launch (``Launcher.__call__`` wrapped): ``(grid, {parameter: value})``, with loads on the row
+    kernel (TMA loads, automatic on Hopper-class GPUs, are tested in tests/test_tma.py; page loads in
+    tests/test_page_loads.py)."""
     monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
     log, real = [], Launcher.__call__
 
     def counting(self, grid, args, **kw):

@@ -21,6 +21,7 @@ from hicache_core import rowcopy_tma  # noqa: E402
 from hicache_core.rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, ENV_TMA,  # noqa: E402
                                       MIN_TOKENS, box_shape, tma_mode)
 from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
+from hicache_core.testing.guarded import assert_same_device, guarded_pools  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,30 +71,12 @@ def _pool(layout: str, spec: PoolSpec, gen: torch.Generator, *, tma: bool = True
           lead: int = 0, **opts):
     """A kernel pool with random device rows (2 x capacity of them) and host buffers inside ``guard`` canary bytes
     (starting ``lead`` bytes into their allocation), plus the reference pool on copies of the same bytes."""
-    rows = 2 * spec.capacity
-    dev, ref_dev = {}, {}
-    for comp in spec.components:
-        ts = [torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, generator=gen).to(DEVICE)
-              for _ in range(spec.layer_map.num_device_layers)]
-        dev[comp.name] = [t.view(comp.dtype) for t in ts]
-        ref_dev[comp.name] = [t.clone().view(comp.dtype) for t in ts]
-    big, host = {}, {}
-    for b in REGISTRY.layout(layout).plan(spec).buffers:
-        big[b.name] = torch.full((b.nbytes + 2 * guard + lead,), CANARY, dtype=torch.uint8, pin_memory=PIN)
-        host[b.name] = big[b.name][guard + lead:guard + lead + b.nbytes].view(b.dtype).view(b.shape)
-        host[b.name].view(torch.uint8).random_(0, 256, generator=gen)
-    pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, registry=REGISTRY,
+    p = guarded_pools(REGISTRY, layout, "kernel", spec, gen, pin=PIN, guard=guard, lead=lead,
                       strategy_options={"tma": tma, **opts})
-    ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY)
-    for name, t in ref.host_buffers.items():
-        t.view(torch.uint8).copy_(host[name].view(torch.uint8))
-    return pool, ref, big, dev, ref_dev
+    return p.pool, p.ref, p.big, p.dev, p.ref_dev
 
 
-def _same(dev: dict, ref_dev: dict) -> None:
-    for name in ref_dev:
-        for i, (a, b) in enumerate(zip(dev[name], ref_dev[name])):
-            assert torch.equal(a.view(torch.uint8).cpu(), b.view(torch.uint8).cpu()), f"{name}[{i}]"
+_same = assert_same_device
 
 
 def _mla(ps: int, pages: int, layers: int = 3) -> PoolSpec:

@@ -11,8 +11,9 @@ and per relayout launch of a staged route) must fit in the call's transfer time
 at link speed.  Then the copy engine serves the call (no SM held, so the forward pass
 keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 
-One exception, for loads of one layer: when the kernel candidate loads that layer through TMA only (its
-optional ``tma_load(binding, layer, n)`` says so; a few programs, no measurable cost to a GEMM beside them)
+One exception, for loads of one layer: when the kernel candidate loads that layer through its fast load paths
+only (its optional ``fast_load(binding, layer, n)`` says so: TMA or whole-page loads of the row-copy kernels,
+which reach the link within microseconds at no measurable cost to a GEMM beside them)
 and nothing ``auto`` queued on the stream may still be running nor did its last call end within
 microseconds (a lone load, such as the first layer a forward pass waits for, not one of a loop of calls),
 the kernel serves it: it reaches the link within microseconds, where the copy
@@ -68,8 +69,8 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
 #: stale one (an index tensor freed and another made at the same address) costs speed, never bytes;
 #: per-layer calls of a batch (same index tensors, one layer each) share the decision of the first.
 _PICKS = 16
-#: (layer, count) answers of the kernel's ``tma_load`` kept per pool.
-_TMA_MEMO = 256
+#: (layer, count) answers of the kernel's ``fast_load`` kept per pool.
+_FAST_MEMO = 256
 
 
 def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -97,7 +98,7 @@ class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
 
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
-    :param lone: send a lone one-layer load to a kernel that loads the layer through TMA (the module docstring);
+    :param lone: send a lone one-layer load to a kernel whose fast load paths take the layer (the module docstring);
         ``False`` keeps the block-size rule for every call.
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
@@ -123,7 +124,7 @@ class AutoStrategy:
         self._token_bytes = self._layer_token_bytes = 0
         self._clocked = False
         self._index = 0  # the pool's CUDA device (when clocked)
-        self._tma_memo: dict[tuple[int, int], bool] = {}
+        self._fast_memo: dict[tuple[int, int], bool] = {}
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -231,9 +232,10 @@ class AutoStrategy:
             f"otherwise {self.kernel_name or 'the kernel (none available here)'}",
             f"auto: calibration {cal.gpu} ({cal.source})",
         ]
-        if getattr(self.kernel, "tma_load", None) is not None:
+        if getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
-                         f"{self.kernel_name} serves where it loads that layer through TMA (Hopper-class GPUs)")
+                         f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
+                         "whole-page loads)")
         try:
             lines += self._estimate(spec, layout, cal)
         except Exception as exc:  # an estimate only: never let it break explain
@@ -266,10 +268,10 @@ class AutoStrategy:
         return out
 
     def _arm(self, binding: PoolBinding) -> None:
-        """Whether this pool keeps the clock (a CUDA pool with both candidates, the kernel with TMA loads), and
+        """Whether this pool keeps the clock (a CUDA pool with both candidates, the kernel with fast load paths), and
         the bytes a call books on it."""
         self._clocked = (self.lone and binding.device.type == "cuda" and self.direct is not None
-                         and callable(getattr(self.kernel, "tma_load", None)))
+                         and callable(getattr(self.kernel, "fast_load", None)))
         index = binding.device.index
         self._index = (index if index is not None else current_device_index()) if self._clocked else 0
         self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
@@ -301,7 +303,7 @@ class AutoStrategy:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
         module docstring); only on a clocked pool.  :meth:`lane` holds an inlined copy of this rule (a lone load's
         launch waits on it): change both together."""
-        return layer is not None and self.clock.lone(stream, now) and self._tma(binding, layer, n)
+        return layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
         """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock."""
@@ -322,8 +324,8 @@ class AutoStrategy:
         direct, kernel = self.direct, self.kernel
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
-        # decides, inlined, with the TMA answer from its memo
-        lone_loads, now_of, lone_at, tma_memo = clocked and not to_host, clock.now, clock.lone, self._tma_memo
+        # decides, inlined, with the fast-load answer from its memo
+        lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -332,7 +334,7 @@ class AutoStrategy:
             if clocked:
                 now, stream = now_of(), current_stream_handle(index)
                 if lone_loads and layer is not None and lone_at(stream, now) and (
-                        tma if (tma := tma_memo.get((layer, n))) is not None else self._tma(binding, layer, n)):
+                        fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
                     if k_lane is None or not k_lane(layer, host_indices, device_indices):
                         return False  # load() would send it to the kernel: its normal path
                     self.lone_kernel_loads += 1
@@ -352,12 +354,12 @@ class AutoStrategy:
 
         return lane
 
-    def _tma(self, binding: PoolBinding, layer: int, n: int) -> bool:
-        """The kernel's ``tma_load(binding, layer, n)``, memoised per layer and count."""
+    def _fast(self, binding: PoolBinding, layer: int, n: int) -> bool:
+        """The kernel's ``fast_load(binding, layer, n)``, memoised per layer and count."""
         key = (layer, n)
-        hit = self._tma_memo.get(key)
+        hit = self._fast_memo.get(key)
         if hit is None:
-            if len(self._tma_memo) >= _TMA_MEMO:
-                self._tma_memo.clear()
-            hit = self._tma_memo[key] = bool(getattr(self.kernel, "tma_load")(binding, layer, n))
+            if len(self._fast_memo) >= _FAST_MEMO:
+                self._fast_memo.clear()
+            hit = self._fast_memo[key] = bool(getattr(self.kernel, "fast_load")(binding, layer, n))
         return hit

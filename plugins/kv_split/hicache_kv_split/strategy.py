@@ -10,7 +10,7 @@ separate tensors) is grouped by width.  Everything else is
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
 
 from .layout import LAYOUT
 
@@ -26,6 +26,7 @@ TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=8, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
+    page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
 )
 
 

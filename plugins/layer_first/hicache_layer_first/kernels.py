@@ -14,10 +14,12 @@ import triton.language as tl
 
 from hicache_core import kernel_lib as kl
 
-__all__ = ["KERNEL", "TMA_LOAD_KERNEL"]
+__all__ = ["KERNEL", "TMA_LOAD_KERNEL", "PAGE_LOAD_KERNEL"]
 
 #: Per-layer loads on Hopper-class GPUs: host slots are paged, so the shared descriptor kernel serves.
 TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
+#: Loads of whole pages as flat words where a layer\'s host page and the device rows are packed runs.
+PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])

@@ -7,7 +7,7 @@ explains itself) where Triton is missing.
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
 
 __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 
@@ -20,6 +20,7 @@ TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
+    page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
 )
 
 

@@ -1,0 +1,88 @@
+"""Page loads: whole host pages copied as flat words (:data:`hicache_core.kernel_lib.PAGE_LOAD`).
+
+Where a layout keeps one layer's page as one contiguous run of rows (``layer_first``,
+``page_first_direct``, the MHA parts of ``page_first_kv_split``) and device rows are packed
+(the device token stride is the row), a page is ``page_size * row`` contiguous bytes on both
+sides.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
+two of the row, so a 656-byte row keeps 41 of 64 lanes busy; the page kernel reads each page in
+power-of-two pieces that add up to it exactly (a 64 x 656-byte page is 32 + 8 + 1 KiB).
+A plugin offers it by re-exporting the kernel as ``PAGE_LOAD_KERNEL`` and setting
+``KernelTuning.page_load``; :class:`hicache_core.rowcopy.RowKernelStrategy` then loads every
+group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's).
+
+Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from .envflags import OFF, ON
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .rowcopy import RowGroup
+
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "pages_enabled", "group_reason", "pieces"]
+
+logger = logging.getLogger(__name__)
+
+#: ``1``: page loads wherever a group allows them (the default), ``0``: the row kernel for every load.
+ENV_PAGES = "HICACHE_KERNEL_PAGES"
+#: Most tokens per page the kernel checks in one vector (its run check is one power-of-two block).
+MAX_PAGE_TOKENS = 1024
+
+
+def pages_enabled(option: bool | None) -> bool:
+    """``option`` when given, else ``HICACHE_KERNEL_PAGES`` (unset: on)."""
+    if option is not None:
+        return option
+    env = os.environ.get(ENV_PAGES, "").strip().lower()
+    if env in ON or not env:
+        return True
+    if env in OFF:
+        return False
+    raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on), 0 (off) or leave it unset (on)")
+
+
+def group_reason(g: RowGroup, page_size: int) -> str | None:
+    """Why ``g``'s loads cannot copy whole pages (``None``: they can)."""
+    if g.split < g.width:
+        return "its rows are split over two host buffers (a fused group)"
+    if page_size < 2:
+        return "pages of one token are single rows"
+    if page_size > MAX_PAGE_TOKENS:
+        return f"pages of more than {MAX_PAGE_TOKENS} tokens"
+    for name, what in (("host_tok", "host token stride"), ("dev_stride", "device token stride")):
+        if any(int(v) != g.width for v in g.tables[name].tolist()):
+            return f"its {what} is not the row width (rows are not packed)"
+    if any(int(p) < page_size * g.width for p in g.tables["host_page"].tolist()):
+        return "its host page stride is shorter than a page of packed rows"
+    return None
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (x.bit_length() - 1)
+
+
+def pieces(page_words: int, max_part: int, vec: int) -> tuple[int, int, int, int, int, int]:
+    """``(PART, PARTS, R1, R2, R3, R4)`` for pages of ``page_words`` words, parts of at most ``max_part``.
+
+    ``PART`` is a power of two, ``PARTS * PART <= page_words``; the rest is ``R1 + R2 + R3`` (its three
+    highest powers of two, 0 where absent) plus ``R4``, the next power of two (at least ``vec``) of
+    whatever is still left (0: nothing), masked to the page by the kernel.
+    """
+    if page_words < 1 or max_part < 1:
+        raise ValueError(f"page_words and max_part must be positive, got {page_words}, {max_part}")
+    part = min(_pow2_floor(page_words), _pow2_floor(max_part))
+    parts, rest = divmod(page_words, part)
+    rs = []
+    for _ in range(3):
+        r = _pow2_floor(rest) if rest else 0
+        rs.append(r)
+        rest -= r
+    r4 = max(vec, 1 << (rest - 1).bit_length()) if rest else 0
+    return part, parts, rs[0], rs[1], rs[2], r4
+

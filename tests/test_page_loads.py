@@ -1,0 +1,211 @@
+"""Page loads of the row-copy strategies (hicache_core.rowcopy_pages, kernel_lib.PAGE_LOAD): whole pages copied as
+flat words, bit-exact against the reference backend; pages whose slots or rows are not runs gathered row by row;
+out-of-range pairs move nothing; which groups take it; the pieces a page is read in; the switch.  On CPU the
+kernels run in Triton's interpreter."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
+from hicache_core.errors import ConfigError, ResolutionError  # noqa: E402
+from hicache_core.launch import Launcher  # noqa: E402
+from hicache_core.rowcopy_pages import ENV_PAGES, pages_enabled, pieces  # noqa: E402
+from hicache_core.testing.guarded import assert_same_device as _same, guarded_pools, guards_intact  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PIN = DEVICE.type == "cuda"
+REGISTRY = create_registry()
+_sync = torch.cuda.synchronize if PIN else (lambda: None)
+GUARD = 256
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch: ``(kernel, grid, {parameter: value})`` (no replays: each call launches)."""
+    log, real = [], Launcher.__call__
+
+    def counting(self, grid, args, **kw):
+        log.append((self.kernel, grid, dict(zip(self.arg_names, args))))
+        real(self, grid, args, **kw)
+    monkeypatch.setattr(Launcher, "__call__", counting)
+    return log
+
+
+def _spec(kind: str, ps: int, pages: int, layers: int = 3) -> PoolSpec:
+    if kind == "mha":
+        return PoolSpec.mha(layer_map=LayerMap.unsharded(layers), head_num=2, head_dim=8, dtype=torch.float16,
+                            page_size=ps, capacity=ps * pages, device=DEVICE)
+    return PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=64, qk_rope_head_dim=8,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages, device=DEVICE)
+
+
+def _pools(layout: str, spec: PoolSpec, gen: torch.Generator, **opts):
+    """A kernel pool (TMA off; host buffers between ``GUARD`` canary bytes) and the reference on the same bytes."""
+    p = guarded_pools(REGISTRY, layout, "kernel", spec, gen, pin=PIN, guard=GUARD,
+                      strategy_options={"tma": False, **opts})
+    return p, p.pool, p.ref, p.dev, p.ref_dev
+
+
+def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(host slots, device rows): whole pages to page runs; whole pages to scattered rows; page-long runs starting
+    mid-page; one page whose device rows are a run but for one row; whole pages with slots and rows out of range."""
+    ps, cap = spec.page_size, spec.capacity
+    ar = torch.arange(ps)
+    hp = torch.randperm(cap // ps, generator=gen)[: cap // ps - 1]
+    dp = torch.randperm(2 * cap // ps, generator=gen)[: hp.numel()]
+    whole = (hp.unsqueeze(1) * ps + ar).reshape(-1)
+    runs = (dp.unsqueeze(1) * ps + ar).reshape(-1)
+    one_off = runs.clone()
+    taken = set(runs.tolist())
+    one_off[ps + ps // 2] = next(r for r in range(2 * cap) if r not in taken)  # a row no other pair writes
+    out_h, out_d = whole.clone(), runs.clone()
+    out_h[1] = cap + 2  # the first page: one slot out of range (that pair moves nothing, the rest is gathered)
+    out_d[-1] = 2 * cap + 5  # the last page: one row out of range
+    return {"whole-to-runs": (whole, runs),
+            "whole-to-scattered": (whole, torch.randperm(2 * cap, generator=gen)[: whole.numel()]),
+            "mid-page-runs": ((whole + ps // 2) % cap, runs),
+            "one-row-off": (whole, one_off),
+            "out-of-range": (out_h, out_d)}
+
+
+@pytest.mark.parametrize("layout,kind", [("layer_first", "mla"), ("page_first_direct", "mla"),
+                                         ("page_first_kv_split", "mha"), ("layer_first", "mha")])
+@pytest.mark.parametrize("ps,tile_bytes", [(16, 65536), (7, 512), (7, 128), (2, 32)],
+                         ids=["ps16", "ps7-pieces-tail", "ps7-parts", "ps2-parts"])
+def test_page_loads_are_bit_exact(launches, layout, kind, ps, tile_bytes):
+    """Per-layer and all-layer loads through the page kernel (pages read in several parts and pieces where
+    ``tile_bytes`` is small), against the reference: rows outside the indices, rows of pairs out of range and the
+    canaries around the host buffers stay as they were."""
+    gen = torch.Generator().manual_seed(ps * 31 + tile_bytes)
+    spec = _spec(kind, ps, 6)
+    guarded, pool, ref, dev, ref_dev = _pools(layout, spec, gen, tile_bytes=tile_bytes)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert prep.pages and all(p is not None for p in prep.pages), "every group of this layout takes page loads"
+    for name, (h, d) in _cases(spec, gen).items():
+        ok = (h >= 0) & (h < spec.capacity) & (d >= 0) & (d < 2 * spec.capacity)
+        launches.clear()
+        for layer in range(3):
+            pool.strategy.load(pool.binding, h.to(DEVICE), d.to(DEVICE), layer)
+            ref.strategy.load(ref.binding, h[ok], d[ok], layer)
+        _sync()
+        assert launches and all(k is kl.PAGE_LOAD for k, _, _ in launches), name
+        _same(dev, ref_dev)
+        assert guards_intact(guarded), f"{name}: guards"
+    dev_h, dev_d = _cases(spec, gen)["whole-to-runs"]  # fresh pages: every layer in one call
+    launches.clear()
+    pool.load_all_layers(dev_h.to(DEVICE), dev_d.to(DEVICE))
+    ref.load_all_layers(dev_h, dev_d)
+    _sync()
+    assert launches and all(k is kl.PAGE_LOAD for k, _, _ in launches)
+    _same(dev, ref_dev)
+
+
+def test_launch_values_and_grid(launches):
+    """One launch per group, its pieces those of :func:`pieces` for the group's page, a grid of at most
+    ``programs`` covering pages x parts x entries; pages of 7 rows of 144 bytes at 512-byte parts use every piece."""
+    gen = torch.Generator().manual_seed(3)
+    spec = _spec("mla", 7, 6)
+    _, pool, ref, dev, ref_dev = _pools("layer_first", spec, gen, tile_bytes=512, programs=5)
+    (g,) = pool.binding.scratch[pool.strategy_name].groups
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    pool.load_layer(1, h.to(DEVICE), d.to(DEVICE))
+    ref.load_layer(1, h, d)
+    _sync()
+    _same(dev, ref_dev)
+    ((kernel, grid, values),) = launches
+    want = pieces(7 * g.width, 512 // g.word, g.vec)
+    assert kernel is kl.PAGE_LOAD and all(want[2:]), want  # R1..R4 all present, R4 masked
+    assert tuple(values[k] for k in ("PART", "PARTS", "R1", "R2", "R3", "R4")) == want
+    assert grid == min(5, h.numel() // 7 * want[1])
+
+
+@pytest.mark.parametrize("page_words,max_part,vec", [(5248, 8192, 2), (126, 16, 1), (126, 64, 2), (54, 64, 2),
+                                                     (1, 4, 1), (4096, 8192, 2), (9216, 1024, 4), (999, 100, 4)])
+def test_pieces_cover_the_page(page_words, max_part, vec):
+    """Parts and pieces are powers of two (0: none) that add up to the page, the masked tail at most doubling the
+    last bit of it; a 64 x 656-byte page in 8-byte words is 32 + 8 + 1 KiB."""
+    part, parts, r1, r2, r3, r4 = pieces(page_words, max_part, vec)
+    for x in (part, r1, r2, r3, r4):
+        assert x == 0 or x & (x - 1) == 0
+    assert part <= max_part and parts >= 1
+    exact = parts * part + r1 + r2 + r3
+    assert exact <= page_words <= exact + r4 and (r4 == 0) == (exact == page_words)
+    assert r4 == 0 or r4 >= vec and r4 < 2 * max(vec, page_words - exact)
+    assert r1 >= r2 >= r3 and (r1 == 0 or r1 < part)
+    if (page_words, max_part) == (5248, 8192):
+        assert (part, parts, r1, r2, r3, r4) == (4096, 1, 1024, 128, 0, 0)
+    with pytest.raises(ValueError, match="positive"):
+        pieces(0, max_part, vec)
+
+
+@pytest.mark.parametrize("layout,kind,opts,why", [
+    ("page_first", "mla", {}, "host token stride is not the row width"),
+    ("page_first_kv_split", "mla", {}, "fused group"),
+    ("layer_first", "mla", {"ps": 1}, "pages of one token"),
+])
+def test_groups_that_keep_the_row_kernel(caplog, launches, layout, kind, opts, why):
+    """Groups whose pages are not packed runs on both sides load through the row kernel (logged), bit-exact."""
+    gen = torch.Generator().manual_seed(9)
+    spec = _spec(kind, opts.get("ps", 4), 6)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        _, pool, ref, dev, ref_dev = _pools(layout, spec, gen)
+    assert why in caplog.text
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    pool.load_layer(0, h.to(DEVICE), d.to(DEVICE))
+    ref.load_layer(0, h, d)
+    _sync()
+    assert launches and all(k is not kl.PAGE_LOAD for k, _, _ in launches)
+    _same(dev, ref_dev)
+
+
+def test_device_rows_that_are_not_packed_keep_the_row_kernel(launches):
+    """Device layers whose token stride is wider than the row (a view of a wider tensor) keep the row kernel."""
+    gen = torch.Generator().manual_seed(11)
+    spec = _spec("mla", 4, 6)
+    rows = 2 * spec.capacity
+    row = spec.components[0].row_bytes
+    wide = [torch.randint(0, 256, (rows, row + 16), dtype=torch.uint8, generator=gen).to(DEVICE) for _ in range(3)]
+    dev = {spec.components[0].name: [t[:, :row].view(torch.bfloat16) for t in wide]}
+    pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, strategy_options={"tma": False},
+                      pin_memory=PIN)
+    assert pool.binding.scratch[pool.strategy_name].pages == (None,)
+
+
+def test_switch(monkeypatch, launches):
+    """``pages=False`` or ``HICACHE_KERNEL_PAGES=0``: the row kernel for every load; a bad value is refused."""
+    monkeypatch.delenv(ENV_PAGES, raising=False)
+    assert pages_enabled(None) and not pages_enabled(False) and pages_enabled(True)
+    monkeypatch.setenv(ENV_PAGES, "0")
+    assert not pages_enabled(None) and pages_enabled(True)
+    gen = torch.Generator().manual_seed(13)
+    spec = _spec("mla", 4, 6)
+    _, pool, ref, dev, ref_dev = _pools("layer_first", spec, gen)
+    assert pool.binding.scratch[pool.strategy_name].pages == ()
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    pool.load_layer(2, h.to(DEVICE), d.to(DEVICE))
+    ref.load_layer(2, h, d)
+    _sync()
+    assert launches and all(k is not kl.PAGE_LOAD for k, _, _ in launches)
+    _same(dev, ref_dev)
+    monkeypatch.setenv(ENV_PAGES, "sometimes")
+    with pytest.raises(ConfigError, match="HICACHE_KERNEL_PAGES='sometimes': use 1"):
+        pages_enabled(None)
+    with pytest.raises(ResolutionError, match="pages must be True, False or None"):
+        HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, strategy_options={"pages": "yes"},
+                   pin_memory=PIN)
+
+
+@pytest.mark.parametrize("layout,pages,want", [("layer_first", None, True), ("layer_first", False, False),
+                                               ("page_first", None, False)])
+def test_fast_load_counts_page_loads(layout, pages, want):
+    """``fast_load`` (what ``auto`` asks before sending a lone load to the kernel) holds where every group of the
+    layer loads through page loads (TMA off here), not where one keeps the row kernel."""
+    spec = _spec("mla", 4, 6)
+    _, pool, *_ = _pools(layout, spec, torch.Generator().manual_seed(17), pages=pages)
+    assert pool.strategy.fast_load(pool.binding, 1, 8) is want
