@@ -410,8 +410,13 @@ class RowKernelStrategy(DirectionalStrategy):
                      f"of rows of >= {AUTO_MIN_ROW_BYTES} bytes in boxes of >= {AUTO_MIN_BOX_BYTES // 1024} KiB "
                      f"(rows strided on the host: calls of <= {AUTO_MAX_STRIDED_ROWS} rows)")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
-        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma} (options programs, num_warps, "
-                 "tile_bytes, num_stages, maxnreg, tma; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA)"]
+        pages = ""
+        if t.page_load is not None and rowcopy_pages.pages_enabled(self.pages):
+            pages = (f"; loads of whole pages where a layer's host page and the device rows are packed runs "
+                     f"(the rest gathered by rows) {one(t.page_load)}")
+        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, num_warps, "
+                 "tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA, "
+                 "HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
             from .launch import driver_launch_enabled
 
