@@ -70,13 +70,15 @@ def _pow2_floor(x: int) -> int:
 def pieces(page_words: int, max_part: int, vec: int) -> tuple[int, int, int, int, int, int]:
     """``(PART, PARTS, R1, R2, R3, R4)`` for pages of ``page_words`` words, parts of at most ``max_part``.
 
-    ``PART`` is a power of two, ``PARTS * PART <= page_words``; the rest is ``R1 + R2 + R3`` (its three
-    highest powers of two, 0 where absent) plus ``R4``, the next power of two (at least ``vec``) of
+    ``PART`` is a power of two, at least ``vec`` (a power of two dividing ``page_words``: every piece then
+    starts on a ``vec``-word boundary), ``PARTS * PART <= page_words``; the rest is ``R1 + R2 + R3`` (its
+    three highest powers of two, 0 where absent) plus ``R4``, the next power of two (at least ``vec``) of
     whatever is still left (0: nothing), masked to the page by the kernel.
     """
-    if page_words < 1 or max_part < 1:
-        raise ValueError(f"page_words and max_part must be positive, got {page_words}, {max_part}")
-    part = min(_pow2_floor(page_words), _pow2_floor(max_part))
+    if page_words < 1 or max_part < 1 or vec < 1 or vec & (vec - 1) or page_words % vec:
+        raise ValueError(f"page_words and max_part must be positive and vec a power of two dividing page_words, "
+                         f"got {page_words}, {max_part}, {vec}")
+    part = max(vec, min(_pow2_floor(page_words), _pow2_floor(max_part)))
     parts, rest = divmod(page_words, part)
     rs = []
     for _ in range(3):

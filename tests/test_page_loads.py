@@ -76,8 +76,8 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
 
 @pytest.mark.parametrize("layout,kind", [("layer_first", "mla"), ("page_first_direct", "mla"),
                                          ("page_first_kv_split", "mha"), ("layer_first", "mha")])
-@pytest.mark.parametrize("ps,tile_bytes", [(16, 65536), (7, 512), (7, 128), (2, 32)],
-                         ids=["ps16", "ps7-pieces-tail", "ps7-parts", "ps2-parts"])
+@pytest.mark.parametrize("ps,tile_bytes", [(16, 65536), (7, 512), (7, 128), (2, 32), (2, 8)],
+                         ids=["ps16", "ps7-pieces-tail", "ps7-parts", "ps2-parts", "ps2-parts-of-one-vector"])
 def test_page_loads_are_bit_exact(launches, layout, kind, ps, tile_bytes):
     """Per-layer and all-layer loads through the page kernel (pages read in several parts and pieces where
     ``tile_bytes`` is small), against the reference: rows outside the indices, rows of pairs out of range and the
@@ -126,14 +126,15 @@ def test_launch_values_and_grid(launches):
 
 
 @pytest.mark.parametrize("page_words,max_part,vec", [(5248, 8192, 2), (126, 16, 1), (126, 64, 2), (54, 64, 2),
-                                                     (1, 4, 1), (4096, 8192, 2), (9216, 1024, 4), (999, 100, 4)])
+                                                     (1, 4, 1), (4096, 8192, 2), (9216, 1024, 4), (996, 100, 4),
+                                                     (36, 1, 4), (20, 2, 4)])
 def test_pieces_cover_the_page(page_words, max_part, vec):
     """Parts and pieces are powers of two (0: none) that add up to the page, the masked tail at most doubling the
     last bit of it; a 64 x 656-byte page in 8-byte words is 32 + 8 + 1 KiB."""
     part, parts, r1, r2, r3, r4 = pieces(page_words, max_part, vec)
     for x in (part, r1, r2, r3, r4):
-        assert x == 0 or x & (x - 1) == 0
-    assert part <= max_part and parts >= 1
+        assert x == 0 or (x & (x - 1) == 0 and x % vec == 0)  # powers of two, every piece on a vec boundary
+    assert part <= max(max_part, vec) and parts >= 1
     exact = parts * part + r1 + r2 + r3
     assert exact <= page_words <= exact + r4 and (r4 == 0) == (exact == page_words)
     assert r4 == 0 or r4 >= vec and r4 < 2 * max(vec, page_words - exact)
@@ -142,6 +143,8 @@ def test_pieces_cover_the_page(page_words, max_part, vec):
         assert (part, parts, r1, r2, r3, r4) == (4096, 1, 1024, 128, 0, 0)
     with pytest.raises(ValueError, match="positive"):
         pieces(0, max_part, vec)
+    with pytest.raises(ValueError, match="dividing page_words"):
+        pieces(page_words, max_part, 3)
 
 
 @pytest.mark.parametrize("layout,kind,opts,why", [
