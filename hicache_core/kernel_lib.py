@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "box_hits",
-           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "load_piece", "store_piece", "PAGE_LOAD"]
+           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_run", "load_piece", "store_piece",
+           "PAGE_LOAD"]
 
 
 @triton.jit
@@ -231,9 +232,22 @@ def page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, p
     p0 = pg * page_size
     h0 = tl.load(host_idx + p0).to(tl.int64)
     d0 = tl.load(dev_idx + p0).to(tl.int64)
-    inb = ((p0 + page_size <= n) & (h0 >= 0) & (h0 + page_size <= capacity) & (h0 % page_size == 0) & (d0 >= 0) &
-           (d0 + page_size <= dev_rows)).to(tl.int32)
+    # no sums of index values: a garbage slot near 2**63 would wrap past the bounds
+    inb = ((p0 < n - page_size + 1) & (h0 >= 0) & (h0 <= capacity - page_size) & (h0 % page_size == 0) & (d0 >= 0) &
+           (d0 <= dev_rows - page_size)).to(tl.int32)
     return tl.load(ents + k), pg, j, h0, d0, inb
+
+
+@triton.jit
+def page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS: tl.constexpr):
+    """``inb`` (int32 0/1) where page ``pg``'s host slots and device rows are the runs ``h0 ..`` and ``d0 ..``
+    (``PAGE_TOKENS``: a power of two, at least ``page_size``)."""
+    i = tl.arange(0, PAGE_TOKENS)
+    t = pg * page_size + i
+    live = (i < page_size) & (t < n)
+    hh = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+    dd = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+    return tl.min(((hh == h0 + i) & (dd == d0 + i) | (i >= page_size)).to(tl.int32), 0) * inb
 
 
 @triton.jit
@@ -253,8 +267,8 @@ def store_piece(anchor, dst, x, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
               page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-              VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-              R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr):
+              PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
+              R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr):
     """Load whole pages as flat words: host page ``h0 // page_size`` of entry ``e`` (``page_size * WIDTH``
     contiguous words at ``host_off + page * host_page``) to device rows ``d0 ..`` (contiguous: the device
     token stride is ``WIDTH``), for every page whose host slots and device rows are runs.
@@ -264,14 +278,14 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
     none) and ``R4`` (a power of two covering what is left, masked to the page).  Every piece is read
     before any is stored, so a program keeps a whole part in flight, and the read starts as soon as the
     page's first slot and row are known to be in range (:func:`page_item`); the check that the page is a
-    run on both sides only gates the stores.  Pages that are not runs (device rows anywhere, or
-    indices that are not whole pages) move nothing in that pass: the program then gathers their valid
-    rows one by one, as the row kernel would.  Positions failing :func:`index_tile`'s bounds move nothing.
+    run on both sides (:func:`page_run`, over ``PAGE_TOKENS`` positions) only gates the stores.  Pages that
+    are not runs (device rows anywhere, or indices that are not whole pages) move nothing in that pass: the
+    program then gathers their valid rows in tiles of ``TOKENS`` rows, as the row kernel would.  Positions
+    failing :func:`index_tile`'s bounds move nothing; no bound is checked through a sum of index values.
     """
     pid, nprog = programs()
     per_ent = tl.cdiv(n.to(tl.int64), page_size) * PARTS
     n_items = per_ent * n_ents.to(tl.int64)
-    i = tl.arange(0, TOKENS)
     missed = tl.zeros((), tl.int32)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, per_ent,
@@ -292,11 +306,7 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
             x3 = load_piece(anchor, src, last, PART + R1 + R2, R3, PART + R1 + R2 + R3)
         if R4 > 0:
             x4 = load_piece(anchor, src, last, PART + R1 + R2 + R3, R4, tail)
-        t = pg * page_size + i
-        live = (i < page_size) & (t < n)
-        hh = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
-        dd = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
-        run = tl.min(((hh == h0 + i) & (dd == d0 + i) | (i >= page_size)).to(tl.int32), 0) * inb
+        run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
         missed = tl.maximum(missed, 1 - run)
         store_piece(anchor, dst, x, run, 0, PART, PART)
         if R1 > 0:
@@ -311,12 +321,14 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
         for item in tl.range(pid, n_items, nprog, num_stages=1):
             e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows,
                                               per_ent, PARTS)
-            t = pg * page_size + i
-            live = (i < page_size) & (t < n)
-            h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
-            d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
-            run = tl.min(((h == h0 + i) & (d == d0 + i) | (i >= page_size)).to(tl.int32), 0) * inb
-            gather = (1 - run) * (j == 0).to(tl.int32)  # one item per page gathers it: its first part's
-            ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows) & (i < TOKENS * gather)
-            move_rows(anchor, device_rows(dev_off, dev_stride, e, d), paged_rows(host_off, host_page, host_tok, e, h,
-                      page_size), ok, WIDTH, BLOCK, VEC, False)
+            run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
+            if (1 - run) * (j == 0).to(tl.int32) > 0:  # one item per page gathers it: its first part's
+                for s0 in tl.range(0, PAGE_TOKENS, TOKENS):  # tiles of the row kernel's size
+                    i = s0 + tl.arange(0, TOKENS)
+                    t = pg * page_size + i
+                    live = (i < page_size) & (t < n)
+                    h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+                    d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+                    ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
+                    move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
+                              paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)

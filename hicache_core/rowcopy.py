@@ -94,6 +94,7 @@ LAUNCH_VALUES = {
     "TO_HOST": "constexpr: True backup (device to host), False load",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
+    "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
     "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces)",
     "PARTS": "constexpr: whole parts per page",
     "R1": "constexpr: words of the page's first piece after its parts (0: none)",
@@ -519,11 +520,13 @@ class RowKernelStrategy(DirectionalStrategy):
                 continue
             part, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * g.width,
                                                                  max(1, t.tile_bytes // g.word), g.vec)
-            block, _, _ = tile(g.width, g.split, g.word, t.tile_bytes)
+            block, _, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
+            page_tokens = 1 << (spec.page_size - 1).bit_length()
             values: dict[str, Any] = dict(
                 anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
                 page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, WIDTH=g.width, SPLIT=g.split,
-                BLOCK=block, BLOCK_B=block, TOKENS=1 << (spec.page_size - 1).bit_length(), VEC=g.vec, TO_HOST=False,
+                BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens), PAGE_TOKENS=page_tokens, VEC=g.vec,
+                TO_HOST=False,
                 STAGES=t.stages, ENTRIES_INNER=self.entries_inner, PART=part, PARTS=n_parts, R1=r1, R2=r2, R3=r3,
                 R4=r4)
             args = launcher.bind(values)

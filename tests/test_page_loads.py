@@ -46,19 +46,22 @@ def _spec(kind: str, ps: int, pages: int, layers: int = 3) -> PoolSpec:
 
 
 def _pools(layout: str, spec: PoolSpec, gen: torch.Generator, **opts):
-    """A kernel pool (TMA off; host buffers between ``GUARD`` canary bytes) and the reference on the same bytes."""
-    p = guarded_pools(REGISTRY, layout, "kernel", spec, gen, pin=PIN, guard=GUARD,
+    """A kernel pool (TMA off; host buffers and device layers between ``GUARD`` canary bytes) and the reference on
+    the same bytes."""
+    p = guarded_pools(REGISTRY, layout, "kernel", spec, gen, pin=PIN, guard=GUARD, dev_guard=GUARD,
                       strategy_options={"tma": False, **opts})
     return p, p.pool, p.ref, p.dev, p.ref_dev
 
 
 def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(host slots, device rows): whole pages to page runs; whole pages to scattered rows; page-long runs starting
-    mid-page; one page whose device rows are a run but for one row; whole pages with slots and rows out of range."""
+    """(host slots, device rows): whole pages to page runs; pages whose whole host or device run is out of range,
+    or crosses the end of the device rows; runs starting 2**63 - page_size (a bound checked through a sum would
+    wrap); whole pages to scattered rows; page-long runs starting mid-page; one page whose device rows are a run
+    but for one row; whole pages with one slot and one row out of range."""
     ps, cap = spec.page_size, spec.capacity
     ar = torch.arange(ps)
     hp = torch.randperm(cap // ps, generator=gen)[: cap // ps - 1]
-    dp = torch.randperm(2 * cap // ps, generator=gen)[: hp.numel()]
+    dp = torch.randperm(2 * cap // ps - 2, generator=gen)[: hp.numel()]  # the last two device pages: far_d's
     whole = (hp.unsqueeze(1) * ps + ar).reshape(-1)
     runs = (dp.unsqueeze(1) * ps + ar).reshape(-1)
     one_off = runs.clone()
@@ -67,7 +70,15 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
     out_h, out_d = whole.clone(), runs.clone()
     out_h[1] = cap + 2  # the first page: one slot out of range (that pair moves nothing, the rest is gathered)
     out_d[-1] = 2 * cap + 5  # the last page: one row out of range
+    far_h, far_d = whole.clone(), runs.clone()  # whole runs out of range: their first slot / row too
+    far_h[:ps] = cap + ar  # a host run just past the capacity
+    far_d[ps:2 * ps] = 2 * cap - ps // 2 - 1 + ar  # a device run crossing the end of the device rows
+    wrap_h, wrap_d = whole.clone(), runs.clone()  # runs whose end would wrap a 64-bit sum past the bounds
+    wrap_h[:ps] = 2**63 - ps + ar
+    wrap_d[ps:2 * ps] = 2**63 - ps + ar
     return {"whole-to-runs": (whole, runs),
+            "runs-out-of-range": (far_h, far_d),
+            "runs-near-2**63": (wrap_h, wrap_d),
             "whole-to-scattered": (whole, torch.randperm(2 * cap, generator=gen)[: whole.numel()]),
             "mid-page-runs": ((whole + ps // 2) % cap, runs),
             "one-row-off": (whole, one_off),

@@ -23,7 +23,8 @@ __all__ = ["GuardedPools", "guarded_pools", "assert_same_device", "guards_intact
 @dataclass
 class GuardedPools:
     """``pool`` (the io_backend under test) and ``ref`` (``reference``) on copies of the same random bytes;
-    ``big``: each host buffer's whole allocation (canary ``guard`` bytes on both sides)."""
+    ``big``: each host buffer's whole allocation (canary ``guard`` bytes on both sides); ``dev_big``: each
+    device layer's allocation (canary ``dev_guard`` bytes on both sides)."""
 
     pool: HostKVPool
     ref: HostKVPool
@@ -31,19 +32,29 @@ class GuardedPools:
     dev: dict[str, list[torch.Tensor | None]]
     ref_dev: dict[str, list[torch.Tensor | None]]
     guard: int
+    dev_big: list[torch.Tensor]
+    dev_guard: int
 
 
 def guarded_pools(registry: Registry, layout: str, io_backend: str, spec: PoolSpec, gen: torch.Generator, *,
-                  pin: bool, guard: int = 0, lead: int = 0,
+                  pin: bool, guard: int = 0, lead: int = 0, dev_guard: int = 0,
                   strategy_options: Mapping[str, Any] | None = None) -> GuardedPools:
-    """Random device rows (2 x capacity per layer) and host buffers starting ``lead`` bytes after ``guard`` canary
-    bytes of their allocation (``pin``: pinned), for a pool of ``io_backend`` and the reference pool."""
+    """Random device rows (2 x capacity per layer, between ``dev_guard`` canary bytes of their allocation: a
+    multiple of 16 keeps the rows aligned) and host buffers starting ``lead`` bytes after ``guard`` canary bytes
+    of their allocation (``pin``: pinned), for a pool of ``io_backend`` and the reference pool."""
     rows = 2 * spec.capacity
     dev: dict[str, list[torch.Tensor | None]] = {}
     ref_dev: dict[str, list[torch.Tensor | None]] = {}
+    dev_big: list[torch.Tensor] = []
     for comp in spec.components:
-        ts = [torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, generator=gen).to(spec.device)
-              for _ in range(spec.layer_map.num_device_layers)]
+        ts = []
+        for _ in range(spec.layer_map.num_device_layers):
+            whole = torch.full((rows * comp.row_bytes + 2 * dev_guard,), CANARY, dtype=torch.uint8,
+                               device=spec.device)
+            rows_view = whole[dev_guard:dev_guard + rows * comp.row_bytes].view(rows, comp.row_bytes)
+            rows_view.copy_(torch.randint(0, 256, (rows, comp.row_bytes), dtype=torch.uint8, generator=gen))
+            dev_big.append(whole)
+            ts.append(rows_view)
         dev[comp.name] = [t.view(comp.dtype) for t in ts]
         ref_dev[comp.name] = [t.clone().view(comp.dtype) for t in ts]
     big, host = {}, {}
@@ -56,7 +67,7 @@ def guarded_pools(registry: Registry, layout: str, io_backend: str, spec: PoolSp
     ref = HostKVPool(spec, layout, "reference", ref_dev, registry=registry)
     for name, t in ref.host_buffers.items():
         t.view(torch.uint8).copy_(host[name].view(torch.uint8))
-    return GuardedPools(pool, ref, big, dev, ref_dev, guard)
+    return GuardedPools(pool, ref, big, dev, ref_dev, guard, dev_big, dev_guard)
 
 
 def assert_same_device(dev: Mapping[str, list[torch.Tensor | None]],
@@ -71,6 +82,7 @@ def assert_same_device(dev: Mapping[str, list[torch.Tensor | None]],
 
 
 def guards_intact(p: GuardedPools) -> bool:
-    """Whether the canary bytes on both sides of every host buffer are untouched."""
-    g = p.guard
-    return all(bool((b[:g] == CANARY).all()) and bool((b[len(b) - g:] == CANARY).all()) for b in p.big.values())
+    """Whether the canary bytes on both sides of every host buffer and every device layer are untouched."""
+    def intact(b: torch.Tensor, g: int) -> bool:
+        return bool((b[:g] == CANARY).all()) and bool((b[len(b) - g:] == CANARY).all())
+    return all(intact(b, p.guard) for b in p.big.values()) and all(intact(b, p.dev_guard) for b in p.dev_big)
