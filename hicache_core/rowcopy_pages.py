@@ -1,9 +1,8 @@
 """Page loads: whole host pages copied as flat words (:data:`hicache_core.kernel_lib.PAGE_LOAD`).
 
-Where a layout keeps one layer's page as one contiguous run of rows (``layer_first``,
-``page_first_direct``, the MHA parts of ``page_first_kv_split``) and device rows are packed
-(the device token stride is the row), a page is ``page_size * row`` contiguous bytes on both
-sides.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
+Where a layout keeps one layer's page as one contiguous run of rows (a layer-major host, or a
+page-major one whose page holds each layer's rows together) and device rows are packed (the device
+token stride is the row), a page is ``page_size * row`` contiguous bytes on both sides.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
 two of the row, so a 656-byte row keeps 41 of 64 lanes busy; the page kernel reads each page in
 power-of-two pieces that add up to it exactly (a 64 x 656-byte page is 32 + 8 + 1 KiB).
 A plugin offers it by re-exporting the kernel as ``PAGE_LOAD_KERNEL`` and setting

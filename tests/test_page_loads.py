@@ -57,7 +57,7 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
     """(host slots, device rows): whole pages to page runs; pages whose whole host or device run is out of range,
     or crosses the end of the device rows; runs starting 2**63 - page_size (a bound checked through a sum would
     wrap); whole pages to scattered rows; page-long runs starting mid-page; one page whose device rows are a run
-    but for one row; whole pages with one slot and one row out of range."""
+    but for one row; a last page cut short; whole pages with one slot and one row out of range."""
     ps, cap = spec.page_size, spec.capacity
     ar = torch.arange(ps)
     hp = torch.randperm(cap // ps, generator=gen)[: cap // ps - 1]
@@ -82,6 +82,7 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
             "whole-to-scattered": (whole, torch.randperm(2 * cap, generator=gen)[: whole.numel()]),
             "mid-page-runs": ((whole + ps // 2) % cap, runs),
             "one-row-off": (whole, one_off),
+            "last-page-partial": (whole[:-1], runs[:-1]),  # a strategy called directly: no page-multiple check
             "out-of-range": (out_h, out_d)}
 
 
