@@ -54,8 +54,8 @@ from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_RO
 from .validate import parse_programs
 from . import rowcopy_pages
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "RowGroup", "RowKernelStrategy", "build_groups", "tile",
-           "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "RowGroup", "RowKernelStrategy",
+           "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -321,10 +321,9 @@ class Prepared:
     tma_dynamic: tuple[int, ...] = ()
     tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
     replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
-    pages: tuple[_Launch | None, ...] = ()  # per group: its page load (rowcopy_pages), or None
+    pages: tuple[tuple[_Launch, int] | None, ...] = ()  # per group: its page load and parts per page, or None
     page_launcher: Any = None
     page_dynamic: tuple[int, ...] = ()
-    page_parts: tuple[int, ...] = ()  # per group: work items per page and entry (0: no page loads)
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -509,14 +508,12 @@ class RowKernelStrategy(DirectionalStrategy):
             return prep
         launcher = _launcher(kernel, LAUNCH_VALUES, f"{self.kernel_module}.PAGE_LOAD_KERNEL", "rowcopy.LAUNCH_VALUES")
         dynamic = launcher.positions(DYNAMIC_VALUES)
-        launches: list[_Launch | None] = []
-        parts: list[int] = []
+        launches: list[tuple[_Launch, int] | None] = []
         for g in prep.groups:
             why = rowcopy_pages.group_reason(g, spec.page_size)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 launches.append(None)
-                parts.append(0)
                 continue
             part, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * g.width,
                                                                  max(1, t.tile_bytes // g.word), g.vec)
@@ -531,10 +528,8 @@ class RowKernelStrategy(DirectionalStrategy):
                 R4=r4)
             args = launcher.bind(values)
             slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-            launches.append(_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots))
-            parts.append(n_parts)
-        return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic,
-                       page_parts=tuple(parts))
+            launches.append((_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots), n_parts))
+        return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
@@ -599,9 +594,10 @@ class RowKernelStrategy(DirectionalStrategy):
                     continue
                 n_ents = ents.numel()
                 page = prep.pages[gi] if prep.pages and not to_host else None
-                lv, launcher, dyn = (by_dir[to_host], prep.launcher, prep.dynamic) if page is None else \
-                    (page, prep.page_launcher, prep.page_dynamic)
-                per_tile = n_ents * (prep.page_parts[gi] if page is not None else 1)
+                if page is None:
+                    lv, launcher, dyn, per_tile = by_dir[to_host], prep.launcher, prep.dynamic, n_ents
+                else:  # work items: parts of each page of each entry
+                    lv, launcher, dyn, per_tile = page[0], prep.page_launcher, prep.page_dynamic, n_ents * page[1]
                 args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
                 items = -(-n // lv.tokens) * per_tile
                 kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
