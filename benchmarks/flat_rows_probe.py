@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from typing import Any, Callable
 
@@ -138,24 +137,6 @@ def check(row_bytes: int, ps: int, device: str, pin: bool, **shape: int) -> bool
     return torch.equal(dev.cpu(), want)
 
 
-def _timed(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
-    """Median event-timed ms of ``fn`` called on an idle GPU, ``before`` (then a synchronise) ahead of each."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -174,7 +155,7 @@ def main() -> int:
         print(json.dumps({"bit_exact": ok}))
         return 0 if ok else 1
 
-    from hicache_core.bench import _gemm_slowdown, _workload
+    from hicache_core.bench import _gemm_slowdown, _median_ms, _workload
     from hicache_core.pool import HostKVPool, allocate_host_buffers
     from hicache_core.registry import create_registry
 
@@ -199,8 +180,8 @@ def main() -> int:
         src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         cp = lambda: dst.copy_(src, non_blocking=True)  # noqa: E731
-        base = {"lone": _timed(cp, args.reps), "lone_hot": _timed(cp, args.reps, hot),
-                "burst": _timed(lambda: [cp() for _ in layers], 5) / len(layers)}
+        base = {"lone": _median_ms(cp, args.reps, 1, idle=True), "lone_hot": _median_ms(cp, args.reps, 1, before=hot),
+                "burst": _median_ms(lambda: [cp() for _ in layers], 5, 1, idle=True) / len(layers)}
 
         def host_layer(c: str, l: int) -> torch.Tensor:
             return host[c][l].view(torch.uint8).view(-1, row_bytes[c])
@@ -229,9 +210,9 @@ def main() -> int:
                 torch.cuda.synchronize()
             host_us = (time.perf_counter() - t0) / 5 * 1e6
             row = {"shape": shape, "page_size": ps, "variant": variant, **extra, "bit_exact": True,
-                   "lone": round(base["lone"] / _timed(lambda: load(mid), args.reps), 3),
-                   "lone_hot": round(base["lone_hot"] / _timed(lambda: load(mid), args.reps, hot), 3),
-                   "burst": round(base["burst"] / (_timed(burst, 5) / len(layers)), 3),
+                   "lone": round(base["lone"] / _median_ms(lambda: load(mid), args.reps, 1, idle=True), 3),
+                   "lone_hot": round(base["lone_hot"] / _median_ms(lambda: load(mid), args.reps, 1, before=hot), 3),
+                   "burst": round(base["burst"] / (_median_ms(burst, 5, 1, idle=True) / len(layers)), 3),
                    "gemm_pct": round(100 * _gemm_slowdown(burst), 1), "lone_wall_us": round(host_us, 1)}
             rows.append(row)
             print(json.dumps(row), flush=True)

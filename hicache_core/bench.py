@@ -92,15 +92,19 @@ class BenchRow:
     served_by: str = ""
 
 
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, idle: bool = False) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, idle: bool = False,
+               before: Callable[[], object] | None = None) -> float:
     """Median event-timed milliseconds of ``fn``; ``idle``: each call starts on an idle GPU (a lone call),
-    else calls follow each other as soon as the last one's end event is reached."""
+    else calls follow each other as soon as the last one's end event is reached.  ``before`` (then a
+    synchronise: the call is lone) runs ahead of each timed call, untimed."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        if idle:
+        if before is not None:
+            before()
+        if idle or before is not None:
             torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
