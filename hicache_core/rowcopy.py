@@ -464,8 +464,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if binding.device.type in replay.DEVICE_TYPES and not interpreting():  # where driver launches are made
             claunch.module()  # built (once per machine) with the pool, not inside its first transfer
         binding.scratch[self.name] = prep
-        logger.debug("%s: groups %s, tuning %s, TMA loads %s", self.name,
-                     [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma])
+        logger.debug("%s: groups %s, tuning %s, TMA loads %s, page loads %s", self.name,
+                     [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma],
+                     [p is not None for p in prep.pages])
 
     def _prepare_tma(self, spec: PoolSpec, module: Any, prep: Prepared, *, automatic: bool) -> Prepared:
         """``prep`` with TMA load launches for every group a descriptor can address (``automatic``: those
