@@ -468,14 +468,23 @@ class RowKernelStrategy(DirectionalStrategy):
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma],
                      [p is not None for p in prep.pages])
 
+    def _optional_kernel(self, module: Any, tuning: KernelTuning, field: str, *, option: str,
+                         what: str) -> tuple[Any, Tuning | None]:
+        """The plugin's optional load kernel (``FIELD_KERNEL`` in its kernel module, e.g. ``TMA_LOAD_KERNEL``) and
+        ``tuning.<field>``; either may be ``None`` (the path is skipped), but not while the strategy option
+        ``option`` is ``True``: that is a :class:`ConfigError`."""
+        attr = f"{field.upper()}_KERNEL"
+        kernel, t = getattr(module, attr, None), getattr(tuning, field)
+        if (kernel is None or t is None) and getattr(self, option):
+            raise ConfigError(f"{self.name} has no {what} kernel ({attr} in {self.kernel_module} and a {field} "
+                              f"tuning); leave the {option} option unset")
+        return kernel, t
+
     def _prepare_tma(self, spec: PoolSpec, module: Any, prep: Prepared, *, automatic: bool) -> Prepared:
         """``prep`` with TMA load launches for every group a descriptor can address (``automatic``: those
         :func:`~hicache_core.rowcopy_tma.group_reason` takes by default)."""
-        kernel, t = getattr(module, "TMA_LOAD_KERNEL", None), prep.tuning.tma_load
+        kernel, t = self._optional_kernel(module, prep.tuning, "tma_load", option="tma", what="TMA load")
         if kernel is None or t is None:
-            if self.tma:
-                raise ConfigError(f"{self.name} has no TMA load kernel (TMA_LOAD_KERNEL in {self.kernel_module} "
-                                  "and a tma_load tuning); leave the tma option unset")
             return prep
         if importlib.util.find_spec("triton.tools.tensor_descriptor") is None:
             if self.tma:
@@ -501,11 +510,9 @@ class RowKernelStrategy(DirectionalStrategy):
     def _prepare_pages(self, spec: PoolSpec, module: Any, prep: Prepared) -> Prepared:
         """``prep`` with a page load launch for every group :func:`~hicache_core.rowcopy_pages.group_reason`
         accepts."""
-        kernel, t = getattr(module, "PAGE_LOAD_KERNEL", None), prep.tuning.page_load
+        kernel, t = self._optional_kernel(module, prep.tuning, "page_load", option="pages",
+                                          what="page load")
         if kernel is None or t is None:
-            if self.pages:
-                raise ConfigError(f"{self.name} has no page load kernel (PAGE_LOAD_KERNEL in {self.kernel_module} "
-                                  "and a page_load tuning); leave the pages option unset")
             return prep
         launcher = _launcher(kernel, LAUNCH_VALUES, f"{self.kernel_module}.PAGE_LOAD_KERNEL", "rowcopy.LAUNCH_VALUES")
         dynamic = launcher.positions(DYNAMIC_VALUES)
@@ -559,11 +566,8 @@ class RowKernelStrategy(DirectionalStrategy):
         if prep is None or not (prep.tma or prep.pages):
             return False
         for gi, g in enumerate(prep.groups):
-            plan = prep.tma[gi] if prep.tma else None
-            limit = prep.tma_rows[gi] if plan is not None else None
-            by_tma = plan is not None and (limit is None or n <= limit)
             by_pages = bool(prep.pages) and prep.pages[gi] is not None
-            if not (by_tma or by_pages) and g.entries(layer) is not None:
+            if _tma_plan(prep, gi, n) is None and not by_pages and g.entries(layer) is not None:
                 return False
         return True
 
@@ -582,12 +586,11 @@ class RowKernelStrategy(DirectionalStrategy):
         else:
             h, d = transfer_indices(binding, host_indices, device_indices)
         steps: list[Step] | None = [] if b is not None else None  # recorded when every launch took the driver
-        tma = prep.tma if layer is not None and not to_host else ()
+        per_layer_load = layer is not None and not to_host
         with on_pool_device(binding.device):
             for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
-                plan = tma[gi] if tma else None
-                limit = prep.tma_rows[gi] if plan is not None else None
-                if plan is not None and (limit is None or n <= limit):
+                plan = _tma_plan(prep, gi, n) if per_layer_load else None
+                if plan is not None:
                     steps = self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n, steps)
                     continue
                 ents = g.entries(layer)
@@ -623,6 +626,13 @@ class RowKernelStrategy(DirectionalStrategy):
             used = prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, **kw)
             steps = _keep(steps, used, prep.tma_launcher, args, lv.slots, t.programs, lv.tokens, 1, kw)
         return steps
+
+
+def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:
+    """Group ``gi``'s TMA load launches by layer when TMA takes a per-layer load of ``n`` positions, else ``None``."""
+    plan = prep.tma[gi] if prep.tma else None
+    limit = prep.tma_rows[gi] if plan is not None else None
+    return plan if plan is not None and (limit is None or n <= limit) else None
 
 
 def _keep(steps: list[Step] | None, used: Any, launcher: Any, args: list, slots: tuple[tuple[str, int], ...],

@@ -159,6 +159,16 @@ def test_pieces_cover_the_page(page_words, max_part, vec):
         pieces(page_words, max_part, 3)
 
 
+def _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, layer: int) -> None:
+    """Whole pages into page runs of ``layer``: launched without the page kernel, bit-exact against the reference."""
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    pool.load_layer(layer, h.to(DEVICE), d.to(DEVICE))
+    ref.load_layer(layer, h, d)
+    _sync()
+    assert launches and all(k is not kl.PAGE_LOAD for k, _, _ in launches)
+    _same(dev, ref_dev)
+
+
 @pytest.mark.parametrize("layout,kind,opts,why", [
     ("page_first", "mla", {}, "host token stride is not the row width"),
     ("page_first_kv_split", "mla", {}, "fused group"),
@@ -171,12 +181,7 @@ def test_groups_that_keep_the_row_kernel(caplog, launches, layout, kind, opts, w
     with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
         _, pool, ref, dev, ref_dev = _pools(layout, spec, gen)
     assert why in caplog.text
-    h, d = _cases(spec, gen)["whole-to-runs"]
-    pool.load_layer(0, h.to(DEVICE), d.to(DEVICE))
-    ref.load_layer(0, h, d)
-    _sync()
-    assert launches and all(k is not kl.PAGE_LOAD for k, _, _ in launches)
-    _same(dev, ref_dev)
+    _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 0)
 
 
 def test_device_rows_that_are_not_packed_keep_the_row_kernel(launches):
@@ -202,12 +207,7 @@ def test_switch(monkeypatch, launches):
     spec = _spec("mla", 4, 6)
     _, pool, ref, dev, ref_dev = _pools("layer_first", spec, gen)
     assert pool.binding.scratch[pool.strategy_name].pages == ()
-    h, d = _cases(spec, gen)["whole-to-runs"]
-    pool.load_layer(2, h.to(DEVICE), d.to(DEVICE))
-    ref.load_layer(2, h, d)
-    _sync()
-    assert launches and all(k is not kl.PAGE_LOAD for k, _, _ in launches)
-    _same(dev, ref_dev)
+    _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 2)
     monkeypatch.setenv(ENV_PAGES, "sometimes")
     with pytest.raises(ConfigError, match="HICACHE_KERNEL_PAGES='sometimes': use 1"):
         pages_enabled(None)
