@@ -95,24 +95,30 @@ def make_layer_load(host_layer: torch.Tensor, dev_layer: torch.Tensor, row_bytes
     grid = min(programs, n_pages * chunks)
     args = (h, d, hidx, didx, n_pages, host_layer.shape[0], dev_layer.shape[0])
     meta = dict(RW=rw, PS=ps, CHUNK=chunk, CHUNKS=chunks, STAGES=stages, EARLY=early, num_warps=warps)
-    compiled = _flat_load[(grid,)](*args, **meta)
+    return driver_launch(_flat_load, grid, args, meta)
+
+
+def driver_launch(kernel: Any, grid: int, args: tuple, meta: dict) -> Callable[[], None]:
+    """A no-argument launch of ``kernel[(grid,)](*args, **meta)``: a first Triton launch (compiles), then the
+    compiled kernel through the CUDA driver (:mod:`hicache_core.drvlaunch`) where it can be, as the pool
+    launches.  ``fn.info``: PTX wide-access counts, registers, spills, whether the driver launch is used."""
+    compiled = kernel[(grid,)](*args, **meta)
     fast: Any = None
-    if h.is_cuda:
+    if args[0].is_cuda:
         from hicache_core.drvlaunch import DriverKernel
         drv = DriverKernel.build(compiled)
         if drv is not None:
-            packed = drv.pack(args, ())
-            fast = (drv, packed)
+            fast = (drv, drv.pack(args, ()))
 
     def fn() -> None:
         if fast is not None:
             fast[0].relaunch(grid, torch.cuda.current_stream().cuda_stream, fast[1], ())
         else:
-            _flat_load[(grid,)](*args, **meta)
+            kernel[(grid,)](*args, **meta)
     ptx = compiled.asm.get("ptx", "") if isinstance(getattr(compiled, "asm", None), dict) else ""
     fn.info = {"v4_loads": ptx.count("ld.global.v4"), "v4_stores": ptx.count("st.global.v4"),  # type: ignore[attr-defined]
-               "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
-               "driver_launch": fast is not None}
+               "v2_loads": ptx.count("ld.global.v2"), "regs": getattr(compiled, "n_regs", None),
+               "spills": getattr(compiled, "n_spills", None), "driver_launch": fast is not None}
     return fn
 
 
