@@ -2,7 +2,8 @@
 
 Usage (GPU): ``python dev/auto_lone_probe.py`` (or ``... SHAPE LAYOUT``: the call sequence of ``hicache bench``'s
 lone row for ``auto``, each call's route and times, and a profile; or ``... bench [SHAPE LAYOUT]``: the bench's own
-rows of one cell, MLA ``layer_first`` by default, with how many of ``auto``'s loads took its lane).  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
+rows of one cell, MLA ``layer_first`` by default, with how many of ``auto``'s loads took its lane; or ``... peers
+SHAPE LAYOUT``: the peer benchmark's hicache load rows of one cell, with the same counts).  For MLA 61 x 576 bf16 and MHA 80 x 8 x 128 bf16 (4096 tokens,
 page 64, GPU-resident indices), layouts ``layer_first`` and ``page_first_direct``: 12 lone ``load_layer`` calls
 (each after a synchronise) through ``auto`` and through the kernel, event-timed, with the route ``auto`` took.
 A diagnostic, not a benchmark: medians and ratios are in ``hicache bench``.
@@ -98,19 +99,16 @@ def bench_sequence(shape: str, layout: str) -> None:
     print(buf.getvalue()[-4000:], flush=True)
 
 
-if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] != "bench":
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] not in ("bench", "peers"):
     bench_sequence(sys.argv[1], sys.argv[2])
 
 
-def bench_rows(gemm: bool, shape: str = "mla61x576-bf16", layout: str = "layer_first") -> None:
-    """``hicache bench``'s own rows for one cell (``kernel`` and ``auto``; ``load_layer`` alone, then
-    with the backup and burst rows and the GEMM before it when ``gemm``), with how many of ``auto``'s calls its lane
-    took, declined, or never saw (the pool's checked path)."""
+def _count_auto() -> dict[str, int]:
+    """Patch ``AutoStrategy`` to count its lane's answers, its checked-path loads and their lone verdicts."""
     from hicache_core.backends.auto import AutoStrategy
-    from hicache_core.bench import run_bench
 
-    stats = {"lane_true": 0, "lane_false": 0, "load": 0}
-    make_lane, load = AutoStrategy.lane, AutoStrategy.load
+    stats = {"lane_true": 0, "lane_false": 0, "load": 0, "lone_true": 0, "lone_false": 0}
+    make_lane, load, lone = AutoStrategy.lane, AutoStrategy.load, AutoStrategy._lone
 
     def lane(self, binding, to_host):  # type: ignore[no-untyped-def]
         inner = make_lane(self, binding, to_host)
@@ -127,7 +125,22 @@ def bench_rows(gemm: bool, shape: str = "mla61x576-bf16", layout: str = "layer_f
         stats["load"] += 1
         return load(self, *a)
 
-    AutoStrategy.lane, AutoStrategy.load = lane, counted_load  # type: ignore[method-assign]
+    def counted_lone(self, *a):  # type: ignore[no-untyped-def]
+        verdict = lone(self, *a)
+        stats["lone_true" if verdict else "lone_false"] += 1
+        return verdict
+
+    AutoStrategy.lane, AutoStrategy.load, AutoStrategy._lone = lane, counted_load, counted_lone  # type: ignore
+    return stats
+
+
+def bench_rows(gemm: bool, shape: str = "mla61x576-bf16", layout: str = "layer_first") -> None:
+    """``hicache bench``'s own rows for one cell (``kernel`` and ``auto``; ``load_layer`` alone, then
+    with the backup and burst rows and the GEMM before it when ``gemm``), with how many of ``auto``'s calls its lane
+    took, declined, or never saw (the pool's checked path)."""
+    from hicache_core.bench import run_bench
+
+    stats = _count_auto()
     print(json.dumps({"cell": f"{shape} {layout}"}), flush=True)
     ops = ["backup_all_layers", "load_layer", "load_burst"] if gemm else ["load_layer"]
     for row in run_bench(shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[layout], backends=["kernel", "auto"], ops=ops, reps=10, gemm=gemm):
@@ -136,7 +149,20 @@ def bench_rows(gemm: bool, shape: str = "mla61x576-bf16", layout: str = "layer_f
                           "auto_calls": dict(stats)}), flush=True)
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "bench":
+def peers_rows(shape: str, layout: str) -> None:
+    """The peer benchmark's hicache rows of one cell (``kernel`` then ``auto``, loads), with ``auto``'s counts
+    after them (``python dev/auto_lone_probe.py peers SHAPE LAYOUT``)."""
+    from benchmarks import peers
+
+    stats = _count_auto()
+    peers.main(["--out", "/tmp/auto-lone-peers", "--peers", "hicache", "--cells", f"{shape}@4096", "--layouts", layout,
+                "--programs", "0", "--io-backends", "kernel,auto", "--ops", "load_layer,load_burst"])
+    print(json.dumps({"peers_cell": f"{shape} {layout}", "auto_calls": stats}), flush=True)
+
+
+if __name__ == "__main__" and len(sys.argv) > 3 and sys.argv[1] == "peers":
+    peers_rows(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "bench":
     cell = sys.argv[2:4] if len(sys.argv) > 3 else ["mla61x576-bf16", "layer_first"]
     bench_rows(False, *cell)
     bench_rows(True, *cell)
