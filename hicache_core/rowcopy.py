@@ -337,6 +337,9 @@ class RowKernelStrategy(DirectionalStrategy):
 
     :param programs: programs per launch (SM budget), both directions.  ``None``:
         ``HICACHE_KERNEL_PROGRAMS`` when set, else the tuning's per-direction value.
+    :param backup_programs: programs per backup launch, over ``programs`` and the environment (``None``:
+        as ``programs``).  Fewer programs slow a concurrent GEMM less per byte backed up, at a lower
+        rate (docs/performance.md: backups of one-token pages); loads keep their budget.
     :param num_warps: warps per program, both directions (``None``: the tuning's).
     :param tile_bytes: bytes per program per tile, both directions (``None``: the tuning's).
     :param num_stages: work items in flight per program (software pipelining), both directions.
@@ -359,10 +362,13 @@ class RowKernelStrategy(DirectionalStrategy):
     fuse_parts: ClassVar[bool] = False
     entries_inner: ClassVar[bool] = False
 
-    def __init__(self, programs: int | None = None, *, num_warps: int | None = None, tile_bytes: int | None = None,
-                 num_stages: int | None = None, maxnreg: int | None = None, fuse_parts: bool | None = None,
-                 tma: bool | None = None, pages: bool | None = None) -> None:
+    def __init__(self, programs: int | None = None, *, backup_programs: int | None = None,
+                 num_warps: int | None = None, tile_bytes: int | None = None, num_stages: int | None = None,
+                 maxnreg: int | None = None, fuse_parts: bool | None = None, tma: bool | None = None,
+                 pages: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
+        self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
+                                                                                     "backup_programs")
         self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
@@ -414,9 +420,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if t.page_load is not None and rowcopy_pages.pages_enabled(self.pages):
             pages = (f"; loads of whole pages where a layer's host page and the device rows are packed runs "
                      f"(the rest gathered by rows) {one(t.page_load)}")
-        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, num_warps, "
-                 "tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, HICACHE_KERNEL_TMA, "
-                 "HICACHE_KERNEL_PAGES)"]
+        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
+                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, "
+                 "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
             from .launch import driver_launch_enabled
 
@@ -433,13 +439,15 @@ class RowKernelStrategy(DirectionalStrategy):
 
     # -- set-up -----------------------------------------------------------------------------------
     def effective_tuning(self, device: torch.device) -> KernelTuning:
-        """The tuning after options and ``HICACHE_KERNEL_PROGRAMS`` (capped at 4x the SM count)."""
-        def one(t: Tuning) -> Tuning:
-            programs = self.programs if self.programs is not None else sm_budget(t.programs, device)
+        """The tuning after options and ``HICACHE_KERNEL_PROGRAMS`` (the environment and the defaults capped at 4x
+        the SM count; options taken as given)."""
+        def one(t: Tuning, option: int | None = None) -> Tuning:
+            programs = option if option is not None else self.programs if self.programs is not None else sm_budget(
+                t.programs, device)
             return replace(t, programs=programs, **self._overrides)
         tma, page = self.tuning.tma_load, self.tuning.page_load
-        return KernelTuning(one(self.tuning.backup), one(self.tuning.load), None if tma is None else one(tma),
-                            None if page is None else one(page))
+        return KernelTuning(one(self.tuning.backup, self.backup_programs), one(self.tuning.load),
+                            None if tma is None else one(tma), None if page is None else one(page))
 
     def prepare(self, binding: PoolBinding) -> None:
         """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""

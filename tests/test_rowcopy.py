@@ -89,6 +89,7 @@ def test_tile_invariants():
     (Tuning, {"programs": 0}, "programs"), (Tuning, {"num_warps": 3}, "power of two"),
     (Tuning, {"tile_bytes": True}, "tile_bytes"), (Tuning, {"programs": 2.0}, "programs"),
     *[(LayerFirstKernelStrategy, {"programs": bad}, "programs") for bad in (0, -1, 2.5, True, "x")],
+    *[(LayerFirstKernelStrategy, {"backup_programs": bad}, "backup_programs") for bad in (0, 2.5, "x")],
     (LayerFirstKernelStrategy, {"num_warps": 6}, "power of two"),
     (LayerFirstKernelStrategy, {"tile_bytes": 0}, "tile_bytes"),
     (LayerFirstKernelStrategy, {"num_stages": 0}, "stages"),
@@ -112,6 +113,11 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert cls().effective_tuning(cpu) == every(programs=5)
     opts = {"num_warps": 2, "tile_bytes": 1024, "maxnreg": 96}
     assert cls(7, **opts).effective_tuning(cpu) == every(programs=7, **opts)
+    # backup_programs bounds backups alone, over the option and the environment
+    assert cls(7, backup_programs=3).effective_tuning(cpu) == replace(every(programs=7),
+                                                                       backup=replace(t.backup, programs=3))
+    assert cls(backup_programs=2).effective_tuning(cpu) == replace(every(programs=5),
+                                                                    backup=replace(t.backup, programs=2))
     # on CUDA the environment and the defaults are capped at 4x the SMs; an explicit option is taken as given
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=1))
     cuda, cap = torch.device("cuda", 0), lambda x: replace(x, programs=min(x.programs, 4))  # noqa: E731
@@ -294,14 +300,17 @@ def test_one_launch_per_group_and_per_layer_loads_move_only_their_layer(layout, 
                                   if x is not None)
 
 
-@pytest.mark.parametrize("option, env", [(None, None), (None, "5"), (3, "5")])
-def test_programs_bound_the_grid(monkeypatch, launches, option, env):
+@pytest.mark.parametrize("option, env, backup_option", [(None, None, None), (None, "5", None), (3, "5", None),
+                                                        (None, None, 2), (3, "5", 2)])
+def test_programs_bound_the_grid(monkeypatch, launches, option, env, backup_option):
     monkeypatch.setenv(ENV_PROGRAMS, env) if env else monkeypatch.delenv(ENV_PROGRAMS, raising=False)
     tuning = LayerFirstKernelStrategy.tuning
-    backup, load = (option or int(env or tuning.backup.programs)), (option or int(env or tuning.load.programs))
+    backup = backup_option or option or int(env or tuning.backup.programs)
+    load = option or int(env or tuning.load.programs)
     spec = _kv(16, ps=1, cap=32)
     dev = _device(spec, torch.Generator().manual_seed(2))
-    opts = {"tile_bytes": 16, **({} if option is None else {"programs": option})}  # one token per tile
+    opts = {"tile_bytes": 16, **({} if option is None else {"programs": option}),  # one token per tile
+            **({} if backup_option is None else {"backup_programs": backup_option})}
     pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, pin_memory=PIN, strategy_options=opts)
     pool.backup_all_layers(torch.arange(32), torch.arange(32))  # 64 work items
     pool.load_all_layers(torch.arange(32), torch.arange(32) + 32)
