@@ -441,13 +441,13 @@ class RowKernelStrategy(DirectionalStrategy):
     def effective_tuning(self, device: torch.device) -> KernelTuning:
         """The tuning after options and ``HICACHE_KERNEL_PROGRAMS`` (the environment and the defaults capped at 4x
         the SM count; options taken as given)."""
-        def one(t: Tuning, option: int | None = None) -> Tuning:
-            programs = option if option is not None else self.programs if self.programs is not None else sm_budget(
-                t.programs, device)
+        def one(t: Tuning, option: int | None) -> Tuning:
+            programs = option if option is not None else sm_budget(t.programs, device)
             return replace(t, programs=programs, **self._overrides)
-        tma, page = self.tuning.tma_load, self.tuning.page_load
-        return KernelTuning(one(self.tuning.backup, self.backup_programs), one(self.tuning.load),
-                            None if tma is None else one(tma), None if page is None else one(page))
+        backup = self.backup_programs if self.backup_programs is not None else self.programs
+        tma, page, both = self.tuning.tma_load, self.tuning.page_load, self.programs
+        return KernelTuning(one(self.tuning.backup, backup), one(self.tuning.load, both),
+                            None if tma is None else one(tma, both), None if page is None else one(page, both))
 
     def prepare(self, binding: PoolBinding) -> None:
         """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""
