@@ -28,8 +28,8 @@ descriptor (TMA bulk copies, a few in flight per program): :func:`box_hits`, :fu
 plugin whose host rows sit at ``page * page_stride + slot_in_page * token_stride``
 (page stride a whole multiple of the token stride) re-exports as its ``TMA_LOAD_KERNEL`` (see :mod:`hicache_core.rowcopy_tma`).
 
-Loads of layouts whose host page of one layer is one contiguous run of rows (rows packed on
-both sides) may instead copy whole pages as flat words: :func:`page_item`, :func:`load_piece`,
+Loads of layouts whose host page of one layer is one contiguous run of rows (host rows packed; device
+rows packed, or each row a part of wider device rows) may instead copy whole pages as flat words: :func:`page_item`, :func:`load_piece`,
 :func:`store_piece` and the complete kernel :data:`PAGE_LOAD`, which a plugin re-exports as its
 ``PAGE_LOAD_KERNEL`` (see :class:`hicache_core.rowcopy.RowKernelStrategy`).
 """
@@ -258,20 +258,34 @@ def load_piece(anchor, src, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit):
 
 
 @triton.jit
-def store_piece(anchor, dst, x, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit):
-    """:func:`load_piece`'s words ``x`` to ``anchor + dst`` (same columns, where ``on``)."""
+def store_piece(anchor, dst, x, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit, first, WIDTH: tl.constexpr,
+                stride, STRIDED: tl.constexpr):
+    """:func:`load_piece`'s words ``x`` to the device (same columns, where ``on``).
+
+    Packed rows (not ``STRIDED``): to ``anchor + dst + OFF ..``.  ``STRIDED``: ``dst`` is the page's first
+    device row and page word ``w = first + OFF + i`` goes to word ``w % WIDTH`` of row ``w // WIDTH``, rows
+    ``stride`` words apart (a part of wider device rows, e.g. the latent of an MLA row).
+    """
     c = OFF + tl.arange(0, SIZE)
-    tl.store(anchor + dst + c, x, mask=c < limit * on)
+    if STRIDED:
+        w = first + c
+        q = w // WIDTH
+        at = q.to(tl.int64) * stride + (w - q * WIDTH)
+    else:
+        at = c
+    tl.store(anchor + dst + at, x, mask=c < limit * on)
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
               page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
               PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
-              R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr):
+              R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr,
+              STRIDED: tl.constexpr):
     """Load whole pages as flat words: host page ``h0 // page_size`` of entry ``e`` (``page_size * WIDTH``
-    contiguous words at ``host_off + page * host_page``) to device rows ``d0 ..`` (contiguous: the device
-    token stride is ``WIDTH``), for every page whose host slots and device rows are runs.
+    contiguous words at ``host_off + page * host_page``) to device rows ``d0 ..``, for every page whose host
+    slots and device rows are runs.  Device rows are packed (``WIDTH`` words apart: the page is one run there
+    too) or, ``STRIDED``, ``dev_stride`` words apart (``WIDTH`` words of each: one part of wider rows).
 
     A work item is one part of one page of one entry: ``PARTS`` parts of ``PART`` words (a power of two),
     the last one followed by the rest of the page in pieces ``R1``, ``R2``, ``R3`` (powers of two, 0:
@@ -292,7 +306,13 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
                                           PARTS)
         tail = page_size * WIDTH - (PARTS - 1) * PART  # the page's words from the last part's start
         src = tl.load(host_off + e) + (h0 // page_size) * tl.load(host_page + e) + j * PART
-        dst = tl.load(dev_off + e) + d0 * WIDTH + j * PART
+        first = (j * PART).to(tl.int32)  # the part's first word in the page (STRIDED stores)
+        if STRIDED:
+            stride = tl.load(dev_stride + e)
+            dst = tl.load(dev_off + e) + d0 * stride
+        else:
+            stride = WIDTH
+            dst = tl.load(dev_off + e) + d0 * WIDTH + j * PART
         if VEC > 1:
             src = tl.multiple_of(src, VEC)
             dst = tl.multiple_of(dst, VEC)
@@ -308,15 +328,16 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
             x4 = load_piece(anchor, src, last, PART + R1 + R2 + R3, R4, tail)
         run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
         missed = tl.maximum(missed, 1 - run)
-        store_piece(anchor, dst, x, run, 0, PART, PART)
+        store_piece(anchor, dst, x, run, 0, PART, PART, first, WIDTH, stride, STRIDED)
         if R1 > 0:
-            store_piece(anchor, dst, x1, run * last, PART, R1, PART + R1)
+            store_piece(anchor, dst, x1, run * last, PART, R1, PART + R1, first, WIDTH, stride, STRIDED)
         if R2 > 0:
-            store_piece(anchor, dst, x2, run * last, PART + R1, R2, PART + R1 + R2)
+            store_piece(anchor, dst, x2, run * last, PART + R1, R2, PART + R1 + R2, first, WIDTH, stride, STRIDED)
         if R3 > 0:
-            store_piece(anchor, dst, x3, run * last, PART + R1 + R2, R3, PART + R1 + R2 + R3)
+            store_piece(anchor, dst, x3, run * last, PART + R1 + R2, R3, PART + R1 + R2 + R3, first, WIDTH, stride,
+                        STRIDED)
         if R4 > 0:
-            store_piece(anchor, dst, x4, run * last, PART + R1 + R2 + R3, R4, tail)
+            store_piece(anchor, dst, x4, run * last, PART + R1 + R2 + R3, R4, tail, first, WIDTH, stride, STRIDED)
     if missed > 0:  # pages that were not runs: this program's first-part items again, gathering row by row
         for item in tl.range(pid, n_items, nprog, num_stages=1):
             e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows,

@@ -85,7 +85,7 @@ LAUNCH_VALUES = {
     "page_size": "tokens per page",
     "capacity": "host slots: host indices outside 0..capacity-1 move nothing",
     "dev_rows": "device rows of the shortest layer: device indices outside move nothing",
-    "WIDTH": "constexpr: row words (both parts)",
+    "WIDTH": "constexpr: row words (both parts; page loads: the words of the host part loaded)",
     "SPLIT": "constexpr: words of the first part (== WIDTH when the group has one part)",
     "BLOCK": "constexpr: column step (words, power of two) of the first part",
     "BLOCK_B": "constexpr: column step of the second part",
@@ -101,6 +101,7 @@ LAUNCH_VALUES = {
     "R2": "constexpr: second piece (0: none)",
     "R3": "constexpr: third piece (0: none)",
     "R4": "constexpr: masked tail piece covering the rest of the page (0: none)",
+    "STRIDED": "constexpr: page loads: device rows are wider than the part loaded (dev_stride != WIDTH)",
 }
 #: The launch values that change from call to call (the rest is fixed per pool, group and direction).
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
@@ -321,7 +322,8 @@ class Prepared:
     tma_dynamic: tuple[int, ...] = ()
     tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
     replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
-    pages: tuple[tuple[_Launch, int] | None, ...] = ()  # per group: its page load and parts per page, or None
+    pages: tuple[tuple[tuple[_Launch, int], ...] | None, ...] = ()  # per group: page loads (one per host part, with
+    #                                                                  its parts per page), or None
     page_launcher: Any = None
     page_dynamic: tuple[int, ...] = ()
 
@@ -350,8 +352,8 @@ class RowKernelStrategy(DirectionalStrategy):
         capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load
         kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
-    :param pages: loads of whole pages as flat words where the layout keeps a layer's page contiguous and
-        device rows are packed (:mod:`hicache_core.rowcopy_pages`): ``True``/``False``, or ``None`` for
+    :param pages: loads of whole pages as flat words where the layout keeps a layer's page contiguous
+        (:mod:`hicache_core.rowcopy_pages`): ``True``/``False``, or ``None`` for
         ``HICACHE_KERNEL_PAGES`` (unset: on), when the strategy has a page load kernel; calls TMA takes stay TMA's.
     """
 
@@ -418,8 +420,8 @@ class RowKernelStrategy(DirectionalStrategy):
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         pages = ""
         if t.page_load is not None and rowcopy_pages.pages_enabled(self.pages):
-            pages = (f"; loads of whole pages where a layer's host page and the device rows are packed runs "
-                     f"(the rest gathered by rows) {one(t.page_load)}")
+            pages = (f"; loads of whole pages where a layer's host page is a packed run (per host buffer of a "
+                     f"split row; the rest gathered by rows) {one(t.page_load)}")
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
                  "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, "
                  "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
@@ -524,27 +526,31 @@ class RowKernelStrategy(DirectionalStrategy):
             return prep
         launcher = _launcher(kernel, LAUNCH_VALUES, f"{self.kernel_module}.PAGE_LOAD_KERNEL", "rowcopy.LAUNCH_VALUES")
         dynamic = launcher.positions(DYNAMIC_VALUES)
-        launches: list[tuple[_Launch, int] | None] = []
+        launches: list[tuple[tuple[_Launch, int], ...] | None] = []
         for g in prep.groups:
             why = rowcopy_pages.group_reason(g, spec.page_size)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 launches.append(None)
                 continue
-            part, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * g.width,
-                                                                 max(1, t.tile_bytes // g.word), g.vec)
-            block, _, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
-            page_tokens = 1 << (spec.page_size - 1).bit_length()
-            values: dict[str, Any] = dict(
-                anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
-                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, WIDTH=g.width, SPLIT=g.split,
-                BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens), PAGE_TOKENS=page_tokens, VEC=g.vec,
-                TO_HOST=False,
-                STAGES=t.stages, ENTRIES_INNER=self.entries_inner, PART=part, PARTS=n_parts, R1=r1, R2=r2, R3=r3,
-                R4=r4)
-            args = launcher.bind(values)
-            slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-            launches.append((_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots), n_parts))
+            parts = []
+            for part in rowcopy_pages.page_parts(g):
+                part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * part.width,
+                                                                           max(1, t.tile_bytes // g.word), g.vec)
+                block, _, tokens = tile(part.width, part.width, g.word, t.tile_bytes)
+                page_tokens = 1 << (spec.page_size - 1).bit_length()
+                tables = {**g.tables, **part.host, "dev_off": g.tables["dev_off"] + part.col}
+                values: dict[str, Any] = dict(
+                    anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
+                    page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, WIDTH=part.width,
+                    SPLIT=part.width, BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens),
+                    PAGE_TOKENS=page_tokens, VEC=g.vec, TO_HOST=False, STAGES=t.stages,
+                    ENTRIES_INNER=self.entries_inner, PART=part_words, PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4,
+                    STRIDED=any(int(v) != part.width for v in g.tables["dev_stride"].tolist()))
+                args = launcher.bind(values)
+                slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
+                parts.append((_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots), n_parts))
+            launches.append(tuple(parts))
         return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
@@ -605,17 +611,20 @@ class RowKernelStrategy(DirectionalStrategy):
                 if ents is None:
                     continue
                 n_ents = ents.numel()
-                page = prep.pages[gi] if prep.pages and not to_host else None
-                if page is None:
-                    lv, launcher, dyn, per_tile = by_dir[to_host], prep.launcher, prep.dynamic, n_ents
-                else:  # work items: parts of each page of each entry
-                    lv, launcher, dyn, per_tile = page[0], prep.page_launcher, prep.page_dynamic, n_ents * page[1]
-                args = _fill(lv.args, lv.slots, {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents})
-                items = -(-n // lv.tokens) * per_tile
-                kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
-                          maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                used = launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
-                steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, per_tile, kw)
+                pages = prep.pages[gi] if prep.pages and not to_host else None
+                runs: tuple[tuple[_Launch, Any, tuple[int, ...], int], ...]
+                if pages is None:
+                    runs = ((by_dir[to_host], prep.launcher, prep.dynamic, n_ents),)
+                else:  # work items: parts of each page of each entry, one launch per host part of the rows
+                    runs = tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages)
+                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents}
+                for lv, launcher, dyn, per_tile in runs:
+                    args = _fill(lv.args, lv.slots, call)
+                    items = -(-n // lv.tokens) * per_tile
+                    kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
+                              maxnreg=lv.tuning.maxnreg, packs=lv.packs)
+                    used = launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
+                    steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, per_tile, kw)
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
 

@@ -1,10 +1,14 @@
 """Page loads: whole host pages copied as flat words (:data:`hicache_core.kernel_lib.PAGE_LOAD`).
 
 Where a layout keeps one layer's page as one contiguous run of rows (a layer-major host, or a
-page-major one whose page holds each layer's rows together) and device rows are packed (the device
-token stride is the row), a page is ``page_size * row`` contiguous bytes on both sides.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
-two of the row, so a 656-byte row keeps 41 of 64 lanes busy; the page kernel reads each page in
-power-of-two pieces that add up to it exactly (a 64 x 656-byte page is 32 + 8 + 1 KiB).
+page-major one whose page holds each layer's rows together), a page is ``page_size * row`` contiguous
+bytes on the host.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
+two of the row, so a 656-byte row keeps 41 of 64 lanes busy, and reads the host row by row; the page
+kernel reads each page in power-of-two pieces that add up to it exactly (a 64 x 656-byte page is
+32 + 8 + 1 KiB) and stores it to the page's device rows: one run where device rows are packed (the device
+token stride is the row), row by row where they are wider (``STRIDED``: the part of a row a host buffer
+holds, e.g. the latent and the rope of MLA rows split over two host buffers, each loaded as its own
+part by :func:`page_parts`).
 A plugin offers it by re-exporting the kernel as ``PAGE_LOAD_KERNEL`` and setting
 ``KernelTuning.page_load``; :class:`hicache_core.rowcopy.RowKernelStrategy` then loads every
 group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's).
@@ -16,7 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from .envflags import OFF, ON
 from .errors import ConfigError
@@ -24,7 +31,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .rowcopy import RowGroup
 
-__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "pages_enabled", "group_reason", "pieces"]
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "PagePart", "pages_enabled", "page_parts", "group_reason", "pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +53,38 @@ def pages_enabled(option: bool | None) -> bool:
     raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on), 0 (off) or leave it unset (on)")
 
 
+@dataclass(frozen=True)
+class PagePart:
+    """One host buffer's share of a group's rows, as a page load moves it: ``width`` words at word ``col`` of each
+    device row, from host tables ``host`` (``host_off``, ``host_page``, ``host_tok``; per entry)."""
+
+    width: int
+    col: int
+    host: dict[str, torch.Tensor]
+
+
+def page_parts(g: RowGroup) -> tuple[PagePart, ...]:
+    """``g``'s parts: the whole row, or (a fused group) words ``0 .. split-1`` from the ``host_*`` tables and the
+    rest from the ``host_*_b`` ones."""
+    names = ("host_off", "host_page", "host_tok")
+    a = PagePart(g.split, 0, {k: g.tables[k] for k in names})
+    if g.split == g.width:
+        return (a,)
+    return a, PagePart(g.width - g.split, g.split, {k: g.tables[k + "_b"] for k in names})
+
+
 def group_reason(g: RowGroup, page_size: int) -> str | None:
-    """Why ``g``'s loads cannot copy whole pages (``None``: they can)."""
-    if g.split < g.width:
-        return "its rows are split over two host buffers (a fused group)"
+    """Why ``g``'s loads cannot copy whole pages (``None``: they can): every part's host rows must be packed
+    (token stride = the part's width) in pages of at least ``page_size`` rows; device rows may be wider."""
     if page_size < 2:
         return "pages of one token are single rows"
     if page_size > MAX_PAGE_TOKENS:
         return f"pages of more than {MAX_PAGE_TOKENS} tokens"
-    for name, what in (("host_tok", "host token stride"), ("dev_stride", "device token stride")):
-        if any(int(v) != g.width for v in g.tables[name].tolist()):
-            return f"its {what} is not the row width (rows are not packed)"
-    if any(int(p) < page_size * g.width for p in g.tables["host_page"].tolist()):
-        return "its host page stride is shorter than a page of packed rows"
+    for part in page_parts(g):
+        if any(int(v) != part.width for v in part.host["host_tok"].tolist()):
+            return "its host token stride is not the row width (host rows are not packed)"
+        if any(int(p) < page_size * part.width for p in part.host["host_page"].tolist()):
+            return "its host page stride is shorter than a page of packed rows"
     return None
 
 

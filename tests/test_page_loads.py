@@ -87,7 +87,8 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
 
 
 @pytest.mark.parametrize("layout,kind", [("layer_first", "mla"), ("page_first_direct", "mla"),
-                                         ("page_first_kv_split", "mha"), ("layer_first", "mha")])
+                                         ("page_first_kv_split", "mha"), ("layer_first", "mha"),
+                                         ("page_first_kv_split", "mla")])
 @pytest.mark.parametrize("ps,tile_bytes", [(16, 65536), (7, 512), (7, 128), (2, 32), (2, 8)],
                          ids=["ps16", "ps7-pieces-tail", "ps7-parts", "ps2-parts", "ps2-parts-of-one-vector"])
 def test_page_loads_are_bit_exact(launches, layout, kind, ps, tile_bytes):
@@ -171,11 +172,10 @@ def _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, layer: int) -
 
 @pytest.mark.parametrize("layout,kind,opts,why", [
     ("page_first", "mla", {}, "host token stride is not the row width"),
-    ("page_first_kv_split", "mla", {}, "fused group"),
     ("layer_first", "mla", {"ps": 1}, "pages of one token"),
 ])
 def test_groups_that_keep_the_row_kernel(caplog, launches, layout, kind, opts, why):
-    """Groups whose pages are not packed runs on both sides load through the row kernel (logged), bit-exact."""
+    """Groups whose host pages are not packed runs, or of one token, load through the row kernel (logged), bit-exact."""
     gen = torch.Generator().manual_seed(9)
     spec = _spec(kind, opts.get("ps", 4), 6)
     with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
@@ -184,17 +184,30 @@ def test_groups_that_keep_the_row_kernel(caplog, launches, layout, kind, opts, w
     _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 0)
 
 
-def test_device_rows_that_are_not_packed_keep_the_row_kernel(launches):
-    """Device layers whose token stride is wider than the row (a view of a wider tensor) keep the row kernel."""
+def test_device_rows_wider_than_the_row_take_strided_page_loads(launches):
+    """Device layers whose token stride is wider than the row (a view of a wider tensor): page loads store each
+    page row by row (``STRIDED``), bit-exact; the columns past each row's end keep their bytes."""
     gen = torch.Generator().manual_seed(11)
     spec = _spec("mla", 4, 6)
-    rows = 2 * spec.capacity
-    row = spec.components[0].row_bytes
+    rows, row = 2 * spec.capacity, spec.components[0].row_bytes
     wide = [torch.randint(0, 256, (rows, row + 16), dtype=torch.uint8, generator=gen).to(DEVICE) for _ in range(3)]
+    before = [t.clone() for t in wide]
     dev = {spec.components[0].name: [t[:, :row].view(torch.bfloat16) for t in wide]}
     pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, strategy_options={"tma": False},
                       pin_memory=PIN)
-    assert pool.binding.scratch[pool.strategy_name].pages == (None,)
+    ((lv, _),) = pool.binding.scratch[pool.strategy_name].pages[0]
+    assert dict(zip(pool.binding.scratch[pool.strategy_name].page_launcher.arg_names, lv.args))["STRIDED"]
+    (host,) = pool.host_buffers.values()  # layer_first: [layers, slots, row]
+    host.view(torch.uint8).copy_(torch.randint(0, 256, (3, spec.capacity, row), dtype=torch.uint8, generator=gen))
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    for layer in range(3):
+        pool.load_layer(layer, h.to(DEVICE), d.to(DEVICE))
+    _sync()
+    assert launches and all(k is kl.PAGE_LOAD for k, _, _ in launches)
+    for layer in range(3):
+        want = before[layer].cpu().clone()
+        want[d, :row] = host.view(torch.uint8)[layer].cpu()[h]
+        assert torch.equal(wide[layer].cpu(), want), layer
 
 
 def test_switch(monkeypatch, launches):

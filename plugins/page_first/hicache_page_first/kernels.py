@@ -24,7 +24,7 @@ __all__ = ["KERNEL", "TMA_LOAD_KERNEL", "PAGE_LOAD_KERNEL"]
 
 #: Per-layer loads on Hopper-class GPUs: host slots are paged, so the shared descriptor kernel serves.
 TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
-#: Loads of whole pages as flat words where a layer\'s host page and the device rows are packed runs.
+#: Loads of whole pages as flat words where a layer\'s host page is a packed run of rows.
 PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 
 
