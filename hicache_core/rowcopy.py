@@ -527,8 +527,9 @@ class RowKernelStrategy(DirectionalStrategy):
         launcher = _launcher(kernel, LAUNCH_VALUES, f"{self.kernel_module}.PAGE_LOAD_KERNEL", "rowcopy.LAUNCH_VALUES")
         dynamic = launcher.positions(DYNAMIC_VALUES)
         launches: list[tuple[tuple[_Launch, int], ...] | None] = []
+        page_tokens = 1 << (spec.page_size - 1).bit_length()
         for g in prep.groups:
-            why = rowcopy_pages.group_reason(g, spec.page_size)
+            why = rowcopy_pages.group_reason(g, spec.page_size, strided_ok="STRIDED" in launcher.arg_names)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 launches.append(None)
@@ -538,7 +539,6 @@ class RowKernelStrategy(DirectionalStrategy):
                 part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * part.width,
                                                                            max(1, t.tile_bytes // g.word), g.vec)
                 block, _, tokens = tile(part.width, part.width, g.word, t.tile_bytes)
-                page_tokens = 1 << (spec.page_size - 1).bit_length()
                 tables = {**g.tables, **part.host, "dev_off": g.tables["dev_off"] + part.col}
                 values: dict[str, Any] = dict(
                     anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
@@ -546,7 +546,7 @@ class RowKernelStrategy(DirectionalStrategy):
                     SPLIT=part.width, BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens),
                     PAGE_TOKENS=page_tokens, VEC=g.vec, TO_HOST=False, STAGES=t.stages,
                     ENTRIES_INNER=self.entries_inner, PART=part_words, PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4,
-                    STRIDED=any(int(v) != part.width for v in g.tables["dev_stride"].tolist()))
+                    STRIDED=rowcopy_pages.strided(g, part))
                 args = launcher.bind(values)
                 slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
                 parts.append((_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots), n_parts))

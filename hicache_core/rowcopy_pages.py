@@ -31,7 +31,8 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .rowcopy import RowGroup
 
-__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "PagePart", "pages_enabled", "page_parts", "group_reason", "pieces"]
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "PagePart", "pages_enabled", "page_parts", "strided", "group_reason",
+           "pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,16 @@ def page_parts(g: RowGroup) -> tuple[PagePart, ...]:
     return a, PagePart(g.width - g.split, g.split, {k: g.tables[k + "_b"] for k in names})
 
 
-def group_reason(g: RowGroup, page_size: int) -> str | None:
+def strided(g: RowGroup, part: PagePart) -> bool:
+    """Whether some device row of ``g`` is wider than ``part`` (the page kernel then stores row by row)."""
+    return any(int(v) != part.width for v in g.tables["dev_stride"].tolist())
+
+
+def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True) -> str | None:
     """Why ``g``'s loads cannot copy whole pages (``None``: they can): every part's host rows must be packed
-    (token stride = the part's width) in pages of at least ``page_size`` rows; device rows may be wider."""
+    (token stride = the part's width) in pages of at least ``page_size`` rows, a page under 2**31 words (the
+    kernel's in-page arithmetic is 32-bit); device rows may be wider where the kernel takes ``STRIDED``
+    (``strided_ok``; a plugin's own page kernel written for packed device rows does not)."""
     if page_size < 2:
         return "pages of one token are single rows"
     if page_size > MAX_PAGE_TOKENS:
@@ -85,6 +93,10 @@ def group_reason(g: RowGroup, page_size: int) -> str | None:
             return "its host token stride is not the row width (host rows are not packed)"
         if any(int(p) < page_size * part.width for p in part.host["host_page"].tolist()):
             return "its host page stride is shorter than a page of packed rows"
+        if page_size * part.width >= 2**31:
+            return "a page of its rows holds 2**31 words or more"
+        if not strided_ok and strided(g, part):
+            return "its device rows are wider than the part a host buffer holds, and the page kernel takes no STRIDED"
     return None
 
 

@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from hicache_kv_split import kernels as kv_split_kernels  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError, ResolutionError  # noqa: E402
@@ -136,6 +139,51 @@ def test_launch_values_and_grid(launches):
     assert kernel is kl.PAGE_LOAD and all(want[2:]), want  # R1..R4 all present, R4 masked
     assert tuple(values[k] for k in ("PART", "PARTS", "R1", "R2", "R3", "R4")) == want
     assert grid == min(5, h.numel() // 7 * want[1])
+
+
+def test_split_rows_load_each_host_part_on_its_own(launches):
+    """A fused group (MLA latent + rope in two host buffers) loads through one page launch per host part: the
+    part's width, its column in the device row, its host tables, device rows stored row by row (``STRIDED``),
+    each grid covering pages x parts x entries; a layer_first group of whole rows stays unstrided."""
+    gen = torch.Generator().manual_seed(5)
+    spec = _spec("mla", 8, 6)
+    _, pool, ref, dev, ref_dev = _pools("page_first_kv_split", spec, gen, programs=64)
+    (g,) = pool.binding.scratch[pool.strategy_name].groups
+    assert g.split < g.width  # latent, then rope
+    h, d = _cases(spec, gen)["whole-to-runs"]
+    pool.load_layer(1, h.to(DEVICE), d.to(DEVICE))
+    ref.load_layer(1, h, d)
+    _sync()
+    _same(dev, ref_dev)
+    assert [k for k, _, _ in launches] == [kl.PAGE_LOAD, kl.PAGE_LOAD]
+    (_, grid_a, a), (_, grid_b, b) = launches
+    assert (a["WIDTH"], b["WIDTH"]) == (g.split, g.width - g.split) and a["STRIDED"] and b["STRIDED"]
+    assert torch.equal(b["dev_off"], g.tables["dev_off"] + g.split) and torch.equal(a["dev_off"], g.tables["dev_off"])
+    for name in ("host_off", "host_page", "host_tok"):
+        assert torch.equal(a[name], g.tables[name]) and torch.equal(b[name], g.tables[name + "_b"])
+    pages = h.numel() // 8
+    assert (grid_a, grid_b) == (pages * a["PARTS"], pages * b["PARTS"])  # one entry per layer
+    launches.clear()
+    _, pool, *_ = _pools("layer_first", spec, gen)
+    pool.load_layer(1, h.to(DEVICE), d.to(DEVICE))
+    ((_, _, values),) = launches
+    assert values["STRIDED"] is False
+
+
+def test_a_page_kernel_without_strided_keeps_the_row_kernel_for_split_rows(monkeypatch, caplog, launches):
+    """A plugin's own page kernel written for packed device rows (no ``STRIDED`` parameter) is never handed rows
+    it would store as packed: those groups keep the row kernel (logged), bit-exact."""
+    @triton.jit
+    def packed_only(anchor, host_idx, dev_idx, n, WIDTH: tl.constexpr):  # never launched here
+        pass
+    monkeypatch.setattr(kv_split_kernels, "PAGE_LOAD_KERNEL", packed_only)
+    gen = torch.Generator().manual_seed(21)
+    spec = _spec("mla", 4, 6)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        _, pool, ref, dev, ref_dev = _pools("page_first_kv_split", spec, gen)
+    assert pool.binding.scratch[pool.strategy_name].pages == (None,)
+    assert "takes no STRIDED" in caplog.text
+    _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 1)
 
 
 @pytest.mark.parametrize("page_words,max_part,vec", [(5248, 8192, 2), (126, 16, 1), (126, 64, 2), (54, 64, 2),
