@@ -540,30 +540,21 @@ class RowKernelStrategy(DirectionalStrategy):
                                                                            max(1, t.tile_bytes // g.word), g.vec)
                 block, _, tokens = tile(part.width, part.width, g.word, t.tile_bytes)
                 tables = {**g.tables, **part.host, "dev_off": g.tables["dev_off"] + part.col}
-                values: dict[str, Any] = dict(
-                    anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
-                    page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, WIDTH=part.width,
-                    SPLIT=part.width, BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens),
-                    PAGE_TOKENS=page_tokens, VEC=g.vec, TO_HOST=False, STAGES=t.stages,
-                    ENTRIES_INNER=self.entries_inner, PART=part_words, PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4,
-                    STRIDED=rowcopy_pages.strided(g, part))
-                args = launcher.bind(values)
-                slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-                parts.append((_Launch(spec.page_size, launcher.static_key(args, dynamic), t, args, slots), n_parts))
+                values = _fixed_values(spec, g, tables, t) | dict(
+                    WIDTH=part.width, SPLIT=part.width, BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens),
+                    PAGE_TOKENS=page_tokens, TO_HOST=False, ENTRIES_INNER=self.entries_inner, PART=part_words,
+                    PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4, STRIDED=rowcopy_pages.strided(g, part))
+                parts.append((_bound(launcher, dynamic, t, spec.page_size, values), n_parts))
             launches.append(tuple(parts))
         return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 
     def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
         block, block_b, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
-        values: dict[str, Any] = dict(
-            anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **g.tables,
-            page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
-            WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, VEC=g.vec, TO_HOST=to_host,
-            STAGES=t.stages, ENTRIES_INNER=self.entries_inner)
-        args = launcher.bind(values)
-        slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-        return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
+        values = _fixed_values(spec, g, g.tables, t) | dict(
+            WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, TO_HOST=to_host,
+            ENTRIES_INNER=self.entries_inner)
+        return _bound(launcher, dynamic, t, tokens, values)
 
     # -- transfers ----------------------------------------------------------------------------------
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
@@ -643,6 +634,19 @@ class RowKernelStrategy(DirectionalStrategy):
             used = prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, **kw)
             steps = _keep(steps, used, prep.tma_launcher, args, lv.slots, t.programs, lv.tokens, 1, kw)
         return steps
+
+
+def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], t: Tuning) -> dict[str, Any]:
+    """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
+    return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
+                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, VEC=g.vec, STAGES=t.stages)
+
+
+def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:
+    """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots."""
+    args = launcher.bind(values)
+    slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
+    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
 
 
 def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:
