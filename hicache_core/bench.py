@@ -138,12 +138,15 @@ def _burst_host_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
 
 
 def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None, to_host: bool) -> str:
-    """For ``auto``: the candidate serving this call; else the pool's strategy."""
+    """For ``auto``: the candidate serving this call (and the host's pace it measured); else the pool's strategy."""
     pick = getattr(pool.strategy, "pick", None)
     if pick is None:
         return pool.strategy_name
     chosen = pick(pool.binding, h, d, layer, to_host=to_host)
-    return "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
+    name = "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
+    paces = getattr(pool.strategy, "paces", None)
+    desc_us = None if paces is None else paces[to_host].desc_us
+    return name if desc_us is None else f"{name} (host {desc_us:.2f} us per descriptor)"
 
 
 class _LinkWarmer:
@@ -292,8 +295,8 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
         return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
     if backend == "direct":
         return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
-    if backend == "auto":  # lone one-layer loads to a TMA kernel (the default), and the block-size rule alone
-        return [("", None), ("lone=off", {"lone": False})]
+    if backend == "auto":  # the default; the block-size rule alone for lone loads; the calibration alone for host speed
+        return [("", None), ("lone=off", {"lone": False}), ("pace=off", {"pace": False})]
     return [("", None)]
 
 

@@ -70,10 +70,16 @@ class BoundSegment:
     dev_lens: tuple[int, ...]
 
     def entries(self, layer: int | None) -> list[int]:
-        """Entry positions for one device layer (empty when absent) or all of them."""
+        """Entry positions for one device layer (empty when absent) or all of them (a new list each call)."""
         if layer is None:
             return list(range(len(self.device_layers)))
-        return [i for i, d in enumerate(self.device_layers) if d == layer]
+        by_layer = self.__dict__.get("_entries_by_layer")
+        if by_layer is None:  # built once: a burst of per-layer calls asks for every layer
+            by_layer = {}
+            for i, d in enumerate(self.device_layers):
+                by_layer.setdefault(d, []).append(i)
+            object.__setattr__(self, "_entries_by_layer", by_layer)
+        return list(by_layer.get(layer, ()))
 
     @property
     def width(self) -> int:

@@ -8,7 +8,8 @@ asks ``direct`` which copy blocks it would submit for these indices and layer
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
 feed it: the estimated host time of the call (per descriptor, per runtime call,
 and per relayout launch of a staged route) must fit in the call's transfer time
-at link speed.  Then the copy engine serves the call (no SM held, so the forward pass
+at link speed, at the calibration's costs with a margin, or, where the pool has
+measured its host (:mod:`.pace`), at the host's current pace.  Then the copy engine serves the call (no SM held, so the forward pass
 keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 
 One exception, for loads of one layer: when the kernel candidate loads that layer through its fast load paths
@@ -37,8 +38,10 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
+from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
-from .memcpy import QueueClock
+from .memcpy import BatchCopier, QueueClock
+from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
 from .staging import LAUNCH_US, page_image
 
@@ -84,14 +87,48 @@ def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: i
     return id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host
 
 
-def _fed(sub: Submission, cal: Calibration) -> bool:
-    """Whether the host submits ``sub`` within its transfer time at link speed, at the host cost of an idle engine's
-    schedule (small first calls).  A burst submits in fewer calls, but this margin is kept on purpose: H200, fp8
-    MLA rows (36.9-42 KB pages, 64 per layer, 43-49 us per layer at link speed), where a burst's estimate (38 us)
-    would send the loads to the copy engine, bursts reached 0.93 of memcpy in a page-major host layout but 0.57-0.62
-    in a layer-major one in the same run (host-bound: the host's speed drifts by up to 2x), and lone loads 0.48-0.54,
-    against the kernel's steady 0.75-0.79 (docs/performance.md)."""
-    return sub.host_us(cal.submit_us, cal.call_us) <= sub.nbytes / (cal.link_gbps * 1e3)
+#: Share of a call's transfer time at link speed that the host's *measured* submission time may take (:func:`_fed`):
+#: a host-bound copy engine moves a burst at the host's pace, so it stays ahead of the kernels' loads (0.84-0.90 of
+#: memcpy) while the host submits within ~1.1x the link time (H200: fp8 MLA bursts 0.92 of memcpy at 45 us of host
+#: time per 43 us layer; bf16 MLA bursts 0.94 at 88 us per 86 us layer).
+FED_SHARE = 1.1
+
+
+def _burst_us(sub: Submission, desc_us: float) -> float:
+    """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
+    n = int(sub.lens.numel())
+    return n * desc_us + len(batch_schedule(n, eager=False)) * MODEL_CALL_US
+
+
+def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True) -> bool:
+    """Whether the host submits ``sub`` within its transfer time at link speed.
+
+    Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
+    microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
+    descriptors, a burst's submission at that pace must take at most :data:`FED_SHARE` of the transfer time.  For
+    loads that measure decides alone: the kernels' loads cost a model's GEMM next to nothing, so the faster route
+    wins (H200, MLA 1152-byte rows with new GPU-resident indices every batch: the copy engine's bursts 0.54-0.59 of
+    memcpy against the kernel's 0.87, its host planning and reading the indices back each batch; the same bursts
+    with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup slows a GEMM by
+    +13% or more).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
+    margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
+    speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
+    slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
+    link_us = sub.nbytes / (cal.link_gbps * 1e3)
+    measured = desc_us is not None and sub.staged is None and sub.pitched is None
+    if measured and _burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
+        return True
+    if measured and not to_host:
+        return False
+    return sub.host_us(cal.submit_us, cal.call_us) <= link_us
+
+
+def _worth_measuring(sub: Submission, cal: Calibration) -> bool:
+    """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
+    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time."""
+    if sub.staged is not None or sub.pitched is not None:
+        return False
+    return _burst_us(sub, cal.submit_us) <= FED_SHARE * sub.nbytes / (cal.link_gbps * 1e3)
 
 
 class AutoStrategy:
@@ -100,14 +137,19 @@ class AutoStrategy:
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
     :param lone: send a lone one-layer load to a kernel whose fast load paths take the layer (the module docstring);
         ``False`` keeps the block-size rule for every call.
+    :param pace: on CUDA pools, let the host's measured submission speed (the copier's :class:`~.pace.HostPace` of
+        the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
+        (:func:`_fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
+        alone decides.
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
-                 lone: bool = True, **kernel_options: Any) -> None:
-        if not isinstance(lone, bool):
-            raise ConfigError(f"auto's lone option must be True or False, got {lone!r}")
-        self.lone = lone
+                 lone: bool = True, pace: bool = True, **kernel_options: Any) -> None:
+        for name, value in (("lone", lone), ("pace", pace)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"auto's {name} option must be True or False, got {value!r}")
+        self.lone, self.use_pace = lone, pace
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
         self._kernel_options = kernel_options
         self.direct: DirectStrategy | None = None
@@ -125,6 +167,14 @@ class AutoStrategy:
         self._clocked = False
         self._index = 0  # the pool's CUDA device (when clocked)
         self._fast_memo: dict[tuple[int, int], bool] = {}
+        #: The direct candidate's measures of the host by direction (index: ``to_host``; ``None``: not used), and
+        #: the sum of their generations the memoised picks were decided at.
+        self.paces: tuple[HostPace, HostPace] | None = None
+        self._pace_gen = 0
+        #: Calls sent to the copy engine to measure the host (for tests and benchmarks).
+        self.pace_probes = 0
+        #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
+        self._load_blocks: dict[int, tuple[int, int]] = {}
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -156,6 +206,9 @@ class AutoStrategy:
                                str(exc).splitlines()[0])
                 self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
+        copier = binding.scratch.get("direct.copier") if self.direct is not None else None
+        self.paces = (copier.paces if self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)
+                      else None)
         self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
@@ -166,16 +219,29 @@ class AutoStrategy:
 
         Decided once per index pair, direction and kind of call (one layer or all): the per-layer
         calls of a batch reuse the first decision instead of sizing a copy plan each
-        (:data:`_PICKS`); an in-place change of an index tensor decides again.  Where the layout
+        (:data:`_PICKS`); an in-place change of an index tensor decides again, and so does every call after the
+        host's measured pace moved (a new :attr:`HostPace.generation <.pace.HostPace.generation>`).  Where the
+        calibrated margin refuses the copy engine but a host at the calibration's per-descriptor cost would feed a
+        burst of the call, and no recent measure of the host exists in that direction, the copy engine serves the
+        call so that its submissions measure the host (its first few: a new measure then decides again).  Where the layout
         alone bounds the call's smallest copy block below the calibrated size (:meth:`_block_bound`:
         one layer of a token-major page, or the rope rows of a split page), the kernel is picked
-        without looking at index values, so device-resident indices are never read back for it.
+        without looking at index values, so device-resident indices are never read back for it; so it is
+        where the host indices alone show a one-layer call too many copy blocks for the host to feed
+        (:meth:`_least_blocks`: a new batch's copy plan would cost the burst a device read and the host
+        hundreds of microseconds, only to be refused).
         """
         if self.kernel is None:
             assert self.direct is not None
             return self.direct
         if self.direct is None:
             return self.kernel
+        paces = self.paces
+        if paces is not None and paces[to_host].aged():
+            paces[to_host].reset()  # an old measure no longer counts: decide again (a new one starts with the call)
+        if paces is not None and paces[0].generation + paces[1].generation != self._pace_gen:
+            self._pace_gen = paces[0].generation + paces[1].generation  # the host's speed moved: decide again
+            self._picks.clear()
         key = _pick_key(host_indices, device_indices, layer, to_host)
         hit = self._picks.get(key) if key is not None else None
         if hit is not None:
@@ -184,9 +250,26 @@ class AutoStrategy:
         assert cal is not None
         if self._block_bound(binding, layer) < cal.min_block(to_host):
             pick = self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
+        elif layer is not None and (least := self._least_blocks(binding, host_indices, layer)) is not None \
+                and not self._may_feed(*least, cal, to_host):
+            pick = self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
+        elif layer is not None and least is None and not to_host and self._refuse_unread(host_indices.numel(), cal):
+            pick = self.kernel  # GPU-resident indices, a host measured too slow for such loads lately: no device read
         else:
             sub = self.direct.submission(binding, host_indices, device_indices, layer)
-            pick = self.direct if _fed(sub, cal) and sub.smallest_block >= cal.min_block(to_host) else self.kernel
+            if layer is not None and not to_host:
+                if len(self._load_blocks) >= _PICKS:
+                    self._load_blocks.clear()
+                self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
+            pick = self.kernel
+            if sub.smallest_block >= cal.min_block(to_host):
+                pace = paces[to_host] if paces is not None else None
+                desc_us = pace.fresh() if pace is not None else None
+                if _fed(sub, cal, desc_us, to_host):
+                    pick = self.direct
+                elif pace is not None and desc_us is None and _worth_measuring(sub, cal):
+                    self.pace_probes += 1  # the copy engine serves it to measure the host
+                    pick = self.direct
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
@@ -204,20 +287,79 @@ class AutoStrategy:
         bounds (a split layout's 64-byte rope rows bound it whatever the indices).  Computed once
         per layer selection, from the layout alone.
         """
-        bounds = binding.scratch.setdefault("auto.block_bound", {})
+        parts = self._parts(binding, layer)
+        return min(p[0] for p in parts) if parts else 0.0
+
+    def _parts(self, binding: PoolBinding, layer: int | None) -> tuple[tuple[float, int, bool, int], ...]:
+        """Per segment with entries in ``layer``: its block bound (:meth:`_block_bound`), its page image's blocks,
+        whether its blocks may continue across pages, and its bytes per token over those entries (memoised)."""
+        memo = binding.scratch.setdefault("auto.parts", {})
         key = layer if layer is None else int(layer)
-        bound = bounds.get(key)
-        if bound is None:
-            per_segment = []
+        parts = memo.get(key)
+        if parts is None:
+            out = []
             for seg in binding.segments:
                 entries = seg.entries(layer)
                 if not entries:
                     continue
                 starts, lens = page_image(seg, [seg.host_layers[e] for e in entries], binding.spec.page_size)
-                spans_pages = bool(torch.isin(starts + lens - seg.segment.addressing.page, starts).any())
-                per_segment.append(float("inf") if spans_pages else float(lens.max()))
-            bound = bounds[key] = min(per_segment) if per_segment else 0.0
-        return bound
+                spans = bool(torch.isin(starts + lens - seg.segment.addressing.page, starts).any())
+                out.append((float("inf") if spans else float(lens.max()), int(lens.numel()), spans,
+                            seg.width * len(entries)))
+            parts = memo[key] = tuple(out)
+        return parts
+
+    def _least_blocks(self, binding: PoolBinding, host_indices: torch.Tensor, layer: int) -> tuple[int, int] | None:
+        """For a one-layer call: a lower bound on the plain copy blocks ``direct`` would submit, from the host indices
+        alone (no device index is read), and the call's bytes; ``None`` where the host indices are not on the CPU.
+
+        A segment whose blocks stay in their page submits at least its page image's blocks per page touched; one
+        whose blocks may continue into the next page at least one block per run of consecutive host slots."""
+        if host_indices.device.type != "cpu":
+            return None
+        n = host_indices.numel()
+        pages = -(-n // binding.spec.page_size)
+        runs = -1
+        blocks = nbytes = 0
+        for _, image_blocks, spans, token_bytes in self._parts(binding, layer):
+            if spans:
+                if runs < 0:
+                    runs = 1 + int((host_indices[1:] - host_indices[:-1] != 1).sum()) if n > 1 else n
+                blocks += runs
+            else:
+                blocks += pages * image_blocks
+            nbytes += token_bytes * n
+        return blocks, nbytes
+
+    def _refuse_unread(self, n: int, cal: Calibration) -> bool:
+        """For a one-layer load of ``n`` positions whose host indices live on the GPU (not read for a bound): whether
+        the last plan of a load of ``n`` positions (its copy blocks and bytes) is too many blocks for the host's recent
+        measure of loads.  Reading the indices back would wait for the work queued before the call, and planning a
+        new batch costs the host hundreds of microseconds (H200: bursts of MLA loads with new GPU-resident indices
+        every batch went 0.87 of memcpy by the kernel, 0.54-0.59 through the copy engine)."""
+        last = self._load_blocks.get(n)
+        desc_us = self.paces[False].fresh() if self.paces is not None else None
+        if last is None or desc_us is None:
+            return False
+        blocks, nbytes = last
+        return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
+            FED_SHARE * nbytes / (cal.link_gbps * 1e3)
+
+    def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool) -> bool:
+        """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
+        (:func:`_fed` at that count, or a measure of the host :meth:`pick` would start for it)."""
+        link_us = nbytes / (cal.link_gbps * 1e3)
+        desc_us = self.paces[to_host].fresh() if self.paces is not None else None
+        burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
+        if desc_us is not None:
+            if blocks * desc_us + burst_us <= FED_SHARE * link_us:
+                return True
+            if not to_host:
+                return False  # a recent measure decides loads alone (_fed)
+        if blocks * cal.submit_us + batch_calls(blocks) * cal.call_us <= link_us:
+            return True
+        # no measure: one may start (pick) where a host at the calibration's cost would feed a burst
+        return self.paces is not None and desc_us is None and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
@@ -232,6 +374,11 @@ class AutoStrategy:
             f"otherwise {self.kernel_name or 'the kernel (none available here)'}",
             f"auto: calibration {cal.gpu} ({cal.source})",
         ]
+        if self.use_pace:
+            lines.append("auto: on a GPU pool, the host's measured pace (its copy-engine calls of the last second) decides "
+                         f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
+                         "that alone decides; backups: it can only add the copy engine); where none is measured and a "
+                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it")
         if getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
@@ -320,7 +467,7 @@ class AutoStrategy:
         k_lane, d_lane = inner(self.kernel), inner(self.direct)
         if k_lane is None and d_lane is None:
             return None
-        clock, index, picks, clocked = self.clock, self._index, self._picks, self._clocked
+        clock, index, picks, clocked, paces = self.clock, self._index, self._picks, self._clocked, self.paces
         direct, kernel = self.direct, self.kernel
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
@@ -342,6 +489,9 @@ class AutoStrategy:
                     return True
             if direct is None or kernel is None:
                 route = only
+            elif paces is not None and (paces[0].generation + paces[1].generation != self._pace_gen
+                                        or paces[to_host].aged()):
+                return False  # the host's speed moved, or its measure aged: the normal path decides again
             else:
                 key = _pick_key(host_indices, device_indices, layer, to_host)
                 pick = None if key is None else picks.get(key)

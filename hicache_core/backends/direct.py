@@ -126,11 +126,12 @@ class DirectStrategy(DirectionalStrategy):
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
         copier: BatchCopier = binding.scratch["direct.copier"]
+        since = copier.clock.now()  # the host's pace counts the whole call (a new pair's plan too)
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
-        self._run(binding, copier, sub, stream, to_host)
+        self._run(binding, copier, sub, stream, to_host, since)
         sub.served[to_host] = True
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
@@ -141,25 +142,31 @@ class DirectStrategy(DirectionalStrategy):
         copier: BatchCopier = binding.scratch["direct.copier"]
         run = self._run
 
+        now = copier.clock.now
+
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+            since = now()
             stream = copier.stream()
             plan = plans.peek(host_indices, device_indices, stream)
             sub = None if plan is None else plan.peek(layer)
             if sub is None or not sub.served[to_host]:
                 return False
-            run(binding, copier, sub, stream, to_host)
+            run(binding, copier, sub, stream, to_host, since)
             return True
 
         return lane
 
     @staticmethod
-    def _run(binding: PoolBinding, copier: BatchCopier, sub: Submission, stream: int, to_host: bool) -> None:
-        """Submit ``sub`` in one direction on ``stream``."""
+    def _run(binding: PoolBinding, copier: BatchCopier, sub: Submission, stream: int, to_host: bool,
+             since: float | None = None) -> None:
+        """Submit ``sub`` in one direction on ``stream``; plain descriptors alone are sampled for the host's pace
+        (:attr:`.memcpy.BatchCopier.paces`), from ``since``."""
         if sub.staged is None:
             if sub.pitched is not None:
                 copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream,
                                     nbytes=sub.pitched_nbytes)
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
-            copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes)
+            copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes, to_host=None if sub.pitched is not None else to_host,
+                        since=since)
             return
         sub.staged.run(binding, copier, binding.scratch["direct.staging"], stream, to_host=to_host)

@@ -11,7 +11,8 @@ import torch
 
 from ..kernel_support import current_device_index, current_stream_handle
 from .cudart import MAX_PER_CALL as _ONE_CALL
-from .cudart import BatchSubmitError, runtime, runtime_unavailable_reason
+from .cudart import BatchSubmitError, batch_schedule, runtime, runtime_unavailable_reason
+from .pace import MAX_BACKLOG_US, MIN_OPS, HostPace
 from .pitched import Pitched, expand
 
 __all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US",
@@ -78,6 +79,10 @@ class QueueClock:
         return (self._until.get(stream, 0.0) <= now  # idle(), inlined: a lone load's launch waits on this
                 and (now - self._last_end.get(stream, _NEVER)) * 1e6 >= TIGHT_GAP_US)
 
+    def backlog_us(self, stream: int, now: float) -> float:
+        """Microseconds of queued copies on ``stream`` still to drain at ``now`` (a lower bound, 0 when idle)."""
+        return max(0.0, (self._until.get(stream, 0.0) - now) * 1e6)
+
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
         self._until[stream] = max(self._until.get(stream, 0.0), since) + nbytes / DRAIN_BYTES_PER_US * 1e-6
@@ -100,6 +105,9 @@ class BatchCopier:
         else:  # "cuda" alone: the device current when the pool is built, as torch resolves it
             self._index = torch.cuda.current_device()
         self.clock = QueueClock()
+        #: The host's recent submission speed, by direction (index: ``to_host``), from this copier's own plain
+        #: submissions (``auto`` reads them).
+        self.paces = (HostPace(), HostPace())
         self._pitched_refused = False
 
     @staticmethod
@@ -124,9 +132,11 @@ class BatchCopier:
             return False
 
     def copy(self, dsts: torch.Tensor, srcs: torch.Tensor, lens: torch.Tensor, stream: int | None = None,
-             nbytes: int | None = None) -> None:
+             nbytes: int | None = None, to_host: bool | None = None, since: float | None = None) -> None:
         """Copy every range; ``dsts``/``srcs``/``lens`` are contiguous CPU int64 tensors of one length
-        (``nbytes``: their total, when the caller knows it)."""
+        (``nbytes``: their total, when the caller knows it).  ``to_host``: the direction, whose
+        :attr:`paces` entry samples the host time from ``since`` (the clock's time when the caller's
+        call began; default: now) to the end of the submission (``None``: not sampled)."""
         n = int(dsts.numel())
         if n == 0:
             return
@@ -135,8 +145,18 @@ class BatchCopier:
                 ctypes.memmove(dst, src, k)
             return
         rt = runtime()
-        self._submit(stream, n, DESC_US, int(lens.sum()) if nbytes is None else nbytes,
-                     lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
+        nbytes = int(lens.sum()) if nbytes is None else nbytes
+        if n < MIN_OPS or to_host is None:
+            self._submit(stream, n, DESC_US, nbytes, lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
+            return
+        # sampled for the host's pace (.pace): the submission's host time, unless it starts behind a deep queue
+        s = self.stream() if stream is None else stream
+        now = self.clock.now()
+        t0 = now if since is None else since
+        measured = self.clock.backlog_us(s, now) <= MAX_BACKLOG_US
+        eager = self._submit(s, n, DESC_US, nbytes, lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
+        if measured:
+            self.paces[to_host].record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:
@@ -165,14 +185,15 @@ class BatchCopier:
         self.copy(dst, src, lens, stream)
 
     def _submit(self, stream: int | None, ops: int, op_us: float, nbytes: int,
-                enqueue: Callable[[int, bool], None]) -> None:
+                enqueue: Callable[[int, bool], None]) -> bool:
         """``enqueue(stream, eager)`` on the pool's device, ``eager`` as :class:`QueueClock` advises for
-        ``ops`` operations of ~``op_us`` host time each, and record the ``nbytes`` queued."""
+        ``ops`` operations of ~``op_us`` host time each, and record the ``nbytes`` queued; returns ``eager``."""
         s = self.stream() if stream is None else stream
         since = self.clock.now()
         eager = self.clock.eager(s, CALL_US + ops * op_us, burstable=ops <= _ONE_CALL)
         self._on_device(lambda: enqueue(s, eager))
         self.clock.queued(s, nbytes, since)
+        return eager
 
     def _on_device(self, fn: Callable[[], None]) -> None:
         if current_device_index() != self._index:

@@ -251,6 +251,28 @@ def _layers_share_allocations(binding: PoolBinding) -> bool:
     return bool(hit)
 
 
+def _layer_shape(binding: PoolBinding, layer: int, pitched: bool) -> tuple:
+    """What ``auto`` staging's decision for a one-layer selection depends on besides the plan's indices: per
+    segment with entries in ``layer``, its position, its entries' device strides (their plain runs: one table row
+    each) and the block sizes of its page image.  Layers of one shape get one decision per plan (memoised per pool)."""
+    from .staging import page_images
+
+    memo = binding.scratch.setdefault("direct.layer_shapes", {})
+    key = (layer, pitched)
+    hit = memo.get(key)
+    if hit is None:
+        images = {id(im.seg): im for im in page_images(binding, layer, pitched)}
+        parts = []
+        for si, seg in enumerate(binding.segments):
+            entries = seg.entries(layer)
+            if entries:
+                im = images.get(id(seg))
+                parts.append((si, tuple(seg.dev_strides[e] for e in entries),
+                              None if im is None else tuple(im.lens.tolist())))
+        hit = memo[key] = tuple(parts)
+    return hit
+
+
 def _within(t: torch.Tensor, n: int) -> bool:
     """Whether every value of the non-empty ``t`` lies in ``0..n-1``."""
     lo, hi = index_bounds(t)
@@ -297,6 +319,8 @@ class Plan:
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
+        #: :func:`_layer_shape` keys whose one-layer selections ``auto`` staging decided to leave plain
+        self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
 
     def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
@@ -439,13 +463,19 @@ class Plan:
     def _build(self, layer: int | None) -> Submission:
         if self.staging == "never" or self.h.numel() == 0:
             return self._plain(layer)
+        shape = _layer_shape(self.binding, layer, self.pitched) if layer is not None and self.staging == "auto" else None
+        if shape is not None and shape in self._plain_shapes:
+            return self._plain(layer)  # another layer of this shape was left plain: so is this one (a burst's layers)
         # first without the plain runs (building them can cost more than the transfer's host time, and
         # device-resident indices would have to be read back for them)
         staged = self._staged_by_bound(layer)
         if staged is not None or self.staging == "always":  # "always" has tried its route already
             return staged or self._plain(layer)
         plain = self._plain(layer)
-        return self._staged(layer, plain) or plain
+        staged = self._staged(layer, plain)
+        if staged is None and shape is not None:
+            self._plain_shapes.add(shape)
+        return staged or plain
 
     def _staged_by_bound(self, layer: int | None) -> Submission | None:
         """The staged route, decided without the plain runs (nor the device indices' values), where it

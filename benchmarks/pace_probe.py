@@ -1,0 +1,130 @@
+"""``auto``'s host-pace rule over time: forward-pass load bursts through the kernel, ``direct`` and ``auto`` in turn.
+
+Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
+[--layouts layer_first,page_first_direct] [--seconds 30]``.
+
+Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
+random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
+``--with-off``).  Each cycle takes new index tensors (a new forward batch: each strategy decides and plans anew),
+backs all layers up through ``auto`` (a serving loop backs up after prefills), then runs one burst of per-layer
+loads (every layer, back to back, after a synchronise) through each pool in a rotating order, event-timed against
+a pinned copy of the burst's bytes timed in the same cycle.  It records per cycle the three ratios, what served
+``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
+side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hicache_core.bench import _check, _workload  # noqa: E402
+from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
+
+
+def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for layer in layers:
+        pool.load_layer(layer, h, d)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    dst.copy_(src, non_blocking=True)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def run_cell(shape: str, layout: str, seconds: float, with_off: bool) -> dict:
+    reg = create_registry()
+    spec, dev, h, s, d = _workload(shape)
+    layers = list(spec.layer_map.device_layers)
+    nbytes = spec.bytes_per_token * h.numel()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    names = ["kernel", "direct", "auto"] + (["auto pace=off"] if with_off else [])
+    pools = {}
+    for name in names:
+        backend, opts = (name.split()[0], {"pace": False} if name.endswith("pace=off") else None)
+        host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
+        pools[name] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes",
+                                 strategy_options=opts)
+        _check(pools[name], dev, h, s, d)
+    auto = pools["auto"].strategy
+    cycles = []
+    t_end = time.perf_counter() + seconds
+    k = 0
+    while time.perf_counter() < t_end:
+        hk, sk, dk = h.clone(), s.clone(), d.clone()  # a new batch: new tensors, new decisions
+        pools["auto"].backup_all_layers(hk, sk)
+        base = _copy_ms(target, pinned)
+        order = names[k % len(names):] + names[:k % len(names)]
+        row: dict = {"t": round(time.perf_counter(), 4)}
+        for name in order:
+            probes = getattr(pools[name].strategy, "pace_probes", 0)
+            ms = _burst_ms(pools[name], layers, hk, dk)
+            row[name] = round(base / ms, 4)
+            if name == "auto":
+                row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
+        pick = auto.pick(pools["auto"].binding, hk, dk, layers[-1], to_host=False)  # type: ignore[attr-defined]
+        row["auto_by"] = "direct" if pick is auto.direct else "kernel"  # type: ignore[attr-defined]
+        paces = auto.paces  # type: ignore[attr-defined]
+        row["h2d_us"] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
+        row["d2h_us"] = None if paces is None or paces[1].desc_us is None else round(paces[1].desc_us, 3)
+        cycles.append(row)
+        k += 1
+        time.sleep(0.02)  # a forward pass's compute between bursts
+    better = [max(c["kernel"], c["direct"]) for c in cycles]
+    gaps = [c["auto"] - b for c, b in zip(cycles, better)]
+    summary = {
+        "shape": shape, "layout": layout, "cycles": len(cycles),
+        "median": {n: round(statistics.median(c[n] for c in cycles), 4) for n in names},
+        "direct_better_share": round(sum(c["direct"] > c["kernel"] for c in cycles) / len(cycles), 3),
+        "auto_by_direct_share": round(sum(c["auto_by"] == "direct" for c in cycles) / len(cycles), 3),
+        "auto_within_3pts_share": round(sum(g >= -0.03 for g in gaps) / len(gaps), 3),
+        "auto_gap_median": round(statistics.median(gaps), 4),
+        "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
+    }
+    if with_off:
+        off_gaps = [c["auto pace=off"] - b for c, b in zip(cycles, better)]
+        summary["off_within_3pts_share"] = round(sum(g >= -0.03 for g in off_gaps) / len(off_gaps), 3)
+        summary["off_gap_median"] = round(statistics.median(off_gaps), 4)
+    return {"summary": summary, "cycles": cycles}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default="mla61x576-fp8,mla61x656-fp8")
+    p.add_argument("--layouts", default="layer_first,page_first_direct")
+    p.add_argument("--seconds", type=float, default=30.0, help="per cell")
+    p.add_argument("--with-off", action="store_true", help="also auto with pace=False")
+    args = p.parse_args()
+    out = []
+    for shape in args.shapes.split(","):
+        for layout in args.layouts.split(","):
+            cell = run_cell(shape, layout, args.seconds, args.with_off)
+            print(json.dumps(cell["summary"]), flush=True)
+            out.append(cell)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""How fast this host submits copy-engine descriptors, measured on a pool's own submissions.
+
+The host's speed drifts by up to 2x over seconds (docs/performance.md), so a fixed per-descriptor cost
+either wastes the copy engine while the host is fast or starves it while the host is slow.  Each
+:class:`~.memcpy.BatchCopier` keeps a :class:`HostPace` per direction: the host time of ``direct``'s
+recent calls that submit plain descriptors only (the whole call: a new index pair's plan too, so a
+serving loop's fresh indices count), per descriptor, once the runtime's per-call cost is taken off.  ``auto``
+reads them to tell whether the host keeps up with the copy engine now (:func:`.auto._fed`).  A
+measure older than :data:`STALE_S` no longer counts.
+
+Only submissions that measure the host are sampled: CUDA ones of at least :data:`MIN_OPS`
+descriptors that start with little copy work queued before them (:data:`MAX_BACKLOG_US`; behind a
+deep queue the runtime call may wait for room in the stream's queue, which measures the engine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+__all__ = ["HostPace", "WINDOW", "MIN_SAMPLES", "MIN_OPS", "MAX_BACKLOG_US", "REDECIDE", "MODEL_CALL_US", "STALE_S"]
+
+#: Samples kept, the most recent; the estimate is their median, so a few stalled submissions (the thread
+#: descheduled mid-call) do not move it.
+WINDOW = 15
+#: Samples needed before there is an estimate.
+MIN_SAMPLES = 3
+#: Submissions of fewer descriptors are not sampled (the per-call cost dominates them).
+MIN_OPS = 32
+#: A submission that starts behind more queued copies than this (microseconds at the drain rate of
+#: :class:`~.memcpy.QueueClock`) is not sampled.
+MAX_BACKLOG_US = 2000.0
+#: Relative move of the estimate that starts a new :attr:`HostPace.generation` (``auto`` decides again).
+REDECIDE = 0.15
+#: Host time of one runtime call taken off each sample, microseconds (the shipped calibration's
+#: ``call_us``: ``hicache calibrate`` does not measure it).
+MODEL_CALL_US = 6.0
+#: Seconds after its last sample that a measure stops counting (the host's speed drifts within seconds).
+STALE_S = 1.0
+_FLOOR_US = 0.01
+_RECOMPUTE_EVERY = 4
+
+
+class HostPace:
+    """Recent host time per copy-engine descriptor of one copier's submissions.
+
+    :attr:`desc_us` is the median of the last :data:`WINDOW` samples (``None`` before
+    :data:`MIN_SAMPLES`); :attr:`generation` grows each time it moves by more than :data:`REDECIDE`
+    (relative) from its value at the last change, so a caller that memoises decisions made from it
+    knows when to make them again.  Samples may come from several threads: a lost update only delays
+    the estimate.
+    """
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+        self._samples: deque[float] = deque(maxlen=WINDOW)
+        self._since_recompute = 0
+        self.desc_us: float | None = None
+        self.generation = 0
+        self._anchor: float | None = None
+        self._stamp = float("-inf")
+
+    def reset(self) -> None:
+        """Forget the samples (a new measure starts); a new generation where an estimate is dropped (decisions made
+        from it are made again)."""
+        if self.desc_us is not None:
+            self.generation += 1
+        self._samples.clear()
+        self._since_recompute = 0
+        self.desc_us = self._anchor = None
+
+    def stale(self) -> bool:
+        """Whether the last sample is older than :data:`STALE_S` (or there is none)."""
+        return self.now() - self._stamp > STALE_S
+
+    def aged(self) -> bool:
+        """Whether there is an estimate and it is :meth:`stale` (:meth:`reset` it to measure afresh)."""
+        return self.desc_us is not None and self.now() - self._stamp > STALE_S
+
+    def fresh(self) -> float | None:
+        """:attr:`desc_us` if its last sample is at most :data:`STALE_S` old, else ``None``."""
+        return self.desc_us if self.now() - self._stamp <= STALE_S else None
+
+    def record(self, host_us: float, ops: int, calls: int) -> None:
+        """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time."""
+        self._stamp = self.now()
+        self._samples.append(max(_FLOOR_US, (host_us - calls * MODEL_CALL_US) / ops))
+        n = len(self._samples)
+        if n < MIN_SAMPLES:
+            return
+        self._since_recompute += 1
+        if self.desc_us is not None and self._since_recompute < _RECOMPUTE_EVERY:
+            return
+        self._since_recompute = 0
+        ordered = sorted(self._samples)
+        self.desc_us = est = ordered[len(ordered) // 2]
+        if self._anchor is None or abs(est - self._anchor) > REDECIDE * self._anchor:
+            self._anchor = est
+            self.generation += 1
+
+    def samples(self) -> list[float]:
+        """The samples kept (microseconds per descriptor), oldest first."""
+        return list(self._samples)

@@ -1,0 +1,372 @@
+"""The host's measured submission pace (``backends.pace``), the copier's samples, and ``auto``'s use of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
+from hicache_core.backends import memcpy as memcpy_mod
+from hicache_core.backends.auto import FED_SHARE, AutoStrategy, _fed, _pick_key, _worth_measuring
+from hicache_core.backends.cudart import batch_schedule
+from hicache_core.backends.direct import DirectStrategy
+from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, BatchCopier, QueueClock
+from hicache_core.backends.pace import (MAX_BACKLOG_US, MIN_OPS, MIN_SAMPLES, MODEL_CALL_US, REDECIDE, STALE_S, WINDOW,
+                                        HostPace)
+from hicache_core.calibration import DEFAULT
+from hicache_core.errors import ConfigError
+
+REG = create_registry()
+
+
+def _fill(pace: HostPace, desc_us: float, count: int = WINDOW, ops: int = 64, calls: int = 1) -> None:
+    for _ in range(count):
+        pace.record(ops * desc_us + calls * MODEL_CALL_US, ops, calls)
+
+
+def test_pace_is_the_median_of_recent_samples_and_moves_its_generation_only_on_real_change():
+    t = [10.0]
+    pace = HostPace(now=lambda: t[0])
+    assert pace.stale() and pace.fresh() is None
+    for i in range(MIN_SAMPLES - 1):
+        pace.record(64 * 0.4 + MODEL_CALL_US, 64, 1)
+        assert pace.desc_us is None and pace.generation == 0  # too few samples: no estimate
+    assert not pace.stale() and pace.fresh() is None  # a measure under way
+    pace.record(64 * 0.4 + MODEL_CALL_US, 64, 1)
+    assert pace.desc_us == pytest.approx(0.4) and pace.fresh() == pace.desc_us and pace.generation == 1
+    pace.record(64 * 50.0 + MODEL_CALL_US, 64, 1)  # one stalled submission (thread descheduled): the median holds
+    _fill(pace, 0.4, count=3)
+    assert pace.desc_us == pytest.approx(0.4) and pace.generation == 1
+    _fill(pace, 0.4 * (1 + REDECIDE / 2))  # a small drift: a new estimate, the same generation
+    assert pace.desc_us == pytest.approx(0.4 * (1 + REDECIDE / 2)) and pace.generation == 1
+    _fill(pace, 0.9)  # the host slowed down: a new generation
+    assert pace.desc_us == pytest.approx(0.9) and pace.generation == 2
+    assert len(pace.samples()) == WINDOW
+    pace.record(1.0, 64, 3)  # less than the model's call cost: floored, never negative
+    assert min(pace.samples()) > 0
+    t[0] += STALE_S * 1.01  # an old measure no longer counts
+    assert pace.stale() and pace.aged() and pace.fresh() is None and pace.desc_us is not None
+    pace.reset()  # the estimate dropped: a new generation (decisions made from it are made again)
+    assert pace.samples() == [] and pace.desc_us is None and pace.generation == 3 and not pace.aged()
+    pace.reset()  # nothing to drop
+    assert pace.generation == 3
+    _fill(pace, 0.9, count=MIN_SAMPLES)  # a new measure: a new generation even at the old value
+    assert pace.fresh() == pytest.approx(0.9) and pace.generation == 4
+
+
+class _FakeRuntime:
+    def __init__(self, t: list[float], desc_us: float) -> None:
+        self.t, self.desc_us = t, desc_us
+        self.calls: list[tuple[int, int, bool]] = []
+
+    def copy_batch(self, dsts, srcs, lens, stream, eager):
+        calls = batch_schedule(int(dsts.numel()), eager)
+        self.calls.append((int(dsts.numel()), stream, eager))
+        self.t[0] += (len(calls) * MODEL_CALL_US + int(dsts.numel()) * self.desc_us) * 1e-6
+
+
+def _copier(monkeypatch, t: list[float], desc_us: float) -> tuple[BatchCopier, _FakeRuntime]:
+    rt = _FakeRuntime(t, desc_us)
+    monkeypatch.setattr(memcpy_mod, "runtime", lambda: rt)
+    monkeypatch.setattr(memcpy_mod, "current_device_index", lambda: 0)
+    copier = BatchCopier(torch.device("cuda", 0))  # nothing touches a GPU: the runtime is the fake's
+    copier.clock = QueueClock(now=lambda: t[0])
+    return copier, rt
+
+
+def test_copier_samples_its_host_time_per_descriptor_and_direction_but_not_small_or_queued_submissions(monkeypatch):
+    t = [100.0]
+    copier, rt = _copier(monkeypatch, t, desc_us=0.45)
+    loads, backups = copier.paces[False], copier.paces[True]
+
+    def submit(n: int, block: int = 40_000, to_host: bool | None = False) -> None:
+        z = torch.zeros(n, dtype=torch.int64)
+        copier.copy(z, z, torch.full((n,), block, dtype=torch.int64), stream=0x55, to_host=to_host)
+
+    submit(MIN_OPS - 1)  # small: not sampled
+    t[0] += 1.0
+    submit(64, to_host=None)  # no direction given: not sampled
+    assert loads.samples() == backups.samples() == []
+    t[0] += 1.0  # the engine idle again
+    submit(64)  # an idle engine's schedule: four small calls, measured and taken off
+    assert rt.calls[-1] == (64, 0x55, True)
+    assert loads.samples() == [pytest.approx(0.45)] and backups.samples() == []
+    t[0] += 1.0
+    submit(3904, block=400_000, to_host=True)  # a backup's worth: many calls in the eager schedule
+    assert backups.samples() == [pytest.approx(0.45)]
+    # behind a deep queue (a large submission right before): the runtime may wait for room, not sampled
+    assert copier.clock.backlog_us(0x55, t[0]) > MAX_BACKLOG_US
+    submit(64)
+    assert len(loads.samples()) == 1
+    t[0] += 2 * 3904 * 400_000 / DRAIN_BYTES_PER_US * 1e-6  # drained
+    assert copier.clock.backlog_us(0x55, t[0]) == 0.0
+    submit(64)
+    submit(64)  # a burst: one runtime call each, taken off as one
+    assert rt.calls[-1] == (64, 0x55, False)
+    assert len(loads.samples()) == 3 and loads.desc_us == pytest.approx(0.45) and backups.desc_us is None
+
+
+def _fp8_pool(ps: int = 64, pages: int = 64) -> tuple[HostKVPool, torch.Tensor, torch.Tensor]:
+    """One-layer loads of 64 pages of 656-byte rows (42 KB blocks, 2.7 MB: 49 us at 55 GB/s), as in
+    tests/test_direct.py::test_auto_keeps_a_host_margin_for_feeding."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
+                        page_size=ps, capacity=ps * pages, row_bytes=656)
+    dev = {"kv": [torch.zeros(ps * pages, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
+    h = torch.arange(pages).flip(0).repeat_interleave(ps) * ps + torch.arange(ps).repeat(pages)  # no two pages merge
+    return pool, h, torch.arange(ps * pages)
+
+
+class _Paces:
+    def __init__(self) -> None:
+        self.t = [50.0]
+        self.paces = (HostPace(now=lambda: self.t[0]), HostPace(now=lambda: self.t[0]))
+
+
+def _auto(pool: HostKVPool, paces: _Paces | None) -> AutoStrategy:
+    auto = AutoStrategy()
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT  # type: ignore[assignment]
+    auto.paces = paces.paces if paces is not None else None
+    return auto
+
+
+def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_it():
+    """The calibrated margin gives these loads to the kernel (the idle schedule's 56 us > 49 us); at a measured
+    0.42 us per descriptor a burst's submission (33 us) fits the transfer time: the copy engine; at 0.9 us (a slow
+    stretch: 64 us) it does not.  A move of the pace decides again; an old measure, the other direction's, no
+    measure on a pool without one, or ``pace=False``: the calibration alone decides."""
+    pool, h, d = _fp8_pool()
+    direct = pool.strategy
+    assert isinstance(direct, DirectStrategy)
+    sub = direct.submission(pool.binding, h, d, 1)
+    link_us = sub.nbytes / (DEFAULT.link_gbps * 1e3)
+    assert not _fed(sub, DEFAULT) and not _fed(sub, DEFAULT, None)
+    assert _fed(sub, DEFAULT, 0.42) and not _fed(sub, DEFAULT, 0.9)
+    assert 64 * 0.42 + MODEL_CALL_US <= FED_SHARE * link_us < 64 * 0.9 + MODEL_CALL_US
+    assert _worth_measuring(sub, DEFAULT)  # 64 x 0.5 + 6 = 38 us <= 49 us
+
+    w = _Paces()
+    auto = _auto(pool, w)
+    _fill(w.paces[False], 0.42)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct
+    assert auto._picks[_pick_key(h, d, 1, False)] is direct and auto.pace_probes == 0
+    _fill(w.paces[False], 0.9)  # the host slowed down: a new generation, decided again
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    _fill(w.paces[True], 0.42)  # the other direction's measure does not count for loads
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    plain = _auto(pool, None)  # no measures (pace=False, or a CPU pool): the calibration alone
+    assert plain.pick(pool.binding, h, d, 1, to_host=False) is plain.kernel and plain.pace_probes == 0
+
+
+def test_auto_measures_the_host_where_no_recent_measure_exists():
+    """Without a recent measure in the call's direction, a call the calibrated host would feed in a burst goes to
+    the copy engine, whose submissions measure the host; the new measure decides again.  Calls a host at the
+    calibration's cost could not feed are not sent to measure it."""
+    pool, h, d = _fp8_pool()
+    direct = pool.strategy
+    w = _Paces()
+    loads = w.paces[False]
+    auto = _auto(pool, w)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and auto.pace_probes == 1  # no measure: probe
+    _fill(loads, 0.9, count=MIN_SAMPLES)  # the probe's submissions: a slow host
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.pace_probes == 1
+    w.t[0] += STALE_S * 2  # the measure is old: the next decision measures afresh
+    h2 = h.clone()
+    assert auto.pick(pool.binding, h2, d, 1, to_host=False) is direct and auto.pace_probes == 2
+    assert loads.samples() == []  # a new measure started
+    _fill(loads, 0.4, count=MIN_SAMPLES)
+    assert auto.pick(pool.binding, h2, d, 1, to_host=False) is direct and auto.pace_probes == 2  # measured: fed
+
+    small, hs, ds = _fp8_pool(ps=16, pages=256)  # 10.5 KB blocks: under the loads' calibrated 16 KB
+    auto = _auto(small, _Paces())
+    assert auto.pick(small.binding, hs, ds, 1, to_host=False) is auto.kernel and auto.pace_probes == 0
+
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
+                        page_size=32, capacity=32 * 512, row_bytes=656)  # 21 KB blocks, 512 per layer
+    dev = {"kv": [torch.zeros(32 * 512, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+    many = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
+    hm = torch.arange(512).flip(0).repeat_interleave(32) * 32 + torch.arange(32).repeat(512)
+    sub = many.strategy.submission(many.binding, hm, torch.arange(32 * 512), 1)  # type: ignore[attr-defined]
+    assert not _worth_measuring(sub, DEFAULT)  # 512 x 0.5 + 6 = 262 us > 196 us
+    auto = _auto(many, _Paces())
+    assert auto.pick(many.binding, hm, torch.arange(32 * 512), 1, to_host=False) is auto.kernel
+    assert auto.pace_probes == 0
+
+
+def test_a_slow_measure_takes_loads_but_never_backups_from_the_copy_engine_and_leaves_staged_routes_alone():
+    """Calls the calibration feeds: a recent measure of a slow host (a serving loop planning every batch anew) gives
+    loads to the kernel, whose loads cost a GEMM next to nothing; backups stay with the copy engine however slow the
+    host measures (a kernel's backup slows a GEMM far more).  A staged route is judged by the calibration alone."""
+    pool, h, d = _fp8_pool(ps=256, pages=16)  # 168 KB blocks, 16 per layer: fed at the calibration's costs
+    direct = pool.strategy
+    assert isinstance(direct, DirectStrategy)
+    sub = direct.submission(pool.binding, h, d, 1)
+    assert _fed(sub, DEFAULT) and _fed(sub, DEFAULT, 50.0, to_host=True) and not _fed(sub, DEFAULT, 50.0, to_host=False)
+    assert _fed(sub, DEFAULT, 0.5, to_host=False)
+    w = _Paces()
+    _fill(w.paces[False], 50.0)
+    _fill(w.paces[True], 50.0)
+    auto = _auto(pool, w)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    assert auto.pick(pool.binding, h, d, 1, to_host=True) is direct
+    w.t[0] += 2 * STALE_S  # an old measure: the calibration decides, and a new measure starts only where it refuses
+    assert auto.pick(pool.binding, h.clone(), d, 1, to_host=False) is direct and auto.pace_probes == 0
+
+    if "page_first" in REG.layouts:
+        spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                            dtype=torch.bfloat16, page_size=64, capacity=64 * 4)
+        dev = {"kv": [torch.zeros(64 * 4, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
+        staged = HostKVPool(spec, "page_first", "direct", dev, registry=REG, strategy="core.direct",
+                            strategy_options={"staging": "always"})
+        idx = torch.arange(64 * 4)
+        s = staged.strategy.submission(staged.binding, idx, idx, None)  # type: ignore[attr-defined]
+        assert s.staged is not None
+        assert _fed(s, DEFAULT, 1e-6) == _fed(s, DEFAULT) and not _worth_measuring(s, DEFAULT)
+
+
+def test_auto_lane_declines_after_the_pace_moved_so_the_call_decides_again(monkeypatch):
+    pool, h, d = _fp8_pool()
+    w = _Paces()
+    _fill(w.paces[False], 0.42)
+    auto = _auto(pool, w)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
+    ran = []
+    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None and lane(1, h, d) and len(ran) == 1  # the memoised route
+    _fill(w.paces[False], 0.9)  # the host's pace moved: a new generation
+    assert not lane(1, h, d) and len(ran) == 1  # declined: load() decides again
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    assert lane(1, h, d) is False and len(ran) == 1  # the kernel's route (a bare object here: no lane)
+
+
+def test_auto_pace_option_and_cpu_pools():
+    with pytest.raises(ConfigError, match="pace"):
+        AutoStrategy(pace="yes")  # type: ignore[arg-type]
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=16, capacity=64)
+    dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
+    for opts in (None, {"pace": False}):
+        pool = HostKVPool(spec, "layer_first", "auto", dev, registry=REG, strategy_options=opts)
+        auto = pool.strategy
+        assert isinstance(auto, AutoStrategy)
+        assert auto.use_pace == (opts is None)
+        assert auto.paces is None  # a CPU pool's copies measure no host submission: never probed
+
+
+def test_auto_refuses_the_copy_engine_from_the_host_indices_alone_where_no_device_index_could_save_it():
+    """64 random pages of 656-byte rows: 64 blocks whatever the device rows, too many for the calibrated host, so a
+    new batch goes to the kernel without a copy plan (no device index read, no planning time).  Consecutive host
+    pages might merge into a single block: there the plan decides (here: the copy engine, one block).  A measured
+    fast host, or no measure yet (the copy engine would measure it), needs the plan too."""
+    pool, h, d = _fp8_pool()
+    plans = pool.binding.scratch["direct.plans"]
+    auto = _auto(pool, None)
+    assert auto._least_blocks(pool.binding, h, 1) == (64, 64 * 64 * 656)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    assert plans._slots == []  # decided without a plan
+    run = torch.arange(64 * 64)  # one run of host slots: one block at best
+    assert auto._least_blocks(pool.binding, run, 1) == (1, 64 * 64 * 656)
+    assert auto.pick(pool.binding, run, d, 1, to_host=False) is auto.direct and len(plans._slots) == 1
+    assert auto._least_blocks(pool.binding, h.to("meta"), 1) is None  # host indices off the CPU: not read
+    assert auto._least_blocks(pool.binding, h[:100], 1) == (1 + int((h[1:100] - h[:99] != 1).sum()), 100 * 656)
+
+    w = _Paces()
+    _fill(w.paces[False], 0.42)
+    fast = _auto(pool, w)
+    assert fast.pick(pool.binding, h, d, 1, to_host=False) is fast.direct and len(plans._slots) == 2
+    unmeasured = _auto(pool, _Paces())
+    h2 = h.clone()
+    assert unmeasured.pick(pool.binding, h2, d, 1, to_host=False) is unmeasured.direct  # measures the host
+    assert unmeasured.pace_probes == 1 and len(plans._slots) == 3
+    w2 = _Paces()
+    _fill(w2.paces[False], 0.9)
+    slow = _auto(pool, w2)
+    assert slow.pick(pool.binding, h.clone(), d, 1, to_host=False) is slow.kernel and len(plans._slots) == 3
+
+    if "page_first_direct" in REG.layouts:  # a layer's block never continues into the next page: pages count
+        spec = pool.spec
+        dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+        pfd = HostKVPool(spec, "page_first_direct", "direct", dev, registry=REG, strategy="core.direct")
+        auto = _auto(pfd, None)
+        assert auto._least_blocks(pfd.binding, run, 1) == (64, 64 * 64 * 656)
+        assert auto.pick(pfd.binding, run, d, 1, to_host=False) is auto.kernel
+        assert pfd.binding.scratch["direct.plans"]._slots == []
+
+
+def test_copier_samples_the_whole_call_from_its_start(monkeypatch):
+    t = [100.0]
+    copier, _ = _copier(monkeypatch, t, desc_us=0.45)
+    z = torch.zeros(64, dtype=torch.int64)
+    copier.copy(z, z, torch.full((64,), 40_000, dtype=torch.int64), stream=0x55, to_host=False,
+                since=t[0] - 32e-6)  # the call began 32 us before its submission (planning a new batch)
+    assert copier.paces[False].samples() == [pytest.approx(0.45 + 32 / 64)]
+
+
+def test_direct_samples_its_plain_calls_by_direction_and_not_its_staged_ones(monkeypatch):
+    seen = []
+    real = BatchCopier.copy
+
+    def spy(self, dsts, srcs, lens, stream=None, nbytes=None, to_host=None, since=None):
+        seen.append((to_host, since is not None))
+        return real(self, dsts, srcs, lens, stream, nbytes, to_host, since)
+
+    monkeypatch.setattr(BatchCopier, "copy", spy)
+    pool, h, d = _fp8_pool(ps=16, pages=4)
+    pool.backup_all_layers(h, d)
+    pool.load_layer(1, h, d)
+    assert seen == [(True, True), (False, True)]
+    if "page_first" in REG.layouts:
+        spec = pool.spec
+        dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+        staged = HostKVPool(spec, "page_first", "direct", dev, registry=REG, strategy="core.direct",
+                            strategy_options={"staging": "always"})
+        seen.clear()
+        staged.backup_all_layers(h, d)
+        assert seen and all(to_host is None for to_host, _ in seen)
+
+
+def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices_are_not_read_for_a_slow_host():
+    """Loads the calibration feeds (168 KB blocks): after a second without samples the next new batch goes by the
+    calibration to the copy engine and its calls start a new measure, which then decides (slow: the kernel).  With
+    host indices on the GPU (not read for a bound), a load of as many positions as the last planned one goes to the
+    kernel without a plan while the host measures too slow for that plan's blocks."""
+    pool, h, d = _fp8_pool(ps=256, pages=16)
+    direct = pool.strategy
+    w = _Paces()
+    loads = w.paces[False]
+    _fill(loads, 50.0)
+    auto = _auto(pool, w)
+    w.t[0] += 2 * STALE_S
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and loads.samples() == []
+    _fill(loads, 50.0, count=MIN_SAMPLES)  # the new measure: slow
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel  # decided again for the same batch
+    assert auto._load_blocks[h.numel()] == (16, 16 * 256 * 656)
+    plans = pool.binding.scratch["direct.plans"]
+    planned = len(plans._slots)
+    on_gpu = h.to("meta")  # stands for GPU-resident host indices: never read for a bound
+    assert auto._least_blocks(pool.binding, on_gpu, 1) is None
+    assert auto._refuse_unread(h.numel(), DEFAULT)
+    assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and len(plans._slots) == planned
+    assert not auto._refuse_unread(h.numel() // 2, DEFAULT)  # no plan of that size yet: the plan decides
+    _fill(loads, 0.5)  # the host fast again: the plan decides
+    assert not auto._refuse_unread(h.numel(), DEFAULT)
+
+
+def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
+    """Indices reused batch after batch keep their pick; once the measure behind it is a second old, the lane declines
+    and the next call decides again (here by the calibration: the copy engine), so a kernel picked while the host
+    planned new batches does not outlive the host's speed."""
+    pool, h, d = _fp8_pool(ps=256, pages=16)
+    w = _Paces()
+    _fill(w.paces[False], 50.0)
+    auto = _auto(pool, w)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    ran = []
+    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None and not lane(1, h, d)  # the kernel's route: a bare object here, no lane
+    w.t[0] += 2 * STALE_S
+    assert w.paces[False].aged() and not lane(1, h, d)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy and not w.paces[False].aged()
+    assert lane(1, h, d) and len(ran) == 1  # the new pick's route
