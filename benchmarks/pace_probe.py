@@ -1,14 +1,15 @@
 """``auto``'s host-pace rule over time: forward-pass load bursts through the kernel, ``direct`` and ``auto`` in turn.
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
-[--layouts layer_first,page_first_direct] [--seconds 30]``.
+[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
 ``--with-off``).  Each cycle takes new index tensors (a new forward batch: each strategy decides and plans anew),
 backs all layers up through ``auto`` (a serving loop backs up after prefills), then runs one burst of per-layer
 loads (every layer, back to back, after a synchronise) through each pool in a rotating order, event-timed against
-a pinned copy of the burst's bytes timed in the same cycle.  It records per cycle the three ratios, what served
+a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` every cycle uses the same index tensors
+(indices reused batch after batch: plans built once, then reused).  It records per cycle the three ratios, what served
 ``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
 """
@@ -52,7 +53,7 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
     return a.elapsed_time(b)
 
 
-def run_cell(shape: str, layout: str, seconds: float, with_off: bool) -> dict:
+def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -72,7 +73,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool) -> dict:
     t_end = time.perf_counter() + seconds
     k = 0
     while time.perf_counter() < t_end:
-        hk, sk, dk = h.clone(), s.clone(), d.clone()  # a new batch: new tensors, new decisions
+        # a new batch: new tensors, new decisions (or, with reuse, the same ones every batch)
+        hk, sk, dk = (h, s, d) if reuse else (h.clone(), s.clone(), d.clone())
         pools["auto"].backup_all_layers(hk, sk)
         base = _copy_ms(target, pinned)
         order = names[k % len(names):] + names[:k % len(names)]
@@ -85,16 +87,17 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool) -> dict:
                 row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
         pick = auto.pick(pools["auto"].binding, hk, dk, layers[-1], to_host=False)  # type: ignore[attr-defined]
         row["auto_by"] = "direct" if pick is auto.direct else "kernel"  # type: ignore[attr-defined]
-        paces = auto.paces  # type: ignore[attr-defined]
-        row["h2d_us"] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
-        row["d2h_us"] = None if paces is None or paces[1].desc_us is None else round(paces[1].desc_us, 3)
+        for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
+            paces = getattr(auto, attr)
+            row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
+            row["d2h_us" + tag] = None if paces is None or paces[1].desc_us is None else round(paces[1].desc_us, 3)
         cycles.append(row)
         k += 1
         time.sleep(0.02)  # a forward pass's compute between bursts
     better = [max(c["kernel"], c["direct"]) for c in cycles]
     gaps = [c["auto"] - b for c, b in zip(cycles, better)]
     summary = {
-        "shape": shape, "layout": layout, "cycles": len(cycles),
+        "shape": shape, "layout": layout, "reuse": reuse, "cycles": len(cycles),
         "median": {n: round(statistics.median(c[n] for c in cycles), 4) for n in names},
         "direct_better_share": round(sum(c["direct"] > c["kernel"] for c in cycles) / len(cycles), 3),
         "auto_by_direct_share": round(sum(c["auto_by"] == "direct" for c in cycles) / len(cycles), 3),
@@ -116,11 +119,12 @@ def main() -> None:
     p.add_argument("--layouts", default="layer_first,page_first_direct")
     p.add_argument("--seconds", type=float, default=30.0, help="per cell")
     p.add_argument("--with-off", action="store_true", help="also auto with pace=False")
+    p.add_argument("--reuse", action="store_true", help="the same index tensors every cycle")
     args = p.parse_args()
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
-            cell = run_cell(shape, layout, args.seconds, args.with_off)
+            cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -144,9 +144,13 @@ def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | 
         return pool.strategy_name
     chosen = pick(pool.binding, h, d, layer, to_host=to_host)
     name = "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
-    paces = getattr(pool.strategy, "paces", None)
-    desc_us = None if paces is None else paces[to_host].desc_us
-    return name if desc_us is None else f"{name} (host {desc_us:.2f} us per descriptor)"
+    seen = []
+    for attr, what in (("paces", "planning"), ("warm_paces", "plan reused")):
+        paces = getattr(pool.strategy, attr, None)
+        desc_us = None if paces is None else paces[to_host].desc_us
+        if desc_us is not None:
+            seen.append(f"{desc_us:.2f} {what}")
+    return name if not seen else f"{name} (host us per descriptor: {', '.join(seen)})"
 
 
 class _LinkWarmer:

@@ -121,6 +121,7 @@ class _Paces:
     def __init__(self) -> None:
         self.t = [50.0]
         self.paces = (HostPace(now=lambda: self.t[0]), HostPace(now=lambda: self.t[0]))
+        self.warm = (HostPace(now=lambda: self.t[0]), HostPace(now=lambda: self.t[0]))
 
 
 def _auto(pool: HostKVPool, paces: _Paces | None) -> AutoStrategy:
@@ -307,15 +308,20 @@ def test_direct_samples_its_plain_calls_by_direction_and_not_its_staged_ones(mon
     seen = []
     real = BatchCopier.copy
 
-    def spy(self, dsts, srcs, lens, stream=None, nbytes=None, to_host=None, since=None):
-        seen.append((to_host, since is not None))
-        return real(self, dsts, srcs, lens, stream, nbytes, to_host, since)
+    def spy(self, dsts, srcs, lens, stream=None, nbytes=None, to_host=None, since=None, warm=False):
+        seen.append((to_host, since is not None, warm))
+        return real(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
 
     monkeypatch.setattr(BatchCopier, "copy", spy)
     pool, h, d = _fp8_pool(ps=16, pages=4)
     pool.backup_all_layers(h, d)
     pool.load_layer(1, h, d)
-    assert seen == [(True, True), (False, True)]
+    assert seen == [(True, True, False), (False, True, False)]  # each planned its descriptors: not warm
+    pool.load_layer(1, h, d)
+    pool.load_layer(0, h, d)  # a layer not served yet: planned in the call
+    pool.load_layer(0, h.clone(), d)  # a new pair: planned
+    pool.backup_all_layers(h, d)
+    assert seen[2:] == [(False, True, True), (False, True, False), (False, True, False), (True, True, True)]
     if "page_first" in REG.layouts:
         spec = pool.spec
         dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
@@ -323,7 +329,7 @@ def test_direct_samples_its_plain_calls_by_direction_and_not_its_staged_ones(mon
                             strategy_options={"staging": "always"})
         seen.clear()
         staged.backup_all_layers(h, d)
-        assert seen and all(to_host is None for to_host, _ in seen)
+        assert seen and all(to_host is None for to_host, _, _ in seen)
 
 
 def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices_are_not_read_for_a_slow_host():
@@ -346,11 +352,12 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     planned = len(plans._slots)
     on_gpu = h.to("meta")  # stands for GPU-resident host indices: never read for a bound
     assert auto._least_blocks(pool.binding, on_gpu, 1) is None
-    assert auto._refuse_unread(h.numel(), DEFAULT)
+    assert auto._refuse_unread(h.numel(), DEFAULT, loads.fresh())
     assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and len(plans._slots) == planned
-    assert not auto._refuse_unread(h.numel() // 2, DEFAULT)  # no plan of that size yet: the plan decides
+    assert not auto._refuse_unread(h.numel() // 2, DEFAULT, loads.fresh())  # no plan of that size yet: the plan decides
+    assert not auto._refuse_unread(h.numel(), DEFAULT, None)  # no measure: the plan decides
     _fill(loads, 0.5)  # the host fast again: the plan decides
-    assert not auto._refuse_unread(h.numel(), DEFAULT)
+    assert not auto._refuse_unread(h.numel(), DEFAULT, loads.fresh())
 
 
 def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
@@ -370,3 +377,59 @@ def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
     assert w.paces[False].aged() and not lane(1, h, d)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy and not w.paces[False].aged()
     assert lane(1, h, d) and len(ran) == 1  # the new pick's route
+
+
+def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
+    """Calls that plan their descriptors (a new pair, a new layer) measure a slower host than calls that reuse a plan.
+    A new pair is judged at the former (a serving loop plans every batch); a pair used beyond one burst (one call per
+    owned layer) is decided again at the latter, measured first where no measure exists, so indices reused batch
+    after batch are not held to the pace of their first burst."""
+    pool, h, d = _fp8_pool()
+    w = _Paces()
+    auto = _auto(pool, w)
+    auto.warm_paces = w.warm
+    auto._layers = 2
+    cold, warm = w.paces[False], w.warm[False]
+    _fill(cold, 0.9)  # planning calls: too slow to feed these loads
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel  # first burst: the planning pace
+    assert auto.pick(pool.binding, h, d, 0, to_host=False) is auto.kernel
+    key = _pick_key(h, d, 1, False)
+    assert auto._uses[key][0] == 2 and auto._uses[key][1] is h  # the tensors are held while counted
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct  # reused, no measure of reused plans: probe
+    assert auto.pace_probes == 1
+    _fill(warm, 0.42)  # reused plans submit fast: a new generation, decided again
+    assert auto.pick(pool.binding, h, d, 0, to_host=False) is auto.direct and auto.pace_probes == 1
+    h2 = h.clone()  # a new batch is still judged at the planning pace
+    assert auto.pick(pool.binding, h2, d, 1, to_host=False) is auto.kernel
+    _fill(warm, 0.9)  # reused plans slow too
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    for _ in range(3):  # fresh tensors every batch never count as reused, whatever ids they get
+        hb, db = h.clone(), d.clone()
+        assert [auto.pick(pool.binding, hb, db, layer, to_host=False) is auto.kernel for layer in (1, 0)] == [True] * 2
+        assert auto._uses[_pick_key(hb, db, 1, False)][0] == 2
+    _fill(warm, 0.42)
+    assert auto.pick(pool.binding, hb, db, 1, to_host=False) is auto.direct  # its third call: reused
+
+    # an all-layer call counts as a burst of its own: the second is a reuse
+    pages = _Paces()
+    auto = _auto(pool, pages)
+    auto.warm_paces = pages.warm
+    _fill(pages.paces[False], 0.9)
+    _fill(pages.warm[False], 0.42)
+    assert [auto.pick(pool.binding, h, d, None, to_host=False) is auto.direct for _ in range(2)] == [False, True]
+
+    # the lane counts as pick() does, and leaves the first reuse of a kernel-picked pair to it
+    lw = _Paces()
+    auto = _auto(pool, lw)
+    auto.warm_paces, auto._layers = lw.warm, 2
+    _fill(lw.paces[False], 0.9)
+    _fill(lw.warm[False], 0.42)
+    ran = []
+    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    assert not lane(0, h, d) and auto._uses[key][0] == 2  # the kernel's route (a bare object: no lane), counted
+    assert not lane(1, h, d) and auto._uses[key][0] == 2  # the pair's first reuse: declined, not counted
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
+    assert lane(0, h, d) and ran and auto._uses[key][0] == 4

@@ -74,6 +74,8 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
 _PICKS = 16
 #: (layer, count) answers of the kernel's ``fast_load`` kept per pool.
 _FAST_MEMO = 256
+#: Index pairs whose calls are counted per pool (:meth:`AutoStrategy._use`).
+_USES = 32
 
 
 def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -167,10 +169,16 @@ class AutoStrategy:
         self._clocked = False
         self._index = 0  # the pool's CUDA device (when clocked)
         self._fast_memo: dict[tuple[int, int], bool] = {}
-        #: The direct candidate's measures of the host by direction (index: ``to_host``; ``None``: not used), and
-        #: the sum of their generations the memoised picks were decided at.
+        #: The direct candidate's measures of the host by direction (index: ``to_host``; ``None``: not used): of calls
+        #: that planned their descriptors (``paces``) and of calls that reused a plan (``warm_paces``; ``None``: the
+        #: former serve for both), and the sum of their generations the memoised picks were decided at.
         self.paces: tuple[HostPace, HostPace] | None = None
+        self.warm_paces: tuple[HostPace, HostPace] | None = None
         self._pace_gen = 0
+        #: Pick key -> [calls, host indices, device indices]: how often an index pair was used (the tensors are held,
+        #: so no other tensor takes their ids while they are counted).
+        self._uses: dict[tuple, list[Any]] = {}
+        self._layers = 1  # the pool's owned layers: one-layer calls of one pair in a burst
         #: Calls sent to the copy engine to measure the host (for tests and benchmarks).
         self.pace_probes = 0
         #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
@@ -207,8 +215,10 @@ class AutoStrategy:
                 self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
         copier = binding.scratch.get("direct.copier") if self.direct is not None else None
-        self.paces = (copier.paces if self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)
-                      else None)
+        if not (self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)):
+            copier = None  # nothing measured: the calibration alone decides
+        self.paces = copier.paces if copier is not None else None
+        self.warm_paces = copier.warm_paces if copier is not None else None
         self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
@@ -230,51 +240,92 @@ class AutoStrategy:
         where the host indices alone show a one-layer call too many copy blocks for the host to feed
         (:meth:`_least_blocks`: a new batch's copy plan would cost the burst a device read and the host
         hundreds of microseconds, only to be refused).
+
+        The measure that judges a call: for a new index pair, the host's pace of calls that planned their
+        descriptors (a serving loop's new batches); for a pair used beyond one burst (more calls than the pool owns
+        layers, or a second all-layer call), that of calls that reused a plan (:attr:`warm_paces`).  A pair memoised
+        to the kernel is decided again at its first reuse, so indices reused batch after batch are not held to the
+        pace of their first burst (which planned every layer).
         """
         if self.kernel is None:
             assert self.direct is not None
             return self.direct
         if self.direct is None:
             return self.kernel
-        paces = self.paces
-        if paces is not None and paces[to_host].aged():
-            paces[to_host].reset()  # an old measure no longer counts: decide again (a new one starts with the call)
-        if paces is not None and paces[0].generation + paces[1].generation != self._pace_gen:
-            self._pace_gen = paces[0].generation + paces[1].generation  # the host's speed moved: decide again
-            self._picks.clear()
+        if self._pace_moved(to_host):
+            self._picks.clear()  # the host's speed moved, or a measure aged: decide again
         key = _pick_key(host_indices, device_indices, layer, to_host)
+        reused, crossed = self._use(key, host_indices, device_indices, layer)
         hit = self._picks.get(key) if key is not None else None
-        if hit is not None:
+        if hit is not None and not (crossed and hit is self.kernel):
             return hit
-        cal = self.calibration
-        assert cal is not None
-        if self._block_bound(binding, layer) < cal.min_block(to_host):
-            pick = self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
-        elif layer is not None and (least := self._least_blocks(binding, host_indices, layer)) is not None \
-                and not self._may_feed(*least, cal, to_host):
-            pick = self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
-        elif layer is not None and least is None and not to_host and self._refuse_unread(host_indices.numel(), cal):
-            pick = self.kernel  # GPU-resident indices, a host measured too slow for such loads lately: no device read
-        else:
-            sub = self.direct.submission(binding, host_indices, device_indices, layer)
-            if layer is not None and not to_host:
-                if len(self._load_blocks) >= _PICKS:
-                    self._load_blocks.clear()
-                self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
-            pick = self.kernel
-            if sub.smallest_block >= cal.min_block(to_host):
-                pace = paces[to_host] if paces is not None else None
-                desc_us = pace.fresh() if pace is not None else None
-                if _fed(sub, cal, desc_us, to_host):
-                    pick = self.direct
-                elif pace is not None and desc_us is None and _worth_measuring(sub, cal):
-                    self.pace_probes += 1  # the copy engine serves it to measure the host
-                    pick = self.direct
+        pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused)
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
             self._picks[key] = pick
         return pick
+
+    def _pace_moved(self, to_host: bool) -> bool:
+        """Restart a measure of ``to_host``'s direction that aged (a new one starts with the next calls); whether the
+        measures' generations moved since the memoised picks were decided (then they are decided again)."""
+        gen = 0
+        for group in (self.paces, self.warm_paces):
+            if group is not None:
+                if group[to_host].aged():
+                    group[to_host].reset()
+                gen += group[0].generation + group[1].generation
+        if gen == self._pace_gen:
+            return False
+        self._pace_gen = gen
+        return True
+
+    def _use(self, key: tuple | None, host_indices: torch.Tensor, device_indices: torch.Tensor,
+             layer: int | None) -> tuple[bool, bool]:
+        """Count a call of ``key``: whether its index pair is reused (more calls than one burst makes: one per owned
+        layer for one-layer calls, one for all-layer calls) and whether this call is the first such."""
+        if key is None:
+            return False, False
+        entry = self._uses.get(key)
+        if entry is None:
+            if len(self._uses) >= _USES:
+                self._uses.clear()
+            entry = self._uses[key] = [0, host_indices, device_indices]
+        entry[0] += 1
+        limit = 1 if layer is None else self._layers
+        return entry[0] > limit, entry[0] == limit + 1
+
+    def _decide(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                layer: int | None, to_host: bool, reused: bool) -> Strategy:
+        """The candidate for a call not memoised (:meth:`pick`); ``reused``: judged at the host's pace of calls that
+        reuse their plans (:attr:`warm_paces`), else at that of calls that plan."""
+        assert self.direct is not None and self.kernel is not None
+        paces = self.warm_paces if reused and self.warm_paces is not None else self.paces
+        pace = paces[to_host] if paces is not None else None
+        desc_us = pace.fresh() if pace is not None else None
+        cal = self.calibration
+        assert cal is not None
+        if self._block_bound(binding, layer) < cal.min_block(to_host):
+            return self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
+        least = self._least_blocks(binding, host_indices, layer) if layer is not None else None
+        if least is not None and not self._may_feed(*least, cal, to_host, pace):
+            return self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
+        if layer is not None and least is None and not to_host and self._refuse_unread(host_indices.numel(), cal,
+                                                                                         desc_us):
+            return self.kernel  # GPU-resident indices, a host measured too slow for such loads lately: no device read
+        sub = self.direct.submission(binding, host_indices, device_indices, layer)
+        if layer is not None and not to_host:
+            if len(self._load_blocks) >= _PICKS:
+                self._load_blocks.clear()
+            self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
+        if sub.smallest_block < cal.min_block(to_host):
+            return self.kernel
+        if _fed(sub, cal, desc_us, to_host):
+            return self.direct
+        if pace is not None and desc_us is None and _worth_measuring(sub, cal):
+            self.pace_probes += 1  # the copy engine serves it to measure the host
+            return self.direct
+        return self.kernel
 
     def _block_bound(self, binding: PoolBinding, layer: int | None) -> float:
         """An upper bound on the *smallest* copy block of any call on ``layer`` (``None``: all layers).
@@ -331,25 +382,25 @@ class AutoStrategy:
             nbytes += token_bytes * n
         return blocks, nbytes
 
-    def _refuse_unread(self, n: int, cal: Calibration) -> bool:
+    def _refuse_unread(self, n: int, cal: Calibration, desc_us: float | None) -> bool:
         """For a one-layer load of ``n`` positions whose host indices live on the GPU (not read for a bound): whether
         the last plan of a load of ``n`` positions (its copy blocks and bytes) is too many blocks for the host's recent
-        measure of loads.  Reading the indices back would wait for the work queued before the call, and planning a
+        measure of loads (``desc_us``: :meth:`HostPace.fresh <.pace.HostPace.fresh>`; ``None``: not refused).  Reading the indices back would wait for the work queued before the call, and planning a
         new batch costs the host hundreds of microseconds (H200: bursts of MLA loads with new GPU-resident indices
         every batch went 0.87 of memcpy by the kernel, 0.54-0.59 through the copy engine)."""
         last = self._load_blocks.get(n)
-        desc_us = self.paces[False].fresh() if self.paces is not None else None
         if last is None or desc_us is None:
             return False
         blocks, nbytes = last
         return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
             FED_SHARE * nbytes / (cal.link_gbps * 1e3)
 
-    def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool) -> bool:
+    def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
-        (:func:`_fed` at that count, or a measure of the host :meth:`pick` would start for it)."""
+        (:func:`_fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
+        :meth:`pick` would start for it)."""
         link_us = nbytes / (cal.link_gbps * 1e3)
-        desc_us = self.paces[to_host].fresh() if self.paces is not None else None
+        desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
         if desc_us is not None:
             if blocks * desc_us + burst_us <= FED_SHARE * link_us:
@@ -359,7 +410,7 @@ class AutoStrategy:
         if blocks * cal.submit_us + batch_calls(blocks) * cal.call_us <= link_us:
             return True
         # no measure: one may start (pick) where a host at the calibration's cost would feed a burst
-        return self.paces is not None and desc_us is None and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us
+        return pace is not None and desc_us is None and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
@@ -422,7 +473,8 @@ class AutoStrategy:
         index = binding.device.index
         self._index = (index if index is not None else current_device_index()) if self._clocked else 0
         self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
-        self._layer_token_bytes = self._token_bytes // max(1, len(binding.spec.layer_map.device_layers))
+        self._layers = max(1, len(binding.spec.layer_map.device_layers))
+        self._layer_token_bytes = self._token_bytes // self._layers
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
@@ -467,8 +519,9 @@ class AutoStrategy:
         k_lane, d_lane = inner(self.kernel), inner(self.direct)
         if k_lane is None and d_lane is None:
             return None
-        clock, index, picks, clocked, paces = self.clock, self._index, self._picks, self._clocked, self.paces
-        direct, kernel = self.direct, self.kernel
+        clock, index, picks, clocked, uses = self.clock, self._index, self._picks, self._clocked, self._uses
+        measures = tuple(g for g in (self.paces, self.warm_paces) if g is not None)
+        direct, kernel, layers = self.direct, self.kernel, self._layers
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
@@ -489,12 +542,17 @@ class AutoStrategy:
                     return True
             if direct is None or kernel is None:
                 route = only
-            elif paces is not None and (paces[0].generation + paces[1].generation != self._pace_gen
-                                        or paces[to_host].aged()):
+            elif measures and (sum(g[0].generation + g[1].generation for g in measures) != self._pace_gen
+                               or any(g[to_host].aged() for g in measures)):
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
             else:
                 key = _pick_key(host_indices, device_indices, layer, to_host)
                 pick = None if key is None else picks.get(key)
+                entry = None if pick is None else uses.get(key)  # type: ignore[arg-type]
+                if entry is not None:  # counted as pick() counts (_use)
+                    if pick is kernel and entry[0] == (1 if layer is None else layers):
+                        return False  # the pair's first reuse: pick() decides again at the pace of reused plans
+                    entry[0] += 1
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
             if route is None or not route(layer, host_indices, device_indices):
                 return False

@@ -126,12 +126,12 @@ class DirectStrategy(DirectionalStrategy):
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
         copier: BatchCopier = binding.scratch["direct.copier"]
-        since = copier.clock.now()  # the host's pace counts the whole call (a new pair's plan too)
+        since = copier.clock.now()  # the host's pace counts the whole call (a new pair's or layer's plan too)
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
-        self._run(binding, copier, sub, stream, to_host, since)
+        self._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
         sub.served[to_host] = True
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
@@ -151,22 +151,23 @@ class DirectStrategy(DirectionalStrategy):
             sub = None if plan is None else plan.peek(layer)
             if sub is None or not sub.served[to_host]:
                 return False
-            run(binding, copier, sub, stream, to_host, since)
+            run(binding, copier, sub, stream, to_host, since, warm=True)
             return True
 
         return lane
 
     @staticmethod
     def _run(binding: PoolBinding, copier: BatchCopier, sub: Submission, stream: int, to_host: bool,
-             since: float | None = None) -> None:
+             since: float | None = None, warm: bool = False) -> None:
         """Submit ``sub`` in one direction on ``stream``; plain descriptors alone are sampled for the host's pace
-        (:attr:`.memcpy.BatchCopier.paces`), from ``since``."""
+        (:attr:`.memcpy.BatchCopier.paces`, or its ``warm_paces`` where ``warm``: ``sub`` served this direction
+        before, so the call planned nothing), from ``since``."""
         if sub.staged is None:
             if sub.pitched is not None:
                 copier.copy_pitched(sub.pitched, lambda: sub.pitched_ops(to_host), to_host=to_host, stream=stream,
                                     nbytes=sub.pitched_nbytes)
             dst, src = (sub.host, sub.dev) if to_host else (sub.dev, sub.host)
             copier.copy(dst, src, sub.lens, stream, sub.plain_nbytes, to_host=None if sub.pitched is not None else to_host,
-                        since=since)
+                        since=since, warm=warm)
             return
         sub.staged.run(binding, copier, binding.scratch["direct.staging"], stream, to_host=to_host)

@@ -106,8 +106,11 @@ class BatchCopier:
             self._index = torch.cuda.current_device()
         self.clock = QueueClock()
         #: The host's recent submission speed, by direction (index: ``to_host``), from this copier's own plain
-        #: submissions (``auto`` reads them).
+        #: submissions that planned their descriptors in the call (a new index pair or layer: a serving loop's
+        #: fresh batches), and from those that reused a plan (:attr:`warm_paces`: indices reused call after call).
+        #: ``auto`` reads them.
         self.paces = (HostPace(), HostPace())
+        self.warm_paces = (HostPace(), HostPace())
         self._pitched_refused = False
 
     @staticmethod
@@ -132,11 +135,13 @@ class BatchCopier:
             return False
 
     def copy(self, dsts: torch.Tensor, srcs: torch.Tensor, lens: torch.Tensor, stream: int | None = None,
-             nbytes: int | None = None, to_host: bool | None = None, since: float | None = None) -> None:
+             nbytes: int | None = None, to_host: bool | None = None, since: float | None = None,
+             warm: bool = False) -> None:
         """Copy every range; ``dsts``/``srcs``/``lens`` are contiguous CPU int64 tensors of one length
         (``nbytes``: their total, when the caller knows it).  ``to_host``: the direction, whose
-        :attr:`paces` entry samples the host time from ``since`` (the clock's time when the caller's
-        call began; default: now) to the end of the submission (``None``: not sampled)."""
+        :attr:`paces` entry (:attr:`warm_paces` where ``warm``: the caller reused its descriptors, no planning
+        in the call) samples the host time from ``since`` (the clock's time when the caller's call began;
+        default: now) to the end of the submission (``None``: not sampled)."""
         n = int(dsts.numel())
         if n == 0:
             return
@@ -156,7 +161,7 @@ class BatchCopier:
         measured = self.clock.backlog_us(s, now) <= MAX_BACKLOG_US
         eager = self._submit(s, n, DESC_US, nbytes, lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
         if measured:
-            self.paces[to_host].record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
+            (self.warm_paces if warm else self.paces)[to_host].record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:

@@ -4,8 +4,10 @@ The host's speed drifts by up to 2x over seconds (docs/performance.md), so a fix
 either wastes the copy engine while the host is fast or starves it while the host is slow.  Each
 :class:`~.memcpy.BatchCopier` keeps a :class:`HostPace` per direction: the host time of ``direct``'s
 recent calls that submit plain descriptors only (the whole call: a new index pair's plan too, so a
-serving loop's fresh indices count), per descriptor, once the runtime's per-call cost is taken off.  ``auto``
-reads them to tell whether the host keeps up with the copy engine now (:func:`.auto._fed`).  A
+serving loop's fresh indices count), per descriptor, once the runtime's per-call cost is taken off; and
+another per direction for the calls that reused a plan (no planning in the call: indices reused call after
+call).  ``auto`` reads them to tell whether the host keeps up with the copy engine now (:func:`.auto._fed`),
+judging a new index pair at the pace of planning calls and a reused one at that of reused plans.  A
 measure older than :data:`STALE_S` no longer counts.
 
 Only submissions that measure the host are sampled: CUDA ones of at least :data:`MIN_OPS`
