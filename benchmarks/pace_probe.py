@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hicache_core.backends.auto import _pick_key  # noqa: E402
 from hicache_core.bench import _check, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
@@ -85,8 +86,9 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[name] = round(base / ms, 4)
             if name == "auto":
                 row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
-        pick = auto.pick(pools["auto"].binding, hk, dk, layers[-1], to_host=False)  # type: ignore[attr-defined]
-        row["auto_by"] = "direct" if pick is auto.direct else "kernel"  # type: ignore[attr-defined]
+        # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
+        pick = auto._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
+        row["auto_by"] = "direct" if pick is auto.direct else "kernel" if pick is not None else "lone/none"  # type: ignore[attr-defined]
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
