@@ -33,15 +33,18 @@ from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
 
-def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor) -> float:
+def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor) -> tuple[float, float]:
+    """The burst's GPU time (ms) and its host time per call (us)."""
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
+    t0 = time.perf_counter()
     for layer in layers:
         pool.load_layer(layer, h, d)
+    host_us = (time.perf_counter() - t0) * 1e6 / len(layers)
     b.record()
     b.synchronize()
-    return a.elapsed_time(b)
+    return a.elapsed_time(b), host_us
 
 
 def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
@@ -81,11 +84,15 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         order = names[k % len(names):] + names[:k % len(names)]
         row: dict = {"t": round(time.perf_counter(), 4)}
         for name in order:
-            probes = getattr(pools[name].strategy, "pace_probes", 0)
-            ms = _burst_ms(pools[name], layers, hk, dk)
+            st = pools[name].strategy
+            probes, lone, decided = (getattr(st, k, 0) for k in ("pace_probes", "lone_kernel_loads", "decisions"))
+            ms, host_us = _burst_ms(pools[name], layers, hk, dk)
             row[name] = round(base / ms, 4)
+            row[name + "_host_us"] = round(host_us, 1)
             if name == "auto":
                 row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
+                row["auto_lone"] = auto.lone_kernel_loads - lone  # type: ignore[attr-defined]
+                row["auto_decided"] = auto.decisions - decided  # type: ignore[attr-defined]
         # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
         pick = auto._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
         row["auto_by"] = "direct" if pick is auto.direct else "kernel" if pick is not None else "lone/none"  # type: ignore[attr-defined]

@@ -396,7 +396,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     key = _pick_key(h, d, 1, False)
     assert auto._uses[key][0] == 2 and auto._uses[key][1] is h  # the tensors are held while counted
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct  # reused, no measure of reused plans: probe
-    assert auto.pace_probes == 1
+    assert auto.pace_probes == 1 and auto.decisions == 2  # the first call and the first reuse decided
     _fill(warm, 0.42)  # reused plans submit fast: a new generation, decided again
     assert auto.pick(pool.binding, h, d, 0, to_host=False) is auto.direct and auto.pace_probes == 1
     h2 = h.clone()  # a new batch is still judged at the planning pace

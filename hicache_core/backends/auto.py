@@ -181,6 +181,8 @@ class AutoStrategy:
         self._layers = 1  # the pool's owned layers: one-layer calls of one pair in a burst
         #: Calls sent to the copy engine to measure the host (for tests and benchmarks).
         self.pace_probes = 0
+        #: Decisions made (calls not served by a memoised pick; for tests and benchmarks).
+        self.decisions = 0
         #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
         self._load_blocks: dict[int, tuple[int, int]] = {}
 
@@ -300,6 +302,7 @@ class AutoStrategy:
         """The candidate for a call not memoised (:meth:`pick`); ``reused``: judged at the host's pace of calls that
         reuse their plans (:attr:`warm_paces`), else at that of calls that plan."""
         assert self.direct is not None and self.kernel is not None
+        self.decisions += 1
         paces = self.warm_paces if reused and self.warm_paces is not None else self.paces
         pace = paces[to_host] if paces is not None else None
         desc_us = pace.fresh() if pace is not None else None
