@@ -21,7 +21,8 @@
 #   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
 #   tmasan      compute-sanitizer memcheck and racecheck (concurrently) over tests/test_tma.py -k TMA_SAN_K
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
-#   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU
+#   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU, and the
+#               conformance kit for direct and auto beside them
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
 #               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
@@ -129,8 +130,11 @@ for step in "$@"; do
           --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
           python3 benchmarks/profile_kernel.py --layout $lay --options "$opts" >"$W/ncu_$lay.log" 2>&1
         note "ncu $lay: $(result $?)"; done ;;
-    pacetests) timeout ${TESTS_T:-300} $PYT tests/test_pace.py tests/test_direct.py >"$W/pace_tests.log" 2>&1
-      note "pace tests: $(result $?) $(tail -1 "$W/pace_tests.log")" ;;
+    pacetests) timeout ${TESTS_T:-300} $PYT hicache_core/testing --hicache-io-backend direct --hicache-io-backend auto \
+        >"$W/pace_kit.log" 2>&1 & a=$!
+      timeout ${TESTS_T:-300} $PYT tests/test_pace.py tests/test_direct.py >"$W/pace_tests.log" 2>&1; r=$?
+      wait $a; ra=$?
+      note "pace tests: $(result $r) $(tail -1 "$W/pace_tests.log")"; note "kit direct+auto: $(result $ra) $(tail -1 "$W/pace_kit.log")" ;;
     pace) for mode in fresh reuse; do
         if [ $mode = fresh ]; then args=${PACE_ARGS:-}; else args="--reuse ${PACE_REUSE_ARGS:-}"; fi
         timeout ${PACE_T:-300} python3 benchmarks/pace_probe.py --out "$OUT/pace-$mode.json" \

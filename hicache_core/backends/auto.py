@@ -76,6 +76,8 @@ _PICKS = 16
 _FAST_MEMO = 256
 #: Index pairs whose calls are counted per pool (:meth:`AutoStrategy._use`).
 _USES = 32
+#: Stands for an absent measure in :meth:`AutoStrategy.lane` (never sampled: generation 0, never aged).
+_STILL = HostPace()
 
 
 def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -508,7 +510,8 @@ class AutoStrategy:
         return layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
-        """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock."""
+        """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (:meth:`lane` inlines
+        it: change both together)."""
         self.clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
@@ -523,8 +526,14 @@ class AutoStrategy:
         if k_lane is None and d_lane is None:
             return None
         clock, index, picks, clocked, uses = self.clock, self._index, self._picks, self._clocked, self._uses
-        measures = tuple(g for g in (self.paces, self.warm_paces) if g is not None)
+        # the measures' generations and this direction's measures, unrolled (an absent group reads as one that never
+        # changes): what pick() checks first, at a few attribute reads per call
+        measured = self.paces is not None or self.warm_paces is not None
+        c0, c1 = self.paces if self.paces is not None else (_STILL, _STILL)
+        w0, w1 = self.warm_paces if self.warm_paces is not None else (_STILL, _STILL)
+        here_c, here_w = (c1, w1) if to_host else (c0, w0)
         direct, kernel, layers = self.direct, self.kernel, self._layers
+        queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
@@ -545,8 +554,8 @@ class AutoStrategy:
                     return True
             if direct is None or kernel is None:
                 route = only
-            elif measures and (sum(g[0].generation + g[1].generation for g in measures) != self._pace_gen
-                               or any(g[to_host].aged() for g in measures)):
+            elif measured and (c0.generation + c1.generation + w0.generation + w1.generation != self._pace_gen
+                               or here_c.aged() or here_w.aged()):
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
             else:
                 key = _pick_key(host_indices, device_indices, layer, to_host)
@@ -559,8 +568,8 @@ class AutoStrategy:
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
             if route is None or not route(layer, host_indices, device_indices):
                 return False
-            if clocked:
-                self._book(stream, n, layer, now)
+            if clocked:  # _book, inlined
+                queued(stream, n * (layer_bytes if layer is not None else token_bytes), now)
             return True
 
         return lane
