@@ -507,6 +507,8 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert auto[0].endswith("otherwise the kernel (none available here)")
     assert auto[2].startswith("auto: on a GPU pool, the host's measured pace (its copy-engine calls of the last second) "
                               "decides too: a burst's submission at that pace must take <= 110% of the transfer time")
+    assert auto[2].endswith("new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
+                            "burst at that of calls that reuse a plan")
     assert auto[3] == ("auto: backup_all_layers of all 64 slots -> direct (blocks of 73728 B and up, 73728 B on "
                        "average, over 4 copy-engine operations, staged; large enough, host cannot keep up)")
     assert auto[4] == ("auto: load_layer of all 64 slots -> direct (blocks of 1152 B and up, 1152 B on average, over "

@@ -434,7 +434,9 @@ class AutoStrategy:
             lines.append("auto: on a GPU pool, the host's measured pace (its copy-engine calls of the last second) decides "
                          f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
                          "that alone decides; backups: it can only add the copy engine); where none is measured and a "
-                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it")
+                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it; new index "
+                         "tensors are judged at the pace of calls that plan, tensors reused beyond one burst at that of "
+                         "calls that reuse a plan")
         if getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
