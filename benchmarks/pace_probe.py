@@ -95,7 +95,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
                 row["auto_decided"] = auto.decisions - decided  # type: ignore[attr-defined]
         # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
         pick = auto._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
-        row["auto_by"] = "direct" if pick is auto.direct else "kernel" if pick is not None else "lone/none"  # type: ignore[attr-defined]
+        row["auto_by"] = ("direct" if pick is auto.direct  # type: ignore[attr-defined]
+                          else "kernel" if pick is not None else "lone/none")
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)

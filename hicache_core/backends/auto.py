@@ -390,9 +390,10 @@ class AutoStrategy:
     def _refuse_unread(self, n: int, cal: Calibration, desc_us: float | None) -> bool:
         """For a one-layer load of ``n`` positions whose host indices live on the GPU (not read for a bound): whether
         the last plan of a load of ``n`` positions (its copy blocks and bytes) is too many blocks for the host's recent
-        measure of loads (``desc_us``: :meth:`HostPace.fresh <.pace.HostPace.fresh>`; ``None``: not refused).  Reading the indices back would wait for the work queued before the call, and planning a
-        new batch costs the host hundreds of microseconds (H200: bursts of MLA loads with new GPU-resident indices
-        every batch went 0.87 of memcpy by the kernel, 0.54-0.59 through the copy engine)."""
+        measure of loads (``desc_us``: :meth:`HostPace.fresh <.pace.HostPace.fresh>`; ``None``: not refused).
+        Reading the indices back would wait for the work queued before the call, and planning a new batch costs the
+        host hundreds of microseconds (H200: bursts of MLA loads with new GPU-resident indices every batch went 0.87
+        of memcpy by the kernel, 0.54-0.59 through the copy engine)."""
         last = self._load_blocks.get(n)
         if last is None or desc_us is None:
             return False
@@ -434,9 +435,9 @@ class AutoStrategy:
             lines.append("auto: on a GPU pool, the host's measured pace (its copy-engine calls of the last second) decides "
                          f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
                          "that alone decides; backups: it can only add the copy engine); where none is measured and a "
-                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it; new index "
-                         "tensors are judged at the pace of calls that plan, tensors reused beyond one burst at that of "
-                         "calls that reuse a plan")
+                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
+                         "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
+                         "burst at that of calls that reuse a plan")
         if getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "

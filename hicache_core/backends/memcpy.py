@@ -161,7 +161,8 @@ class BatchCopier:
         measured = self.clock.backlog_us(s, now) <= MAX_BACKLOG_US
         eager = self._submit(s, n, DESC_US, nbytes, lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
         if measured:
-            (self.warm_paces if warm else self.paces)[to_host].record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
+            pace = (self.warm_paces if warm else self.paces)[to_host]
+            pace.record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:
