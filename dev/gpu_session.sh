@@ -25,6 +25,7 @@
 #               conformance kit for direct and auto beside them
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
 #               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12)
+#   trace       benchmarks/pace_trace.py: where auto's host-pace samples come from in bench rows (TRACE_SHAPES, TRACE_ARGS)
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -140,6 +141,10 @@ for step in "$@"; do
         timeout ${PACE_T:-300} python3 benchmarks/pace_probe.py --out "$OUT/pace-$mode.json" \
           --seconds ${PACE_SECONDS:-12} $args >"$W/pace_$mode.log" 2>&1
         note "pace probe ($mode): $(result $?)"; cat "$W/pace_$mode.log"; done ;;
+    trace) for sh in ${TRACE_SHAPES:-mla61x656-fp8}; do
+        timeout ${TRACE_T:-240} python3 benchmarks/pace_trace.py --out "$OUT/trace-$sh.json" --shape $sh \
+          ${TRACE_ARGS:-} >"$W/trace_$sh.log" 2>&1
+        note "pace trace ($sh): $(result $?)"; cat "$W/trace_$sh.log"; done ;;
     *) note "unknown step $step" ;;
   esac
   note "  ($step took $(( $(date +%s) - t0 )) s)"

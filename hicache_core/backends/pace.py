@@ -26,8 +26,11 @@ __all__ = ["HostPace", "WINDOW", "MIN_SAMPLES", "MIN_OPS", "MAX_BACKLOG_US", "RE
 #: Samples kept, the most recent; the estimate is their median, so a few stalled submissions (the thread
 #: descheduled mid-call) do not move it.
 WINDOW = 15
-#: Samples needed before there is an estimate.
-MIN_SAMPLES = 3
+#: Samples needed before there is an estimate.  The first submissions after the host idled (a load after a
+#: synchronise, the first call of a burst) can take 2-6x the steady pace (traced on an H200:
+#: ``benchmarks/pace_trace.py``); with three samples one such call moved the median, and the decision made from it
+#: held until the measure aged, as the route it picked sends no more samples.  The median of seven outlasts three.
+MIN_SAMPLES = 7
 #: Submissions of fewer descriptors are not sampled (the per-call cost dominates them).
 MIN_OPS = 32
 #: A submission that starts behind more queued copies than this (microseconds at the drain rate of

@@ -1,0 +1,125 @@
+"""Where ``auto``'s host-pace samples come from, during ``hicache bench``'s rows of one cell.
+
+Usage (GPU): ``python benchmarks/pace_trace.py --out FILE.json [--shape mla61x656-fp8] [--layout layer_first]
+[--io-backends direct,auto] [--reps 20] [--gemm]``.
+
+Runs :func:`hicache_core.bench.run_bench` for one shape and layout (4096 tokens, page 64) with every
+:class:`~hicache_core.backends.pace.HostPace` sample traced: the bench phase it came from (the pool's check,
+the timed calls of each op, the GEMM windows, the host-time bursts), the pace it went to (planning or plan
+reused, load or backup), the host time of the submission, its descriptors and runtime calls, and the sample
+(microseconds per descriptor).  The summary gives, per pool, op, phase and pace, the samples' median, and
+per runtime-call count (a submission split into several calls is one that started on an idle engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hicache_core import bench  # noqa: E402
+from hicache_core.backends import memcpy  # noqa: E402
+from hicache_core.backends.pace import MODEL_CALL_US  # noqa: E402
+
+_STATE: dict[str, Any] = {"row": "", "phase": "setup"}
+
+
+def _phased(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before, _STATE["phase"] = _STATE["phase"], name
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _STATE["phase"] = before
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--shape", default="mla61x656-fp8")
+    ap.add_argument("--layout", default="layer_first")
+    ap.add_argument("--io-backends", default="direct,auto")
+    ap.add_argument("--ops", default="load_layer,load_burst")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemm", action="store_true")
+    args = ap.parse_args()
+
+    samples: list[dict[str, Any]] = []
+    real_copy = memcpy.BatchCopier.copy
+
+    def traced_copy(self: memcpy.BatchCopier, dsts: Any, srcs: Any, lens: Any, stream: Any = None,
+                    nbytes: Any = None, to_host: Any = None, since: Any = None, warm: bool = False) -> None:
+        pace = None if to_host is None else (self.warm_paces if warm else self.paces)[to_host]
+        before = None if pace is None else len(pace.samples())
+        last = None if pace is None or not pace.samples() else pace.samples()[-1]
+        real_copy(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
+        if pace is None:
+            return
+        kept = pace.samples()
+        if len(kept) == before and (not kept or kept[-1] == last):
+            return  # not sampled (few descriptors, or behind a deep queue)
+        n, sample = int(dsts.numel()), kept[-1]
+        calls = len(memcpy.batch_schedule(n, _STATE["eager"]))
+        samples.append({"row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(to_host),
+                        "pace": "reused" if warm else "planning", "ops": n, "calls": calls, "eager": _STATE["eager"],
+                        "desc_us": round(sample, 4), "host_us": round(sample * n + calls * MODEL_CALL_US, 2),
+                        "estimate_us": pace.desc_us})
+
+    real_submit = memcpy.BatchCopier._submit
+
+    def submit(self: memcpy.BatchCopier, *a: Any, **kw: Any) -> bool:
+        _STATE["eager"] = eager = real_submit(self, *a, **kw)
+        return eager
+
+    memcpy.BatchCopier.copy = traced_copy  # type: ignore[method-assign]
+    memcpy.BatchCopier._submit = submit  # type: ignore[method-assign]
+    for name in ("_median_ms", "_gemm_slowdown", "_burst_host_us", "_check", "_host_us", "_served_by"):
+        setattr(bench, name, _phased(name.strip("_"), getattr(bench, name)))
+
+    rows: list[dict[str, Any]] = []
+
+    def progress(msg: str) -> None:
+        print(msg, flush=True)
+
+    def sink(row: Any) -> None:
+        rows.append(dict(row.__dict__) if hasattr(row, "__dict__") else dict(row))
+
+    real_configs = bench._configs
+
+    def configs(backend: str, programs: Any, direct_variants: Any) -> Any:
+        out = real_configs(backend, programs, direct_variants)
+        return [(v, o) for v, o in out if backend != "auto" or v in ("", "lone=off")]
+    bench._configs = configs  # type: ignore[assignment]
+
+    real_init = bench.HostKVPool.__init__
+
+    def init(self: Any, *a: Any, **kw: Any) -> None:
+        _STATE["row"] = f"{kw.get('strategy')} {kw.get('strategy_options')}"
+        real_init(self, *a, **kw)
+    bench.HostKVPool.__init__ = init  # type: ignore[method-assign]
+
+    bench.run_bench(shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[args.layout],
+                    backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
+                    progress=progress, sink=sink)
+    groups: dict[tuple[str, str, bool, str], list[float]] = defaultdict(list)
+    for s in samples:
+        groups[(s["row"], s["phase"], s["to_host"], f"{s['pace']}{' eager' if s['eager'] else ''}")].append(s["desc_us"])
+    summary = [{"row": r, "phase": p, "to_host": t, "pace": k, "n": len(v), "median_desc_us": statistics.median(v),
+                "min": min(v), "max": max(v)} for (r, p, t, k), v in groups.items()]
+    for s in summary:
+        print(f"{s['row']:60s} {s['phase']:14s} {'D2H' if s['to_host'] else 'H2D'} {s['pace']:8s} n={s['n']:4d} "
+              f"median {s['median_desc_us']:.3f} us/desc (min {s['min']:.3f}, max {s['max']:.3f})")
+    Path(args.out).write_text(json.dumps({"samples": samples, "summary": summary, "rows": rows}, indent=1,
+                                         default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
