@@ -130,7 +130,12 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="per cell")
     p.add_argument("--with-off", action="store_true", help="also auto with pace=False")
     p.add_argument("--reuse", action="store_true", help="the same index tensors every cycle")
+    p.add_argument("--min-samples", type=int, default=None,
+                   help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
     args = p.parse_args()
+    if args.min_samples is not None:
+        from hicache_core.backends import pace  # read at every sample: the setting applies from here on
+        pace.MIN_SAMPLES = args.min_samples
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
