@@ -132,10 +132,14 @@ def main() -> None:
     p.add_argument("--reuse", action="store_true", help="the same index tensors every cycle")
     p.add_argument("--min-samples", type=int, default=None,
                    help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
+    p.add_argument("--stale-s", type=float, default=None,
+                   help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
     args = p.parse_args()
+    from hicache_core.backends import pace  # both read at every use: a setting applies from here on
     if args.min_samples is not None:
-        from hicache_core.backends import pace  # read at every sample: the setting applies from here on
         pace.MIN_SAMPLES = args.min_samples
+    if args.stale_s is not None:
+        pace.STALE_S = args.stale_s
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
