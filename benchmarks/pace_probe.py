@@ -134,12 +134,16 @@ def main() -> None:
                    help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
     p.add_argument("--stale-s", type=float, default=None,
                    help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
+    p.add_argument("--warm-stale-s", type=float, default=None,
+                   help="the same for measures of reused plans (default: hicache's WARM_STALE_S)")
     args = p.parse_args()
-    from hicache_core.backends import pace  # both read at every use: a setting applies from here on
+    from hicache_core.backends import pace  # read when a pool is made: a setting applies to the pools made next
     if args.min_samples is not None:
         pace.MIN_SAMPLES = args.min_samples
     if args.stale_s is not None:
         pace.STALE_S = args.stale_s
+    if args.warm_stale_s is not None:
+        pace.WARM_STALE_S = args.warm_stale_s
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):

@@ -11,8 +11,8 @@ from hicache_core.backends.auto import FED_SHARE, AutoStrategy, _fed, _pick_key,
 from hicache_core.backends.cudart import batch_schedule
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, BatchCopier, QueueClock
-from hicache_core.backends.pace import (MAX_BACKLOG_US, MIN_OPS, MIN_SAMPLES, MODEL_CALL_US, REDECIDE, STALE_S, WINDOW,
-                                        HostPace)
+from hicache_core.backends.pace import (MAX_BACKLOG_US, MIN_OPS, MIN_SAMPLES, MODEL_CALL_US, REDECIDE, STALE_S, WARM_STALE_S,
+                                        WINDOW, HostPace)
 from hicache_core.calibration import DEFAULT
 from hicache_core.errors import ConfigError
 
@@ -63,6 +63,22 @@ def test_cold_first_submissions_never_make_the_estimate():
         pace.record(64 * desc_us + MODEL_CALL_US, 64, 1)
         assert pace.desc_us is None or pace.desc_us == pytest.approx(0.55), pace.samples()
     assert pace.desc_us == pytest.approx(0.55)
+
+
+def test_a_measure_of_reused_plans_ages_sooner_than_one_of_planning_calls():
+    """A copier's measures of calls that reused a plan age after WARM_STALE_S (measuring them again is cheap), those
+    of planning calls after STALE_S; a measure in between is fresh for the one and aged for the other."""
+    assert 0 < WARM_STALE_S < STALE_S
+    t = [0.0]
+    copier = BatchCopier(torch.device("cpu"))
+    assert all(p.stale_s == WARM_STALE_S for p in copier.warm_paces)
+    assert all(p.stale_s == STALE_S for p in copier.paces)
+    warm, planning = HostPace(now=lambda: t[0], warm=True), HostPace(now=lambda: t[0])
+    _fill(warm, 0.5, count=MIN_SAMPLES)
+    _fill(planning, 3.0, count=MIN_SAMPLES)
+    t[0] += (WARM_STALE_S + STALE_S) / 2
+    assert warm.aged() and warm.fresh() is None
+    assert not planning.aged() and planning.fresh() == pytest.approx(3.0)
 
 
 class _FakeRuntime:

@@ -110,7 +110,7 @@ class BatchCopier:
         #: fresh batches), and from those that reused a plan (:attr:`warm_paces`: indices reused call after call).
         #: ``auto`` reads them.
         self.paces = (HostPace(), HostPace())
-        self.warm_paces = (HostPace(), HostPace())
+        self.warm_paces = (HostPace(warm=True), HostPace(warm=True))
         self._pitched_refused = False
 
     @staticmethod

@@ -8,7 +8,7 @@ serving loop's fresh indices count), per descriptor, once the runtime's per-call
 another per direction for the calls that reused a plan (no planning in the call: indices reused call after
 call).  ``auto`` reads them to tell whether the host keeps up with the copy engine now (:func:`.auto._fed`),
 judging a new index pair at the pace of planning calls and a reused one at that of reused plans.  A
-measure older than :data:`STALE_S` no longer counts.
+measure older than :data:`STALE_S` (:data:`WARM_STALE_S` for calls that reused a plan) no longer counts.
 
 Only submissions that measure the host are sampled: CUDA ones of at least :data:`MIN_OPS`
 descriptors that start with little copy work queued before them (:data:`MAX_BACKLOG_US`; behind a
@@ -21,7 +21,8 @@ import time
 from collections import deque
 from typing import Callable
 
-__all__ = ["HostPace", "WINDOW", "MIN_SAMPLES", "MIN_OPS", "MAX_BACKLOG_US", "REDECIDE", "MODEL_CALL_US", "STALE_S"]
+__all__ = ["HostPace", "WINDOW", "MIN_SAMPLES", "MIN_OPS", "MAX_BACKLOG_US", "REDECIDE", "MODEL_CALL_US", "STALE_S",
+           "WARM_STALE_S"]
 
 #: Samples kept, the most recent; the estimate is their median, so a few stalled submissions (the thread
 #: descheduled mid-call) do not move it.
@@ -43,6 +44,13 @@ REDECIDE = 0.15
 MODEL_CALL_US = 6.0
 #: Seconds after its last sample that a measure stops counting (the host's speed drifts within seconds).
 STALE_S = 1.0
+#: The same for the measures of calls that reused a plan (``warm`` paces).  A measure stops getting samples once
+#: ``auto`` sends the calls to the kernel, so one slow stretch of the host holds the kernel until the measure ages;
+#: measuring again costs a few copy-engine calls of a reused plan (cheap, unlike a new batch's planning).  On an
+#: H200 (docs/performance.md, 2026-12-02) ageing these at 0.25 s instead of 1 s brought ``auto``'s median gap to the
+#: better route on reused-index bursts from -2.9 to -1.5 points; the planning paces keep 1 s (re-measuring them cost
+#: new-batch bursts 0.3 points).
+WARM_STALE_S = 0.25
 _FLOOR_US = 0.01
 _RECOMPUTE_EVERY = 4
 
@@ -57,8 +65,11 @@ class HostPace:
     the estimate.
     """
 
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, now: Callable[[], float] = time.perf_counter, warm: bool = False) -> None:
         self.now = now
+        #: Seconds after its last sample that this measure stops counting: :data:`WARM_STALE_S` for a measure of
+        #: calls that reused a plan (``warm``), else :data:`STALE_S`.
+        self.stale_s = WARM_STALE_S if warm else STALE_S
         self._samples: deque[float] = deque(maxlen=WINDOW)
         self._since_recompute = 0
         self.desc_us: float | None = None
@@ -76,16 +87,16 @@ class HostPace:
         self.desc_us = self._anchor = None
 
     def stale(self) -> bool:
-        """Whether the last sample is older than :data:`STALE_S` (or there is none)."""
-        return self.now() - self._stamp > STALE_S
+        """Whether the last sample is older than :attr:`stale_s` (or there is none)."""
+        return self.now() - self._stamp > self.stale_s
 
     def aged(self) -> bool:
         """Whether there is an estimate and it is :meth:`stale` (:meth:`reset` it to measure afresh)."""
-        return self.desc_us is not None and self.now() - self._stamp > STALE_S
+        return self.desc_us is not None and self.now() - self._stamp > self.stale_s
 
     def fresh(self) -> float | None:
-        """:attr:`desc_us` if its last sample is at most :data:`STALE_S` old, else ``None``."""
-        return self.desc_us if self.now() - self._stamp <= STALE_S else None
+        """:attr:`desc_us` if its last sample is at most :attr:`stale_s` old, else ``None``."""
+        return self.desc_us if self.now() - self._stamp <= self.stale_s else None
 
     def record(self, host_us: float, ops: int, calls: int) -> None:
         """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time."""
