@@ -41,6 +41,7 @@ from ..strategy import Strategy
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .memcpy import BatchCopier, QueueClock
+from . import pace as _pace
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
 from .staging import LAUNCH_US, page_image
@@ -432,7 +433,9 @@ class AutoStrategy:
             f"auto: calibration {cal.gpu} ({cal.source})",
         ]
         if self.use_pace:
-            lines.append("auto: on a GPU pool, the host's measured pace (its copy-engine calls of the last second) decides "
+            lines.append(f"auto: on a GPU pool, the host's measured pace (the median of its recent copy-engine calls, from "
+                         f"{_pace.MIN_SAMPLES} on; a measure stops counting {_pace.STALE_S:g} s after its last call, "
+                         f"{_pace.WARM_STALE_S:g} s for calls that reuse a plan) decides "
                          f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
                          "that alone decides; backups: it can only add the copy engine); where none is measured and a "
                          "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
