@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core import bench  # noqa: E402
 from hicache_core.backends import memcpy  # noqa: E402
-from hicache_core.backends.pace import MODEL_CALL_US  # noqa: E402
+from hicache_core.backends.pace import MODEL_CALL_US, HostPace  # noqa: E402
 
 _STATE: dict[str, Any] = {"row": "", "phase": "setup"}
 
@@ -57,14 +57,11 @@ def main() -> int:
     def traced_copy(self: memcpy.BatchCopier, dsts: Any, srcs: Any, lens: Any, stream: Any = None,
                     nbytes: Any = None, to_host: Any = None, since: Any = None, warm: bool = False) -> None:
         pace = None if to_host is None else (self.warm_paces if warm else self.paces)[to_host]
-        before = None if pace is None else len(pace.samples())
-        last = None if pace is None or not pace.samples() else pace.samples()[-1]
+        _STATE["recorded"] = False
         real_copy(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
-        if pace is None:
-            return
-        kept = pace.samples()
-        if len(kept) == before and (not kept or kept[-1] == last):
+        if pace is None or not _STATE["recorded"]:
             return  # not sampled (few descriptors, or behind a deep queue)
+        kept = pace.samples()
         n, sample = int(dsts.numel()), kept[-1]
         calls = len(memcpy.batch_schedule(n, _STATE["eager"]))
         samples.append({"row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(to_host),
@@ -72,7 +69,11 @@ def main() -> int:
                         "desc_us": round(sample, 4), "host_us": round(sample * n + calls * MODEL_CALL_US, 2),
                         "estimate_us": pace.desc_us})
 
-    real_submit = memcpy.BatchCopier._submit
+    real_submit, real_record = memcpy.BatchCopier._submit, HostPace.record
+
+    def record(self: HostPace, host_us: float, ops: int, calls: int) -> None:
+        _STATE["recorded"] = True
+        real_record(self, host_us, ops, calls)
 
     def submit(self: memcpy.BatchCopier, *a: Any, **kw: Any) -> bool:
         _STATE["eager"] = eager = real_submit(self, *a, **kw)
@@ -80,6 +81,7 @@ def main() -> int:
 
     memcpy.BatchCopier.copy = traced_copy  # type: ignore[method-assign]
     memcpy.BatchCopier._submit = submit  # type: ignore[method-assign]
+    HostPace.record = record  # type: ignore[method-assign]
     for name in ("_median_ms", "_gemm_slowdown", "_burst_host_us", "_check", "_host_us", "_served_by"):
         setattr(bench, name, _phased(name.strip("_"), getattr(bench, name)))
 

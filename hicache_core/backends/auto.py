@@ -38,10 +38,10 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
+from . import pace as _pace
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .memcpy import BatchCopier, QueueClock
-from . import pace as _pace
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
 from .staging import LAUNCH_US, page_image
