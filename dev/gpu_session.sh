@@ -26,6 +26,9 @@
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
 #               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12)
 #   trace       benchmarks/pace_trace.py: where auto's host-pace samples come from in bench rows (TRACE_SHAPES, TRACE_ARGS)
+#   ab          A/B of one host-pace setting: benchmarks/pace_probe.py with each value of AB_FLAG (default --stale-s) in
+#               AB_VALUES (default "1.0 0.25") in turn, for each mode of AB_MODES (default "reuse fresh reuse"), AB_SECONDS
+#               per cell (default 6), AB_SHAPES; one line per cell into $OUT/ab.txt
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -145,6 +148,19 @@ for step in "$@"; do
         timeout ${TRACE_T:-240} python3 benchmarks/pace_trace.py --out "$OUT/trace-$sh.json" --shape $sh \
           ${TRACE_ARGS:-} >"$W/trace_$sh.log" 2>&1
         note "pace trace ($sh): $(result $?)"; cat "$W/trace_$sh.log"; done ;;
+    ab) for mode in ${AB_MODES:-reuse fresh reuse}; do for v in ${AB_VALUES:-1.0 0.25}; do
+        extra=""; [ "$mode" = reuse ] && extra="--reuse"
+        timeout 100 python3 benchmarks/pace_probe.py --out "$OUT/ab-$mode-$v-$RANDOM.json" \
+          --shapes "${AB_SHAPES:-mla61x576-bf16,mla61x656-fp8}" --seconds "${AB_SECONDS:-6}" "${AB_FLAG:---stale-s}" "$v" \
+          $extra 2>&1 | grep '^{' | TAG="$mode ${AB_FLAG:---stale-s}=$v" python3 -c "
+import json, os, sys
+for line in sys.stdin:
+    s = json.loads(line)
+    m = s['median']
+    print(os.environ['TAG'], s['shape'], s['layout'], 'k %.3f d %.3f a %.3f gap %+.4f within %.2f probes %d' % (
+        m['kernel'], m['direct'], m['auto'], s['auto_gap_median'], s['auto_within_3pts_share'], s['auto_probes']))
+" | tee -a "$OUT/ab.txt"; done; done
+      note "pace A/B: $(wc -l <"$OUT/ab.txt") cells" ;;
     *) note "unknown step $step" ;;
   esac
   note "  ($step took $(( $(date +%s) - t0 )) s)"
