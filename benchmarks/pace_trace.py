@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core import bench  # noqa: E402
 from hicache_core.backends import memcpy  # noqa: E402
-from hicache_core.backends.pace import MODEL_CALL_US, HostPace  # noqa: E402
+from hicache_core.backends.pace import HostPace  # noqa: E402
 
-_STATE: dict[str, Any] = {"row": "", "phase": "setup"}
+_STATE: dict[str, Any] = {"row": "", "phase": "setup", "to_host": None, "warm": False}
 
 
 def _phased(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,35 +53,22 @@ def main() -> int:
     args = ap.parse_args()
 
     samples: list[dict[str, Any]] = []
-    real_copy = memcpy.BatchCopier.copy
+    real_copy, real_record = memcpy.BatchCopier.copy, HostPace.record
 
     def traced_copy(self: memcpy.BatchCopier, dsts: Any, srcs: Any, lens: Any, stream: Any = None,
                     nbytes: Any = None, to_host: Any = None, since: Any = None, warm: bool = False) -> None:
-        pace = None if to_host is None else (self.warm_paces if warm else self.paces)[to_host]
-        _STATE["recorded"] = False
+        _STATE["to_host"], _STATE["warm"] = to_host, warm  # what record() below is told about the sample
         real_copy(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
-        if pace is None or not _STATE["recorded"]:
-            return  # not sampled (few descriptors, or behind a deep queue)
-        kept = pace.samples()
-        n, sample = int(dsts.numel()), kept[-1]
-        calls = len(memcpy.batch_schedule(n, _STATE["eager"]))
-        samples.append({"row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(to_host),
-                        "pace": "reused" if warm else "planning", "ops": n, "calls": calls, "eager": _STATE["eager"],
-                        "desc_us": round(sample, 4), "host_us": round(sample * n + calls * MODEL_CALL_US, 2),
-                        "estimate_us": pace.desc_us})
-
-    real_submit, real_record = memcpy.BatchCopier._submit, HostPace.record
 
     def record(self: HostPace, host_us: float, ops: int, calls: int) -> None:
-        _STATE["recorded"] = True
         real_record(self, host_us, ops, calls)
-
-    def submit(self: memcpy.BatchCopier, *a: Any, **kw: Any) -> bool:
-        _STATE["eager"] = eager = real_submit(self, *a, **kw)
-        return eager
+        samples.append({"row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(_STATE["to_host"]),
+                        "pace": "reused" if _STATE["warm"] else "planning", "ops": ops, "calls": calls,
+                        "eager": calls > len(memcpy.batch_schedule(ops, False)),  # split: an idle engine
+                        "desc_us": round(self.samples()[-1], 4), "host_us": round(host_us, 2),
+                        "estimate_us": self.desc_us})
 
     memcpy.BatchCopier.copy = traced_copy  # type: ignore[method-assign]
-    memcpy.BatchCopier._submit = submit  # type: ignore[method-assign]
     HostPace.record = record  # type: ignore[method-assign]
     for name in ("_median_ms", "_gemm_slowdown", "_burst_host_us", "_check", "_host_us", "_served_by"):
         setattr(bench, name, _phased(name.strip("_"), getattr(bench, name)))
@@ -90,8 +78,8 @@ def main() -> int:
     def progress(msg: str) -> None:
         print(msg, flush=True)
 
-    def sink(row: Any) -> None:
-        rows.append(dict(row.__dict__) if hasattr(row, "__dict__") else dict(row))
+    def sink(row: bench.BenchRow) -> None:
+        rows.append(asdict(row))
 
     real_configs = bench._configs
 
