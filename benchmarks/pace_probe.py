@@ -136,19 +136,14 @@ def main() -> None:
                    help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
     p.add_argument("--warm-stale-s", type=float, default=None,
                    help="the same for measures of reused plans (default: hicache's WARM_STALE_S)")
-    p.add_argument("--loop-gap-us", type=float, default=None,
-                   help="gap under which a copy-engine submission skips its small first calls (default: hicache's "
-                        "LOOP_GAP_US)")
     args = p.parse_args()
-    from hicache_core.backends import memcpy, pace  # read when a pool is made: a setting applies to the pools made next
+    from hicache_core.backends import pace  # read when a pool is made: a setting applies to the pools made next
     if args.min_samples is not None:
         pace.MIN_SAMPLES = args.min_samples
     if args.stale_s is not None:
         pace.STALE_S = args.stale_s
     if args.warm_stale_s is not None:
         pace.WARM_STALE_S = args.warm_stale_s
-    if args.loop_gap_us is not None:
-        memcpy.LOOP_GAP_US = args.loop_gap_us  # read on every submission
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):

@@ -128,19 +128,25 @@ class DirectStrategy(DirectionalStrategy):
         copier: BatchCopier = binding.scratch["direct.copier"]
         since = copier.clock.now()  # the host's pace counts the whole call (a new pair's or layer's plan too)
         stream = copier.stream()
-        sub = self._submission(binding, host_indices, device_indices, layer, stream)
+        plans: PlanCache = binding.scratch["direct.plans"]
+        plan = plans.get(host_indices, device_indices, stream)
+        sub = plan.submission(layer)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
         self._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
-        sub.served[to_host] = True
+        sub.served[to_host] = plan.served[to_host] = True
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the submission a
         transfer of this direction made for these index tensors (the same objects, unchanged) and layer on the
-        current stream, submitted again; ``False`` (nothing submitted) when there is none."""
+        current stream, submitted again; or, for an owned layer these index tensors have not moved yet, where a
+        transfer of this direction moved another selection of them (the pool checked them for this direction
+        then), that layer's submission, built and submitted (a batch's later layers).  ``False`` (nothing
+        submitted) otherwise."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
         run = self._run
+        owned = frozenset(binding.spec.layer_map.device_layers)
 
         now = copier.clock.now
 
@@ -148,8 +154,19 @@ class DirectStrategy(DirectionalStrategy):
             since = now()
             stream = copier.stream()
             plan = plans.peek(host_indices, device_indices, stream)
-            sub = None if plan is None else plan.peek(layer)
-            if sub is None or not sub.served[to_host]:
+            if plan is None:
+                return False
+            sub = plan.peek(layer)
+            if sub is None:
+                if not (plan.served[to_host] and layer in owned):
+                    return False
+                sub = plan.submission(layer)  # a layer of a checked pair, moved for the first time
+                if not any(sub.served):
+                    warn_small_blocks(binding, sub, layer)
+                run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
+                sub.served[to_host] = True
+                return True
+            if not sub.served[to_host]:
                 return False
             run(binding, copier, sub, stream, to_host, since, warm=True)
             return True

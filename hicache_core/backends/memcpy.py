@@ -16,7 +16,7 @@ from .pace import MAX_BACKLOG_US, MIN_OPS, HostPace
 from .pitched import Pitched, expand
 
 __all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US",
-           "TIGHT_GAP_US", "LOOP_GAP_US"]
+           "TIGHT_GAP_US"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +32,7 @@ CALL_US, DESC_US, PITCHED_DESC_US = 15.0, 1.0, 5.0
 BURST_GAP_US = 100.0
 #: A gap this short is a caller issuing calls back to back (a loop of loads), not one waiting for
 #: the last call's copies: the copy engine cannot have drained more than the host submits meanwhile.
-#: ``auto`` (:meth:`QueueClock.lone`) treats a later call on a drained stream as a lone load.
 TIGHT_GAP_US = 20.0
-#: A submission this close to the previous one's end goes in the fewest runtime calls even when the clock
-#: says the engine drained (:meth:`QueueClock.eager`).  Splitting it into small calls costs the host three
-#: more runtime calls, and the host then submits more slowly than the engine drains: on an H200, fp8 MLA
-#: load bursts (42 KB blocks, ~49 us of link time per layer) that started a split call fell into a lasting
-#: state of split calls at ~105 us of host time each, 25-35 us apart, the engine idle between them (0.39 of
-#: memcpy), where the same loop in one call each took ~45 us, 10-20 us apart, and kept the engine busy (0.92);
-#: a load issued after waiting for the previous one's copies comes 60 us or more after it
-#: (docs/performance.md, "the split-call trap").
-LOOP_GAP_US = 50.0
 _NEVER = float("-inf")
 
 
@@ -55,7 +45,7 @@ class QueueClock:
     fewest calls (~6.7 us of host time each): the engine still has queued work to cover them, or, in a
     burst of per-layer loads, saving the host three calls per layer matters more than how soon one
     layer's first block starts.  A call that follows the previous one closely is part of a burst only
-    while that one's copies may still be queued (or when it follows within :data:`LOOP_GAP_US`): a
+    while that one's copies may still be queued (or when it follows within :data:`TIGHT_GAP_US`): a
     caller that waited for the copies (one load, then a synchronisation, then the next) finds the
     engine idle and gets the small calls.  A heuristic: it sees only this copier's submissions (one
     pool), and concurrent submitters on one stream may race on it harmlessly.
@@ -73,7 +63,7 @@ class QueueClock:
         now = self.now()
         gap_us = (now - self._last_end.get(stream, _NEVER)) * 1e6
         left_us = (self._until.get(stream, 0.0) - now) * 1e6
-        if burstable and gap_us < BURST_GAP_US and (left_us > 0.0 or gap_us < LOOP_GAP_US):
+        if burstable and gap_us < BURST_GAP_US and (left_us > 0.0 or gap_us < TIGHT_GAP_US):
             return False
         return left_us <= cost_us
 

@@ -110,6 +110,8 @@ class Submission:
     lens: torch.Tensor
     staged: StagedRoute | None = None
     pitched: Pitched | None = None
+    #: ``lens.sum()`` where the builder knows it (saves a reduction per one-layer submission)
+    known_nbytes: int | None = None
 
     def __post_init__(self) -> None:
         # derived once: a Submission is not changed after it is built (plans memoise it)
@@ -117,7 +119,10 @@ class Submission:
         #: By ``to_host``: whether a transfer of that direction submitted it (the pool checked its indices
         #: for that direction then), which ``direct``'s lane requires; before any, it is new (see warn_small_blocks).
         self.served = [False, False]
-        self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
+        if self.known_nbytes is not None:
+            self.plain_nbytes = self.known_nbytes
+        else:
+            self.plain_nbytes = int(self.lens.sum()) if self.lens.numel() else 0
         self.pitched_nbytes = self.pitched.nbytes if self.pitched is not None else 0
 
     def pitched_ops(self, to_host: bool) -> torch.Tensor:
@@ -255,12 +260,12 @@ def _layer_shape(binding: PoolBinding, layer: int, pitched: bool) -> tuple:
     """What ``auto`` staging's decision for a one-layer selection depends on besides the plan's indices: per
     segment with entries in ``layer``, its position, its entries' device strides (their plain runs: one table row
     each) and the block sizes of its page image.  Layers of one shape get one decision per plan (memoised per pool)."""
-    from .staging import page_images
-
     memo = binding.scratch.setdefault("direct.layer_shapes", {})
     key = (layer, pitched)
     hit = memo.get(key)
     if hit is None:
+        from .staging import page_images
+
         images = {id(im.seg): im for im in page_images(binding, layer, pitched)}
         parts = []
         for si, seg in enumerate(binding.segments):
@@ -319,6 +324,13 @@ class Plan:
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
+        #: By ``to_host``: whether a transfer of that direction moved some selection of this plan (the pool checked
+        #: the pair for that direction then): ``direct``'s lane may then build and submit a layer not moved yet.
+        self.served = [False, False]
+        #: Per table key: its host and device rows as separate tensors, the run lengths, the bytes of one row's runs
+        #: and entry -> row (one-layer submissions, :meth:`_one_row`).
+        self._rows_of: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor,
+                                                   int, dict[int, int]]] = {}
         #: :func:`_layer_shape` keys whose one-layer selections ``auto`` staging decided to leave plain
         self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
@@ -402,10 +414,37 @@ class Plan:
             table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row)
         return table
 
+    def _one_row(self, layer: int) -> Submission | None:
+        """Plain runs of ``layer`` where one segment holds it, as one entry (no pitched copy can form): a table row
+        picked without new tensors, as a burst's later layers need it; else ``None`` (the general path)."""
+        found = None
+        for si, seg in enumerate(self.binding.segments):
+            entries = seg.entries(layer)
+            if not entries:
+                continue
+            if found is not None or len(entries) > 1:
+                return None  # several rows: concatenated by the general path
+            found = (si, seg, entries[0])
+        if found is None:
+            return None
+        si, seg, e = found
+        key = (si, seg.dev_strides[e])
+        rows = self._rows_of.get(key)
+        if rows is None:
+            hm, dm, n, row = self._table(si, seg, key[1])
+            rows = self._rows_of[key] = (hm.unbind(0), dm.unbind(0), n, int(n.sum()), row)
+        hrows, drows, n, nbytes, row = rows
+        r = row[e]
+        return Submission(hrows[r], drows[r], n, known_nbytes=nbytes)
+
     def _plain(self, layer: int | None) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
         burst of per-layer calls builds the tables once and then only picks rows.  Where the
         selection spans evenly spaced layers, each run becomes one pitched copy over them."""
+        if layer is not None:
+            one = self._one_row(layer)
+            if one is not None:
+                return one
         hosts, devs, lens, pitched = [], [], [], []
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
