@@ -327,10 +327,8 @@ class Plan:
         #: By ``to_host``: whether a transfer of that direction moved some selection of this plan (the pool checked
         #: the pair for that direction then): ``direct``'s lane may then build and submit a layer not moved yet.
         self.served = [False, False]
-        #: Per table key: its host and device rows as separate tensors, the run lengths, the bytes of one row's runs
-        #: and entry -> row (one-layer submissions, :meth:`_one_row`).
-        self._rows_of: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.Tensor,
-                                                   int, dict[int, int]]] = {}
+        #: Per table key: the bytes of one row's runs (one-layer submissions, :meth:`_one_row`).
+        self._row_bytes: dict[tuple[int, int], int] = {}
         #: :func:`_layer_shape` keys whose one-layer selections ``auto`` staging decided to leave plain
         self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
@@ -415,8 +413,8 @@ class Plan:
         return table
 
     def _one_row(self, layer: int) -> Submission | None:
-        """Plain runs of ``layer`` where one segment holds it, as one entry (no pitched copy can form): a table row
-        picked without new tensors, as a burst's later layers need it; else ``None`` (the general path)."""
+        """Plain runs of ``layer`` where one segment holds it, as one entry (no pitched copy can form): one row of
+        that segment's table, as a burst's later layers need it; else ``None`` (the general path)."""
         found = None
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
@@ -429,13 +427,12 @@ class Plan:
             return None
         si, seg, e = found
         key = (si, seg.dev_strides[e])
-        rows = self._rows_of.get(key)
-        if rows is None:
-            hm, dm, n, row = self._table(si, seg, key[1])
-            rows = self._rows_of[key] = (hm.unbind(0), dm.unbind(0), n, int(n.sum()), row)
-        hrows, drows, n, nbytes, row = rows
+        nbytes = self._row_bytes.get(key)
+        hm, dm, n, row = self._table(si, seg, key[1])
+        if nbytes is None:
+            nbytes = self._row_bytes[key] = int(n.sum())
         r = row[e]
-        return Submission(hrows[r], drows[r], n, known_nbytes=nbytes)
+        return Submission(hm[r], dm[r], n, known_nbytes=nbytes)
 
     def _plain(self, layer: int | None) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
