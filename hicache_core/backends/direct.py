@@ -49,7 +49,7 @@ from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
 from .memcpy import BatchCopier
-from .plans import PlanCache, Submission, coalesce, warn_small_blocks
+from .plans import Plan, PlanCache, Submission, coalesce, warn_small_blocks
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
@@ -130,10 +130,17 @@ class DirectStrategy(DirectionalStrategy):
         stream = copier.stream()
         plans: PlanCache = binding.scratch["direct.plans"]
         plan = plans.get(host_indices, device_indices, stream)
+        self._send(binding, copier, plan, layer, stream, to_host, since)
+
+    @classmethod
+    def _send(cls, binding: PoolBinding, copier: BatchCopier, plan: Plan, layer: int | None, stream: int,
+              to_host: bool, since: float) -> None:
+        """Submit ``plan``'s selection ``layer`` (built if new) in one direction and mark it, and the plan, served in
+        that direction (the pool checked the plan's indices for it)."""
         sub = plan.submission(layer)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
-        self._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
+        cls._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
         sub.served[to_host] = plan.served[to_host] = True
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
@@ -145,7 +152,7 @@ class DirectStrategy(DirectionalStrategy):
         submitted) otherwise."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
-        run = self._run
+        run, send = self._run, self._send
         owned = frozenset(binding.spec.layer_map.device_layers)
 
         now = copier.clock.now
@@ -160,11 +167,7 @@ class DirectStrategy(DirectionalStrategy):
             if sub is None:
                 if not (plan.served[to_host] and layer in owned):
                     return False
-                sub = plan.submission(layer)  # a layer of a checked pair, moved for the first time
-                if not any(sub.served):
-                    warn_small_blocks(binding, sub, layer)
-                run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
-                sub.served[to_host] = True
+                send(binding, copier, plan, layer, stream, to_host, since)  # a later layer of a checked pair
                 return True
             if not sub.served[to_host]:
                 return False
