@@ -45,10 +45,9 @@ class Strategy(Protocol):
     the pool's own checks, with the layer (an ``int`` exactly, never a subclass, or ``None`` for every
     layer) and the index tensors as the caller passed them.  ``True``: the lane has enqueued exactly what
     ``backup``/``load`` would, and the pool returns.  ``False``: nothing was enqueued; the pool checks and
-    calls ``backup``/``load`` as usual.  A lane may return ``True`` only for index tensors (the same objects,
-    unchanged) that an earlier ``backup``/``load`` call of its direction received, i.e. that the pool
-    checked, and for a layer that call received or one the pool owns (``spec.layer_map.device_layers``: a
-    batch's later layers; :meth:`hicache_core.replay.Replays.lane` and ``core.direct``'s lane are built-in ones).
+    calls ``backup``/``load`` as usual.  A lane may return ``True`` only for a layer and index tensors
+    (the same objects, unchanged) that an earlier ``backup``/``load`` call of its direction received, i.e.
+    that the pool checked (:meth:`hicache_core.replay.Replays.lane` is the built-in one).
     """
 
     def supports(self, spec: PoolSpec, layout: Layout) -> str | None:

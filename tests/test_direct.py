@@ -1169,54 +1169,20 @@ def test_direct_lane_repeats_a_checked_submission_of_its_direction_only(layout, 
         pool.load_layer(0, h, d)
 
 
-@pytest.mark.parametrize("layout", [x for x in ("layer_first", "page_first_direct") if x in LAYOUTS])
-def test_direct_lane_moves_a_checked_pairs_later_layers_without_the_pools_checks(layout):
-    """A batch's later layers (index tensors the pool checked for this direction on an earlier layer, unchanged)
-    are built and submitted by ``direct``'s fast path: the bytes of the normal path, canaries untouched, the
-    pool's checks never reached.  A layer this rank does not own, the other direction and changed tensors still
-    reach the pool, which moves nothing or raises before any byte moves."""
-    lmap = LayerMap.sharded_cp(7, 2, 1, pad_to_largest=True)  # this rank owns device layers 4, 5, 6
-    spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16, page_size=16,
-                        capacity=16 * 8)
-    g = torch.Generator().manual_seed(11)
-    dev = {"kv": [None if i not in lmap.device_layers else
-                  torch.randint(-9, 9, (16 * 8, 1, 576), generator=g).to(torch.bfloat16) for i in range(7)]}
-    pool = HostKVPool(spec, layout, "direct", dev, registry=REG, strategy="core.direct",
-                      strategy_options={"staging": "never"})
-    h = torch.tensor([6, 1], dtype=torch.int64).repeat_interleave(16) * 16 + torch.arange(16).repeat(2)
-    s, d = torch.arange(0, 32), torch.arange(64, 96)
-    pool.backup_all_layers(h, s)
-    src = {i: dev["kv"][i][0:32].clone() for i in lmap.device_layers}
-    canary = {i: dev["kv"][i][96:].clone() for i in lmap.device_layers}
-    for i in lmap.device_layers:
-        dev["kv"][i][64:96] = 0
-    assert pool.load_layer(4, h, d)  # the pair's first call: checked by the pool
-
-    def checked(*a, **k):
-        raise AssertionError("a lane call reached the pool's checks")
-
-    pool._check = checked  # an instance attribute over the method: the later layers must take the lane
-    try:
-        assert pool.load_layer(6, h, d) and pool.load_layer(5, h, d)
-    finally:
-        del pool._check
-    for i in lmap.device_layers:
-        assert torch.equal(dev["kv"][i][64:96], src[i]) and torch.equal(dev["kv"][i][96:], canary[i])
-    before = {i: dev["kv"][i].clone() for i in lmap.device_layers}
-    assert not pool.load_layer(2, h, d)  # not owned here: the pool answers, nothing moves
-    plans = pool.binding.scratch["direct.plans"]
-    plan = plans.peek(h, d, pool.binding.scratch["direct.copier"].stream())
-    assert plan is not None and plan.served == [True, False] and plan.peek(2) is None
-    dup = torch.cat([d[:16], d[:16]])
-    pool.load_layer(4, h, d)
-    pool.backup_layer(4, h, dup)  # a backup may read a device row twice ...
-    with pytest.raises(Exception, match="device_indices"):
-        pool.load_layer(5, h, dup)  # ... a load of another layer of that pair is checked (never served for loads)
-    d[0] = 10_000  # in place: the version moves, the pool checks again
-    with pytest.raises(IndexRangeError):
-        pool.load_layer(6, h, d)
-    for i in lmap.device_layers:
-        assert torch.equal(dev["kv"][i], before[i])
+@pytest.mark.parametrize("layout", [x for x in ("layer_first", "page_first_direct", "page_first") if x in LAYOUTS])
+def test_one_layer_submission_is_the_general_paths_table_row(monkeypatch, layout):
+    """A one-layer plain submission (one row of the pair's address table, its byte count known) equals what the
+    general path builds for that layer, for every layer; all-layer selections keep the general path."""
+    pool = _mla_pool(layout, staging="never", ps=16, layers=3, pages=8)
+    h = torch.tensor([5, 2, 7], dtype=torch.int64).repeat_interleave(16) * 16 + torch.arange(16).repeat(3)
+    d = torch.arange(16, 64)
+    fast = [_submission(pool, h, d, layer) for layer in range(3)]
+    monkeypatch.setattr(Plan, "_one_row", lambda self, layer: None)
+    general = [_submission(pool, h.clone(), d.clone(), layer) for layer in range(3)]  # new tensors: a new plan
+    for a, b in zip(fast, general):
+        assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens)
+        assert a.plain_nbytes == b.plain_nbytes == int(b.lens.sum()) == 48 * 1152
+        assert a.staged is None and a.pitched is None
 
 
 @pytest.mark.parametrize("validate, env, lanes", [("shapes", None, True), ("shapes", "0", False),

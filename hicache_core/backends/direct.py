@@ -49,7 +49,7 @@ from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
 from .memcpy import BatchCopier
-from .plans import Plan, PlanCache, Submission, coalesce, warn_small_blocks
+from .plans import PlanCache, Submission, coalesce, warn_small_blocks
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
@@ -128,32 +128,19 @@ class DirectStrategy(DirectionalStrategy):
         copier: BatchCopier = binding.scratch["direct.copier"]
         since = copier.clock.now()  # the host's pace counts the whole call (a new pair's or layer's plan too)
         stream = copier.stream()
-        plans: PlanCache = binding.scratch["direct.plans"]
-        plan = plans.get(host_indices, device_indices, stream)
-        self._send(binding, copier, plan, layer, stream, to_host, since)
-
-    @classmethod
-    def _send(cls, binding: PoolBinding, copier: BatchCopier, plan: Plan, layer: int | None, stream: int,
-              to_host: bool, since: float) -> None:
-        """Submit ``plan``'s selection ``layer`` (built if new) in one direction and mark it, and the plan, served in
-        that direction (the pool checked the plan's indices for it)."""
-        sub = plan.submission(layer)
+        sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
             warn_small_blocks(binding, sub, layer)
-        cls._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
-        sub.served[to_host] = plan.served[to_host] = True
+        self._run(binding, copier, sub, stream, to_host, since, warm=sub.served[to_host])
+        sub.served[to_host] = True
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the submission a
         transfer of this direction made for these index tensors (the same objects, unchanged) and layer on the
-        current stream, submitted again; or, for an owned layer these index tensors have not moved yet, where a
-        transfer of this direction moved another selection of them (the pool checked them for this direction
-        then), that layer's submission, built and submitted (a batch's later layers).  ``False`` (nothing
-        submitted) otherwise."""
+        current stream, submitted again; ``False`` (nothing submitted) when there is none."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
-        run, send = self._run, self._send
-        owned = frozenset(binding.spec.layer_map.device_layers)
+        run = self._run
 
         now = copier.clock.now
 
@@ -161,15 +148,8 @@ class DirectStrategy(DirectionalStrategy):
             since = now()
             stream = copier.stream()
             plan = plans.peek(host_indices, device_indices, stream)
-            if plan is None:
-                return False
-            sub = plan.peek(layer)
-            if sub is None:
-                if not (plan.served[to_host] and layer in owned):
-                    return False
-                send(binding, copier, plan, layer, stream, to_host, since)  # a later layer of a checked pair
-                return True
-            if not sub.served[to_host]:
+            sub = None if plan is None else plan.peek(layer)
+            if sub is None or not sub.served[to_host]:
                 return False
             run(binding, copier, sub, stream, to_host, since, warm=True)
             return True

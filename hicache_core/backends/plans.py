@@ -324,9 +324,6 @@ class Plan:
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
         self._subs: dict[int | None, Submission] = {}
-        #: By ``to_host``: whether a transfer of that direction moved some selection of this plan (the pool checked
-        #: the pair for that direction then): ``direct``'s lane may then build and submit a layer not moved yet.
-        self.served = [False, False]
         #: Per table key: the bytes of one row's runs (one-layer submissions, :meth:`_one_row`).
         self._row_bytes: dict[tuple[int, int], int] = {}
         #: :func:`_layer_shape` keys whose one-layer selections ``auto`` staging decided to leave plain
