@@ -110,7 +110,6 @@ def main() -> int:
         _STATE["backlog_us"] = round(self.clock.backlog_us(s, now), 1)
         _STATE["gap_us"] = round((now - self.clock._last_end.get(s, float("-inf"))) * 1e6, 1)
         _STATE["busy_start"] = events.busy(s)
-        _STATE["busy_end"] = None
         _STATE["end_query"] = lambda: events.busy(s)
         real_copy(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
         events.mark(s)
@@ -119,7 +118,8 @@ def main() -> int:
         busy_end = _STATE["end_query"]()  # before the sample is taken in: what the engine held at the end
         real_record(self, host_us, ops, calls)
         samples.append({"backlog_us": _STATE["backlog_us"], "gap_us": _STATE["gap_us"],
-                        "busy_start": _STATE["busy_start"], "busy_end": busy_end, "row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(_STATE["to_host"]),
+                        "busy_start": _STATE["busy_start"], "busy_end": busy_end,
+                        "row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(_STATE["to_host"]),
                         "pace": "reused" if _STATE["warm"] else "planning", "ops": ops, "calls": calls,
                         "eager": calls > len(memcpy.batch_schedule(ops, False)),  # split: an idle engine
                         "desc_us": round(self.samples()[-1], 4), "host_us": round(host_us, 2),
@@ -187,8 +187,8 @@ def main() -> int:
     for d in decisions:
         print(f"decision {d['row']:40s} {d['phase']:14s} layer={d['layer']} {'D2H' if d['to_host'] else 'H2D'} "
               f"reused={d['reused']} pace={d['desc_us']} -> {d['pick']} (probes {d['probe']})")
-    Path(args.out).write_text(json.dumps({"samples": samples, "summary": summary, "rows": rows, "decisions": decisions}, indent=1,
-                                         default=str))
+    Path(args.out).write_text(json.dumps({"samples": samples, "summary": summary, "rows": rows,
+                                          "decisions": decisions}, indent=1, default=str))
     return 0
 
 

@@ -1170,19 +1170,40 @@ def test_direct_lane_repeats_a_checked_submission_of_its_direction_only(layout, 
 
 
 @pytest.mark.parametrize("layout", [x for x in ("layer_first", "page_first_direct", "page_first") if x in LAYOUTS])
-def test_one_layer_submission_is_the_general_paths_table_row(monkeypatch, layout):
-    """A one-layer plain submission (one row of the pair's address table, its byte count known) equals what the
-    general path builds for that layer, for every layer; all-layer selections keep the general path."""
+def test_one_layer_submission_is_its_row_of_the_plans_table(layout):
+    """A one-layer plain submission is that layer's row of the pair's address table (the all-layer submission's
+    slice), and the byte count a plan gives it from its tables is the reduction of its run lengths."""
+    from hicache_core.backends.plans import Submission
+
     pool = _mla_pool(layout, staging="never", ps=16, layers=3, pages=8)
     h = torch.tensor([5, 2, 7], dtype=torch.int64).repeat_interleave(16) * 16 + torch.arange(16).repeat(3)
     d = torch.arange(16, 64)
     fast = [_submission(pool, h, d, layer) for layer in range(3)]
-    monkeypatch.setattr(Plan, "_one_row", lambda self, layer: None)
-    general = [_submission(pool, h.clone(), d.clone(), layer) for layer in range(3)]  # new tensors: a new plan
+    whole = _submission(pool, h.clone(), d.clone(), None)  # new tensors: a new plan
+    assert whole.plain_nbytes == int(whole.lens.sum()) == 3 * 48 * 1152
+    k = whole.lens.numel() // 3
+    general = [Submission(whole.host[r * k:(r + 1) * k], whole.dev[r * k:(r + 1) * k], whole.lens[r * k:(r + 1) * k])
+               for r in range(3)]  # byte count by reduction
     for a, b in zip(fast, general):
         assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens)
         assert a.plain_nbytes == b.plain_nbytes == int(b.lens.sum()) == 48 * 1152
         assert a.staged is None and a.pitched is None
+
+
+def test_plain_byte_count_beside_pitched_copies():
+    """Layers 0-2 in one allocation go as pitched copies, layer 3 (its own allocation) as plain runs: the plain byte
+    count the plan gives from its tables is the reduction of the plain run lengths, and both parts add up."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=16, capacity=16 * 8)
+    one = torch.zeros(3, 16 * 8, 1, 576, dtype=torch.bfloat16)
+    dev = {"kv": [*one.unbind(0), torch.zeros(16 * 8, 1, 576, dtype=torch.bfloat16)]}
+    pool = HostKVPool(spec, LAYOUTS[0], "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": "never", "pitched": "auto"})
+    h = torch.tensor([5, 2], dtype=torch.int64).repeat_interleave(16) * 16 + torch.arange(16).repeat(2)
+    sub = _submission(pool, h, torch.arange(16, 48), None)
+    assert sub.pitched is not None and sub.lens.numel() > 0
+    assert sub.plain_nbytes == int(sub.lens.sum()) == 32 * 1152
+    assert sub.nbytes == 4 * 32 * 1152
 
 
 @pytest.mark.parametrize("validate, env, lanes", [("shapes", None, True), ("shapes", "0", False),

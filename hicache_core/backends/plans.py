@@ -110,7 +110,7 @@ class Submission:
     lens: torch.Tensor
     staged: StagedRoute | None = None
     pitched: Pitched | None = None
-    #: ``lens.sum()`` where the builder knows it (saves a reduction per one-layer submission)
+    #: ``lens.sum()`` where the builder knows it (a plan counts it from its tables: no reduction per submission)
     known_nbytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -322,10 +322,8 @@ class Plan:
             self._read_d(device_indices)
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
-        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int], int]] = {}
         self._subs: dict[int | None, Submission] = {}
-        #: Per table key: the bytes of one row's runs (one-layer submissions, :meth:`_one_row`).
-        self._row_bytes: dict[tuple[int, int], int] = {}
         #: :func:`_layer_shape` keys whose one-layer selections ``auto`` staging decided to leave plain
         self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
@@ -399,51 +397,29 @@ class Plan:
         dev = (self.d * stride).unsqueeze(1) + chunk * a.chunk_bytes
         return coalesce(host.reshape(-1), dev.reshape(-1), a.chunk_bytes)
 
-    def _table(self, si: int, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int]]:
-        """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry."""
+    def _table(self, si: int, seg: BoundSegment,
+               stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int], int]:
+        """Host and device addresses of every entry of ``seg`` with device stride ``stride``, one row per entry;
+        the run lengths of a row, entry -> row, and the bytes of one row's runs."""
         key = (si, stride)
         table = self._tables.get(key)
         if table is None:
             hb, db, row = _bases(self.binding, si, seg, stride)
             hr, dr, n = self._runs(seg, stride)
-            table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row)
+            table = self._tables[key] = (hr.unsqueeze(0) + hb.unsqueeze(1), dr.unsqueeze(0) + db.unsqueeze(1), n, row,
+                                         int(n.sum()))
         return table
-
-    def _one_row(self, layer: int) -> Submission | None:
-        """Plain runs of ``layer`` where one segment holds it, as one entry (no pitched copy can form): one row of
-        that segment's table, as a burst's later layers need it; else ``None`` (the general path)."""
-        found = None
-        for si, seg in enumerate(self.binding.segments):
-            entries = seg.entries(layer)
-            if not entries:
-                continue
-            if found is not None or len(entries) > 1:
-                return None  # several rows: concatenated by the general path
-            found = (si, seg, entries[0])
-        if found is None:
-            return None
-        si, seg, e = found
-        key = (si, seg.dev_strides[e])
-        nbytes = self._row_bytes.get(key)
-        hm, dm, n, row = self._table(si, seg, key[1])
-        if nbytes is None:
-            nbytes = self._row_bytes[key] = int(n.sum())
-        r = row[e]
-        return Submission(hm[r], dm[r], n, known_nbytes=nbytes)
 
     def _plain(self, layer: int | None) -> Submission:
         """Plain runs of ``layer`` (``None``: all): rows of the per-segment address tables, so a
         burst of per-layer calls builds the tables once and then only picks rows.  Where the
         selection spans evenly spaced layers, each run becomes one pitched copy over them."""
-        if layer is not None:
-            one = self._one_row(layer)
-            if one is not None:
-                return one
         hosts, devs, lens, pitched = [], [], [], []
+        plain_bytes = 0  # the plain runs' bytes, counted from the tables (no reduction per submission)
         for si, seg in enumerate(self.binding.segments):
             entries = seg.entries(layer)
             for stride in sorted({seg.dev_strides[e] for e in entries}):
-                hm, dm, n, row = self._table(si, seg, stride)
+                hm, dm, n, row, row_bytes = self._table(si, seg, stride)
                 rows = [row[e] for e in entries if seg.dev_strides[e] == stride]
                 groups = self._pitch_groups(si, seg, stride, rows, n)
                 if groups is None:
@@ -452,6 +428,7 @@ class Plan:
                     else:
                         for r in rows:
                             hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
+                    plain_bytes += row_bytes * len(rows)
                     continue
                 for g in groups:
                     if len(g) >= MIN_HEIGHT:
@@ -463,13 +440,14 @@ class Plan:
                     else:
                         for r in g:
                             hosts.append(hm[r]); devs.append(dm[r]); lens.append(n)
-        empty = torch.empty(0, dtype=torch.int64)
+                        plain_bytes += row_bytes * len(g)
         pitch = Pitched.cat(pitched) if pitched else None
         if not hosts:
-            return Submission(empty, empty, empty, pitched=pitch)
+            empty = torch.empty(0, dtype=torch.int64)
+            return Submission(empty, empty, empty, pitched=pitch, known_nbytes=0)
         if len(hosts) == 1:
-            return Submission(hosts[0], devs[0], lens[0], pitched=pitch)
-        return Submission(torch.cat(hosts), torch.cat(devs), torch.cat(lens), pitched=pitch)
+            return Submission(hosts[0], devs[0], lens[0], pitched=pitch, known_nbytes=plain_bytes)
+        return Submission(torch.cat(hosts), torch.cat(devs), torch.cat(lens), pitched=pitch, known_nbytes=plain_bytes)
 
     def _pitch_groups(self, si: int, seg: BoundSegment, stride: int, rows: list[int],
                       n: torch.Tensor) -> list[list[int]] | None:
