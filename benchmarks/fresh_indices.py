@@ -55,7 +55,10 @@ class _Versions:
         if old_tree:
             v = _load_beside(os.path.join(old_tree, "hicache_core", "validate.py"), "hicache_core._old_validate")
             p = _load_beside(os.path.join(old_tree, "hicache_core", "backends", "plans.py"), "hicache_core.backends._old_plans")
-            self.old = {"check": v.check_indices, "coalesce": p.coalesce, "page_runs": p._page_runs,
+            old_runs = p._page_runs
+            # an older check may return nothing (no facts for the plan) and an older _page_runs take no facts
+            self.old = {"check": v.check_indices, "coalesce": p.coalesce,
+                        "page_runs": lambda h, d, ps, facts=None: old_runs(h, d, ps),
                         "within": lambda t, n: not (int(t.min()) < 0 or int(t.max()) >= n)}  # the old inline check
 
     def use(self, which: str) -> None:

@@ -8,13 +8,16 @@ base address and token stride, so strategies can build pointer tables once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .errors import DeviceBufferError, HostBufferError
 from .layout import BufferSpec, HostPlan, Layout, Segment, strided_host_view
 from .spec import PoolSpec
+
+if TYPE_CHECKING:
+    from .validate import CheckedPair
 
 __all__ = ["BoundSegment", "PoolBinding", "device_rows", "flat_bytes", "bind"]
 
@@ -102,6 +105,11 @@ class PoolBinding:
     scratch: dict[str, Any] = field(default_factory=dict)
     #: rows every bound device tensor has (device indices must be below it); huge when none is bound
     device_rows: int = field(init=False)
+    #: The index pair the pool checked in the call now running, with what the check read of their values
+    #: (:class:`~hicache_core.validate.CheckedPair`); ``None`` when the call's check was skipped because
+    #: it checked the same tensors before.  A strategy may take facts from it only through
+    #: :meth:`~hicache_core.validate.CheckedPair.facts_of` with the tensors it was handed.
+    checked: CheckedPair | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.device_rows = min((n for s in self.segments for n in s.dev_lens), default=1 << 62)

@@ -16,7 +16,14 @@ from .kernel_support import IndexMemo
 from .layout import HostPlan, page_blocks
 from .registry import Registry, Resolution, default_registry
 from .spec import PoolSpec
-from .validate import check_device_buffers, check_host_buffers_disjoint, check_indices, check_layer, tensor_version
+from .validate import (
+    CheckedPair,
+    check_device_buffers,
+    check_host_buffers_disjoint,
+    check_indices,
+    check_layer,
+    tensor_version,
+)
 
 __all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE", "ENV_LANES"]
 
@@ -178,19 +185,23 @@ class HostKVPool:
         last = self._checked  # one snapshot: another thread may replace it
         if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)):
+            self.binding.checked = None  # nothing was read now: the strategy reads what it needs itself
             return
+        self.binding.checked = None
         full = self.validate != "shapes"
         def values(t: object) -> bool:
             return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
         host_values = values(host_indices)
-        check_indices(self.spec, host_indices, device_indices, self.binding.device_rows,
-                      host_values=host_values, device_values=values(device_indices),
-                      unique_host=to_host, unique_device=not to_host)
+        facts = check_indices(self.spec, host_indices, device_indices, self.binding.device_rows,
+                              host_values=host_values, device_values=values(device_indices),
+                              unique_host=to_host, unique_device=not to_host)
         if self.validate == "strict":
             self._check_allocated(host_indices)
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         memo = not full and hv is not None and dv is not None
         self._checked = (host_indices, hv, device_indices, dv, to_host) if memo else None
+        # for the strategy of this call (a copy plan need not read the values again)
+        self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)
 
     def _check_allocated(self, host_indices: torch.Tensor) -> None:
         pages = host_indices.reshape(-1, self.spec.page_size)[:, 0].to("cpu", torch.int64) // self.spec.page_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -24,9 +25,49 @@ from .errors import (
 from .spec import PoolSpec
 
 __all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffers", "check_host_buffers_disjoint",
-           "byte_storage", "parse_programs", "repeated_rows", "index_bounds"]
+           "byte_storage", "parse_programs", "repeated_rows", "index_bounds", "page_starts", "IndexFacts", "CheckedPair"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: ``arange(run)`` per (run, dtype, device): :func:`page_starts` compares every call's indices with it
+_STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class IndexFacts:
+    """What :func:`check_indices` learnt of a pair's values while checking them.
+
+    ``host_starts``: the first slot of each host page (their values checked: in range, whole aligned
+    pages), ``None`` where the host values were not read.  ``device_read``: whether the device values
+    were checked in range; then ``device_starts`` holds the first row of each run where the device
+    rows are whole runs of ``page_size`` consecutive rows (``None`` where they are not).  Both
+    tensors are views of the checked index tensors, in their dtype and on their device.
+    """
+
+    host_starts: torch.Tensor | None
+    device_starts: torch.Tensor | None
+    device_read: bool
+
+
+@dataclass(frozen=True)
+class CheckedPair:
+    """The index tensors a pool checked in the call now running, their version counters, and the
+    :class:`IndexFacts` of that check (see :attr:`~hicache_core.binding.PoolBinding.checked`)."""
+
+    host_indices: torch.Tensor
+    host_version: int | None
+    device_indices: torch.Tensor
+    device_version: int | None
+    facts: IndexFacts
+
+    def facts_of(self, host_indices: object, device_indices: object) -> IndexFacts | None:
+        """The facts, if they are of these very tensors, unchanged since the check; else ``None``."""
+        if host_indices is not self.host_indices or device_indices is not self.device_indices:
+            return None
+        if self.host_version is None or self.device_version is None:
+            return None
+        if tensor_version(self.host_indices) != self.host_version or tensor_version(self.device_indices) != self.device_version:
+            return None
+        return self.facts
 
 
 def tensor_version(t: torch.Tensor) -> int | None:
@@ -55,18 +96,45 @@ def index_bounds(t: torch.Tensor) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def repeated_rows(rows: torch.Tensor, run: int) -> torch.Tensor:
+def page_starts(t: torch.Tensor, run: int) -> torch.Tensor | None:
+    """The first value of each run where the 1-D ``t`` is whole runs of ``run`` consecutive values
+    (the slots or rows an engine's page allocator hands out), else ``None``; ``t`` itself where
+    ``run`` is 1.  A view of ``t`` (a strided one where ``run`` > 1)."""
+    if run == 1:
+        return t
+    if t.numel() % run:
+        return None
+    key = (run, t.dtype, t.device)
+    step = _STEPS.get(key)
+    if step is None:
+        step = _STEPS[key] = torch.arange(run, dtype=t.dtype, device=t.device)
+    runs = t.view(-1, run)
+    starts = runs[:, 0]
+    return starts if torch.equal(runs, starts.unsqueeze(1) + step) else None
+
+
+def _bounds(t: torch.Tensor, starts: torch.Tensor | None, run: int) -> tuple[int, int]:
+    """:func:`index_bounds` of ``t``, from its run starts where it is whole runs (``1/run`` of the values)."""
+    if starts is None:
+        return index_bounds(t)
+    lo, hi = index_bounds(starts)
+    return lo, hi + run - 1
+
+
+_UNKNOWN = object()
+
+
+def repeated_rows(rows: torch.Tensor, run: int, starts: object = _UNKNOWN) -> torch.Tensor:
     """The values that occur more than once in the 1-D ``rows`` (sorted, each at least once; empty when
     none).  Where ``rows`` is whole runs of ``run`` consecutive values (device rows of an engine's page
     allocator), they repeat only if two runs overlap, which the runs' sorted starts show
-    (``1/run`` of the sorting); otherwise, or when some do overlap, every value is sorted."""
-    if run > 1 and rows.numel() % run == 0:
-        runs = rows.view(-1, run)
-        starts = runs[:, 0]
-        if torch.equal(runs, starts.unsqueeze(1) + torch.arange(run, dtype=rows.dtype, device=rows.device)):
-            first = starts.sort().values
-            if not bool((first[1:] - first[:-1] < run).any()):
-                return first[:0]
+    (``1/run`` of the sorting); otherwise, or when some do overlap, every value is sorted.
+    ``starts``: :func:`page_starts` of ``rows`` where the caller has it."""
+    first = page_starts(rows, run) if starts is _UNKNOWN else starts
+    if isinstance(first, torch.Tensor):
+        first = first.sort().values
+        if not bool((first[1:] - first[:-1] < run).any()):
+            return first[:0]
     ordered = rows.sort().values
     return ordered[1:][ordered[1:] == ordered[:-1]]
 
@@ -81,8 +149,8 @@ def check_indices(
     device_values: bool = True,
     unique_host: bool = False,
     unique_device: bool = False,
-) -> None:
-    """Validate a transfer's index tensors.
+) -> IndexFacts:
+    """Validate a transfer's index tensors; returns what the check learnt of their values.
 
     Shape, dtype, device, equal length and page multiple are always checked.
     With ``host_values`` the host slots are checked to lie in range and form
@@ -97,50 +165,51 @@ def check_indices(
         raise IndexLengthMismatchError(
             f"host_indices has {h.numel()} entries but device_indices has {d.numel()}; they must pair one to one"
         )
-    if h.numel() % spec.page_size:
+    ps = spec.page_size
+    if h.numel() % ps:
         raise PageMultipleError(
-            f"host_indices has {h.numel()} entries, not a multiple of page_size={spec.page_size}; transfer whole pages"
+            f"host_indices has {h.numel()} entries, not a multiple of page_size={ps}; transfer whole pages"
         )
     if h.numel() == 0:
-        return
+        return IndexFacts(h if host_values else None, d if device_values else None, device_values)
+    dev_starts = None
     if device_values:
-        dmin, dmax = index_bounds(d)
+        dev_starts = page_starts(d, ps)
+        dmin, dmax = _bounds(d, dev_starts, ps)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
                 "index rows the device tensors have"
             )
         if unique_device:
-            dup = repeated_rows(d, spec.page_size)
+            dup = repeated_rows(d, ps, dev_starts)
             if dup.numel():
                 raise DuplicateIndexError(
                     f"device_indices repeat rows {dup.unique()[:4].tolist()}; a load would write them twice "
                     "(the last write would win, kernels would race): pass each device row once"
                 )
     if not host_values:
-        return
-    hmin, hmax = index_bounds(h)
+        return IndexFacts(None, dev_starts, device_values)
+    starts = page_starts(h, ps)
+    hmin, hmax = _bounds(h, starts, ps)
     if hmin < 0 or hmax >= spec.capacity:
         raise IndexRangeError(
             f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"
         )
-    pages = h.view(-1, spec.page_size)
-    if spec.page_size > 1:
-        step = torch.arange(spec.page_size, device=h.device, dtype=h.dtype)
-        aligned = bool(((pages[:, 0] % spec.page_size) == 0).all()) and bool((pages == pages[:, :1] + step).all())
-        if not aligned:
-            raise PageAlignmentError(
-                f"host_indices must be whole pages: runs of page_size={spec.page_size} consecutive slots "
-                "starting at a multiple of page_size (as alloc returns them)"
-            )
+    if starts is None or (ps > 1 and bool((starts % ps).any())):
+        raise PageAlignmentError(
+            f"host_indices must be whole pages: runs of page_size={ps} consecutive slots "
+            "starting at a multiple of page_size (as alloc returns them)"
+        )
     if unique_host:
-        starts = pages[:, 0].sort().values
-        dup = starts[1:][starts[1:] == starts[:-1]]
+        first = starts.sort().values
+        dup = first[1:][first[1:] == first[:-1]]
         if dup.numel():
             raise DuplicateIndexError(
                 f"host_indices repeat the pages starting at slots {dup.unique()[:4].tolist()}; a backup would write "
                 "them twice (the last write would win, kernels would race): pass each host page once"
             )
+    return IndexFacts(starts, dev_starts, device_values)
 
 
 def check_layer(spec: PoolSpec, layer_id: object) -> int:

@@ -656,6 +656,98 @@ def test_page_run_fast_path_on_contiguous_rows(layout, monkeypatch):
     assert (per_page in used) == (layout != "page_first")  # token-major host pages: a layer's rows are not adjacent
 
 
+@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_plan_from_the_pools_check_equals_a_plan_that_reads_the_indices(layout, case, monkeypatch):
+    """What the pool's check read of an index pair (ranges, page runs) stands in for a plan's own reads of the very
+    tensors it checked, and the plan's descriptors are the same; device values the check did not read are still
+    range-checked by the plan."""
+    from hicache_core.backends import plans
+    from hicache_core.errors import HicacheError
+    from hicache_core.testing.conformance import make_device_buffers
+    from hicache_core.validate import CheckedPair, check_indices
+
+    if not _served(case, layout):
+        pytest.skip(f"direct does not serve {layout} for {case.id}")
+    spec = case.build(torch.device("cpu"))
+    gen = torch.Generator().manual_seed(4)
+    pool = HostKVPool(spec, layout, "direct", make_device_buffers(spec, case, gen), registry=REG,
+                      strategy="core.direct", strategy_options={"staging": "never"}, pin_memory=False)
+    reads = []
+    real = plans._within
+    monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
+    patterns = _index_patterns(spec.page_size, spec.num_pages, gen)
+    h, d = patterns["page-runs"]
+    patterns["page-runs-int32"] = (h.int(), d.int())
+    checked = 0
+    for name, (h, d) in patterns.items():
+        for device_values in (True, False):
+            try:
+                facts = check_indices(spec, h, d, pool.binding.device_rows, device_values=device_values, unique_device=True)
+            except HicacheError:
+                continue  # the pool would raise before any plan: nothing to stand in for
+            checked += 1
+            pool.binding.checked = CheckedPair(h, h._version, d, d._version, facts)
+            reads.clear()
+            taken = Plan(pool.binding, h, d, "never", 1)
+            assert reads == ([] if device_values else [pool.binding.device_rows]), name  # only what the check left
+            pool.binding.checked = None
+            reads.clear()
+            own = Plan(pool.binding, h, d, "never", 1)
+            assert reads == [spec.capacity, pool.binding.device_rows], name
+            assert taken._facts is facts and own._facts is None
+            for layer in (None, spec.layer_map.device_layers[-1]):
+                a, b = taken.submission(layer), own.submission(layer)
+                assert torch.equal(a.host, b.host) and torch.equal(a.dev, b.dev) and torch.equal(a.lens, b.lens), name
+            runs_a, runs_b = taken.page_runs, own.page_runs
+            assert (runs_a is None) == (runs_b is None), name
+            if runs_a is not None and runs_b is not None:
+                assert all(torch.equal(x, y) and x.dtype == torch.int64 for x, y in zip(runs_a, runs_b)), name
+    assert checked >= 6
+    pool.binding.checked = None
+
+
+def test_check_facts_are_only_of_the_checked_tensors_unchanged():
+    from hicache_core.validate import CheckedPair, check_indices
+
+    pool = _mla_pool(LAYOUTS[0], staging="never")
+    h, d = torch.arange(16, 48), torch.arange(64, 96)
+    facts = check_indices(pool.spec, h, d, pool.binding.device_rows, unique_device=True)
+    assert torch.equal(facts.host_starts, torch.tensor([16, 32])) and torch.equal(facts.device_starts, torch.tensor([64, 80]))
+    assert facts.device_read
+    pair = CheckedPair(h, h._version, d, d._version, facts)
+    assert pair.facts_of(h, d) is facts
+    assert pair.facts_of(h.clone(), d) is None and pair.facts_of(h, d.clone()) is None
+    d.add_(0)  # rewritten in place: the check no longer describes it
+    assert pair.facts_of(h, d) is None
+    assert torch.equal(check_indices(pool.spec, h, torch.arange(65, 97), pool.binding.device_rows).device_starts,
+                       torch.tensor([65, 81]))  # device runs need not be aligned
+    flipped = check_indices(pool.spec, h, torch.arange(64, 96).flip(0), pool.binding.device_rows)
+    assert flipped.device_starts is None and flipped.device_read  # not whole runs: checked, no run starts
+    unread = check_indices(pool.spec, h, d, pool.binding.device_rows, device_values=False)
+    assert unread.device_starts is None and not unread.device_read
+    with torch.inference_mode():
+        hi, di = torch.arange(16), torch.arange(16)
+    assert CheckedPair(hi, None, di, None, facts).facts_of(hi, di) is None  # no version counter: never trusted
+
+
+def test_pool_hands_its_check_to_the_plan_of_the_same_call(monkeypatch):
+    """A load with new CPU index tensors checks their values once: the plan reads no range again; a call whose
+    check the pool skipped (the same tensors again) leaves the plan to read what it needs."""
+    from hicache_core.backends import plans
+
+    pool = _mla_pool(LAYOUTS[0], staging="never")
+    reads = []
+    real = plans._within
+    monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
+    h, d = torch.arange(32, 64), torch.arange(96, 128)
+    assert pool.load_layer(1, h, d)
+    assert reads == [] and pool.binding.checked is not None and pool.binding.checked.facts_of(h, d) is not None
+    pool.binding.scratch["direct.plans"]._slots = []  # the plan is gone; the pool's check memo is not
+    assert pool.load_layer(2, h, d)
+    assert pool.binding.checked is None and reads == [pool.spec.capacity, pool.binding.device_rows]
+
+
 def test_host_time_estimate_counts_descriptors_and_runtime_calls():
     """The model ``auto`` feeds: ~0.5 us per descriptor plus ~6 us per runtime call of the batch schedule."""
     from hicache_core.backends.cudart import batch_calls, batch_schedule

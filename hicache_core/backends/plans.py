@@ -23,7 +23,7 @@ import torch
 
 from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
-from ..validate import index_bounds, tensor_version
+from ..validate import IndexFacts, index_bounds, page_starts, tensor_version
 from .common import as_long
 from .memcpy import CALL_US, DESC_US
 from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
@@ -284,17 +284,23 @@ def _within(t: torch.Tensor, n: int) -> bool:
     return lo >= 0 and hi < n
 
 
-def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """See :attr:`Plan.page_runs`."""
-    n = h.numel()
-    if ps == 1 or n == 0 or n % ps:
+def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int, facts: IndexFacts | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """See :attr:`Plan.page_runs`; ``facts``: what the pool's check of these indices read (its run starts)."""
+    if ps == 1 or h.numel() == 0:
         return None
-    hv, dv = h.view(-1, ps), d.view(-1, ps)
-    hs, ds = hv[:, 0], dv[:, 0]
-    step = torch.arange(ps, dtype=torch.int64)
-    if bool((hs % ps).any()) or not torch.equal(hv, hs.unsqueeze(1) + step) or not torch.equal(dv, ds.unsqueeze(1) + step):
+    hs = facts.host_starts if facts is not None else None
+    if hs is None or hs.device.type != "cpu":
+        hs = page_starts(h, ps)
+        if hs is None or bool((hs % ps).any()):
+            return None
+    if facts is not None and facts.device_read and (facts.device_starts is None or facts.device_starts.device.type == "cpu"):
+        ds = facts.device_starts
+    else:
+        ds = page_starts(d, ps)
+    if ds is None:
         return None
-    return hs // ps, ds.contiguous()
+    return hs.long() // ps, ds.long().contiguous()  # both on the CPU
 
 
 class Plan:
@@ -304,10 +310,13 @@ class Plan:
                  staging: str, staging_bytes: int, pitched: bool = False) -> None:
         self.binding = binding
         self.pitched = pitched
+        checked = binding.checked
+        # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again
+        self._facts = None if checked is None else checked.facts_of(host_indices, device_indices)
         self.h = as_long(host_indices, "cpu")
         self._rows = binding.device_rows
         cap = binding.spec.capacity
-        if self.h.numel() and not _within(self.h, cap):
+        if self.h.numel() and (self._facts is None or self._facts.host_starts is None) and not _within(self.h, cap):
             raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
         # the device copy the staged relayout indexes with (made on the caller's stream); its own copy:
@@ -330,7 +339,7 @@ class Plan:
 
     def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
         d = as_long(device_indices, "cpu")
-        if d.numel() and not _within(d, self._rows):
+        if d.numel() and (self._facts is None or not self._facts.device_read) and not _within(d, self._rows):
             raise IndexRangeError(
                 f"direct: device_indices must lie in 0..{self._rows - 1}; nothing was copied"
             )
@@ -378,7 +387,7 @@ class Plan:
         """``(host page numbers, device start rows)`` when both index tensors are whole runs of
         ``page_size`` consecutive slots (host runs page-aligned), as allocators hand them out; else ``None``."""
         if self._page_runs is None:
-            self._page_runs = (_page_runs(self.h, self.d, self.binding.spec.page_size),)
+            self._page_runs = (_page_runs(self.h, self.d, self.binding.spec.page_size, self._facts),)
         return self._page_runs[0]
 
     def _runs(self, seg: BoundSegment, stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
