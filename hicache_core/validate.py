@@ -28,6 +28,9 @@ __all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffe
            "byte_storage", "parse_programs", "repeated_rows", "index_bounds", "page_starts", "IndexFacts", "CheckedPair"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: :func:`check_indices` checks up to this many page starts of a CPU index tensor as Python ints (a batch's
+#: pages: each torch operation costs the host microseconds, a Python pass over a few hundred ints less)
+SMALL_STARTS = 256
 #: ``arange(run)`` per (run, dtype, device): :func:`page_starts` compares every call's indices with it
 _STEPS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -121,6 +124,19 @@ def _bounds(t: torch.Tensor, starts: torch.Tensor | None, run: int) -> tuple[int
     return lo, hi + run - 1
 
 
+def _small(starts: torch.Tensor | None) -> list[int] | None:
+    """``starts`` as Python ints where they are few (:data:`SMALL_STARTS`) and on the CPU, else ``None``."""
+    if starts is None or starts.numel() > SMALL_STARTS or starts.device.type != "cpu":
+        return None
+    return starts.tolist()
+
+
+def _runs_overlap(starts: list[int], run: int) -> bool:
+    """Whether two of the runs of ``run`` consecutive values starting at ``starts`` share a value."""
+    ordered = sorted(starts)
+    return any(b - a < run for a, b in zip(ordered, ordered[1:]))
+
+
 _UNKNOWN = object()
 
 
@@ -175,13 +191,14 @@ def check_indices(
     dev_starts = None
     if device_values:
         dev_starts = page_starts(d, ps)
-        dmin, dmax = _bounds(d, dev_starts, ps)
+        vals = _small(dev_starts)
+        dmin, dmax = (min(vals), max(vals) + ps - 1) if vals is not None else _bounds(d, dev_starts, ps)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
                 "index rows the device tensors have"
             )
-        if unique_device:
+        if unique_device and (vals is None or _runs_overlap(vals, ps)):
             dup = repeated_rows(d, ps, dev_starts)
             if dup.numel():
                 raise DuplicateIndexError(
@@ -191,17 +208,18 @@ def check_indices(
     if not host_values:
         return IndexFacts(None, dev_starts, device_values)
     starts = page_starts(h, ps)
-    hmin, hmax = _bounds(h, starts, ps)
+    vals = _small(starts)
+    hmin, hmax = (min(vals), max(vals) + ps - 1) if vals is not None else _bounds(h, starts, ps)
     if hmin < 0 or hmax >= spec.capacity:
         raise IndexRangeError(
             f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"
         )
-    if starts is None or (ps > 1 and bool((starts % ps).any())):
+    if starts is None or (ps > 1 and (any(v % ps for v in vals) if vals is not None else bool((starts % ps).any()))):
         raise PageAlignmentError(
             f"host_indices must be whole pages: runs of page_size={ps} consecutive slots "
             "starting at a multiple of page_size (as alloc returns them)"
         )
-    if unique_host:
+    if unique_host and (vals is None or len(set(vals)) < len(vals)):
         first = starts.sort().values
         dup = first[1:][first[1:] == first[:-1]]
         if dup.numel():

@@ -298,6 +298,32 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     assert torch.equal(layers(seg.host_flat)[:, named], layers(ref.binding.segments[0].host_flat)[:, named])
 
 
+def test_device_indices_come_back_with_device_resident_host_indices(monkeypatch):
+    """Where both index tensors live on the pool's device, the device indices are queued back before the host indices
+    are read (one wait for both); the plain route then takes its values from that copy, range-checked, and a rewrite
+    of the caller's tensor after the call changes nothing.  On this CPU pool, :func:`.plans.defer_device_read` is told
+    to treat the indices as device-resident."""
+    from hicache_core.backends import plans
+
+    pool = _mla_pool(LAYOUTS[0], staging="never")
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    h, d = torch.arange(32, 64), torch.arange(96, 128).flip(0)
+    plan = Plan(pool.binding, h, d, "never", 1)
+    assert plan._d_early is not None and not plan.d_read
+    d.fill_(0)  # behind the plan's back: it reads its own copy
+    sub = plan.submission(1)
+    assert plan.d_read and torch.equal(plan.d, torch.arange(96, 128).flip(0))
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: False)
+    ref = Plan(pool.binding, h, torch.arange(96, 128).flip(0), "never", 1)
+    assert ref._d_early is None
+    want = ref.submission(1)
+    assert torch.equal(sub.host, want.host) and torch.equal(sub.dev, want.dev) and torch.equal(sub.lens, want.lens)
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    bad = Plan(pool.binding, h, torch.arange(120, 152), "never", 1)  # rows past the device buffers' 128
+    with pytest.raises(IndexRangeError, match="device_indices must lie in 0..127; nothing was copied"):
+        bad.submission(1)
+
+
 @pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
 def test_staged_route_with_unread_out_of_range_rows(monkeypatch):
     """Device rows out of range, not read on the host (``validate="shapes"`` with GPU-resident

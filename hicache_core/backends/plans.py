@@ -313,11 +313,6 @@ class Plan:
         checked = binding.checked
         # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again
         self._facts = None if checked is None else checked.facts_of(host_indices, device_indices)
-        self.h = as_long(host_indices, "cpu")
-        self._rows = binding.device_rows
-        cap = binding.spec.capacity
-        if self.h.numel() and (self._facts is None or self._facts.host_starts is None) and not _within(self.h, cap):
-            raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
         # the device copy the staged relayout indexes with (made on the caller's stream); its own copy:
         # the values it indexes with are the values read or checked, even if the caller later rewrites
@@ -326,8 +321,20 @@ class Plan:
         # device-resident indices are read back (which waits for the work queued before this call)
         # only when a route needs their values on the host: plain runs do; a staged route indexes with
         # the device copy (its kernel relayout masks bad rows; the torch one reads and checks first)
+        defer = on_dev and defer_device_read(binding)
+        # where the host indices live on the device too, reading them waits for the stream anyway: the device
+        # indices come back in that same wait (queued first, asynchronously), for a route that needs them
+        self._d_early: torch.Tensor | None = None
+        if defer and isinstance(host_indices, torch.Tensor) and host_indices.device == binding.device:
+            assert self._d_dev is not None
+            self._d_early = self._d_dev.to("cpu", non_blocking=True)
+        self.h = as_long(host_indices, "cpu")  # waits for the stream where they live on the device
+        self._rows = binding.device_rows
+        cap = binding.spec.capacity
+        if self.h.numel() and (self._facts is None or self._facts.host_starts is None) and not _within(self.h, cap):
+            raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         self._d: torch.Tensor | None = None
-        if not (on_dev and defer_device_read(binding)):
+        if not defer:
             self._read_d(device_indices)
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
@@ -351,7 +358,8 @@ class Plan:
         """The device indices on the CPU, range-checked (read from the device copy on first use)."""
         if self._d is None:
             assert self._d_dev is not None
-            return self._read_d(self._d_dev)
+            # the early copy landed before the host indices were read (one stream, queued first)
+            return self._read_d(self._d_early if self._d_early is not None else self._d_dev)
         return self._d
 
     @property
