@@ -626,23 +626,30 @@ FAST_PATH_CASES = [c for c in CASES if c.id in (
     "mha-bf16-ps16-vdim-strided", "mha-fp32-ps64-sharded3of2r0", "mha-bf16-ps2-sharded5of2r1-padded-drafts")]
 
 
-@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_page_run_fast_path_equals_row_coalescing(layout, case):
-    """Indices in whole page runs let plans coalesce per page; every descriptor must equal the per-row result
-    (device rows strided or split in parts as the case asks, sharded maps, int32 and strided index views)."""
+def _fast_path_pool(layout, case, seed: int) -> tuple[PoolSpec, HostKVPool, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """A CPU ``direct`` pool (plain runs only) of ``case`` in ``layout`` and :func:`_index_patterns` for it, with the
+    page runs also as int32 and as strided views; skips where ``direct`` does not serve the pair."""
     from hicache_core.testing.conformance import make_device_buffers
 
     if not _served(case, layout):
         pytest.skip(f"direct does not serve {layout} for {case.id}")
     spec = case.build(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     pool = HostKVPool(spec, layout, "direct", make_device_buffers(spec, case, gen), registry=REG,
                       strategy="core.direct", strategy_options={"staging": "never"}, pin_memory=False)
     patterns = _index_patterns(spec.page_size, spec.num_pages, gen)
     h, d = patterns["page-runs"]
     patterns["page-runs-int32"] = (h.int(), d.int())
     patterns["page-runs-strided-views"] = (torch.stack([h, h], 1).reshape(-1)[::2], torch.stack([d, d], 1).reshape(-1)[::2])
+    return spec, pool, patterns
+
+
+@pytest.mark.parametrize("case", FAST_PATH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_run_fast_path_equals_row_coalescing(layout, case):
+    """Indices in whole page runs let plans coalesce per page; every descriptor must equal the per-row result
+    (device rows strided or split in parts as the case asks, sharded maps, int32 and strided index views)."""
+    spec, pool, patterns = _fast_path_pool(layout, case, 3)
     took = set()
     for name, (h, d) in patterns.items():
         fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
@@ -690,21 +697,12 @@ def test_plan_from_the_pools_check_equals_a_plan_that_reads_the_indices(layout, 
     range-checked by the plan."""
     from hicache_core.backends import plans
     from hicache_core.errors import HicacheError
-    from hicache_core.testing.conformance import make_device_buffers
     from hicache_core.validate import CheckedPair, check_indices
 
-    if not _served(case, layout):
-        pytest.skip(f"direct does not serve {layout} for {case.id}")
-    spec = case.build(torch.device("cpu"))
-    gen = torch.Generator().manual_seed(4)
-    pool = HostKVPool(spec, layout, "direct", make_device_buffers(spec, case, gen), registry=REG,
-                      strategy="core.direct", strategy_options={"staging": "never"}, pin_memory=False)
+    spec, pool, patterns = _fast_path_pool(layout, case, 4)
     reads = []
     real = plans._within
     monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
-    patterns = _index_patterns(spec.page_size, spec.num_pages, gen)
-    h, d = patterns["page-runs"]
-    patterns["page-runs-int32"] = (h.int(), d.int())
     checked = 0
     for name, (h, d) in patterns.items():
         for device_values in (True, False):
