@@ -43,7 +43,8 @@ class IndexFacts:
     pages), ``None`` where the host values were not read.  ``device_read``: whether the device values
     were checked in range; then ``device_starts`` holds the first row of each run where the device
     rows are whole runs of ``page_size`` consecutive rows (``None`` where they are not).  Both
-    tensors are views of the checked index tensors, in their dtype and on their device.
+    tensors live on the checked index tensors' device; they may be views of them, so they describe the
+    values at the check: take values from them only while the tensors are unchanged.
     """
 
     host_starts: torch.Tensor | None
@@ -102,11 +103,14 @@ def index_bounds(t: torch.Tensor) -> tuple[int, int]:
 def page_starts(t: torch.Tensor, run: int) -> torch.Tensor | None:
     """The first value of each run where the 1-D ``t`` is whole runs of ``run`` consecutive values
     (the slots or rows an engine's page allocator hands out), else ``None``; ``t`` itself where
-    ``run`` is 1.  A view of ``t`` (a strided one where ``run`` > 1)."""
+    ``run`` is 1.  A view of ``t`` (a strided one where ``run`` > 1), of an int64 copy where ``t`` is int32
+    (so that no run wraps around the int32 range)."""
     if run == 1:
         return t
     if t.numel() % run:
         return None
+    if t.dtype != torch.int64:
+        t = t.long()
     key = (run, t.dtype, t.device)
     step = _STEPS.get(key)
     if step is None:

@@ -280,7 +280,7 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
     read = []
     real = plans.as_long
-    monkeypatch.setattr(plans, "as_long", lambda t, device: (read.append(t is not h), real(t, device))[1])
+    monkeypatch.setattr(plans, "as_long", lambda t, device, **kw: (read.append(t is not h), real(t, device, **kw))[1])
     plan = Plan(pool.binding, h, d, "always", 1 << 30, pitched=True)
     staged = plan.submission(None)
     assert staged.staged is not None and not plan.d_read and read == [False]  # the host indices only
@@ -729,6 +729,32 @@ def test_plan_from_the_pools_check_equals_a_plan_that_reads_the_indices(layout, 
                 assert all(torch.equal(x, y) and x.dtype == torch.int64 for x, y in zip(runs_a, runs_b)), name
     assert checked >= 6
     pool.binding.checked = None
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_plan_builds_later_addresses_from_the_values_it_checked(dtype):
+    """A plan builds some addresses on a later call (one table per device row stride, when a layer first needs it).
+    It builds them from its own copy of the indices checked at its first call: a caller rewriting its tensors
+    behind torch's version counter (through NumPy) afterwards still gets the rows it named then (out-of-range
+    values written that way would otherwise reach the copies unchecked; other slots and rows show it here)."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=16, capacity=128)
+    gen = torch.Generator().manual_seed(6)
+    wide = torch.randn(128, 1, 640, generator=gen).to(torch.bfloat16)  # layer 0: rows strided (1280 of 1152 bytes)
+    dev = {"kv": [wide[:, :, :576], torch.randn(128, 1, 576, generator=gen).to(torch.bfloat16)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": "never"})
+    pool.backup_all_layers(torch.arange(32, 64), torch.arange(32))  # host slots 32..63 <- device rows 0..31
+    h, d = torch.arange(32, 64, dtype=dtype), torch.arange(96, 128, dtype=dtype)
+    canary = [t[:96].clone() for t in dev["kv"]]
+    assert pool.load_layer(0, h, d)  # strided rows: no whole-page table yet
+    h.numpy()[:] = torch.arange(16).repeat(2).numpy()  # behind torch's back: version unchanged, nothing re-checks
+    d.numpy()[:] = torch.arange(64, 96).numpy()
+    assert pool.load_layer(1, h, d)  # the plan builds layer 1's table now
+    for i, t in enumerate(dev["kv"]):
+        assert torch.equal(t[96:128].view(torch.uint8), t[:32].view(torch.uint8)), i
+        assert torch.equal(t[:96].view(torch.uint8), canary[i].view(torch.uint8)), i
 
 
 def test_check_facts_are_only_of_the_checked_tensors_unchanged():

@@ -286,21 +286,24 @@ def _within(t: torch.Tensor, n: int) -> bool:
 
 def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int, facts: IndexFacts | None = None
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """See :attr:`Plan.page_runs`; ``facts``: what the pool's check of these indices read (its run starts)."""
+    """See :attr:`Plan.page_runs` (``h``, ``d``: the plan's own int64 copies); ``facts``: what the pool's check of
+    the tensors they were copied from saw of their shape (whole aligned host pages; device run starts or none)."""
     if ps == 1 or h.numel() == 0:
         return None
-    hs = facts.host_starts if facts is not None else None
-    if hs is None or hs.device.type != "cpu":
+    hs: torch.Tensor | None
+    if facts is not None and facts.host_starts is not None:
+        hs = h.view(-1, ps)[:, 0]
+    else:
         hs = page_starts(h, ps)
         if hs is None or bool((hs % ps).any()):
             return None
-    if facts is not None and facts.device_read and (facts.device_starts is None or facts.device_starts.device.type == "cpu"):
-        ds = facts.device_starts
+    if facts is not None and facts.device_read:
+        ds = None if facts.device_starts is None else d.view(-1, ps)[:, 0]
     else:
         ds = page_starts(d, ps)
     if ds is None:
         return None
-    return hs.long() // ps, ds.long().contiguous()  # both on the CPU
+    return hs // ps, ds.contiguous()
 
 
 class Plan:
@@ -328,14 +331,16 @@ class Plan:
         if defer and isinstance(host_indices, torch.Tensor) and host_indices.device == binding.device:
             assert self._d_dev is not None
             self._d_early = self._d_dev.to("cpu", non_blocking=True)
-        self.h = as_long(host_indices, "cpu")  # waits for the stream where they live on the device
+        # its own copy (as the device indices below): what the plan builds later, table by table, must come from
+        # the values checked now, even if the caller rewrites its tensor behind torch's version counter
+        self.h = as_long(host_indices, "cpu", copy=True)  # waits for the stream where they live on the device
         self._rows = binding.device_rows
         cap = binding.spec.capacity
         if self.h.numel() and (self._facts is None or self._facts.host_starts is None) and not _within(self.h, cap):
             raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         self._d: torch.Tensor | None = None
-        if not defer:
-            self._read_d(device_indices)
+        if not defer:  # from its own copy where it made one (a CPU pool), else a copy of the caller's tensor
+            self._read_d(device_indices if self._d_dev is None else self._d_dev, copy=self._d_dev is None)
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int], int]] = {}
@@ -344,8 +349,8 @@ class Plan:
         self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
 
-    def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
-        d = as_long(device_indices, "cpu")
+    def _read_d(self, device_indices: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        d = as_long(device_indices, "cpu", copy=copy)
         if d.numel() and (self._facts is None or not self._facts.device_read) and not _within(d, self._rows):
             raise IndexRangeError(
                 f"direct: device_indices must lie in 0..{self._rows - 1}; nothing was copied"
