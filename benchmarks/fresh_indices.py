@@ -10,9 +10,10 @@ bit-exact first (``hicache_core.bench``'s check).
 
 ``--ab DIR`` compares this code with an older tree's index checks and plan helpers in the same
 process, call by call (``DIR/hicache_core/validate.py`` and ``.../backends/plans.py`` loaded beside the
-current package; their ``check_indices``, ``coalesce`` and ``_page_runs`` swapped in for the "old"
-calls): host time per call on these machines drifts by up to 2x over seconds, so two processes run
-one after the other do not compare.  Results: ``<out>/fresh_indices-<label>.json``.
+current package; their ``check_indices``, ``coalesce``, ``_page_runs`` and ``Plan`` swapped in for the "old"
+calls; the older ``Plan`` runs its own module's helpers and the current package's everything else): host time
+per call on these machines drifts by up to 2x over seconds, so two processes run one after the other do not
+compare.  Results: ``<out>/fresh_indices-<label>.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class _Versions:
 
     def __init__(self, old_tree: str | None) -> None:
         self.new = {"check": pool_mod.check_indices, "coalesce": plans.coalesce, "page_runs": plans._page_runs,
-                    "within": getattr(plans, "_within", None)}
+                    "within": getattr(plans, "_within", None), "plan": plans.Plan}
         self.old = None
         if old_tree:
             v = _load_beside(os.path.join(old_tree, "hicache_core", "validate.py"), "hicache_core._old_validate")
@@ -59,13 +60,14 @@ class _Versions:
             # an older check may return nothing (no facts for the plan) and an older _page_runs take no facts
             self.old = {"check": v.check_indices, "coalesce": p.coalesce,
                         "page_runs": lambda h, d, ps, facts=None: old_runs(h, d, ps),
-                        "within": lambda t, n: not (int(t.min()) < 0 or int(t.max()) >= n)}  # the old inline check
+                        "within": lambda t, n: not (int(t.min()) < 0 or int(t.max()) >= n),  # the old inline check
+                        "plan": p.Plan}
 
     def use(self, which: str) -> None:
         fns = self.new if which == "new" else self.old
         assert fns is not None
         pool_mod.check_indices = fns["check"]
-        plans.coalesce, plans._page_runs = fns["coalesce"], fns["page_runs"]
+        plans.coalesce, plans._page_runs, plans.Plan = fns["coalesce"], fns["page_runs"], fns["plan"]
         if fns["within"] is not None:
             plans._within = fns["within"]
 
