@@ -105,12 +105,11 @@ class PoolBinding:
     scratch: dict[str, Any] = field(default_factory=dict)
     #: rows every bound device tensor has (device indices must be below it); huge when none is bound
     device_rows: int = field(init=False)
-    #: The index pair the pool checked last, with what the check read of their values
-    #: (:class:`~hicache_core.validate.CheckedPair`); set by each call's check, ``None`` when a call's check was
-    #: skipped because it had checked the same tensors before.  One field for every thread using the pool, kept
-    #: after the call: a strategy may take facts from it only through
-    #: :meth:`~hicache_core.validate.CheckedPair.facts_of` with the tensors its call was handed, and only while
-    #: building what that call submits (later writes that bypass torch's version counter are not seen).
+    #: During a transfer call, the index pair the pool checked in it, with what the check read of their values
+    #: (:class:`~hicache_core.validate.CheckedPair`); ``None`` outside calls and in a call whose check was
+    #: skipped because the pool had checked the same tensors before.  One field for every thread using the
+    #: pool: a strategy may take facts from it only through :meth:`~hicache_core.validate.CheckedPair.facts_of`
+    #: with the tensors its call was handed (another thread's pair, or none, gives ``None``).
     checked: CheckedPair | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

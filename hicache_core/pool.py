@@ -218,40 +218,42 @@ class HostKVPool:
         lane = self._lanes[1]
         if lane is not None and lane(None, host_indices, device_indices):
             return
-        self._check(host_indices, device_indices, to_host=True)
-        self.strategy.backup(self.binding, host_indices, device_indices, None)
+        self._transfer(host_indices, device_indices, None, to_host=True)
 
     def backup_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """D2H of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
         lane = self._lanes[1]
         if lane is not None and layer_id.__class__ is int and lane(layer_id, host_indices, device_indices):
             return True
-        layer = check_layer(self.spec, layer_id)
-        self._check(host_indices, device_indices, to_host=True)
-        if not self.spec.layer_map.owns(layer):
-            return False
-        self.strategy.backup(self.binding, host_indices, device_indices, layer)
-        return True
+        return self._transfer(host_indices, device_indices, check_layer(self.spec, layer_id), to_host=True)
 
     def load_layer(self, layer_id: int, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
         """H2D of one device layer.  Returns ``False`` (moving nothing) when this rank does not own it."""
         lane = self._lanes[0]
         if lane is not None and layer_id.__class__ is int and lane(layer_id, host_indices, device_indices):
             return True
-        layer = check_layer(self.spec, layer_id)
-        self._check(host_indices, device_indices, to_host=False)
-        if not self.spec.layer_map.owns(layer):
-            return False
-        self.strategy.load(self.binding, host_indices, device_indices, layer)
-        return True
+        return self._transfer(host_indices, device_indices, check_layer(self.spec, layer_id), to_host=False)
 
     def load_all_layers(self, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
         """H2D: every owned layer."""
         lane = self._lanes[0]
         if lane is not None and lane(None, host_indices, device_indices):
             return
-        self._check(host_indices, device_indices, to_host=False)
-        self.strategy.load(self.binding, host_indices, device_indices, None)
+        self._transfer(host_indices, device_indices, None, to_host=False)
+
+    def _transfer(self, host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None, *,
+                  to_host: bool) -> bool:
+        """Check the indices, then move ``layer`` (``None``: every owned layer) in the direction ``to_host`` says;
+        ``False`` (moving nothing) where this rank does not own ``layer``."""
+        self._check(host_indices, device_indices, to_host=to_host)
+        try:
+            if layer is not None and not self.spec.layer_map.owns(layer):
+                return False
+            move = self.strategy.backup if to_host else self.strategy.load
+            move(self.binding, host_indices, device_indices, layer)
+            return True
+        finally:
+            self.binding.checked = None  # what the check read is for this call's strategy alone
 
     # -- page views for storage tiers ---------------------------------------------
     def _check_page(self, page: int) -> int:

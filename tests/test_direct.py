@@ -790,12 +790,20 @@ def test_pool_hands_its_check_to_the_plan_of_the_same_call(monkeypatch):
     reads = []
     real = plans._within
     monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
+    seen = []  # what a new plan finds in the binding
+    real_init = plans.Plan.__init__
+    monkeypatch.setattr(plans.Plan, "__init__",
+                        lambda self, binding, *a, **k: (seen.append(binding.checked), real_init(self, binding, *a, **k))[1])
     h, d = torch.arange(32, 64), torch.arange(96, 128)
     assert pool.load_layer(1, h, d)
-    assert reads == [] and pool.binding.checked is not None and pool.binding.checked.facts_of(h, d) is not None
+    assert reads == [] and seen[0] is not None and seen[0].facts_of(h, d) is not None
+    assert pool.binding.checked is None  # for that call alone
     pool.binding.scratch["direct.plans"]._slots = []  # the plan is gone; the pool's check memo is not
     assert pool.load_layer(2, h, d)
-    assert pool.binding.checked is None and reads == [pool.spec.capacity, pool.binding.device_rows]
+    assert seen[1] is None and reads == [pool.spec.capacity, pool.binding.device_rows]
+    with pytest.raises(IndexRangeError):
+        pool.load_layer(1, torch.arange(32, 64), torch.arange(120, 152))  # a failed check leaves nothing behind
+    assert pool.binding.checked is None
 
 
 def test_host_time_estimate_counts_descriptors_and_runtime_calls():
