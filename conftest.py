@@ -21,3 +21,14 @@ if "HICACHE_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="hicache-test-cache-")
     os.environ["HICACHE_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["python", "torch"])
+def index_check_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways ``check_indices`` checks a batch's page starts: as Python ints (few, on the CPU) and with torch."""
+    if request.param == "torch":
+        monkeypatch.setattr("hicache_core.validate.SMALL_STARTS", 0)
+    return request.param

@@ -49,6 +49,7 @@ def _phases(pool: HostKVPool, layer: int, pairs: list[tuple[torch.Tensor, torch.
         t3 = time.perf_counter()
         strategy.transfer(pool.binding, h, d, layer, to_host=False)  # the plan is memoised: the call's rest
         t4 = time.perf_counter()
+        pool.binding.checked = None  # as the pool's call ends
         for k, a, b in (("check", t0, t1), ("plan", t1, t2), ("submission", t2, t3), ("submit", t3, t4)):
             out[k].append((b - a) * 1e6)
     torch.cuda.synchronize()

@@ -185,9 +185,7 @@ class HostKVPool:
         last = self._checked  # one snapshot: another thread may replace it
         if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)):
-            self.binding.checked = None  # nothing was read now: the strategy reads what it needs itself
-            return
-        self.binding.checked = None
+            return  # nothing was read now: binding.checked is not set, the strategy reads what it needs itself
         full = self.validate != "shapes"
         def values(t: object) -> bool:
             return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
@@ -245,15 +243,15 @@ class HostKVPool:
                   to_host: bool) -> bool:
         """Check the indices, then move ``layer`` (``None``: every owned layer) in the direction ``to_host`` says;
         ``False`` (moving nothing) where this rank does not own ``layer``."""
-        self._check(host_indices, device_indices, to_host=to_host)
         try:
+            self._check(host_indices, device_indices, to_host=to_host)
             if layer is not None and not self.spec.layer_map.owns(layer):
                 return False
             move = self.strategy.backup if to_host else self.strategy.load
             move(self.binding, host_indices, device_indices, layer)
             return True
         finally:
-            self.binding.checked = None  # what the check read is for this call's strategy alone
+            self.binding.checked = None  # what the check read is for this call's strategy alone (a failed check too)
 
     # -- page views for storage tiers ---------------------------------------------
     def _check_page(self, page: int) -> int:

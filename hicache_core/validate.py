@@ -128,11 +128,15 @@ def _bounds(t: torch.Tensor, starts: torch.Tensor | None, run: int) -> tuple[int
     return lo, hi + run - 1
 
 
-def _small(starts: torch.Tensor | None) -> list[int] | None:
-    """``starts`` as Python ints where they are few (:data:`SMALL_STARTS`) and on the CPU, else ``None``."""
+def _runs_and_bounds(t: torch.Tensor, run: int) -> tuple[torch.Tensor | None, list[int] | None, int, int]:
+    """:func:`page_starts` of the non-empty ``t``; the starts as Python ints where they are few
+    (:data:`SMALL_STARTS`) and on the CPU, else ``None``; and ``t``'s bounds, from the starts where ``t`` is
+    whole runs."""
+    starts = page_starts(t, run)
     if starts is None or starts.numel() > SMALL_STARTS or starts.device.type != "cpu":
-        return None
-    return starts.tolist()
+        return starts, None, *_bounds(t, starts, run)
+    vals = starts.tolist()
+    return starts, vals, min(vals), max(vals) + run - 1
 
 
 def _runs_overlap(starts: list[int], run: int) -> bool:
@@ -194,9 +198,7 @@ def check_indices(
         return IndexFacts(h if host_values else None, d if device_values else None, device_values)
     dev_starts = None
     if device_values:
-        dev_starts = page_starts(d, ps)
-        vals = _small(dev_starts)
-        dmin, dmax = (min(vals), max(vals) + ps - 1) if vals is not None else _bounds(d, dev_starts, ps)
+        dev_starts, vals, dmin, dmax = _runs_and_bounds(d, ps)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
@@ -211,9 +213,7 @@ def check_indices(
                 )
     if not host_values:
         return IndexFacts(None, dev_starts, device_values)
-    starts = page_starts(h, ps)
-    vals = _small(starts)
-    hmin, hmax = (min(vals), max(vals) + ps - 1) if vals is not None else _bounds(h, starts, ps)
+    starts, vals, hmin, hmax = _runs_and_bounds(h, ps)
     if hmin < 0 or hmax >= spec.capacity:
         raise IndexRangeError(
             f"host_indices must lie in 0..{spec.capacity - 1} (capacity), got {hmin}..{hmax}; use slots from alloc()"

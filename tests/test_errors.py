@@ -149,13 +149,10 @@ OPS: dict[str, Callable[[HostKVPool, Any, Any], Any]] = {
 }
 
 
-@pytest.mark.parametrize("starts", ["python", "torch"])  # the check's two ways over a batch's page starts
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("case", INDEX_CASES, ids=[c[0] for c in INDEX_CASES])
-def test_bad_indices_raise_and_write_nothing(pool: HostKVPool, op: str, case: tuple, starts: str,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    if starts == "torch":
-        monkeypatch.setattr("hicache_core.validate.SMALL_STARTS", 0)
+def test_bad_indices_raise_and_write_nothing(pool: HostKVPool, op: str, case: tuple,
+                                             index_check_path: str) -> None:
     _, h, d, cls, pattern = case
     before = snapshot(pool.host_buffers, _device(pool))
     with pytest.raises(cls, match=pattern) as info:

@@ -219,13 +219,10 @@ def test_wrapped_host_buffers_must_not_share_memory(backend: str) -> None:
 
 # --- duplicate and unallocated indices ------------------------------------------------------
 
-@pytest.mark.parametrize("starts", ["python", "torch"])  # the check's two ways over a batch's page starts
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("validate", ["shapes", "full"])
-def test_rows_a_transfer_writes_must_not_repeat(backend: str, validate: str, starts: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    if starts == "torch":
-        monkeypatch.setattr("hicache_core.validate.SMALL_STARTS", 0)
+def test_rows_a_transfer_writes_must_not_repeat(backend: str, validate: str,
+                                                index_check_path: str) -> None:
     spec = make_spec()
     dev = make_device(spec)
     pool = HostKVPool(spec, "layer_first", backend, dev, validate=validate)
@@ -243,13 +240,10 @@ def test_rows_a_transfer_writes_must_not_repeat(backend: str, validate: str, sta
     pool.load_layer(0, torch.cat([page, page]), torch.arange(8))
 
 
-@pytest.mark.parametrize("starts", ["python", "torch"])  # the check's two ways over a batch's page starts
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_overlapping_device_page_runs_are_repeated_rows(backend: str, starts: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overlapping_device_page_runs_are_repeated_rows(backend: str, index_check_path: str) -> None:
     """Device rows in runs of page_size that overlap (starts 8 and 10 with pages of 4) repeat rows 10 and 11:
     the runs' fast check must see it as the full sort does, and nothing moves."""
-    if starts == "torch":
-        monkeypatch.setattr("hicache_core.validate.SMALL_STARTS", 0)
     spec = make_spec()
     dev = make_device(spec)
     pool = HostKVPool(spec, "layer_first", backend, dev)
