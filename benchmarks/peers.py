@@ -50,7 +50,10 @@ from hicache_core.bench import (  # noqa: E402
     SHAPES,
     _device_buffers,
     _gemm_slowdown,
+    _hbm_reader,
     _host_us,
+    _ms_beside,
+    _neighbor_slowdown,
     _indices,
     _median_ms,
     _Memcpy,
@@ -95,6 +98,8 @@ class PeerRow:
     bit_exact: bool | None = None
     error: str | None = None
     note: str | None = None
+    hbm_slowdown: float | None = None
+    hbm_ratio: float | None = None
 
 
 ROW_FIELDS = tuple(PeerRow.__dataclass_fields__)
@@ -136,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", type=_csv, default=list(ALL_OPS))
     p.add_argument("--gemm-ops", type=_csv, default=["backup_all_layers", "load_burst"])
     p.add_argument("--gemm-max-tokens", type=int, default=4096, help="measure GEMM slowdown only up to this many tokens")
+    p.add_argument("--hbm", action="store_true",
+                   help="where the GEMM slowdown is measured, also measure a memory-bound reduction's slowdown and the "
+                        "transfer's ratio while it runs (hicache bench --hbm)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--op-budget-ms", type=float, default=1500.0, help="fewer reps (>= 3) for slow operations")
     p.add_argument("--slow-ms", type=float, default=1000.0, help="an operation slower than this per call is not timed")
@@ -272,9 +280,24 @@ def _measure(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes
     ms = _median_ms(fn, reps)
     base = memcpy.gbps(nbytes, to_host, args.reps)
     gbps = nbytes / ms / 1e6
-    return {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
-            "host_us": _host_us(fn, max(5, reps // 2)) / calls, "gemm_slowdown": _gemm_slowdown(fn) if gemm else None,
-            "note": None if reps == args.reps else f"{reps} reps"}
+    out = {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
+           "host_us": _host_us(fn, max(5, reps // 2)) / calls, "gemm_slowdown": _gemm_slowdown(fn) if gemm else None,
+           "note": None if reps == args.reps else f"{reps} reps"}
+    if gemm and getattr(args, "hbm", False):
+        reader = _reader()
+        out["hbm_slowdown"] = _neighbor_slowdown(fn, reader)
+        out["hbm_ratio"] = nbytes / _ms_beside(fn, reader) / 1e6 / base
+    return out
+
+
+_READER: list[Callable[[], object]] = []
+
+
+def _reader() -> Callable[[], object]:
+    """The memory-bound neighbour of ``--hbm`` (one buffer for the whole run)."""
+    if not _READER:
+        _READER.append(_hbm_reader())
+    return _READER[0]
 
 
 class _Writer:
@@ -297,6 +320,8 @@ def _line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return f"{head}: {r['status'].upper()} {r['error'] or r['note'] or ''}"[:600]
     gemm = f" gemm {r['gemm_slowdown'] * 100:+.1f}%" if r["gemm_slowdown"] is not None else ""
+    if r.get("hbm_slowdown") is not None:
+        gemm += f" hbm-reader {r['hbm_slowdown'] * 100:+.1f}%, ratio beside it {r['hbm_ratio']:.3f}"
     return f"{head}: {r['gbps']:.1f} GB/s ratio {r['ratio']:.3f} CTAs {r['ctas']} host {r['host_us']:.0f}us{gemm}"
 
 
@@ -460,19 +485,23 @@ def _fmt(v: Any, spec: str) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (columns as in docs/performance.md's peer section)."""
+    hbm = any(r.get("hbm_slowdown") is not None for r in rows)  # --hbm's two columns, where it ran
     head = ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
-            "| host µs/call | bit-exact |")
-    lines = [head, "|" + "---|" * 11]
+            + ("| HBM-reader slowdown % | ratio beside it " if hbm else "") + "| host µs/call | bit-exact |")
+    lines = [head, "|" + "---|" * (13 if hbm else 11)]
     for r in rows:
         exact = {True: "yes", False: "**no**", None: ""}[r["bit_exact"]]
         if r["status"] == "ok":
             cells = [_fmt(r["ctas"], "d") if r["ctas"] is not None else "?", _fmt(r["gbps"], ".1f"),
                      _fmt(r["ratio"], ".3f"),
-                     _fmt(r["gemm_slowdown"] * 100 if r["gemm_slowdown"] is not None else None, "+.1f"),
-                     _fmt(r["host_us"], ".1f")]
+                     _fmt(r["gemm_slowdown"] * 100 if r["gemm_slowdown"] is not None else None, "+.1f")]
+            if hbm:
+                slow = r.get("hbm_slowdown")
+                cells += [_fmt(slow * 100 if slow is not None else None, "+.1f"), _fmt(r.get("hbm_ratio"), ".3f")]
+            cells.append(_fmt(r["host_us"], ".1f"))
         else:
             why = (r["error"] or r["note"] or "").replace("|", "/").replace("\n", " ")[:160]
-            cells = [f"{r['status']}: {why}", "", "", "", ""]
+            cells = [f"{r['status']}: {why}"] + [""] * (6 if hbm else 4)
         lines.append(f"| {r['peer']} {r['variant']} | {r['layout']} | {r['kind']} | {r['tokens']} | {r['op']} | "
                      + " | ".join(cells) + f" | {exact} |")
     return "\n".join(lines)

@@ -4,7 +4,8 @@ For each shape, layout, io_backend, page size, token count, SM budget and
 operation it reports GB/s, the ratio to a pinned ``copy_`` of the same number
 of bytes in the same direction measured in the same run, the host time per
 call, and (optionally) the slowdown of a bf16 GEMM on another stream while a
-transfer runs.  Data are checked bit-exact (round trip against the original
+transfer runs (``--gemm``), and of a memory-bound reduction, with the transfer's own speed beside it
+(``--hbm``).  Data are checked bit-exact (round trip against the original
 rows) before timing.  Results go to ``<out>/bench.json``; ``--plot`` renders
 ``<out>/bench.png`` (ratio vs tokens per strategy) when matplotlib is present.
 """
@@ -64,6 +65,8 @@ MAX_DIRECT_COPIES = 200_000
 OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst")
 #: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps).
 GEMM_OPS = ("backup_all_layers", "load_burst")
+#: Bytes one call of ``--hbm``'s memory-bound neighbour reads (:func:`_hbm_reader`).
+HBM_READ_BYTES = 2 << 30
 #: ``direct`` variants: strategy options per label (``--direct-variants``).
 DIRECT_VARIANTS = {"auto": {"staging": "auto"}, "never": {"staging": "never"}, "always": {"staging": "always"},
                    "unpitched": {"staging": "auto", "pitched": "never"}}
@@ -90,6 +93,10 @@ class BenchRow:
     gemm_slowdown: float | None = None
     variant: str = ""
     served_by: str = ""
+    #: ``--hbm``: the slowdown of a memory-bound reduction (:func:`_hbm_reader`) while the op runs beside it
+    hbm_slowdown: float | None = None
+    #: ``--hbm``: the op's own ratio to memcpy while that reduction runs without pause beside it
+    hbm_ratio: float | None = None
 
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, idle: bool = False,
@@ -193,15 +200,30 @@ class _Memcpy:
 
 
 def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 6, gemms: int = 4) -> float:
-    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` runs on another stream.
-
-    Both run on their own non-default streams.  Windows of ``gemms`` GEMMs are
-    timed alternately alone and with enough back-to-back transfers queued first
-    to cover the window, so clock drift hits both sides alike; medians compared.
-    """
+    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` runs on another stream
+    (:func:`_neighbor_slowdown`)."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    return _neighbor_slowdown(transfer, lambda: a @ b, reps, gemms)
+
+
+def _hbm_reader(nbytes: int = HBM_READ_BYTES) -> Callable[[], object]:
+    """A memory-bound neighbour: one reduction over ``nbytes`` of device memory (what a decode step's
+    attention over the KV cache does: reads at the memory's speed, little arithmetic, almost no writes)."""
+    x = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.sum(x, dtype=torch.float32)
+
+
+def _neighbor_slowdown(transfer: Callable[[], object], work: Callable[[], object], reps: int = 6,
+                       per_window: int = 4) -> float:
+    """Relative slowdown of ``work`` (a GPU op, timed in windows of ``per_window``) while ``transfer`` runs
+    on another stream.
+
+    Both run on their own non-default streams.  Windows are timed alternately alone and with enough
+    back-to-back transfers queued first to cover the window, so clock drift hits both sides alike;
+    medians compared.
+    """
+    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(side):
         transfer_ms = _median_ms(transfer, 3, warmup=1)
 
@@ -209,17 +231,17 @@ def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int =
         torch.cuda.synchronize()
         if busy:
             with torch.cuda.stream(side):
-                for _ in range(max(2, int(gemms * alone_est / max(transfer_ms, 1e-3)) + 2)):
+                for _ in range(max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2)):
                     transfer()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(gemm_stream):
+        with torch.cuda.stream(work_stream):
             e0.record()
-            for _ in range(gemms):
-                a @ b
+            for _ in range(per_window):
+                work()
             e1.record()
         e1.synchronize()
         side.synchronize()
-        return e0.elapsed_time(e1) / gemms
+        return e0.elapsed_time(e1) / per_window
 
     alone_est = 2.0
     alone_est = window(False)  # warm-up, and the window length estimate
@@ -228,6 +250,35 @@ def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int =
         alone.append(window(False))
         busy.append(window(True))
     return statistics.median(busy) / statistics.median(alone) - 1.0
+
+
+def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps: int = 5, calls: int = 3) -> float:
+    """Median milliseconds of one ``transfer`` while ``work`` runs without pause on another stream.
+
+    Each sample queues enough ``work`` to outlast ``calls`` transfers, then times those transfers
+    back to back (events on their own stream) and waits for both streams.
+    """
+    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        transfer_ms = _median_ms(transfer, 3, warmup=1)
+    with torch.cuda.stream(work_stream):
+        work_ms = _median_ms(work, 3, warmup=1)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with torch.cuda.stream(work_stream):
+            for _ in range(int(1.5 * calls * transfer_ms / max(work_ms, 1e-3)) + 2):
+                work()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            e0.record()
+            for _ in range(calls):
+                transfer()
+            e1.record()
+        e1.synchronize()
+        work_stream.synchronize()
+        times.append(e0.elapsed_time(e1) / calls)
+    return statistics.median(times)
 
 
 def _device_buffers(spec: PoolSpec, rows: int, placement: str | None = None) -> dict[str, list[torch.Tensor | None]]:
@@ -315,6 +366,7 @@ def run_bench(
     ops: list[str] = OPS,  # type: ignore[assignment]
     reps: int = 20,
     gemm: bool = False,
+    hbm: bool = False,
     direct_variants: list[str] = ("auto",),  # type: ignore[assignment]
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
@@ -326,6 +378,7 @@ def run_bench(
     reg = registry or create_registry()
     memcpy = _Memcpy()
     warm_link = _LinkWarmer()
+    reader = _hbm_reader() if hbm else None  # one buffer for the whole run
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     dev_cache: dict[tuple[str, int, int], Any] = {}
@@ -369,12 +422,17 @@ def run_bench(
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
                             slow = _gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
+                            hbm_slow = hbm_ratio = None
+                            if reader is not None and op in GEMM_OPS:
+                                hbm_slow = _neighbor_slowdown(fn, reader)
+                                hbm_ratio = nbytes / _ms_beside(fn, reader) / 1e6 / base
                             host_us = (_burst_host_us(burst, max(3, reps // 4)) if op == "load_burst"
                                        else _host_us(fn, max(5, reps // 2)))
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
                                            gbps / base, host_us, slow, variant,
                                            _served_by(pool, h, s if to_host else d, lay, to_host)
-                                           + (f" ({lone} lone loads by the kernel)" if lone else ""))
+                                           + (f" ({lone} lone loads by the kernel)" if lone else ""),
+                                           hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio)
                             rows.append(row)
                             if sink:
                                 sink(row)
@@ -382,6 +440,8 @@ def run_bench(
                                 progress(f"{shape} {layout}/{backend} {variant} ps={ps} n={n} {op}: "
                                          f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
                                          + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
+                                         + (f" hbm-reader {hbm_slow * 100:+.1f}%, ratio beside it {hbm_ratio:.3f}"
+                                            if hbm_slow is not None and hbm_ratio is not None else "")
                                          + (f" via {row.served_by}" if backend == "auto" else ""))
                         del pool
                     del host
@@ -439,6 +499,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
+    p.add_argument("--hbm", action="store_true",
+                   help=f"during {' and '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
+                        f"{HBM_READ_BYTES >> 30} GiB (a decode step's attention reads the KV cache that way) and the "
+                        "transfer's own ratio while it runs")
     p.add_argument("--plot-only", default="", help="render the plot of an existing bench.json and exit")
     p.add_argument("--peers", action="store_true",
                    help="run the peer benchmark (SGLang's and LMCache's kernels beside ours; source checkout only) "
@@ -511,7 +575,7 @@ def _cmd(args: argparse.Namespace) -> int:
     run_bench(
         shapes=args.shapes.split(","), tokens=_ints(args.tokens), page_sizes=_ints(args.page_sizes),
         programs=[p or None for p in _ints(args.programs)], layouts=[x for x in args.layouts.split(",") if x] or None,
-        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
+        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, hbm=args.hbm,
         direct_variants=args.direct_variants.split(","),
         progress=progress, sink=sink,
     )

@@ -594,3 +594,16 @@ def test_listing_commands_never_import_triton():
                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "LOADED []"
+
+
+def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
+    bench = pytest.importorskip("hicache_core.bench")
+    seen: dict = {}
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench, "plot", lambda rows, path: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
+    assert bench.main(["--out", str(tmp_path), "--hbm", "--ops", "backup_all_layers"]) == 0
+    assert (seen["hbm"], seen["gemm"], seen["ops"]) == (True, False, ["backup_all_layers"])
+    assert bench.main(["--out", str(tmp_path), "--gemm"]) == 0
+    assert (seen["hbm"], seen["gemm"]) == (False, True)
