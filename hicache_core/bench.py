@@ -223,22 +223,13 @@ def _neighbor_slowdown(transfer: Callable[[], object], work: Callable[[], object
     back-to-back transfers queued first to cover the window, so clock drift hits both sides alike;
     medians compared.
     """
-    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        transfer_ms = _median_ms(transfer, 3, warmup=1)
+    work_stream, side, transfer_ms = _two_streams(transfer)
 
     def window(busy: bool) -> float:
         torch.cuda.synchronize()
         if busy:
-            with torch.cuda.stream(side):
-                for _ in range(max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2)):
-                    transfer()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(work_stream):
-            e0.record()
-            for _ in range(per_window):
-                work()
-            e1.record()
+            _queue(side, transfer, max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2))
+        e0, e1 = _queue(work_stream, work, per_window, timed=True)
         e1.synchronize()
         side.synchronize()
         return e0.elapsed_time(e1) / per_window
@@ -258,27 +249,39 @@ def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps:
     Each sample queues enough ``work`` to outlast ``calls`` transfers, then times those transfers
     back to back (events on their own stream) and waits for both streams.
     """
-    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        transfer_ms = _median_ms(transfer, 3, warmup=1)
+    work_stream, side, transfer_ms = _two_streams(transfer)
     with torch.cuda.stream(work_stream):
         work_ms = _median_ms(work, 3, warmup=1)
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        with torch.cuda.stream(work_stream):
-            for _ in range(int(1.5 * calls * transfer_ms / max(work_ms, 1e-3)) + 2):
-                work()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side):
-            e0.record()
-            for _ in range(calls):
-                transfer()
-            e1.record()
+        _queue(work_stream, work, int(1.5 * calls * transfer_ms / max(work_ms, 1e-3)) + 2)
+        e0, e1 = _queue(side, transfer, calls, timed=True)
         e1.synchronize()
         work_stream.synchronize()
         times.append(e0.elapsed_time(e1) / calls)
     return statistics.median(times)
+
+
+def _two_streams(transfer: Callable[[], object]) -> tuple[torch.cuda.Stream, torch.cuda.Stream, float]:
+    """A neighbour's stream, the transfer's stream, and the transfer's median milliseconds there."""
+    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        transfer_ms = _median_ms(transfer, 3, warmup=1)
+    return work_stream, side, transfer_ms
+
+
+def _queue(stream: torch.cuda.Stream, fn: Callable[[], object], n: int, timed: bool = False) -> Any:
+    """Enqueue ``n`` calls of ``fn`` on ``stream``; ``timed``: between two recorded timing events (returned)."""
+    e0, e1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else (None, None)
+    with torch.cuda.stream(stream):
+        if e0 is not None:
+            e0.record()
+        for _ in range(n):
+            fn()
+        if e1 is not None:
+            e1.record()
+    return e0, e1
 
 
 def _device_buffers(spec: PoolSpec, rows: int, placement: str | None = None) -> dict[str, list[torch.Tensor | None]]:
