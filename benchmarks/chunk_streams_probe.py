@@ -14,7 +14,9 @@ layer-major host buffer as 64 pitched operations (one per page, 61 rows), submit
   route's gather does) by a torch device copy or by a Triton copy of a given number of programs
   (:data:`WAITS`), or with no wait (``none``),
 
-next to one pinned ``copy_`` of the same bytes, and each device copy's own speed alone.  Every variant is checked byte for byte first; ratio,
+next to one pinned ``copy_`` of the same bytes, and each device copy's own speed alone.  Last, a hybrid:
+the first pages as plain descriptors straight from the source while the rest is written into the image,
+then sent as pitched copies (``PROBE_SCHEDULES=0`` runs this part alone).  Every variant is checked byte for byte first; ratio,
 device time and host time of the submission go to ``<out>/chunk_streams_probe.json``.
 """
 
@@ -93,8 +95,15 @@ def _run(args, rt) -> int:
     res["memcpy_ms"] = base
 
     sm_copy = _copy_kernel()
+
+    def write(dst: torch.Tensor, src: torch.Tensor, how: str) -> None:
+        """Write the staging image the way ``how`` names: ``ce`` (a torch device copy) or ``smP`` (Triton)."""
+        if how == "ce":
+            dst.copy_(src)
+        else:
+            sm_copy(dst, src, int(how[2:]))
     for wait in WAITS[2:]:  # each device copy alone, all bytes
-        fn = (lambda: stage.copy_(source)) if wait == "ce" else (lambda w=wait: sm_copy(stage, source, int(w[2:])))
+        fn = lambda w=wait: write(stage, source, w)  # noqa: E731
         ms = _event_ms(fn, args.reps)[0]
         res.setdefault("device_copy_gbps", {})[wait] = 2 * stage.numel() / ms / 1e6
         print(f"device copy {wait}: {stage.numel() / ms / 1e6:.0f} GB/s copied", flush=True)
@@ -112,11 +121,9 @@ def _run(args, rt) -> int:
                 s = streams[j % nstreams]
                 if wait != "none":
                     with torch.cuda.stream(side):
-                        dst, src = stage[p0 * page_bytes : p1 * page_bytes], source[p0 * page_bytes : p1 * page_bytes]
-                        if wait == "ce":
-                            dst.copy_(src)
-                        elif wait.startswith("sm"):
-                            sm_copy(dst, src, int(wait[2:]))
+                        if wait != "wait":
+                            write(stage[p0 * page_bytes : p1 * page_bytes], source[p0 * page_bytes : p1 * page_bytes],
+                                  wait)
                         ev = side.record_event()
                     s.wait_event(ev)
                 rt.copy_3d_batch(ops[p0:p1], s.cuda_stream)
@@ -154,8 +161,7 @@ def _run(args, rt) -> int:
                 side.wait_stream(main_s)
                 if plain < pages:
                     with torch.cuda.stream(side):
-                        dst, src = stage[plain * page_bytes :], source[plain * page_bytes :]
-                        dst.copy_(src) if wait == "ce" else sm_copy(dst, src, int(wait[2:]))
+                        write(stage[plain * page_bytes :], source[plain * page_bytes :], wait)
                         ev = side.record_event()
                 n = plain * L
                 if n:

@@ -283,21 +283,12 @@ def _measure(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes
     out = {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
            "host_us": _host_us(fn, max(5, reps // 2)) / calls, "gemm_slowdown": _gemm_slowdown(fn) if gemm else None,
            "note": None if reps == args.reps else f"{reps} reps"}
-    if gemm and getattr(args, "hbm", False):
-        reader = _reader()
+    if gemm and args.hbm:
+        reader = _hbm_reader()
         out["hbm_slowdown"] = _neighbor_slowdown(fn, reader)
         out["hbm_ratio"] = nbytes / _ms_beside(fn, reader) / 1e6 / base
     return out
 
-
-_READER: list[Callable[[], object]] = []
-
-
-def _reader() -> Callable[[], object]:
-    """The memory-bound neighbour of ``--hbm`` (one buffer for the whole run)."""
-    if not _READER:
-        _READER.append(_hbm_reader())
-    return _READER[0]
 
 
 class _Writer:

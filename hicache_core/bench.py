@@ -13,6 +13,7 @@ rows) before timing.  Results go to ``<out>/bench.json``; ``--plot`` renders
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -207,9 +208,11 @@ def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int =
     return _neighbor_slowdown(transfer, lambda: a @ b, reps, gemms)
 
 
+@functools.lru_cache(maxsize=1)
 def _hbm_reader(nbytes: int = HBM_READ_BYTES) -> Callable[[], object]:
     """A memory-bound neighbour: one reduction over ``nbytes`` of device memory (what a decode step's
-    attention over the KV cache does: reads at the memory's speed, little arithmetic, almost no writes)."""
+    attention over the KV cache does: reads at the memory's speed, little arithmetic, almost no writes).
+    One buffer per process, made on first use."""
     x = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
     return lambda: torch.sum(x, dtype=torch.float32)
 
@@ -381,7 +384,7 @@ def run_bench(
     reg = registry or create_registry()
     memcpy = _Memcpy()
     warm_link = _LinkWarmer()
-    reader = _hbm_reader() if hbm else None  # one buffer for the whole run
+    reader = _hbm_reader() if hbm else None
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     dev_cache: dict[tuple[str, int, int], Any] = {}
