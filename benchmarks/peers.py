@@ -135,6 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SM budgets of hicache kernel strategies; 0 = strategy default")
     p.add_argument("--io-backends", type=_csv, default=["kernel", "auto", "direct"],
                    help="hicache io_backends; ones not registered are noted and skipped")
+    p.add_argument("--auto-forward", type=_csv, default=["compute"],
+                   help="hicache auto's forward option(s) to measure, comma list of compute, memory (default compute)")
     p.add_argument("--sglang-quotas", type=_ints, default=[2, 8], help="CTAs of SGLang's generic JIT kernel (2 = its default)")
     p.add_argument("--sglang-tma-quotas", type=_ints, default=[4, 8], help="CTAs of SGLang's TMA kernel (4 = its default)")
     p.add_argument("--peers", type=_csv, default=["hicache", "sglang", "lmcache"])
@@ -156,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if unknown := [op for op in args.ops if op not in ALL_OPS]:
         p.error(f"--ops {unknown}: choose from {list(ALL_OPS)}")
+    if unknown := [f for f in args.auto_forward if f not in ("compute", "memory")]:
+        p.error(f"--auto-forward {unknown}: choose from compute, memory")
     return args
 
 
@@ -189,8 +193,9 @@ class Ours:
     ops_supported = ALL_OPS
     contiguous_host = False
 
-    def __init__(self, ctx: Ctx, backend: str, strategy: str, programs: int | None) -> None:
-        opts = {"programs": programs} if programs else None
+    def __init__(self, ctx: Ctx, backend: str, strategy: str, programs: int | None,
+                 options: dict[str, Any] | None = None) -> None:
+        opts = {**({"programs": programs} if programs else {}), **(options or {})} or None
         self.pool = HostKVPool(ctx.spec, ctx.layout, backend, ctx.dev, host_buffers=ctx.host, strategy=strategy,
                                strategy_options=opts, registry=ctx.reg, validate="shapes")
         self.host_buffers = self.pool.host_buffers
@@ -213,6 +218,12 @@ def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout
     out = []
     backends = [b for b in args.io_backends if b in reg.io_backends]
     for _, backend, name in _targets(reg, spec, [layout], backends):
+        if backend == "auto":
+            for fwd in args.auto_forward:
+                variant = f"{backend} {name}" + ("" if fwd == "compute" else f" forward={fwd}")
+                out.append(TargetSpec("hicache", variant,
+                                      lambda c, b=backend, n=name, f=fwd: Ours(c, b, n, None, {"forward": f})))
+            continue
         for p in args.programs if backend == "kernel" else [0]:
             variant = f"{backend} {name}" + (f" P={p}" if p else " default" if backend == "kernel" else "")
             out.append(TargetSpec("hicache", variant, lambda c, b=backend, n=name, p=p: Ours(c, b, n, p or None)))

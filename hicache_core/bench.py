@@ -66,6 +66,9 @@ MAX_DIRECT_COPIES = 200_000
 OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst")
 #: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps).
 GEMM_OPS = ("backup_all_layers", "load_burst")
+#: ``--hbm``: ops whose ratio beside the reduction is measured one call at a time (each call lone), without the
+#: reduction's slowdown (one call is too short to cover its timing windows).
+HBM_LONE_OPS = ("load_layer",)
 #: Bytes one call of ``--hbm``'s memory-bound neighbour reads (:func:`_hbm_reader`).
 HBM_READ_BYTES = 2 << 30
 #: ``direct`` variants: strategy options per label (``--direct-variants``).
@@ -356,8 +359,10 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
         return [(f"P={p}" if p else "P=default", {"programs": p} if p else None) for p in programs]
     if backend == "direct":
         return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
-    if backend == "auto":  # the default; the block-size rule alone for lone loads; the calibration alone for host speed
-        return [("", None), ("lone=off", {"lone": False}), ("pace=off", {"pace": False})]
+    if backend == "auto":  # the default; the block-size rule alone for lone loads; the calibration alone for host speed;
+        # a forward pass bound by memory beside the loads
+        return [("", None), ("lone=off", {"lone": False}), ("pace=off", {"pace": False}),
+                ("forward=memory", {"forward": "memory"})]
     return [("", None)]
 
 
@@ -432,6 +437,8 @@ def run_bench(
                             if reader is not None and op in GEMM_OPS:
                                 hbm_slow = _neighbor_slowdown(fn, reader)
                                 hbm_ratio = nbytes / _ms_beside(fn, reader) / 1e6 / base
+                            elif reader is not None and op in HBM_LONE_OPS:
+                                hbm_ratio = nbytes / _ms_beside(fn, reader, calls=1) / 1e6 / base
                             host_us = (_burst_host_us(burst, max(3, reps // 4)) if op == "load_burst"
                                        else _host_us(fn, max(5, reps // 2)))
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
@@ -446,8 +453,8 @@ def run_bench(
                                 progress(f"{shape} {layout}/{backend} {variant} ps={ps} n={n} {op}: "
                                          f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
                                          + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
-                                         + (f" hbm-reader {hbm_slow * 100:+.1f}%, ratio beside it {hbm_ratio:.3f}"
-                                            if hbm_slow is not None and hbm_ratio is not None else "")
+                                         + (f" hbm-reader {hbm_slow * 100:+.1f}%" if hbm_slow is not None else "")
+                                         + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
                                          + (f" via {row.served_by}" if backend == "auto" else ""))
                         del pool
                     del host
@@ -508,7 +515,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--hbm", action="store_true",
                    help=f"during {' and '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
                         f"{HBM_READ_BYTES >> 30} GiB (a decode step's attention reads the KV cache that way) and the "
-                        "transfer's own ratio while it runs")
+                        f"transfer's own ratio while it runs; for {' and '.join(HBM_LONE_OPS)}, that ratio alone")
     p.add_argument("--plot-only", default="", help="render the plot of an existing bench.json and exit")
     p.add_argument("--peers", action="store_true",
                    help="run the peer benchmark (SGLang's and LMCache's kernels beside ours; source checkout only) "

@@ -7,7 +7,8 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends import memcpy as memcpy_mod
-from hicache_core.backends.auto import FED_SHARE, AutoStrategy, _fed, _pick_key, _worth_measuring
+from hicache_core.backends.auto import (ENV_FORWARD, FED_SHARE, MEMORY_KERNEL_SHARE, AutoStrategy, _fed, _pick_key,
+                                        _worth_measuring)
 from hicache_core.backends.cudart import batch_schedule
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, BatchCopier, QueueClock
@@ -151,8 +152,8 @@ class _Paces:
         self.warm = (HostPace(now=lambda: self.t[0]), HostPace(now=lambda: self.t[0]))
 
 
-def _auto(pool: HostKVPool, paces: _Paces | None) -> AutoStrategy:
-    auto = AutoStrategy()
+def _auto(pool: HostKVPool, paces: _Paces | None, **options: object) -> AutoStrategy:
+    auto = AutoStrategy(**options)  # type: ignore[arg-type]
     auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT  # type: ignore[assignment]
     auto.paces = paces.paces if paces is not None else None
     return auto
@@ -460,3 +461,52 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     assert not lane(1, h, d) and auto._uses[key][0] == 2  # the pair's first reuse: declined, not counted
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
     assert lane(0, h, d) and ran and auto._uses[key][0] == 4
+
+
+def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_host_pace(monkeypatch):
+    """``forward="memory"``: beside memory-bound work a kernel's loads keep ~MEMORY_KERNEL_SHARE of their speed, so the
+    copy engine takes a load while the host submits it within 1 / that share of the time ``compute`` allows: a host
+    measured at 0.9 us per descriptor (too slow for these loads beside a GEMM) feeds them; one at 2.5 us does not.
+    Without a measure the calibrated margin grows alike.  Backups are decided as before; lone loads are no exception
+    unless ``lone=True`` is passed."""
+    pool, h, d = _fp8_pool()
+    direct = pool.strategy
+    assert isinstance(direct, DirectStrategy)
+    sub = direct.submission(pool.binding, h, d, 1)
+    room = 1 / MEMORY_KERNEL_SHARE
+    assert not _fed(sub, DEFAULT, 0.9, to_host=False) and _fed(sub, DEFAULT, 0.9, to_host=False, room=room)
+    assert not _fed(sub, DEFAULT, 2.5, to_host=False, room=room)
+    assert not _fed(sub, DEFAULT, to_host=False) and _fed(sub, DEFAULT, to_host=False, room=room)  # the calibration
+    assert _fed(sub, DEFAULT, 0.9, to_host=True, room=room) == _fed(sub, DEFAULT, 0.9, to_host=True)  # backups: as before
+
+    for forward, slow_pick in (("compute", "kernel"), ("memory", "direct")):
+        w = _Paces()
+        _fill(w.paces[False], 0.9)
+        auto = _auto(pool, w, forward=forward)
+        assert auto.forward == forward and auto.lone == (forward == "compute")
+        assert auto.pick(pool.binding, h, d, 1, to_host=False) is getattr(auto, slow_pick)
+        assert auto._may_feed(64, sub.nbytes, DEFAULT, False, w.paces[False]) == (forward == "memory")
+        _fill(w.paces[False], 2.5)  # slower still: the kernel in both modes
+        assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+        unmeasured = _auto(pool, None, forward=forward)  # the calibration alone (no plan needed to refuse it)
+        assert unmeasured.pick(pool.binding, h.clone(), d, 1, to_host=False) is getattr(unmeasured, slow_pick)
+
+    assert AutoStrategy(forward="memory", lone=True).lone
+    monkeypatch.setenv(ENV_FORWARD, " Memory ")
+    assert AutoStrategy().forward == "memory" and AutoStrategy(forward="compute").forward == "compute"
+    monkeypatch.setenv(ENV_FORWARD, "decode")
+    with pytest.raises(ConfigError, match=f"forward option \\(or {ENV_FORWARD}\\) is 'decode': use one of compute, memory"):
+        AutoStrategy()
+    monkeypatch.delenv(ENV_FORWARD)
+    lines = AutoStrategy(forward="memory").describe(pool.spec, pool.layout)
+    assert any("forward='memory'" in line for line in lines) and not any("lone one-layer" in line for line in lines)
+
+
+def test_every_auto_variant_hicache_bench_measures_is_a_valid_auto():
+    from hicache_core.bench import _configs
+
+    variants = _configs("auto", [None], ["auto"])
+    assert [label for label, _ in variants] == ["", "lone=off", "pace=off", "forward=memory"]
+    made = [AutoStrategy(**(opts or {})) for _, opts in variants]  # type: ignore[arg-type]
+    assert [(a.lone, a.use_pace, a.forward) for a in made] == [
+        (True, True, "compute"), (False, True, "compute"), (True, False, "compute"), (False, True, "memory")]

@@ -72,6 +72,21 @@ def test_options_parse():
         [("mha80x8x128-bf16", 1024)], [2, 4], [2], ["load_layer"], 5.0, ["hicache"])
 
 
+def test_auto_forward_modes_become_targets_of_their_own(capsys):
+    """``--auto-forward compute,memory``: one hicache ``auto`` target per mode, each pool built with that option."""
+    assert P.parse_args([]).auto_forward == ["compute"]
+    args = P.parse_args(["--io-backends", "auto", "--auto-forward", "compute,memory"])
+    reg, spec = create_registry(), _mla()
+    targets = P._our_targets(args, reg, spec, "layer_first")
+    assert [t.variant for t in targets] == ["auto core.auto", "auto core.auto forward=memory"]
+    ctx = P.Ctx(spec, "layer_first", _dev(spec), allocate_host_buffers(reg.layout("layer_first").plan(spec),
+                                                                      pin_memory=False), reg)
+    assert [t.build(ctx).pool.strategy.forward for t in targets] == ["compute", "memory"]
+    with pytest.raises(SystemExit):
+        P.parse_args(["--auto-forward", "decode"])
+    assert "--auto-forward ['decode']: choose from compute, memory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cell", ["mla61x576-bf16", "nope@4096", "mla61x576-bf16@many"])
 def test_bad_cell_is_refused(cell, capsys):
     with pytest.raises(SystemExit):

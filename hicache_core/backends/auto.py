@@ -20,11 +20,21 @@ microseconds (a lone load, such as the first layer a forward pass waits for, not
 the kernel serves it: it reaches the link within microseconds, where the copy
 engine's lone loads start slower (H200: 0.88-0.91 of memcpy against 0.68-0.90).  The loads that follow while
 it runs (the rest of a burst) go as above, to the copy engine where its blocks are large.
+
+What the forward pass beside the loads is bound by (option ``forward``, or ``$HICACHE_AUTO_FORWARD``) moves the line
+for loads.  ``compute`` (the default: a prefill's GEMMs, where a kernel's loads run at their idle speed and cost the
+model next to nothing) weighs the two routes at their idle speeds.  ``memory`` (decode-heavy forward passes, e.g.
+chunked prefill mixing decode steps into the batch, whose attention reads the KV cache at the memory's speed): there
+SM-driven loads keep only about :data:`MEMORY_KERNEL_SHARE` of their idle speed while the copy engine's keep nearly
+all of theirs, so the copy engine takes a load while the host submits it within ``1 / MEMORY_KERNEL_SHARE`` times
+the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  Backups are
+decided alike in both modes (the copy engine is the quiet route beside either kind of work).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -99,14 +109,28 @@ def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: i
 FED_SHARE = 1.1
 
 
+#: Values of :class:`AutoStrategy`'s ``forward`` option (see the module docstring).
+FORWARD_MODES = ("compute", "memory")
+#: Environment variable giving ``forward`` where the option is not passed (e.g. to pools the SGLang bridge makes).
+ENV_FORWARD = "HICACHE_AUTO_FORWARD"
+#: Share of their idle speed that SM-driven load bursts keep beside memory-bound work: H200, a reduction over 2 GiB
+#: of device memory on another stream, hicache's, SGLang 0.5.23's and LMCache's kernels alike: 0.35-0.59 of memcpy
+#: against 0.73-0.91 idle (MLA 576 bf16: 0.40 of 0.87), while copy-engine bursts held 0.90-0.98 (docs/performance.md,
+#: "transfers beside a memory-bound kernel").  With ``forward="memory"``, the host may take up to 1 / this as long to
+#: submit a load as with ``"compute"`` before the kernel is judged faster.
+MEMORY_KERNEL_SHARE = 0.45
+
+
 def _burst_us(sub: Submission, desc_us: float) -> float:
     """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
     n = int(sub.lens.numel())
     return n * desc_us + len(batch_schedule(n, eager=False)) * MODEL_CALL_US
 
 
-def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True) -> bool:
-    """Whether the host submits ``sub`` within its transfer time at link speed.
+def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
+         room: float = 1.0) -> bool:
+    """Whether the host submits ``sub`` within its transfer time at link speed (loads: times ``room``, the factor
+    by which the kernel's loads are slowed by the forward pass beside them; 1 with ``forward="compute"``).
 
     Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
     microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
@@ -119,7 +143,7 @@ def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_hos
     margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
     speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
     slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
-    link_us = sub.nbytes / (cal.link_gbps * 1e3)
+    link_us = sub.nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
     measured = desc_us is not None and sub.staged is None and sub.pitched is None
     if measured and _burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
         return True
@@ -128,12 +152,13 @@ def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_hos
     return sub.host_us(cal.submit_us, cal.call_us) <= link_us
 
 
-def _worth_measuring(sub: Submission, cal: Calibration) -> bool:
+def _worth_measuring(sub: Submission, cal: Calibration, room: float = 1.0) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
-    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time."""
+    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (times
+    ``room``: :func:`_fed`)."""
     if sub.staged is not None or sub.pitched is not None:
         return False
-    return _burst_us(sub, cal.submit_us) <= FED_SHARE * sub.nbytes / (cal.link_gbps * 1e3)
+    return _burst_us(sub, cal.submit_us) <= FED_SHARE * room * sub.nbytes / (cal.link_gbps * 1e3)
 
 
 class AutoStrategy:
@@ -141,16 +166,28 @@ class AutoStrategy:
 
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
     :param lone: send a lone one-layer load to a kernel whose fast load paths take the layer (the module docstring);
-        ``False`` keeps the block-size rule for every call.
+        ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``).
     :param pace: on CUDA pools, let the host's measured submission speed (the copier's :class:`~.pace.HostPace` of
         the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
         (:func:`_fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
         alone decides.
+    :param forward: what the forward pass beside the loads is bound by, ``compute`` or ``memory`` (the module
+        docstring; default: ``$HICACHE_AUTO_FORWARD`` or ``compute``).
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
-                 lone: bool = True, pace: bool = True, **kernel_options: Any) -> None:
+                 lone: bool | None = None, pace: bool = True, forward: str | None = None, **kernel_options: Any) -> None:
+        mode = forward if forward is not None else (os.environ.get(ENV_FORWARD, "").strip().lower() or "compute")
+        if mode not in FORWARD_MODES:
+            raise ConfigError(f"auto's forward option (or {ENV_FORWARD}) is {mode!r}: use one of "
+                              f"{', '.join(FORWARD_MODES)} (what the forward pass beside the loads is bound by)")
+        #: What the forward pass beside the loads is bound by (``compute`` or ``memory``).
+        self.forward = mode
+        #: How many times the transfer time at link speed a load's submission may take (:func:`_fed`'s ``room``).
+        self.room = 1.0 if mode == "compute" else 1.0 / MEMORY_KERNEL_SHARE
+        if lone is None:
+            lone = mode == "compute"
         for name, value in (("lone", lone), ("pace", pace)):
             if not isinstance(value, bool):
                 raise ConfigError(f"auto's {name} option must be True or False, got {value!r}")
@@ -326,9 +363,10 @@ class AutoStrategy:
             self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
         if sub.smallest_block < cal.min_block(to_host):
             return self.kernel
-        if _fed(sub, cal, desc_us, to_host):
+        room = 1.0 if to_host else self.room
+        if _fed(sub, cal, desc_us, to_host, room):
             return self.direct
-        if pace is not None and desc_us is None and _worth_measuring(sub, cal):
+        if pace is not None and desc_us is None and _worth_measuring(sub, cal, room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
         return self.kernel
@@ -400,13 +438,13 @@ class AutoStrategy:
             return False
         blocks, nbytes = last
         return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
-            FED_SHARE * nbytes / (cal.link_gbps * 1e3)
+            FED_SHARE * self.room * nbytes / (cal.link_gbps * 1e3)
 
     def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
         (:func:`_fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
         :meth:`pick` would start for it)."""
-        link_us = nbytes / (cal.link_gbps * 1e3)
+        link_us = nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
         if desc_us is not None:
@@ -441,7 +479,12 @@ class AutoStrategy:
                          "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
                          "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                          "burst at that of calls that reuse a plan")
-        if getattr(self.kernel, "fast_load", None) is not None:
+        if self.forward == "memory":
+            lines.append(f"auto: forward='memory' (a forward pass bound by memory beside the loads, where a kernel's loads "
+                         f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): the copy engine takes a load while its "
+                         f"submission fits {self.room:.1f}x its transfer time at link speed, and lone loads are no "
+                         "exception")
+        if self.lone and getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
                          "whole-page loads)")
@@ -466,7 +509,7 @@ class AutoStrategy:
         out = []
         for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
             sub = direct.submission(pool.binding, idx, idx, layer)
-            fed = _fed(sub, cal)
+            fed = _fed(sub, cal, to_host=to_host, room=1.0 if to_host else self.room)
             big = sub.smallest_block >= cal.min_block(to_host)
             pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
             out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
