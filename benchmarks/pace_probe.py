@@ -1,7 +1,7 @@
 """``auto``'s host-pace rule over time: forward-pass load bursts through the kernel, ``direct`` and ``auto`` in turn.
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
-[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse]``.
+[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--hbm]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -12,6 +12,8 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 (indices reused batch after batch: plans built once, then reused).  It records per cycle the three ratios, what served
 ``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
+``--with-memory`` adds ``auto`` with ``forward="memory"``; ``--hbm`` runs every burst beside a memory-bound reduction
+on another stream (``hicache bench --hbm``'s neighbour, queued to outlast the burst), against the idle pinned copy.
 """
 
 from __future__ import annotations
@@ -28,14 +30,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core.backends.auto import _pick_key  # noqa: E402
-from hicache_core.bench import _check, _workload  # noqa: E402
+from hicache_core.bench import _check, _hbm_reader, _median_ms, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
 
-def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor) -> tuple[float, float]:
-    """The burst's GPU time (ms) and its host time per call (us)."""
+class _Neighbour:
+    """``--hbm``: reductions queued on their own stream ahead of a burst, enough to outlast it."""
+
+    def __init__(self) -> None:
+        self.work, self.stream = _hbm_reader(), torch.cuda.Stream()
+        with torch.cuda.stream(self.stream):
+            self.ms = _median_ms(self.work, 3, warmup=1)
+
+    def cover(self, ms: float) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(int(1.5 * ms / max(self.ms, 1e-3)) + 2):
+                self.work()
+
+
+def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor,
+              beside: tuple[_Neighbour, float] | None = None) -> tuple[float, float]:
+    """The burst's GPU time (ms) and its host time per call (us); ``beside``: a neighbour to run for about that many
+    milliseconds next to it."""
     torch.cuda.synchronize()
+    if beside is not None:
+        beside[0].cover(beside[1])
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     t0 = time.perf_counter()
@@ -44,6 +64,8 @@ def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Ten
     host_us = (time.perf_counter() - t0) * 1e6 / len(layers)
     b.record()
     b.synchronize()
+    if beside is not None:
+        torch.cuda.synchronize()  # the neighbour's rest, before anything else is timed
     return a.elapsed_time(b), host_us
 
 
@@ -57,17 +79,25 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
     return a.elapsed_time(b)
 
 
-def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False) -> dict:
+#: Candidates besides kernel, ``direct`` and ``auto``: label -> strategy options of ``auto``.
+VARIANTS = {"auto pace=off": {"pace": False}, "auto forward=memory": {"forward": "memory"}}
+
+
+def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
+             hbm: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
     nbytes = spec.bytes_per_token * h.numel()
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    names = ["kernel", "direct", "auto"] + (["auto pace=off"] if with_off else [])
+    names = (["kernel", "direct", "auto"] + (["auto pace=off"] if with_off else [])
+             + (["auto forward=memory"] if with_memory else []))
+    neighbour = _Neighbour() if hbm else None
+    last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
     pools = {}
     for name in names:
-        backend, opts = (name.split()[0], {"pace": False} if name.endswith("pace=off") else None)
+        backend, opts = name.split()[0], VARIANTS.get(name)
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
         pools[name] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes",
                                  strategy_options=opts)
@@ -86,7 +116,9 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         for name in order:
             st = pools[name].strategy
             probes, lone, decided = (getattr(st, k, 0) for k in ("pace_probes", "lone_kernel_loads", "decisions"))
-            ms, host_us = _burst_ms(pools[name], layers, hk, dk)
+            ms, host_us = _burst_ms(pools[name], layers, hk, dk,
+                                    None if neighbour is None else (neighbour, 2.0 * last_ms))
+            last_ms = max(ms, 0.8 * last_ms)  # slow candidates stay covered after fast ones
             row[name] = round(base / ms, 4)
             row[name + "_host_us"] = round(host_us, 1)
             if name == "auto":
@@ -94,9 +126,11 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
                 row["auto_lone"] = auto.lone_kernel_loads - lone  # type: ignore[attr-defined]
                 row["auto_decided"] = auto.decisions - decided  # type: ignore[attr-defined]
         # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
-        pick = auto._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
-        row["auto_by"] = ("direct" if pick is auto.direct  # type: ignore[attr-defined]
-                          else "kernel" if pick is not None else "lone/none")
+        for name in ("auto", "auto forward=memory") if with_memory else ("auto",):
+            st = pools[name].strategy
+            pick = st._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
+            row[name.replace("auto", "auto_by", 1)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
+                                                      else "kernel" if pick is not None else "lone/none")
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
@@ -107,7 +141,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     better = [max(c["kernel"], c["direct"]) for c in cycles]
     gaps = [c["auto"] - b for c, b in zip(cycles, better)]
     summary = {
-        "shape": shape, "layout": layout, "reuse": reuse, "cycles": len(cycles),
+        "shape": shape, "layout": layout, "reuse": reuse, "hbm": hbm, "cycles": len(cycles),
         "median": {n: round(statistics.median(c[n] for c in cycles), 4) for n in names},
         "direct_better_share": round(sum(c["direct"] > c["kernel"] for c in cycles) / len(cycles), 3),
         "auto_by_direct_share": round(sum(c["auto_by"] == "direct" for c in cycles) / len(cycles), 3),
@@ -115,10 +149,14 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
     }
-    if with_off:
-        off_gaps = [c["auto pace=off"] - b for c, b in zip(cycles, better)]
-        summary["off_within_3pts_share"] = round(sum(g >= -0.03 for g in off_gaps) / len(off_gaps), 3)
-        summary["off_gap_median"] = round(statistics.median(off_gaps), 4)
+    for flag, name, tag in ((with_off, "auto pace=off", "off"), (with_memory, "auto forward=memory", "memory")):
+        if flag:
+            other = [c[name] - b for c, b in zip(cycles, better)]
+            summary[f"{tag}_within_3pts_share"] = round(sum(g >= -0.03 for g in other) / len(other), 3)
+            summary[f"{tag}_gap_median"] = round(statistics.median(other), 4)
+    if with_memory:
+        summary["memory_by_direct_share"] = round(
+            sum(c["auto_by forward=memory"] == "direct" for c in cycles) / len(cycles), 3)
     return {"summary": summary, "cycles": cycles}
 
 
@@ -130,6 +168,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=30.0, help="per cell")
     p.add_argument("--with-off", action="store_true", help="also auto with pace=False")
     p.add_argument("--reuse", action="store_true", help="the same index tensors every cycle")
+    p.add_argument("--with-memory", action="store_true", help="also auto with forward='memory'")
+    p.add_argument("--hbm", action="store_true", help="every burst beside a memory-bound reduction on another stream")
     p.add_argument("--min-samples", type=int, default=None,
                    help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
     p.add_argument("--stale-s", type=float, default=None,
@@ -147,7 +187,7 @@ def main() -> None:
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
-            cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse)
+            cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))
