@@ -35,6 +35,24 @@ from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
 
+#: Host microseconds of each call of the last burst (:func:`_burst_ms`).
+CALL_US: list[float] = []
+
+
+def _count_decisions(strategy: object) -> dict[str, int]:
+    """Count what ``auto``'s decisions (calls not served by a memoised pick) give to each candidate."""
+    counts = {"kernel": 0, "direct": 0}
+    decide = strategy._decide  # type: ignore[attr-defined]
+
+    def counted(*args: object, **kwargs: object) -> object:
+        pick = decide(*args, **kwargs)
+        counts["direct" if pick is strategy.direct else "kernel"] += 1  # type: ignore[attr-defined]
+        return pick
+
+    strategy._decide = counted  # type: ignore[attr-defined]
+    return counts
+
+
 class _Neighbour:
     """``--hbm``: reductions queued on their own stream ahead of a burst, enough to outlast it."""
 
@@ -60,7 +78,9 @@ def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Ten
     a.record()
     t0 = time.perf_counter()
     for layer in layers:
+        t1 = time.perf_counter()
         pool.load_layer(layer, h, d)
+        CALL_US.append((time.perf_counter() - t1) * 1e6)
     host_us = (time.perf_counter() - t0) * 1e6 / len(layers)
     b.record()
     b.synchronize()
@@ -103,6 +123,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
                                  strategy_options=opts)
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
+    counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
     cycles = []
     t_end = time.perf_counter() + seconds
     k = 0
@@ -121,6 +142,11 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             last_ms = max(ms, 0.8 * last_ms)  # slow candidates stay covered after fast ones
             row[name] = round(base / ms, 4)
             row[name + "_host_us"] = round(host_us, 1)
+            row[name + "_call_us_median_max"] = [round(statistics.median(CALL_US), 1), round(max(CALL_US), 1)]
+            CALL_US.clear()
+            if name in counts:  # decisions of this burst, by candidate
+                row[name + "_decisions"] = dict(counts[name])
+                counts[name].update(kernel=0, direct=0)
             if name == "auto":
                 row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
                 row["auto_lone"] = auto.lone_kernel_loads - lone  # type: ignore[attr-defined]
