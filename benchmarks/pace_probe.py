@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core.backends.auto import _pick_key  # noqa: E402
-from hicache_core.bench import _check, _hbm_reader, _median_ms, _workload  # noqa: E402
+from hicache_core.bench import _check, _hbm_reader, _median_ms, _queue, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
@@ -62,9 +62,7 @@ class _Neighbour:
             self.ms = _median_ms(self.work, 3, warmup=1)
 
     def cover(self, ms: float) -> None:
-        with torch.cuda.stream(self.stream):
-            for _ in range(int(1.5 * ms / max(self.ms, 1e-3)) + 2):
-                self.work()
+        _queue(self.stream, self.work, int(1.5 * ms / max(self.ms, 1e-3)) + 2)
 
 
 def _burst_ms(pool: HostKVPool, layers: list[int], h: torch.Tensor, d: torch.Tensor,
@@ -100,7 +98,8 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
 
 
 #: Candidates besides kernel, ``direct`` and ``auto``: label -> strategy options of ``auto``.
-VARIANTS = {"auto pace=off": {"pace": False}, "auto forward=memory": {"forward": "memory"}}
+VARIANTS = {"auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
+            "auto forward=memory": {"forward": "memory"}}
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,

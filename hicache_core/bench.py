@@ -360,8 +360,9 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
     if backend == "direct":
         return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
     if backend == "auto":  # the default; the block-size rule alone for lone loads; the calibration alone for host speed;
-        # a forward pass bound by memory beside the loads
-        return [("", None), ("lone=off", {"lone": False}), ("pace=off", {"pace": False}),
+        # a forward pass bound by memory beside the loads (the others pinned to the default's, whatever the environment)
+        compute = {"forward": "compute"}
+        return [("", compute), ("lone=off", {"lone": False, **compute}), ("pace=off", {"pace": False, **compute}),
                 ("forward=memory", {"forward": "memory"})]
     return [("", None)]
 

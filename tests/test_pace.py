@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -491,15 +493,35 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
         unmeasured = _auto(pool, None, forward=forward)  # the calibration alone (no plan needed to refuse it)
         assert unmeasured.pick(pool.binding, h.clone(), d, 1, to_host=False) is getattr(unmeasured, slow_pick)
 
-    assert AutoStrategy(forward="memory", lone=True).lone
+    # the rules that refuse the copy engine before a plan, or start a measure, give loads the same room
+    n, nbytes = h.numel(), sub.nbytes
+    for forward, refused in (("compute", True), ("memory", False)):
+        auto = _auto(pool, None, forward=forward)
+        auto._load_blocks[n] = (64, nbytes)  # the last plan of a load of n positions
+        assert auto._refuse_unread(n, DEFAULT, 0.9) == refused and not auto._refuse_unread(n, DEFAULT, None)
+    slow = replace(DEFAULT, submit_us=1.5)  # a burst at 1.5 us per descriptor: 96 us and more, for 49 us at link speed
+    assert not _worth_measuring(sub, slow, to_host=False)  # too slow a host to feed it beside a GEMM ...
+    assert _worth_measuring(sub, slow, to_host=False, room=room)  # ... but fast enough beside memory-bound work
+    assert not _worth_measuring(sub, slow, to_host=True, room=room)  # backups: no room
+
+    assert AutoStrategy(forward="memory", lone=True).lone and AutoStrategy(forward=" Memory ").forward == "memory"
+    with pytest.raises(ConfigError, match="^auto's forward option is 'decode': use one of compute, memory"):
+        AutoStrategy(forward="decode")
     monkeypatch.setenv(ENV_FORWARD, " Memory ")
     assert AutoStrategy().forward == "memory" and AutoStrategy(forward="compute").forward == "compute"
     monkeypatch.setenv(ENV_FORWARD, "decode")
-    with pytest.raises(ConfigError, match=f"forward option \\(or {ENV_FORWARD}\\) is 'decode': use one of compute, memory"):
+    with pytest.raises(ConfigError, match=f"^{ENV_FORWARD} is 'decode': use one of compute, memory"):
         AutoStrategy()
     monkeypatch.delenv(ENV_FORWARD)
-    lines = AutoStrategy(forward="memory").describe(pool.spec, pool.layout)
-    assert any("forward='memory'" in line for line in lines) and not any("lone one-layer" in line for line in lines)
+    for lone in (None, True):
+        explain = AutoStrategy(forward="memory", lone=lone)
+        explain.use_registry(REG)
+        assert explain.supports(pool.spec, REG.layout("layer_first")) is None and explain.kernel is not None
+        lines = explain.describe(pool.spec, REG.layout("layer_first"))
+        assert any("forward='memory'" in line and "244% of it" in line for line in lines)
+        assert any(line.startswith("auto: load_layer of all") for line in lines)  # the estimate ran
+        assert any("lone one-layer" in line for line in lines) == bool(lone)
+        assert any("lone loads included" in line for line in lines) == (not lone)
 
 
 def test_every_auto_variant_hicache_bench_measures_is_a_valid_auto():

@@ -152,13 +152,13 @@ def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_hos
     return sub.host_us(cal.submit_us, cal.call_us) <= link_us
 
 
-def _worth_measuring(sub: Submission, cal: Calibration, room: float = 1.0) -> bool:
+def _worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
-    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (times
-    ``room``: :func:`_fed`)."""
+    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (loads: times
+    ``room``, as in :func:`_fed`)."""
     if sub.staged is not None or sub.pitched is not None:
         return False
-    return _burst_us(sub, cal.submit_us) <= FED_SHARE * room * sub.nbytes / (cal.link_gbps * 1e3)
+    return _burst_us(sub, cal.submit_us) <= FED_SHARE * (1.0 if to_host else room) * sub.nbytes / (cal.link_gbps * 1e3)
 
 
 class AutoStrategy:
@@ -178,10 +178,12 @@ class AutoStrategy:
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
                  lone: bool | None = None, pace: bool = True, forward: str | None = None, **kernel_options: Any) -> None:
-        mode = forward if forward is not None else (os.environ.get(ENV_FORWARD, "").strip().lower() or "compute")
+        raw, where = (forward, "auto's forward option") if forward is not None else \
+            (os.environ.get(ENV_FORWARD, ""), ENV_FORWARD)
+        mode = str(raw).strip().lower() or "compute"
         if mode not in FORWARD_MODES:
-            raise ConfigError(f"auto's forward option (or {ENV_FORWARD}) is {mode!r}: use one of "
-                              f"{', '.join(FORWARD_MODES)} (what the forward pass beside the loads is bound by)")
+            raise ConfigError(f"{where} is {raw!r}: use one of {', '.join(FORWARD_MODES)} (what the forward pass "
+                              "beside the loads is bound by)")
         #: What the forward pass beside the loads is bound by (``compute`` or ``memory``).
         self.forward = mode
         #: How many times the transfer time at link speed a load's submission may take (:func:`_fed`'s ``room``).
@@ -363,10 +365,9 @@ class AutoStrategy:
             self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
         if sub.smallest_block < cal.min_block(to_host):
             return self.kernel
-        room = 1.0 if to_host else self.room
-        if _fed(sub, cal, desc_us, to_host, room):
+        if _fed(sub, cal, desc_us, to_host, self.room):
             return self.direct
-        if pace is not None and desc_us is None and _worth_measuring(sub, cal, room):
+        if pace is not None and desc_us is None and _worth_measuring(sub, cal, to_host, self.room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
         return self.kernel
@@ -481,9 +482,10 @@ class AutoStrategy:
                          "burst at that of calls that reuse a plan")
         if self.forward == "memory":
             lines.append(f"auto: forward='memory' (a forward pass bound by memory beside the loads, where a kernel's loads "
-                         f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): the copy engine takes a load while its "
-                         f"submission fits {self.room:.1f}x its transfer time at link speed, and lone loads are no "
-                         "exception")
+                         f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): a load's submission may take "
+                         f"{self.room:.1f}x the time the rule above allows (at the calibration's costs: "
+                         f"{self.room:.1f}x the transfer time at link speed; at a measured pace: "
+                         f"{FED_SHARE * self.room:.0%} of it)" + ("" if self.lone else ", lone loads included"))
         if self.lone and getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
@@ -509,7 +511,7 @@ class AutoStrategy:
         out = []
         for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
             sub = direct.submission(pool.binding, idx, idx, layer)
-            fed = _fed(sub, cal, to_host=to_host, room=1.0 if to_host else self.room)
+            fed = _fed(sub, cal, to_host=to_host, room=self.room)
             big = sub.smallest_block >= cal.min_block(to_host)
             pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
             out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
