@@ -1,7 +1,7 @@
 """``auto``'s host-pace rule over time: forward-pass load bursts through the kernel, ``direct`` and ``auto`` in turn.
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
-[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--hbm]``.
+[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--hbm]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -12,7 +12,7 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 (indices reused batch after batch: plans built once, then reused).  It records per cycle the three ratios, what served
 ``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
-``--with-memory`` adds ``auto`` with ``forward="memory"``; ``--hbm`` runs every burst beside a memory-bound reduction
+``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``; ``--hbm`` runs every burst beside a memory-bound reduction
 on another stream (``hicache bench --hbm``'s neighbour, queued to outlast the burst), against the idle pinned copy.
 """
 
@@ -99,11 +99,11 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
 
 #: Candidates besides kernel, ``direct`` and ``auto``: label -> strategy options of ``auto``.
 VARIANTS = {"auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
-            "auto forward=memory": {"forward": "memory"}}
+            "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"}}
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
-             hbm: bool = False) -> dict:
+             hbm: bool = False, with_watch: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -111,7 +111,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     names = (["kernel", "direct", "auto"] + (["auto pace=off"] if with_off else [])
-             + (["auto forward=memory"] if with_memory else []))
+             + (["auto forward=memory"] if with_memory else []) + (["auto forward=watch"] if with_watch else []))
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
     pools = {}
@@ -151,7 +151,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
                 row["auto_lone"] = auto.lone_kernel_loads - lone  # type: ignore[attr-defined]
                 row["auto_decided"] = auto.decisions - decided  # type: ignore[attr-defined]
         # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
-        for name in ("auto", "auto forward=memory") if with_memory else ("auto",):
+        for name in [n for n in names if n.startswith("auto") and n != "auto pace=off"]:
             st = pools[name].strategy
             pick = st._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
             row[name.replace("auto", "auto_by", 1)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
@@ -174,14 +174,20 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
     }
-    for flag, name, tag in ((with_off, "auto pace=off", "off"), (with_memory, "auto forward=memory", "memory")):
+    for flag, name, tag in ((with_off, "auto pace=off", "off"), (with_memory, "auto forward=memory", "memory"),
+                            (with_watch, "auto forward=watch", "watch")):
         if flag:
             other = [c[name] - b for c, b in zip(cycles, better)]
             summary[f"{tag}_within_3pts_share"] = round(sum(g >= -0.03 for g in other) / len(other), 3)
             summary[f"{tag}_gap_median"] = round(statistics.median(other), 4)
-    if with_memory:
-        summary["memory_by_direct_share"] = round(
-            sum(c["auto_by forward=memory"] == "direct" for c in cycles) / len(cycles), 3)
+    for flag, name, tag in ((with_memory, "auto forward=memory", "memory"), (with_watch, "auto forward=watch", "watch")):
+        if flag:
+            summary[f"{tag}_by_direct_share"] = round(
+                sum(c[name.replace("auto", "auto_by", 1)] == "direct" for c in cycles) / len(cycles), 3)
+    if with_watch:
+        watch = pools["auto forward=watch"].strategy.watch  # type: ignore[attr-defined]
+        summary["watch_timings"] = None if watch is None else watch.timings
+        summary["watch_last_share"] = None if watch is None else watch.last_share
     return {"summary": summary, "cycles": cycles}
 
 
@@ -194,6 +200,7 @@ def main() -> None:
     p.add_argument("--with-off", action="store_true", help="also auto with pace=False")
     p.add_argument("--reuse", action="store_true", help="the same index tensors every cycle")
     p.add_argument("--with-memory", action="store_true", help="also auto with forward='memory'")
+    p.add_argument("--with-watch", action="store_true", help="also auto with forward='watch'")
     p.add_argument("--hbm", action="store_true", help="every burst beside a memory-bound reduction on another stream")
     p.add_argument("--min-samples", type=int, default=None,
                    help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
@@ -212,7 +219,8 @@ def main() -> None:
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
-            cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm)
+            cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
+                            args.with_watch)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

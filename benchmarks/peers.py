@@ -136,7 +136,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-backends", type=_csv, default=["kernel", "auto", "direct"],
                    help="hicache io_backends; ones not registered are noted and skipped")
     p.add_argument("--auto-forward", type=_csv, default=["compute"],
-                   help="hicache auto's forward option(s) to measure, comma list of compute, memory (default compute)")
+                   help="hicache auto's forward option(s) to measure, comma list of compute, memory, watch (default compute)")
     p.add_argument("--sglang-quotas", type=_ints, default=[2, 8], help="CTAs of SGLang's generic JIT kernel (2 = its default)")
     p.add_argument("--sglang-tma-quotas", type=_ints, default=[4, 8], help="CTAs of SGLang's TMA kernel (4 = its default)")
     p.add_argument("--peers", type=_csv, default=["hicache", "sglang", "lmcache"])
@@ -158,8 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if unknown := [op for op in args.ops if op not in ALL_OPS]:
         p.error(f"--ops {unknown}: choose from {list(ALL_OPS)}")
-    if unknown := [f for f in args.auto_forward if f not in ("compute", "memory")]:
-        p.error(f"--auto-forward {unknown}: choose from compute, memory")
+    if unknown := [f for f in args.auto_forward if f not in ("compute", "memory", "watch")]:
+        p.error(f"--auto-forward {unknown}: choose from compute, memory, watch")
     return args
 
 

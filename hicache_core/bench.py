@@ -363,7 +363,7 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
         # a forward pass bound by memory beside the loads (the others pinned to the default's, whatever the environment)
         compute = {"forward": "compute"}
         return [("", compute), ("lone=off", {"lone": False, **compute}), ("pace=off", {"pace": False, **compute}),
-                ("forward=memory", {"forward": "memory"})]
+                ("forward=memory", {"forward": "memory"}), ("forward=watch", {"forward": "watch"})]
     return [("", None)]
 
 

@@ -1173,11 +1173,11 @@ class _AutoWorld:
         self.layer_s = 64 * 1152 / DRAIN_BYTES_PER_US * 1e-6  # one 64-token layer at the clock's drain rate
 
     def make(self, tma: bool | None, lane_ok: bool | None = None, where=None, lone: bool = True,
-             direct_lane: bool | None = None):
+             direct_lane: bool | None = None, forward: str = "compute"):
         from hicache_core.backends.auto import AutoStrategy
         from hicache_core.backends.memcpy import QueueClock
 
-        auto = AutoStrategy(lone=lone)
+        auto = AutoStrategy(lone=lone, forward=forward)
         auto.direct = _Candidate("direct", self.served, lane_ok=direct_lane)
         auto.kernel = _Candidate("kernel", self.served, tma, lane_ok)
         auto.clock = QueueClock(now=lambda: self.t[0])
@@ -1226,6 +1226,100 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
 
     with pytest.raises(ConfigError, match="lone"):
         AutoStrategy(lone="yes")
+
+
+class _Event:
+    """A timing event whose end lands when the test says (``done``), ``ms`` after its start."""
+
+    def __init__(self, log: list, done: list, ms: list) -> None:
+        self.log, self.done, self.ms = log, done, ms
+
+    def record(self, stream: object) -> None:
+        self.log.append(stream)
+
+    def query(self) -> bool:
+        return self.done[0]
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return self.ms[0]
+
+
+def _watch(t: list, ms: list, done: list, log: list) -> Any:
+    from hicache_core.backends.forward import ForwardWatch
+
+    return ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i))
+
+
+def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
+    from hicache_core.backends.forward import MIN_TIMED_BYTES, RENEW_S
+    t, ms, done, log = [10.0], [0.0], [False], []
+    watch = _watch(t, ms, done, log)
+    big = 4 << 20  # 76 us at 55 GB/s
+    assert not watch.memory_bound() and watch.generation == 0
+    assert watch.due(big) and not watch.due(MIN_TIMED_BYTES - 1)  # small loads are never timed
+    assert watch.timed(lambda: False, big, 0) is False and log == [("stream", 0)] * 2 and watch.due(big)  # no launch
+    assert watch.timed(lambda: "launched", big, 3) == "launched" and log[-2:] == [("stream", 3)] * 2
+    assert not watch.due(big) and not watch.memory_bound()  # pending: no second timing, no verdict yet
+    ms[0], done[0] = 0.3, True  # 4 MiB in 300 us: 0.25 of the link
+    assert watch.memory_bound() and watch.generation == 1 and watch.timings == 1
+    assert watch.last_share == pytest.approx(big / 0.3 / 55e6)
+    t[0] += RENEW_S * 0.9
+    assert not watch.due(big) and watch.memory_bound()  # the verdict holds ...
+    t[0] += RENEW_S * 0.2
+    assert watch.due(big) and watch.memory_bound()  # ... until it is renewed by the next timing
+    done[0] = False
+    watch.timed(lambda: None, big, 0)
+    ms[0], done[0] = 0.08, True  # 0.95 of the link: compute-bound again
+    assert watch.generation == 2 and not watch.memory_bound() and watch.timings == 2
+    watch.timed(lambda: None, big, 0) if watch.due(big) else None
+    assert watch.generation == 2  # not due yet: nothing timed, nothing changed
+
+
+
+def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the_verdict(monkeypatch):
+    """``forward="watch"``: a lone load the kernel would serve is timed; while the verdict says memory-bound, lone
+    loads go by the rule of the rest (here: ``direct``) except one per RENEW_S that renews it through the kernel, and
+    loads get the memory room; the lane leaves lone loads to load() and declines once the verdict changed.  Pools
+    without the lone-load rule keep no watch; ``lone=False`` is refused."""
+    from hicache_core.backends.auto import MEMORY_KERNEL_SHARE, AutoStrategy, _pick_key
+    from hicache_core.backends.forward import RENEW_S, ForwardWatch
+
+    w = _AutoWorld(monkeypatch)
+    binding, served, t = w.binding, w.served, w.t
+    h, d = torch.arange(4096), torch.arange(4096)  # 4.7 MB per layer: timed
+    auto = w.make(True, lane_ok=True, direct_lane=True)
+    assert auto.watch is None  # forward="compute": nothing watched
+    with pytest.raises(ConfigError, match="forward='watch' times lone loads through the kernel: it needs lone=True"):
+        AutoStrategy(forward="watch", lone=False)
+    auto = AutoStrategy(forward="watch")
+    assert auto.lone and auto.room == 1.0
+    auto = w.make(True, lane_ok=True, direct_lane=True, forward="watch")
+    assert isinstance(auto.watch, ForwardWatch)
+    ms, done, log = [0.0], [False], []
+    auto.watch = _watch(t, ms, done, log)
+    assert w.make(True, where=w.on_cpu, forward="watch").watch is None  # a CPU pool keeps no clock: no watch (acts as compute)
+
+    auto.load(binding, h, d, 0)  # lone: the kernel, timed
+    assert served == [("kernel", 0)] and len(log) == 2 and auto.lone_kernel_loads == 1
+    ms[0], done[0] = 1.0, True  # 4.7 MB in 1 ms: 0.09 of the link
+    assert auto.watch.memory_bound() and auto.room == pytest.approx(1 / MEMORY_KERNEL_SHARE)
+    t[0] += 10 * w.layer_s
+    auto.load(binding, h, d, 1)  # lone, but memory-bound and not due: the rule of the rest
+    assert served[-1] == ("direct", 1) and len(log) == 2
+    lane = auto.lane(binding, False)
+    t[0] += 10 * w.layer_s
+    assert not lane(1, h, d) and served[-1] == ("direct", 1)  # a lone-looking call: left to load()
+    assert auto._watch_moved() and not auto._watch_moved()  # what pick() asks first: the verdict moved once
+    auto._picks[_pick_key(h, d, 2, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
+    auto.load(binding, h, d, 2)  # right after a call: not lone, the memoised route
+    assert lane(2, h, d) and served[-1] == ("direct lane", 2)
+    t[0] += RENEW_S  # the verdict is due for renewal: the next lone load goes to the kernel, timed
+    done[0] = False
+    auto.load(binding, h, d, 0)
+    assert served[-1] == ("kernel", 0) and len(log) == 4 and auto.lone_kernel_loads == 2
+    ms[0], done[0] = 0.09, True  # 0.95 of the link: compute-bound
+    assert lane(2, h, d) is False  # the verdict changed: the normal path decides again
+    assert not auto.watch.memory_bound() and auto.room == 1.0
 
 
 def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):

@@ -529,7 +529,38 @@ def test_every_auto_variant_hicache_bench_measures_is_a_valid_auto():
     from hicache_core.bench import _configs
 
     variants = _configs("auto", [None], ["auto"])
-    assert [label for label, _ in variants] == ["", "lone=off", "pace=off", "forward=memory"]
+    assert [label for label, _ in variants] == ["", "lone=off", "pace=off", "forward=memory", "forward=watch"]
     made = [AutoStrategy(**(opts or {})) for _, opts in variants]  # type: ignore[arg-type]
     assert [(a.lone, a.use_pace, a.forward) for a in made] == [
-        (True, True, "compute"), (False, True, "compute"), (True, False, "compute"), (False, True, "memory")]
+        (True, True, "compute"), (False, True, "compute"), (True, False, "compute"), (False, True, "memory"),
+        (True, True, "watch")]
+
+
+
+def test_auto_decides_its_memoised_picks_again_when_the_watch_changes_its_verdict():
+    """A pick memoised beside compute (the kernel: the host is too slow for these loads at the default room) is decided
+    again once the watch says memory-bound (the copy engine: the memory room), and back."""
+    from hicache_core.backends.forward import ForwardWatch
+
+    pool, h, d = _fp8_pool()
+    w = _Paces()
+    _fill(w.paces[False], 0.9)
+    auto = _auto(pool, w, forward="watch")
+    ms = [0.08]
+
+    class Event:
+        def record(self, stream: object) -> None: ...
+        def query(self) -> bool: return True
+        def elapsed_time(self, other: object) -> float: return ms[0]
+
+    auto.watch = ForwardWatch(55.0, now=lambda: w.t[0], event=Event, stream=lambda i: i)
+    auto._layers = 8  # these calls are one burst's (no reuse to decide again for)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
+    auto.watch.timed(lambda: None, 4 << 20, 0)  # 4 MiB in 80 us: compute-bound, nothing changes
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == 1
+    ms[0] = 0.5
+    auto.watch.timed(lambda: None, 4 << 20, 0)  # 4 MiB in 500 us: memory-bound
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct and auto.decisions == 2
+    ms[0] = 0.08
+    auto.watch.timed(lambda: None, 4 << 20, 0)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == 3

@@ -84,7 +84,7 @@ def test_auto_forward_modes_become_targets_of_their_own(capsys):
     assert [t.build(ctx).pool.strategy.forward for t in targets] == ["compute", "memory"]
     with pytest.raises(SystemExit):
         P.parse_args(["--auto-forward", "decode"])
-    assert "--auto-forward ['decode']: choose from compute, memory" in capsys.readouterr().err
+    assert "--auto-forward ['decode']: choose from compute, memory, watch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("cell", ["mla61x576-bf16", "nope@4096", "mla61x576-bf16@many"])

@@ -27,8 +27,12 @@ model next to nothing) weighs the two routes at their idle speeds.  ``memory`` (
 chunked prefill mixing decode steps into the batch, whose attention reads the KV cache at the memory's speed): there
 SM-driven loads keep only about :data:`MEMORY_KERNEL_SHARE` of their idle speed while the copy engine's keep nearly
 all of theirs, so the copy engine takes a load while the host submits it within ``1 / MEMORY_KERNEL_SHARE`` times
-the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  Backups are
-decided alike in both modes (the copy engine is the quiet route beside either kind of work).
+the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  ``watch``
+decides between the two as it goes, from the speed of a lone kernel load timed now and then
+(:class:`~.forward.ForwardWatch`: ``memory`` while the last one ran under :data:`~.forward.SLOW_SHARE` of the link,
+with one lone load per :data:`~.forward.RENEW_S` going to the kernel to renew that verdict); it needs the lone-load
+rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
+in every mode (the copy engine is the quiet route beside either kind of work).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from ..strategy import Strategy
 from . import pace as _pace
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
+from .forward import MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
@@ -110,7 +115,7 @@ FED_SHARE = 1.1
 
 
 #: Values of :class:`AutoStrategy`'s ``forward`` option (see the module docstring).
-FORWARD_MODES = ("compute", "memory")
+FORWARD_MODES = ("compute", "memory", "watch")
 #: Environment variable giving ``forward`` where the option is not passed (e.g. to pools the SGLang bridge makes).
 ENV_FORWARD = "HICACHE_AUTO_FORWARD"
 #: Share of their idle speed that SM-driven load bursts keep beside memory-bound work: H200, a reduction over 2 GiB
@@ -171,8 +176,8 @@ class AutoStrategy:
         the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
         (:func:`_fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
         alone decides.
-    :param forward: what the forward pass beside the loads is bound by, ``compute`` or ``memory`` (the module
-        docstring; default: ``$HICACHE_AUTO_FORWARD`` or ``compute``).
+    :param forward: what the forward pass beside the loads is bound by, ``compute`` or ``memory``, or ``watch`` to
+        tell from timed lone loads (the module docstring; default: ``$HICACHE_AUTO_FORWARD`` or ``compute``).
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
@@ -184,15 +189,18 @@ class AutoStrategy:
         if mode not in FORWARD_MODES:
             raise ConfigError(f"{where} is {raw!r}: use one of {', '.join(FORWARD_MODES)} (what the forward pass "
                               "beside the loads is bound by)")
-        #: What the forward pass beside the loads is bound by (``compute`` or ``memory``).
+        #: What the forward pass beside the loads is bound by (``compute`` or ``memory``), or ``watch``.
         self.forward = mode
-        #: How many times the transfer time at link speed a load's submission may take (:func:`_fed`'s ``room``).
-        self.room = 1.0 if mode == "compute" else 1.0 / MEMORY_KERNEL_SHARE
         if lone is None:
-            lone = mode == "compute"
+            lone = mode != "memory"
         for name, value in (("lone", lone), ("pace", pace)):
             if not isinstance(value, bool):
                 raise ConfigError(f"auto's {name} option must be True or False, got {value!r}")
+        if mode == "watch" and not lone:
+            raise ConfigError("auto's forward='watch' times lone loads through the kernel: it needs lone=True")
+        #: With ``forward="watch"`` on a pool that keeps the lone-load rule: the verdict from timed lone loads.
+        self.watch: ForwardWatch | None = None
+        self._watch_gen = 0
         self.lone, self.use_pace = lone, pace
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
         self._kernel_options = kernel_options
@@ -227,6 +235,15 @@ class AutoStrategy:
         self.decisions = 0
         #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
         self._load_blocks: dict[int, tuple[int, int]] = {}
+
+    @property
+    def room(self) -> float:
+        """How many times the transfer time at link speed a load's submission may take now (:func:`_fed`'s ``room``):
+        1 beside compute, ``1 / MEMORY_KERNEL_SHARE`` beside memory-bound work (``forward="memory"``, or the watch's
+        verdict)."""
+        if self.forward == "memory" or (self.watch is not None and self.watch.memory_bound()):
+            return 1.0 / MEMORY_KERNEL_SHARE
+        return 1.0
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -296,8 +313,9 @@ class AutoStrategy:
             return self.direct
         if self.direct is None:
             return self.kernel
-        if self._pace_moved(to_host):
-            self._picks.clear()  # the host's speed moved, or a measure aged: decide again
+        paced, watched = self._pace_moved(to_host), self._watch_moved()
+        if paced or watched:
+            self._picks.clear()  # the host's speed moved, a measure aged, or the forward pass changed: decide again
         key = _pick_key(host_indices, device_indices, layer, to_host)
         reused, crossed = self._use(key, host_indices, device_indices, layer)
         hit = self._picks.get(key) if key is not None else None
@@ -322,6 +340,16 @@ class AutoStrategy:
         if gen == self._pace_gen:
             return False
         self._pace_gen = gen
+        return True
+
+    def _watch_moved(self) -> bool:
+        """Whether the watch's verdict changed since the memoised picks were decided."""
+        if self.watch is None:
+            return False
+        gen = self.watch.generation
+        if gen == self._watch_gen:
+            return False
+        self._watch_gen = gen
         return True
 
     def _use(self, key: tuple | None, host_indices: torch.Tensor, device_indices: torch.Tensor,
@@ -480,6 +508,12 @@ class AutoStrategy:
                          "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
                          "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                          "burst at that of calls that reuse a plan")
+        if self.forward == "watch":
+            lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, a lone kernel load of "
+                         f">= {MIN_TIMED_BYTES >> 20} MiB is timed now and then; while the last one ran under "
+                         f"{SLOW_SHARE:.0%} of the link, loads are judged as with forward='memory' (lone loads included, "
+                         f"but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as with "
+                         "'compute'")
         if self.forward == "memory":
             lines.append(f"auto: forward='memory' (a forward pass bound by memory beside the loads, where a kernel's loads "
                          f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): a load's submission may take "
@@ -531,6 +565,8 @@ class AutoStrategy:
         self._token_bytes = binding.spec.bytes_per_token  # every owned layer; one layer's on average
         self._layers = max(1, len(binding.spec.layer_map.device_layers))
         self._layer_token_bytes = self._token_bytes // self._layers
+        cal = self.calibration or DEFAULT
+        self.watch = ForwardWatch(cal.link_gbps) if self.forward == "watch" and self._clocked else None
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
@@ -548,7 +584,11 @@ class AutoStrategy:
         now, stream, n = self.clock.now(), current_stream_handle(self._index), host_indices.numel()
         if self._lone(binding, layer, n, stream, now):
             self.lone_kernel_loads += 1
-            cast(Strategy, self.kernel).load(binding, host_indices, device_indices, layer)
+            kernel, nbytes, watch = cast(Strategy, self.kernel), n * self._layer_token_bytes, self.watch
+            if watch is not None and watch.due(nbytes):  # renew the verdict on the forward pass from this load's speed
+                watch.timed(lambda: kernel.load(binding, host_indices, device_indices, layer), nbytes, self._index)
+            else:
+                kernel.load(binding, host_indices, device_indices, layer)
         else:
             self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
                 binding, host_indices, device_indices, layer)
@@ -557,8 +597,12 @@ class AutoStrategy:
     def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> bool:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
         module docstring); only on a clocked pool.  :meth:`lane` holds an inlined copy of this rule (a lone load's
-        launch waits on it): change both together."""
-        return layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)
+        launch waits on it): change both together.  With a watch, a lone load beside memory-bound work goes by the
+        rule of the rest (the copy engine), but for one whose timing would renew the verdict."""
+        if not (layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)):
+            return False
+        watch = self.watch
+        return watch is None or not watch.memory_bound() or watch.due(n * self._layer_token_bytes)
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
         """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (:meth:`lane` inlines
@@ -589,6 +633,7 @@ class AutoStrategy:
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
+        watch = self.watch  # with one, load() decides lone loads (and times some): the lane leaves them to it
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -598,7 +643,7 @@ class AutoStrategy:
                 now, stream = now_of(), current_stream_handle(index)
                 if lone_loads and layer is not None and lone_at(stream, now) and (
                         fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
-                    if k_lane is None or not k_lane(layer, host_indices, device_indices):
+                    if watch is not None or k_lane is None or not k_lane(layer, host_indices, device_indices):
                         return False  # load() would send it to the kernel: its normal path
                     self.lone_kernel_loads += 1
                     self._book(stream, n, layer, now)
@@ -608,6 +653,8 @@ class AutoStrategy:
             elif measured and (c0.generation + c1.generation + w0.generation + w1.generation != self._pace_gen
                                or here_c.aged() or here_w.aged()):
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
+            elif watch is not None and watch.generation != self._watch_gen:
+                return False  # the verdict on the forward pass changed: the normal path decides again
             else:
                 key = _pick_key(host_indices, device_indices, layer, to_host)
                 pick = None if key is None else picks.get(key)
