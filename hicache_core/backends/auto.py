@@ -28,9 +28,9 @@ chunked prefill mixing decode steps into the batch, whose attention reads the KV
 SM-driven loads keep only about :data:`MEMORY_KERNEL_SHARE` of their idle speed while the copy engine's keep nearly
 all of theirs, so the copy engine takes a load while the host submits it within ``1 / MEMORY_KERNEL_SHARE`` times
 the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  ``watch``
-decides between the two as it goes, from the speed of a lone kernel load timed now and then
-(:class:`~.forward.ForwardWatch`: ``memory`` while the last one ran under :data:`~.forward.SLOW_SHARE` of the link,
-with one lone load per :data:`~.forward.RENEW_S` going to the kernel to renew that verdict); it needs the lone-load
+decides between the two as it goes, from the speed of its lone kernel loads (:class:`~.forward.ForwardWatch`:
+``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link; then one lone load per
+:data:`~.forward.RENEW_S` goes to the kernel to renew that verdict); it needs the lone-load
 rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
 in every mode (the copy engine is the quiet route beside either kind of work).
 """
@@ -509,8 +509,8 @@ class AutoStrategy:
                          "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                          "burst at that of calls that reuse a plan")
         if self.forward == "watch":
-            lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, a lone kernel load of "
-                         f">= {MIN_TIMED_BYTES >> 20} MiB is timed now and then; while the last one ran under "
+            lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, lone kernel loads of "
+                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed; while the last one timed ran under "
                          f"{SLOW_SHARE:.0%} of the link, loads are judged as with forward='memory' (lone loads included, "
                          f"but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as with "
                          "'compute'")

@@ -3,11 +3,16 @@
 Beside a model's GEMMs (a prefill) an SM kernel's load runs at its idle speed (H200: 0.85-0.96 of memcpy for a
 lone load of one layer); beside memory-bound kernels (decode steps, whose attention reads the KV cache) it keeps
 only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.md, twelfth run).  With
-``forward="watch"``, ``auto`` times a lone kernel load now and then (two CUDA events on its stream) and
+``forward="watch"``, ``auto`` times its lone kernel loads (two CUDA events on the stream, made once) and
 :class:`ForwardWatch` turns the timings into a verdict: a load under :data:`SLOW_SHARE` of the link marks the
-forward pass memory-bound.  A verdict holds until a new timing replaces it; once it is :data:`RENEW_S` old, the
-next lone load goes to the kernel again to take one.  Loads too small to time reliably (under
-:data:`MIN_TIMED_BYTES`) are never timed.
+forward pass memory-bound.  While the verdict says compute, every lone kernel load is timed, so a change is seen at
+the next one; while it says memory, lone loads go to the copy engine but for one per :data:`RENEW_S`, which goes to
+the kernel to be timed again.  Loads too small to time reliably (under :data:`MIN_TIMED_BYTES`) are never timed.
+
+A lone load usually starts on an idle stream, where the start event fires as soon as it is recorded: the host's time
+from that record to the launch's return is taken off the measured time (else a call's own host work, e.g. checking
+new index tensors, would read as a slow load).  Where the stream was busy instead, that makes the load look faster
+than it was: errors lean to ``compute``, the default's judgement.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class ForwardWatch:
         self._now = now
         self._event = event
         self._stream = stream
-        self._pending: tuple[Any, Any, int] | None = None
+        self._pending: tuple[Any, Any, int, float] | None = None
+        self._events: tuple[Any, Any] | None = None  # made once: one timing at a time
         self._verdict = False
         self._at = float("-inf")  # when the last timing landed
         self._generation = 0
@@ -66,11 +72,12 @@ class ForwardWatch:
         return self._verdict
 
     def due(self, nbytes: int) -> bool:
-        """Whether a lone load of ``nbytes`` should go to the kernel and be timed: large enough, no timing pending,
-        and none landed within :data:`RENEW_S`."""
+        """Whether a lone load of ``nbytes`` should be timed (and so go to the kernel): large enough, no timing pending,
+        and the verdict compute or :data:`RENEW_S` old."""
         if self._pending is not None:
             self._land()
-        return nbytes >= MIN_TIMED_BYTES and self._pending is None and self._now() - self._at >= RENEW_S
+        return nbytes >= MIN_TIMED_BYTES and self._pending is None and (
+            not self._verdict or self._now() - self._at >= RENEW_S)
 
     def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int) -> Any:
         """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``)
@@ -81,21 +88,25 @@ class ForwardWatch:
             self._event = self._event or (lambda: torch.cuda.Event(enable_timing=True))
             self._stream = self._stream or torch.cuda.current_stream
         stream = self._stream(device_index)
-        start, end = self._event(), self._event()
+        if self._events is None:
+            self._events = (self._event(), self._event())
+        start, end = self._events
         start.record(stream)
+        t0 = self._now()
         result = launch()
+        host_ms = (self._now() - t0) * 1e3
         end.record(stream)
         if result is not False:
-            self._pending = (start, end, nbytes)
+            self._pending = (start, end, nbytes, host_ms)
         return result
 
     def _land(self) -> None:
         assert self._pending is not None
-        start, end, nbytes = self._pending
+        start, end, nbytes, host_ms = self._pending
         if not end.query():
             return
         self._pending = None
-        ms = start.elapsed_time(end)
+        ms = start.elapsed_time(end) - host_ms
         share = nbytes / max(ms, 1e-6) / (self.link_gbps * 1e6)
         self.timings += 1
         self.last_share = share
