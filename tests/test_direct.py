@@ -1251,7 +1251,7 @@ def _watch(t: list, ms: list, done: list, log: list) -> Any:
 
 
 def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
-    from hicache_core.backends.forward import MIN_TIMED_BYTES, RENEW_S
+    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S
     t, ms, done, log = [10.0], [0.0], [False], []
     watch = _watch(t, ms, done, log)
     big = 4 << 20  # 76 us at 55 GB/s
@@ -1263,6 +1263,7 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     ms[0], done[0] = 0.3, True  # 4 MiB in 300 us: 0.25 of the link
     assert watch.memory_bound() and watch.generation == 1 and watch.timings == 1
     assert watch.last_share == pytest.approx(big / 0.3 / 55e6)
+    assert watch.room() == pytest.approx(IDLE_SHARE / watch.last_share)  # the kernel's slowdown: ~3.4x
     t[0] += RENEW_S * 0.9
     assert not watch.due(big) and watch.memory_bound()  # the verdict holds ...
     t[0] += RENEW_S * 0.2
@@ -1270,7 +1271,7 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     done[0] = False
     watch.timed(lambda: None, big, 0)
     ms[0], done[0] = 0.08, True  # 0.95 of the link: compute-bound again
-    assert watch.generation == 2 and not watch.memory_bound() and watch.timings == 2
+    assert watch.generation == 2 and not watch.memory_bound() and watch.timings == 2 and watch.room() == 1.0
     assert watch.due(big)  # beside compute every lone kernel load is timed: a change shows at the next one
     done[0] = False
 
@@ -1288,8 +1289,8 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     loads go by the rule of the rest (here: ``direct``) except one per RENEW_S that renews it through the kernel, and
     loads get the memory room; the lane leaves lone loads to load() and declines once the verdict changed.  Pools
     without the lone-load rule keep no watch; ``lone=False`` is refused."""
-    from hicache_core.backends.auto import MEMORY_KERNEL_SHARE, AutoStrategy, _pick_key
-    from hicache_core.backends.forward import RENEW_S, ForwardWatch
+    from hicache_core.backends.auto import AutoStrategy, _pick_key
+    from hicache_core.backends.forward import MAX_ROOM, RENEW_S, ForwardWatch
 
     w = _AutoWorld(monkeypatch)
     binding, served, t = w.binding, w.served, w.t
@@ -1309,7 +1310,7 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     auto.load(binding, h, d, 0)  # lone: the kernel, timed
     assert served == [("kernel", 0)] and len(log) == 2 and auto.lone_kernel_loads == 1
     ms[0], done[0] = 1.0, True  # 4.7 MB in 1 ms: 0.09 of the link
-    assert auto.watch.memory_bound() and auto.room == pytest.approx(1 / MEMORY_KERNEL_SHARE)
+    assert auto.watch.memory_bound() and auto.room == MAX_ROOM  # the kernel slowed ~10x: the most room
     t[0] += 10 * w.layer_s
     auto.load(binding, h, d, 1)  # lone, but memory-bound and not due: the rule of the rest
     assert served[-1] == ("direct", 1) and len(log) == 2

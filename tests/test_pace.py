@@ -564,3 +564,35 @@ def test_auto_decides_its_memoised_picks_again_when_the_watch_changes_its_verdic
     ms[0] = 0.08
     auto.watch.timed(lambda: None, 4 << 20, 0)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == 3
+
+
+def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_burst_where_planning_reads_the_gpu(
+        monkeypatch):
+    """When the picks are decided again (the host's pace moved), a pair the kernel serves within its first burst
+    keeps the kernel where its indices live off the CPU and no copy plan exists (planning would read them back behind
+    every queued load); not with ``forward="compute"``, not after its first burst, not for CPU indices, not once
+    planned, and never the copy engine's picks."""
+    pool, h, d = _fp8_pool()
+    on_gpu = (h.to("meta"), d.to("meta"))  # "off the CPU" as far as the rule can tell
+    for forward, kept in (("compute", False), ("memory", True), ("watch", True)):
+        w = _Paces()
+        auto = _auto(pool, w, forward=forward)
+        auto._layers = 4
+        key = _pick_key(*on_gpu, 1, False)
+        auto._picks[key], auto._uses[key] = auto.kernel, [2, *on_gpu]
+        cpu_key = _pick_key(h, d, 1, False)
+        auto._picks[cpu_key], auto._uses[cpu_key] = auto.kernel, [2, h, d]
+        assert auto._held(pool.binding) == ({key: auto.kernel} if kept else {})
+        _fill(w.paces[False], 0.42)  # the pace moved: pick() decides again, but what _held keeps
+        auto.pick(pool.binding, h, d, 1, to_host=False)
+        assert (key in auto._picks) == kept
+        auto._picks[key] = auto.kernel
+        auto._uses[key][0] = 4  # its first burst is over
+        assert key not in auto._held(pool.binding)
+        auto._uses[key][0] = 2
+        auto._picks[key] = auto.direct
+        assert key not in auto._held(pool.binding)
+    auto._picks[key] = auto.kernel
+    assert key in auto._held(pool.binding)
+    monkeypatch.setattr(pool.binding.scratch["direct.plans"], "peek", lambda *a: object())  # planned already
+    assert key not in auto._held(pool.binding)

@@ -55,7 +55,7 @@ from ..strategy import Strategy
 from . import pace as _pace
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
-from .forward import MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
+from .forward import IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
@@ -239,11 +239,11 @@ class AutoStrategy:
     @property
     def room(self) -> float:
         """How many times the transfer time at link speed a load's submission may take now (:func:`_fed`'s ``room``):
-        1 beside compute, ``1 / MEMORY_KERNEL_SHARE`` beside memory-bound work (``forward="memory"``, or the watch's
-        verdict)."""
-        if self.forward == "memory" or (self.watch is not None and self.watch.memory_bound()):
+        1 beside compute, ``1 / MEMORY_KERNEL_SHARE`` with ``forward="memory"``, and with ``"watch"`` what the
+        watch measured (:meth:`ForwardWatch.room <.forward.ForwardWatch.room>`)."""
+        if self.forward == "memory":
             return 1.0 / MEMORY_KERNEL_SHARE
-        return 1.0
+        return self.watch.room() if self.watch is not None else 1.0
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -314,8 +314,10 @@ class AutoStrategy:
         if self.direct is None:
             return self.kernel
         paced, watched = self._pace_moved(to_host), self._watch_moved()
-        if paced or watched:
-            self._picks.clear()  # the host's speed moved, a measure aged, or the forward pass changed: decide again
+        if paced or watched:  # the host's speed moved, a measure aged, or the forward pass changed: decide again
+            held = self._held(binding)
+            self._picks.clear()  # in place: lanes hold this dict
+            self._picks.update(held)
         key = _pick_key(host_indices, device_indices, layer, to_host)
         reused, crossed = self._use(key, host_indices, device_indices, layer)
         hit = self._picks.get(key) if key is not None else None
@@ -341,6 +343,30 @@ class AutoStrategy:
             return False
         self._pace_gen = gen
         return True
+
+    def _held(self, binding: PoolBinding) -> dict[tuple, Strategy]:
+        """The memoised picks that stay when the rest are decided again, beside a forward pass that may be bound by
+        memory (``forward`` other than ``compute``): the kernel's, for index pairs within their first burst that live
+        on the GPU and have no copy plan yet.  Moving such a pair to the copy engine mid-burst would plan it, and
+        reading its indices back waits for every load queued before (H200, fp8 rows with new indices every batch
+        beside a memory-bound reduction: one such call took 22-33 ms, while the rest of the burst ran on the kernel at
+        0.09 of memcpy)."""
+        if self.forward == "compute" or not self._picks:
+            return {}
+        plans, copier = binding.scratch.get("direct.plans"), binding.scratch.get("direct.copier")
+        stream = copier.stream() if copier is not None else 0
+        held = {}
+        for key, pick in self._picks.items():
+            entry = self._uses.get(key)
+            if pick is not self.kernel or entry is None or entry[0] >= (1 if key[5] else self._layers):
+                continue  # not the kernel's, or its first burst is over
+            _, h, d = entry
+            if h.device.type == "cpu" and d.device.type == "cpu":
+                continue  # planning reads nothing back from the GPU
+            if plans is not None and plans.peek(h, d, stream) is not None:
+                continue  # planned already: nothing to read back
+            held[key] = pick
+        return held
 
     def _watch_moved(self) -> bool:
         """Whether the watch's verdict changed since the memoised picks were decided."""
@@ -511,9 +537,10 @@ class AutoStrategy:
         if self.forward == "watch":
             lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, lone kernel loads of "
                          f">= {MIN_TIMED_BYTES >> 20} MiB are timed; while the last one timed ran under "
-                         f"{SLOW_SHARE:.0%} of the link, loads are judged as with forward='memory' (lone loads included, "
-                         f"but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as with "
-                         "'compute'")
+                         f"{SLOW_SHARE:.0%} of the link, loads are judged as with forward='memory' at the room that slowdown "
+                         f"gives (its idle {IDLE_SHARE:.0%} over the share measured, up to {MAX_ROOM:g}x; lone loads "
+                         f"included, but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as "
+                         "with 'compute'")
         if self.forward == "memory":
             lines.append(f"auto: forward='memory' (a forward pass bound by memory beside the loads, where a kernel's loads "
                          f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): a load's submission may take "

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-__all__ = ["ForwardWatch", "SLOW_SHARE", "RENEW_S", "MIN_TIMED_BYTES"]
+__all__ = ["ForwardWatch", "SLOW_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
@@ -28,6 +28,11 @@ SLOW_SHARE = 0.6
 #: Seconds after which a verdict is renewed by timing the next lone load through the kernel (in a memory-bound
 #: stretch that one load runs at the kernel's slow speed: one per this many seconds).
 RENEW_S = 0.5
+#: A lone kernel load's share of the link with nothing beside it (H200: 0.85-0.89 for MLA rows, 0.90-0.96 for MHA):
+#: the speed a measured one is compared with to tell how much the forward pass slows the kernel.
+IDLE_SHARE = 0.87
+#: The most room (:meth:`ForwardWatch.room`) a verdict gives the copy engine's loads.
+MAX_ROOM = 8.0
 #: Lone loads smaller than this are not timed: the launch's fixed microseconds would dominate (36 us at 55 GB/s).
 MIN_TIMED_BYTES = 2 << 20
 
@@ -70,6 +75,15 @@ class ForwardWatch:
         if self._pending is not None:
             self._land()
         return self._verdict
+
+    def room(self) -> float:
+        """How many times its transfer time at link speed the host may take to submit a load to the copy engine
+        (``auto``'s ``room``): 1 beside compute; beside memory-bound work, by how much it slowed the last timed kernel
+        load (:data:`IDLE_SHARE` over its share of the link, at most :data:`MAX_ROOM`: a kernel slowed 4x leaves the
+        copy engine the better route while the host feeds it at a quarter of the link's pace)."""
+        if not self.memory_bound() or self.last_share is None:
+            return 1.0
+        return min(MAX_ROOM, max(1.0, IDLE_SHARE / max(self.last_share, 1e-6)))
 
     def due(self, nbytes: int) -> bool:
         """Whether a lone load of ``nbytes`` should be timed (and so go to the kernel): large enough, no timing pending,
