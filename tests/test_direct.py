@@ -1260,6 +1260,7 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     assert watch.timed(lambda: False, big, 0) is False and log == [("stream", 0)] * 2 and watch.due(big)  # no launch
     assert watch.timed(lambda: "launched", big, 3) == "launched" and log[-2:] == [("stream", 3)] * 2
     assert not watch.due(big) and not watch.memory_bound()  # pending: no second timing, no verdict yet
+    assert watch.timed(lambda: "again", big, 3) == "again" and len(log) == 4  # its events are in use: just launched
     ms[0], done[0] = 0.3, True  # 4 MiB in 300 us: 0.25 of the link
     assert watch.memory_bound() and watch.generation == 1 and watch.timings == 1
     assert watch.last_share == pytest.approx(big / 0.3 / 55e6)
@@ -1281,6 +1282,10 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     watch.timed(launch, big, 0)
     ms[0], done[0] = 0.78, True
     assert watch.last_share == pytest.approx(big / 0.08 / 55e6) and not watch.memory_bound() and watch.generation == 2
+    done[0] = False
+    watch.timed(launch, big, 0)
+    ms[0], done[0] = 0.5, True  # more host time (0.7 ms) than measured: no measure of the load, dropped
+    assert watch.due(big) and watch.dropped == 1 and watch.timings == 3 and watch.generation == 2
 
 
 
@@ -1311,13 +1316,16 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     assert served == [("kernel", 0)] and len(log) == 2 and auto.lone_kernel_loads == 1
     ms[0], done[0] = 1.0, True  # 4.7 MB in 1 ms: 0.09 of the link
     assert auto.watch.memory_bound() and auto.room == MAX_ROOM  # the kernel slowed ~10x: the most room
-    t[0] += 10 * w.layer_s
+    drained = 70 * w.layer_s  # a 4096-token layer's bytes drained, and a pause: the next call is lone
+    t[0] += drained
+    assert auto.clock.lone(0x77, t[0])
     auto.load(binding, h, d, 1)  # lone, but memory-bound and not due: the rule of the rest
     assert served[-1] == ("direct", 1) and len(log) == 2
-    lane = auto.lane(binding, False)
-    t[0] += 10 * w.layer_s
-    assert not lane(1, h, d) and served[-1] == ("direct", 1)  # a lone-looking call: left to load()
     assert auto._watch_moved() and not auto._watch_moved()  # what pick() asks first: the verdict moved once
+    lane = auto.lane(binding, False)
+    t[0] += drained
+    assert auto.clock.lone(0x77, t[0])
+    assert not lane(1, h, d) and served[-1] == ("direct", 1)  # lone: left to load(), whatever the verdict says
     auto._picks[_pick_key(h, d, 2, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
     auto.load(binding, h, d, 2)  # right after a call: not lone, the memoised route
     assert lane(2, h, d) and served[-1] == ("direct lane", 2)

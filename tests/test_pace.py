@@ -577,6 +577,10 @@ def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_bur
     for forward, kept in (("compute", False), ("memory", True), ("watch", True)):
         w = _Paces()
         auto = _auto(pool, w, forward=forward)
+        if forward == "watch":
+            from hicache_core.backends.forward import ForwardWatch
+
+            auto.watch = ForwardWatch(55.0)  # what a clocked CUDA pool gets (an unclocked one acts as compute)
         auto._layers = 4
         key = _pick_key(*on_gpu, 1, False)
         auto._picks[key], auto._uses[key] = auto.kernel, [2, *on_gpu]
@@ -594,5 +598,8 @@ def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_bur
         assert key not in auto._held(pool.binding)
     auto._picks[key] = auto.kernel
     assert key in auto._held(pool.binding)
+    auto.watch = None  # forward="watch" on a pool without the lone-load rule acts as compute
+    assert auto._held(pool.binding) == {}
+    auto.forward = "memory"
     monkeypatch.setattr(pool.binding.scratch["direct.plans"], "peek", lambda *a: object())  # planned already
     assert key not in auto._held(pool.binding)

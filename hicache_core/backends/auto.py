@@ -29,7 +29,8 @@ SM-driven loads keep only about :data:`MEMORY_KERNEL_SHARE` of their idle speed 
 all of theirs, so the copy engine takes a load while the host submits it within ``1 / MEMORY_KERNEL_SHARE`` times
 the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  ``watch``
 decides between the two as it goes, from the speed of its lone kernel loads (:class:`~.forward.ForwardWatch`:
-``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link; then one lone load per
+``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link, with the room that slowdown
+gives (:meth:`~.forward.ForwardWatch.room`) instead of ``memory``'s fixed one; then one lone load per
 :data:`~.forward.RENEW_S` goes to the kernel to renew that verdict); it needs the lone-load
 rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
 in every mode (the copy engine is the quiet route beside either kind of work).
@@ -351,12 +352,12 @@ class AutoStrategy:
         reading its indices back waits for every load queued before (H200, fp8 rows with new indices every batch
         beside a memory-bound reduction: one such call took 22-33 ms, while the rest of the burst ran on the kernel at
         0.09 of memcpy)."""
-        if self.forward == "compute" or not self._picks:
+        if not (self.forward == "memory" or self.watch is not None) or not self._picks:
             return {}
         plans, copier = binding.scratch.get("direct.plans"), binding.scratch.get("direct.copier")
         stream = copier.stream() if copier is not None else 0
         held = {}
-        for key, pick in self._picks.items():
+        for key, pick in list(self._picks.items()):  # a snapshot: another thread's pick() may add to it
             entry = self._uses.get(key)
             if pick is not self.kernel or entry is None or entry[0] >= (1 if key[5] else self._layers):
                 continue  # not the kernel's, or its first burst is over
@@ -593,7 +594,7 @@ class AutoStrategy:
         self._layers = max(1, len(binding.spec.layer_map.device_layers))
         self._layer_token_bytes = self._token_bytes // self._layers
         cal = self.calibration or DEFAULT
-        self.watch = ForwardWatch(cal.link_gbps) if self.forward == "watch" and self._clocked else None
+        self.watch = ForwardWatch(cal.link_gbps, now=self.clock.now) if self.forward == "watch" and self._clocked else None
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:

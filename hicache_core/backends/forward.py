@@ -11,16 +11,19 @@ the kernel to be timed again.  Loads too small to time reliably (under :data:`MI
 
 A lone load usually starts on an idle stream, where the start event fires as soon as it is recorded: the host's time
 from that record to the launch's return is taken off the measured time (else a call's own host work, e.g. checking
-new index tensors, would read as a slow load).  Where the stream was busy instead, that makes the load look faster
-than it was: errors lean to ``compute``, the default's judgement.
+new index tensors, would read as a slow load).  Where the stream was busy instead, or the host worked on after the
+launch, that makes the load look faster than it was: errors lean to ``compute``, the default's judgement.  A timing
+that comes out impossible (no time left, or faster than :data:`MAX_SHARE` of the link) is dropped.  The watch is
+shared by a pool's load and backup threads: timings land under a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ForwardWatch", "SLOW_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM"]
+__all__ = ["ForwardWatch", "SLOW_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
@@ -33,6 +36,8 @@ RENEW_S = 0.5
 IDLE_SHARE = 0.87
 #: The most room (:meth:`ForwardWatch.room`) a verdict gives the copy engine's loads.
 MAX_ROOM = 8.0
+#: A timing faster than this share of the link is dropped (the host time taken off covered more than the load).
+MAX_SHARE = 1.1
 #: Lone loads smaller than this are not timed: the launch's fixed microseconds would dominate (36 us at 55 GB/s).
 MIN_TIMED_BYTES = 2 << 20
 
@@ -58,22 +63,23 @@ class ForwardWatch:
         self._verdict = False
         self._at = float("-inf")  # when the last timing landed
         self._generation = 0
-        #: Timings taken, and the last one's share of the link (for tests, benchmarks and ``explain``).
+        self._lock = threading.Lock()
+        #: Timings that landed, those dropped as impossible, and the last landed one's share of the link (for tests,
+        #: benchmarks and ``explain``).
         self.timings = 0
+        self.dropped = 0
         self.last_share: float | None = None
 
     @property
     def generation(self) -> int:
         """Moves whenever the verdict changes (``auto`` decides its memoised picks again then); a finished timing lands
         first."""
-        if self._pending is not None:
-            self._land()
+        self._land()
         return self._generation
 
     def memory_bound(self) -> bool:
         """The verdict of the last timing that landed (``False`` before any)."""
-        if self._pending is not None:
-            self._land()
+        self._land()
         return self._verdict
 
     def room(self) -> float:
@@ -88,14 +94,16 @@ class ForwardWatch:
     def due(self, nbytes: int) -> bool:
         """Whether a lone load of ``nbytes`` should be timed (and so go to the kernel): large enough, no timing pending,
         and the verdict compute or :data:`RENEW_S` old."""
-        if self._pending is not None:
-            self._land()
+        self._land()
         return nbytes >= MIN_TIMED_BYTES and self._pending is None and (
             not self._verdict or self._now() - self._at >= RENEW_S)
 
     def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int) -> Any:
         """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``)
-        between two timing events on that stream; its result (``False``: it queued nothing, nothing is timed)."""
+        between two timing events on that stream; its result (``False``: it queued nothing, nothing is timed).  While
+        another timing is pending, ``launch`` just runs (its events are in use)."""
+        if self._pending is not None:
+            return launch()
         if self._event is None or self._stream is None:
             import torch
 
@@ -115,16 +123,23 @@ class ForwardWatch:
         return result
 
     def _land(self) -> None:
-        assert self._pending is not None
-        start, end, nbytes, host_ms = self._pending
-        if not end.query():
+        """Turn a finished timing into the verdict (nothing when none is pending or it has not finished)."""
+        if self._pending is None:
             return
-        self._pending = None
-        ms = start.elapsed_time(end) - host_ms
-        share = nbytes / max(ms, 1e-6) / (self.link_gbps * 1e6)
-        self.timings += 1
-        self.last_share = share
-        verdict = share < SLOW_SHARE
-        if verdict != self._verdict:
-            self._generation += 1
-        self._verdict, self._at = verdict, self._now()
+        with self._lock:
+            pending = self._pending
+            if pending is None or not pending[1].query():
+                return
+            self._pending = None
+            start, end, nbytes, host_ms = pending
+            ms = start.elapsed_time(end) - host_ms
+            share = nbytes / ms / (self.link_gbps * 1e6) if ms > 0 else float("inf")
+            if share > MAX_SHARE:
+                self.dropped += 1  # more host time taken off than the load took: no measure of it
+                return
+            self.timings += 1
+            self.last_share = share
+            verdict = share < SLOW_SHARE
+            if verdict != self._verdict:
+                self._generation += 1
+            self._verdict, self._at = verdict, self._now()
