@@ -97,9 +97,16 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
     return a.elapsed_time(b)
 
 
-#: Candidates besides kernel, ``direct`` and ``auto``: label -> strategy options of ``auto``.
-VARIANTS = {"auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
+#: ``auto``'s candidates: label -> strategy options.
+VARIANTS: dict[str, dict[str, object]] = {"auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
             "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"}}
+#: The optional ones: label -> the tag of their summary keys.
+TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch"}
+
+
+def _by(name: str) -> str:
+    """The cycle key of what served ``auto`` candidate ``name`` (``auto_by``, ``auto_by forward=memory``, ...)."""
+    return name.replace("auto", "auto_by", 1)
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
@@ -110,8 +117,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     nbytes = spec.bytes_per_token * h.numel()
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    names = (["kernel", "direct", "auto"] + (["auto pace=off"] if with_off else [])
-             + (["auto forward=memory"] if with_memory else []) + (["auto forward=watch"] if with_watch else []))
+    chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch}
+    names = ["kernel", "direct", "auto"] + [n for n, on in chosen.items() if on]
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
     pools = {}
@@ -154,8 +161,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         for name in [n for n in names if n.startswith("auto") and n != "auto pace=off"]:
             st = pools[name].strategy
             pick = st._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
-            row[name.replace("auto", "auto_by", 1)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
-                                                      else "kernel" if pick is not None else "lone/none")
+            row[_by(name)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
+                              else "kernel" if pick is not None else "lone/none")
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
@@ -174,16 +181,12 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
     }
-    for flag, name, tag in ((with_off, "auto pace=off", "off"), (with_memory, "auto forward=memory", "memory"),
-                            (with_watch, "auto forward=watch", "watch")):
-        if flag:
-            other = [c[name] - b for c, b in zip(cycles, better)]
-            summary[f"{tag}_within_3pts_share"] = round(sum(g >= -0.03 for g in other) / len(other), 3)
-            summary[f"{tag}_gap_median"] = round(statistics.median(other), 4)
-    for flag, name, tag in ((with_memory, "auto forward=memory", "memory"), (with_watch, "auto forward=watch", "watch")):
-        if flag:
-            summary[f"{tag}_by_direct_share"] = round(
-                sum(c[name.replace("auto", "auto_by", 1)] == "direct" for c in cycles) / len(cycles), 3)
+    for name in (n for n in names if n in TAGS):
+        tag, other = TAGS[name], [c[name] - b for c, b in zip(cycles, better)]
+        summary[f"{tag}_within_3pts_share"] = round(sum(g >= -0.03 for g in other) / len(other), 3)
+        summary[f"{tag}_gap_median"] = round(statistics.median(other), 4)
+        if _by(name) in cycles[0]:
+            summary[f"{tag}_by_direct_share"] = round(sum(c[_by(name)] == "direct" for c in cycles) / len(cycles), 3)
     if with_watch:
         watch = pools["auto forward=watch"].strategy.watch  # type: ignore[attr-defined]
         summary["watch_timings"] = None if watch is None else watch.timings
