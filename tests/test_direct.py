@@ -1286,6 +1286,12 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     watch.timed(launch, big, 0)
     ms[0], done[0] = 0.5, True  # more host time (0.7 ms) than measured: no measure of the load, dropped
     assert watch.due(big) and watch.dropped == 1 and watch.timings == 3 and watch.generation == 2
+    for share, verdict in ((0.65, False), (0.55, True), (0.65, True), (0.69, True), (0.71, False)):
+        done[0] = False  # between SLOW_SHARE and FAST_SHARE a timing keeps the verdict, whichever it is
+        watch.timed(lambda: None, big, 0)
+        ms[0], done[0] = big / (share * 55e6), True
+        assert watch.memory_bound() is verdict and watch.last_share == pytest.approx(share), share
+    assert watch.generation == 4 and watch.timings == 8
 
 
 
@@ -1325,11 +1331,14 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     lane = auto.lane(binding, False)
     t[0] += drained
     assert auto.clock.lone(0x77, t[0])
-    assert not lane(1, h, d) and served[-1] == ("direct", 1)  # lone: left to load(), whatever the verdict says
-    auto._picks[_pick_key(h, d, 2, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
+    assert not lane(1, h, d) and served[-1] == ("direct", 1)  # lone, memory-bound, not due, nothing memoised: declined
+    for layer in (1, 2):
+        auto._picks[_pick_key(h, d, layer, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
+    assert lane(1, h, d) and served[-1] == ("direct lane", 1)  # lone beside memory-bound work: the memoised route
     auto.load(binding, h, d, 2)  # right after a call: not lone, the memoised route
     assert lane(2, h, d) and served[-1] == ("direct lane", 2)
     t[0] += RENEW_S  # the verdict is due for renewal: the next lone load goes to the kernel, timed
+    assert auto.clock.lone(0x77, t[0]) and not lane(0, h, d) and served[-1] == ("direct lane", 2)  # left to load()
     done[0] = False
     auto.load(binding, h, d, 0)
     assert served[-1] == ("kernel", 0) and len(log) == 4 and auto.lone_kernel_loads == 2

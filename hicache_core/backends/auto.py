@@ -661,7 +661,7 @@ class AutoStrategy:
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
-        watch = self.watch  # with one, load() decides lone loads (and times some): the lane leaves them to it
+        watch = self.watch  # with one, a lone load due for timing is left to load(); the rest follow its verdict
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -671,11 +671,15 @@ class AutoStrategy:
                 now, stream = now_of(), current_stream_handle(index)
                 if lone_loads and layer is not None and lone_at(stream, now) and (
                         fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
-                    if watch is not None or k_lane is None or not k_lane(layer, host_indices, device_indices):
-                        return False  # load() would send it to the kernel: its normal path
-                    self.lone_kernel_loads += 1
-                    self._book(stream, n, layer, now)
-                    return True
+                    if watch is not None and watch.due(n * layer_bytes):
+                        return False  # load() times it through the kernel
+                    if watch is None or not watch.memory_bound():
+                        if k_lane is None or not k_lane(layer, host_indices, device_indices):
+                            return False  # load() would send it to the kernel: its normal path
+                        self.lone_kernel_loads += 1
+                        self._book(stream, n, layer, now)
+                        return True
+                    # beside memory-bound work (the watch's verdict) a lone load goes by the rule of the rest, below
             if direct is None or kernel is None:
                 route = only
             elif measured and (c0.generation + c1.generation + w0.generation + w1.generation != self._pace_gen

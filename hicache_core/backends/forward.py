@@ -5,7 +5,8 @@ lone load of one layer); beside memory-bound kernels (decode steps, whose attent
 only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.md, twelfth run).  With
 ``forward="watch"``, ``auto`` times its lone kernel loads (two CUDA events on the stream, made once) and
 :class:`ForwardWatch` turns the timings into a verdict: a load under :data:`SLOW_SHARE` of the link marks the
-forward pass memory-bound.  While the verdict says compute, every lone kernel load is timed, so a change is seen at
+forward pass memory-bound, and one at :data:`FAST_SHARE` or more marks it compute-bound again (a timing in between
+keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).  While the verdict says compute, every lone kernel load is timed, so a change is seen at
 the next one; while it says memory, lone loads go to the copy engine but for one per :data:`RENEW_S`, which goes to
 the kernel to be timed again.  Loads too small to time reliably (under :data:`MIN_TIMED_BYTES`) are never timed.
 
@@ -23,11 +24,14 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ForwardWatch", "SLOW_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
+__all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
 SLOW_SHARE = 0.6
+#: A timed lone kernel load at this share of the link or more marks the forward pass compute-bound again; between the
+#: two shares the verdict stands (H200 idle lone loads: 0.85-0.96; the 0.72 of a slow host stretch also clears it).
+FAST_SHARE = 0.7
 #: Seconds after which a verdict is renewed by timing the next lone load through the kernel (in a memory-bound
 #: stretch that one load runs at the kernel's slow speed: one per this many seconds).
 RENEW_S = 0.5
@@ -139,7 +143,7 @@ class ForwardWatch:
                 return
             self.timings += 1
             self.last_share = share
-            verdict = share < SLOW_SHARE
+            verdict = share < SLOW_SHARE or (self._verdict and share < FAST_SHARE)
             if verdict != self._verdict:
                 self._generation += 1
             self._verdict, self._at = verdict, self._now()
