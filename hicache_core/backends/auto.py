@@ -31,7 +31,8 @@ the time that suffices with ``compute``, and lone loads follow the same rule (no
 decides between the two as it goes, from the speed of its lone kernel loads (:class:`~.forward.ForwardWatch`:
 ``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link, with the room that slowdown
 gives (:meth:`~.forward.ForwardWatch.room`) instead of ``memory``'s fixed one; then one lone load per
-:data:`~.forward.RENEW_S` goes to the kernel to renew that verdict); it needs the lone-load
+:data:`~.forward.RENEW_S` goes to the kernel to renew that verdict until one runs at :data:`~.forward.FAST_SHARE`
+or more; while it says compute one lone kernel load per :data:`~.forward.WATCH_S` is timed); it needs the lone-load
 rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
 in every mode (the copy engine is the quiet route beside either kind of work).
 """
@@ -56,7 +57,7 @@ from ..strategy import Strategy
 from . import pace as _pace
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
-from .forward import IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
+from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, WATCH_S, ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
@@ -537,8 +538,9 @@ class AutoStrategy:
                          "burst at that of calls that reuse a plan")
         if self.forward == "watch":
             lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, lone kernel loads of "
-                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed; while the last one timed ran under "
-                         f"{SLOW_SHARE:.0%} of the link, loads are judged as with forward='memory' at the room that slowdown "
+                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed (one per {WATCH_S:g} s); once one runs under "
+                         f"{SLOW_SHARE:.0%} of the link (until one runs at {FAST_SHARE:.0%} or more), loads are judged "
+                         f"as with forward='memory' at the room that slowdown "
                          f"gives (its idle {IDLE_SHARE:.0%} over the share measured, up to {MAX_ROOM:g}x; lone loads "
                          f"included, but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as "
                          "with 'compute'")
