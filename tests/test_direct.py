@@ -1251,7 +1251,7 @@ def _watch(t: list, ms: list, done: list, log: list) -> Any:
 
 
 def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
-    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S, WATCH_S
+    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S
     t, ms, done, log = [10.0], [0.0], [False], []
     watch = _watch(t, ms, done, log)
     big = 4 << 20  # 76 us at 55 GB/s
@@ -1273,10 +1273,7 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     watch.timed(lambda: None, big, 0)
     ms[0], done[0] = 0.08, True  # 0.95 of the link: compute-bound again
     assert watch.generation == 2 and not watch.memory_bound() and watch.timings == 2 and watch.room() == 1.0
-    t[0] += WATCH_S * 0.9
-    assert not watch.due(big)  # beside compute a lone load is timed once per WATCH_S (the rest take the lane) ...
-    t[0] += WATCH_S * 0.2
-    assert watch.due(big)  # ... so a change shows within WATCH_S
+    assert watch.due(big)  # beside compute every lone kernel load is timed: a change shows at the next one
     done[0] = False
 
     def launch() -> None:  # the call's own host work after the start event: 0.7 ms, taken off the 0.78 ms measured
@@ -1285,11 +1282,10 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     watch.timed(launch, big, 0)
     ms[0], done[0] = 0.78, True
     assert watch.last_share == pytest.approx(big / 0.08 / 55e6) and not watch.memory_bound() and watch.generation == 2
-    done[0], t[0] = False, t[0] + WATCH_S
+    done[0], t[0] = False, t[0] + RENEW_S
     watch.timed(launch, big, 0)
     ms[0], done[0] = 0.5, True  # more host time (0.7 ms) than measured: no measure of the load, dropped
-    assert watch.due(big)  # (lands it) a dropped timing renews nothing: the next lone load is timed
-    assert watch.dropped == 1 and watch.timings == 3 and watch.generation == 2
+    assert watch.due(big) and watch.dropped == 1 and watch.timings == 3 and watch.generation == 2
     for share, verdict in ((0.65, False), (0.55, True), (0.65, True), (0.69, True), (0.71, False)):
         done[0] = False  # between SLOW_SHARE and FAST_SHARE a timing keeps the verdict, whichever it is
         t[0] += RENEW_S
@@ -1299,14 +1295,14 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
     assert watch.generation == 4 and watch.timings == 8
 
 
-
 def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the_verdict(monkeypatch):
     """``forward="watch"``: a lone load the kernel would serve is timed; while the verdict says memory-bound, lone
     loads go by the rule of the rest (here: ``direct``) except one per RENEW_S that renews it through the kernel, and
-    loads get the memory room; the lane leaves lone loads to load() and declines once the verdict changed.  Pools
+    loads get the memory room; the lane serves lone loads as load() would (timing those due) and declines once the verdict
+    changed.  Pools
     without the lone-load rule keep no watch; ``lone=False`` is refused."""
     from hicache_core.backends.auto import AutoStrategy, _pick_key
-    from hicache_core.backends.forward import MAX_ROOM, RENEW_S, WATCH_S, ForwardWatch
+    from hicache_core.backends.forward import MAX_ROOM, RENEW_S, ForwardWatch
 
     w = _AutoWorld(monkeypatch)
     binding, served, t = w.binding, w.served, w.t
@@ -1342,22 +1338,23 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     assert lane(1, h, d) and served[-1] == ("direct lane", 1)  # lone beside memory-bound work: the memoised route
     auto.load(binding, h, d, 2)  # right after a call: not lone, the memoised route
     assert lane(2, h, d) and served[-1] == ("direct lane", 2)
-    t[0] += RENEW_S  # the verdict is due for renewal: the next lone load goes to the kernel, timed
-    assert auto.clock.lone(0x77, t[0]) and not lane(0, h, d) and served[-1] == ("direct lane", 2)  # left to load()
+    t[0] += RENEW_S  # the verdict is due for renewal: the next lone load goes to the kernel's lane, timed
     done[0] = False
-    auto.load(binding, h, d, 0)
-    assert served[-1] == ("kernel", 0) and len(log) == 4 and auto.lone_kernel_loads == 2
+    assert auto.clock.lone(0x77, t[0]) and lane(0, h, d) and served[-1] == ("kernel lane", 0) and len(log) == 4
+    assert auto.lone_kernel_loads == 2
     ms[0], done[0] = 0.09, True  # 0.95 of the link: compute-bound
     assert lane(2, h, d) is False  # the verdict changed: the normal path decides again
     assert not auto.watch.memory_bound() and auto.room == 1.0
     assert auto._watch_moved()  # (what pick() does first on the normal path)
     t[0] += drained
-    assert lane(0, h, d) and served[-1] == ("kernel lane", 0) and len(log) == 4  # lone, not due: the kernel's lane
-    assert auto.lone_kernel_loads == 3
-    t[0] += WATCH_S + drained
-    assert not lane(0, h, d) and served[-1] == ("kernel lane", 0)  # due again (WATCH_S on): left to load(), timed
-    auto.load(binding, h, d, 0)
-    assert served[-1] == ("kernel", 0) and len(log) == 6 and auto.lone_kernel_loads == 4
+    done[0] = False
+    assert lane(0, h, d) and served[-1] == ("kernel lane", 0) and len(log) == 6  # beside compute every lone load: timed
+    t[0] += drained
+    assert lane(0, h, d) and served[-1] == ("kernel lane", 0) and len(log) == 6  # one pending: launched, not timed
+    done[0], t[0] = True, t[0] + drained
+    auto.load(binding, h, d, 0)  # the normal path times a lone load alike
+    assert served[-1] == ("kernel", 0) and len(log) == 8 and auto.lone_kernel_loads == 5
+    assert auto.watch.timings == 3 and not auto.watch.memory_bound()
 
 
 def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):

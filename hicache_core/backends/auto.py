@@ -32,7 +32,7 @@ decides between the two as it goes, from the speed of its lone kernel loads (:cl
 ``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link, with the room that slowdown
 gives (:meth:`~.forward.ForwardWatch.room`) instead of ``memory``'s fixed one; then one lone load per
 :data:`~.forward.RENEW_S` goes to the kernel to renew that verdict until one runs at :data:`~.forward.FAST_SHARE`
-or more; while it says compute one lone kernel load per :data:`~.forward.WATCH_S` is timed); it needs the lone-load
+or more; while it says compute every lone kernel load is timed); it needs the lone-load
 rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
 in every mode (the copy engine is the quiet route beside either kind of work).
 """
@@ -57,7 +57,7 @@ from ..strategy import Strategy
 from . import pace as _pace
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
-from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, WATCH_S, ForwardWatch
+from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
 from .plans import Submission
@@ -538,7 +538,7 @@ class AutoStrategy:
                          "burst at that of calls that reuse a plan")
         if self.forward == "watch":
             lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, lone kernel loads of "
-                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed (one per {WATCH_S:g} s); once one runs under "
+                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed; once one runs under "
                          f"{SLOW_SHARE:.0%} of the link (until one runs at {FAST_SHARE:.0%} or more), loads are judged "
                          f"as with forward='memory' at the room that slowdown "
                          f"gives (its idle {IDLE_SHARE:.0%} over the share measured, up to {MAX_ROOM:g}x; lone loads "
@@ -663,7 +663,7 @@ class AutoStrategy:
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
-        watch = self.watch  # with one, a lone load due for timing is left to load(); the rest follow its verdict
+        watch = self.watch  # with one, lone loads follow its verdict, and those due for timing are timed here too
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
@@ -673,11 +673,17 @@ class AutoStrategy:
                 now, stream = now_of(), current_stream_handle(index)
                 if lone_loads and layer is not None and lone_at(stream, now) and (
                         fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
-                    if watch is not None and watch.due(n * layer_bytes):
-                        return False  # load() times it through the kernel
-                    if watch is None or not watch.memory_bound():
-                        if k_lane is None or not k_lane(layer, host_indices, device_indices):
+                    timing = watch is not None and watch.due(n * layer_bytes)
+                    if timing or watch is None or not watch.memory_bound():
+                        if k_lane is None:
                             return False  # load() would send it to the kernel: its normal path
+                        if timing:  # renew the verdict from this load's speed (load() does the same)
+                            go = cast(ForwardWatch, watch).timed(
+                                lambda: k_lane(layer, host_indices, device_indices), n * layer_bytes, index)
+                        else:
+                            go = k_lane(layer, host_indices, device_indices)
+                        if not go:
+                            return False  # the kernel's lane declined: the normal path
                         self.lone_kernel_loads += 1
                         self._book(stream, n, layer, now)
                         return True

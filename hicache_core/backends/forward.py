@@ -6,9 +6,8 @@ only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.m
 ``forward="watch"``, ``auto`` times its lone kernel loads (two CUDA events on the stream, made once) and
 :class:`ForwardWatch` turns the timings into a verdict: a load under :data:`SLOW_SHARE` of the link marks the
 forward pass memory-bound, and one at :data:`FAST_SHARE` or more marks it compute-bound again (a timing in between
-keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).  While the verdict says compute, a lone kernel load is timed once per :data:`WATCH_S` (a
-timed load takes ``auto``'s slower path to its launch, which a lone load waits on; the others take the lane), so a
-change shows within that time; while it says memory, lone loads go to the copy engine but for one per
+keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).  While the verdict says compute, every lone kernel load is timed (two event records around
+the launch, on ``auto``'s fast path too), so a change shows at the next one; while it says memory, lone loads go to the copy engine but for one per
 :data:`RENEW_S`, which goes to the kernel to be timed again.  Loads too small to time reliably (under :data:`MIN_TIMED_BYTES`) are never timed.
 
 A lone load usually starts on an idle stream, where the start event fires as soon as it is recorded: the host's time
@@ -25,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "WATCH_S", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
+__all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
@@ -36,10 +35,6 @@ FAST_SHARE = 0.7
 #: Seconds after which a verdict is renewed by timing the next lone load through the kernel (in a memory-bound
 #: stretch that one load runs at the kernel's slow speed: one per this many seconds).
 RENEW_S = 0.5
-#: Seconds between timed lone loads while the verdict says compute (a timing there costs only the host's time of the
-#: slower path before the launch, H200: 10-30 us on a ~100 us lone load; a forward pass's lone loads in between take
-#: the lane).
-WATCH_S = 0.05
 #: A lone kernel load's share of the link with nothing beside it (H200: 0.85-0.89 for MLA rows, 0.90-0.96 for MHA):
 #: the speed a measured one is compared with to tell how much the forward pass slows the kernel.
 IDLE_SHARE = 0.87
@@ -102,10 +97,10 @@ class ForwardWatch:
 
     def due(self, nbytes: int) -> bool:
         """Whether a lone load of ``nbytes`` should be timed (and so go to the kernel): large enough, no timing pending,
-        and the verdict :data:`WATCH_S` old (compute) or :data:`RENEW_S` old (memory)."""
+        and the verdict compute or :data:`RENEW_S` old."""
         self._land()
         return nbytes >= MIN_TIMED_BYTES and self._pending is None and (
-            self._now() - self._at >= (RENEW_S if self._verdict else WATCH_S))
+            not self._verdict or self._now() - self._at >= RENEW_S)
 
     def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int) -> Any:
         """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``)
