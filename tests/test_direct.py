@@ -1251,7 +1251,7 @@ def _watch(t: list, ms: list, done: list, log: list) -> Any:
 
 
 def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
-    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S, ForwardWatch
+    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S
     t, ms, done, log = [10.0], [0.0], [False], []
     watch = _watch(t, ms, done, log)
     big = 4 << 20  # 76 us at 55 GB/s
@@ -1293,19 +1293,6 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         ms[0], done[0] = big / (share * 55e6), True
         assert watch.memory_bound() is verdict and watch.last_share == pytest.approx(share), share
     assert watch.generation == 4 and watch.timings == 8
-    made = []
-
-    class _Stream:  # what torch.cuda.current_stream gives: its handle as cuda_stream
-        def __init__(self, index: int) -> None:
-            made.append(index)
-            self.cuda_stream = 0x50 + index
-
-    memo = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=_Stream)
-    for handle in (0x51, 0x51, None, 0x99):  # the caller's handle, twice; none; one that is not the stream's
-        done[0] = True
-        memo._land()
-        memo.timed(lambda: None, big, 1, handle)
-    assert made == [1, 1, 1] and list(memo._streams) == [0x51]  # one object per handle that matched, made once
 
 
 def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the_verdict(monkeypatch):

@@ -616,8 +616,7 @@ class AutoStrategy:
             self.lone_kernel_loads += 1
             kernel, nbytes, watch = cast(Strategy, self.kernel), n * self._layer_token_bytes, self.watch
             if watch is not None and watch.due(nbytes):  # renew the verdict on the forward pass from this load's speed
-                watch.timed(lambda: kernel.load(binding, host_indices, device_indices, layer), nbytes, self._index,
-                            stream)
+                watch.timed(lambda: kernel.load(binding, host_indices, device_indices, layer), nbytes, self._index)
             else:
                 kernel.load(binding, host_indices, device_indices, layer)
         else:
@@ -680,7 +679,7 @@ class AutoStrategy:
                             return False  # load() would send it to the kernel: its normal path
                         if timing:  # renew the verdict from this load's speed (load() does the same)
                             go = cast(ForwardWatch, watch).timed(
-                                lambda: k_lane(layer, host_indices, device_indices), n * layer_bytes, index, stream)
+                                lambda: k_lane(layer, host_indices, device_indices), n * layer_bytes, index)
                         else:
                             go = k_lane(layer, host_indices, device_indices)
                         if not go:

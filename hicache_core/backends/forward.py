@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 __all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
 
@@ -64,7 +64,6 @@ class ForwardWatch:
         self._stream = stream
         self._pending: tuple[Any, Any, int, float] | None = None
         self._events: tuple[Any, Any] | None = None  # made once: one timing at a time
-        self._streams: dict[int, Any] = {}  # stream objects by cudaStream_t (building one costs microseconds)
         self._verdict = False
         self._at = float("-inf")  # when the last timing landed
         self._generation = 0
@@ -103,20 +102,20 @@ class ForwardWatch:
         return nbytes >= MIN_TIMED_BYTES and self._pending is None and (
             not self._verdict or self._now() - self._at >= RENEW_S)
 
-    def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int, stream_handle: int | None = None) -> Any:
-        """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``,
-        whose ``cudaStream_t`` is ``stream_handle`` where the caller has it) between two timing events on that stream;
-        its result (``False``: it queued nothing, nothing is timed).  While another timing is pending, ``launch`` just
-        runs (its events are in use).  Everything before the launch delays a lone load: the stream object is
-        memoised per handle."""
+    def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int) -> Any:
+        """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``)
+        between two timing events on that stream; its result (``False``: it queued nothing, nothing is timed).  While
+        another timing is pending, ``launch`` just runs (its events are in use)."""
         if self._pending is not None:
             return launch()
-        stream = self._streams.get(stream_handle) if stream_handle is not None else None
-        if stream is None:
-            stream = self._stream_of(device_index, stream_handle)
+        if self._event is None or self._stream is None:
+            import torch
+
+            self._event = self._event or (lambda: torch.cuda.Event(enable_timing=True))
+            self._stream = self._stream or torch.cuda.current_stream
+        stream = self._stream(device_index)
         if self._events is None:
-            make = cast(Callable[[], Any], self._event)  # set by _stream_of, which made the first stream object
-            self._events = (make(), make())
+            self._events = (self._event(), self._event())
         start, end = self._events
         start.record(stream)
         t0 = self._now()
@@ -126,21 +125,6 @@ class ForwardWatch:
         if result is not False:
             self._pending = (start, end, nbytes, host_ms)
         return result
-
-    def _stream_of(self, device_index: int, stream_handle: int | None) -> Any:
-        """The current stream object of CUDA device ``device_index`` (memoised under ``stream_handle`` where that is
-        its handle; streams outlive their use here, as torch's pooled streams do)."""
-        if self._event is None or self._stream is None:
-            import torch
-
-            self._event = self._event or (lambda: torch.cuda.Event(enable_timing=True))
-            self._stream = self._stream or torch.cuda.current_stream
-        stream = self._stream(device_index)
-        if stream_handle is not None and getattr(stream, "cuda_stream", None) == stream_handle:
-            if len(self._streams) >= 16:
-                self._streams.clear()
-            self._streams[stream_handle] = stream
-        return stream
 
     def _land(self) -> None:
         """Turn a finished timing into the verdict (nothing when none is pending or it has not finished)."""
