@@ -1251,7 +1251,7 @@ def _watch(t: list, ms: list, done: list, log: list) -> Any:
 
 
 def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
-    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S
+    from hicache_core.backends.forward import IDLE_SHARE, MIN_TIMED_BYTES, RENEW_S, ForwardWatch
     t, ms, done, log = [10.0], [0.0], [False], []
     watch = _watch(t, ms, done, log)
     big = 4 << 20  # 76 us at 55 GB/s
@@ -1293,6 +1293,13 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         ms[0], done[0] = big / (share * 55e6), True
         assert watch.memory_bound() is verdict and watch.last_share == pytest.approx(share), share
     assert watch.generation == 4 and watch.timings == 8
+    floor = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i),
+                         min_room=2.2)
+    for share, room in ((0.8, 1.0), (0.55, 2.2), (0.2, IDLE_SHARE / 0.2), (0.05, 8.0)):  # compute: 1; memory: 2.2-8
+        done[0], t[0] = False, t[0] + RENEW_S
+        floor.timed(lambda: None, big, 0)
+        ms[0], done[0] = big / (share * 55e6), True
+        assert floor.room() == pytest.approx(room), share
 
 
 def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the_verdict(monkeypatch):
@@ -1301,7 +1308,7 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     loads get the memory room; the lane serves lone loads as load() would (timing those due) and declines once the verdict
     changed.  Pools
     without the lone-load rule keep no watch; ``lone=False`` is refused."""
-    from hicache_core.backends.auto import AutoStrategy, _pick_key
+    from hicache_core.backends.auto import MEMORY_KERNEL_SHARE, AutoStrategy, _pick_key
     from hicache_core.backends.forward import MAX_ROOM, RENEW_S, ForwardWatch
 
     w = _AutoWorld(monkeypatch)
@@ -1314,7 +1321,7 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     auto = AutoStrategy(forward="watch")
     assert auto.lone and auto.room == 1.0
     auto = w.make(True, lane_ok=True, direct_lane=True, forward="watch")
-    assert isinstance(auto.watch, ForwardWatch)
+    assert isinstance(auto.watch, ForwardWatch) and auto.watch.min_room == pytest.approx(1 / MEMORY_KERNEL_SHARE)
     ms, done, log = [0.0], [False], []
     auto.watch = _watch(t, ms, done, log)
     assert w.make(True, where=w.on_cpu, forward="watch").watch is None  # a CPU pool keeps no clock: no watch (acts as compute)

@@ -30,7 +30,7 @@ all of theirs, so the copy engine takes a load while the host submits it within 
 the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  ``watch``
 decides between the two as it goes, from the speed of its lone kernel loads (:class:`~.forward.ForwardWatch`:
 ``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link, with the room that slowdown
-gives (:meth:`~.forward.ForwardWatch.room`) instead of ``memory``'s fixed one; then one lone load per
+gives (:meth:`~.forward.ForwardWatch.room`), at least ``memory``'s fixed one; then one lone load per
 :data:`~.forward.RENEW_S` goes to the kernel to renew that verdict until one runs at :data:`~.forward.FAST_SHARE`
 or more; while it says compute every lone kernel load is timed); it needs the lone-load
 rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
@@ -541,7 +541,8 @@ class AutoStrategy:
                          f">= {MIN_TIMED_BYTES >> 20} MiB are timed; once one runs under "
                          f"{SLOW_SHARE:.0%} of the link (until one runs at {FAST_SHARE:.0%} or more), loads are judged "
                          f"as with forward='memory' at the room that slowdown "
-                         f"gives (its idle {IDLE_SHARE:.0%} over the share measured, up to {MAX_ROOM:g}x; lone loads "
+                         f"gives (its idle {IDLE_SHARE:.0%} over the share measured, {1 / MEMORY_KERNEL_SHARE:.1f}x to "
+                         f"{MAX_ROOM:g}x; lone loads "
                          f"included, but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as "
                          "with 'compute'")
         if self.forward == "memory":
@@ -596,7 +597,8 @@ class AutoStrategy:
         self._layers = max(1, len(binding.spec.layer_map.device_layers))
         self._layer_token_bytes = self._token_bytes // self._layers
         cal = self.calibration or DEFAULT
-        self.watch = ForwardWatch(cal.link_gbps, now=self.clock.now) if self.forward == "watch" and self._clocked else None
+        self.watch = (ForwardWatch(cal.link_gbps, now=self.clock.now, min_room=1.0 / MEMORY_KERNEL_SHARE)
+                      if self.forward == "watch" and self._clocked else None)
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
