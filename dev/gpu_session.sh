@@ -26,6 +26,7 @@
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
 #               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12)
 #   trace       benchmarks/pace_trace.py: where auto's host-pace samples come from in bench rows (TRACE_SHAPES, TRACE_ARGS)
+#   watchcost   benchmarks/watch_cost.py: what auto's forward watch adds to a lone load, piece by piece (WC_SHAPES)
 #   ab          A/B of one host-pace setting: benchmarks/pace_probe.py with each value of AB_FLAG (default --stale-s) in
 #               AB_VALUES (default "1.0 0.25") in turn, for each mode of AB_MODES (default "reuse fresh reuse"), AB_SECONDS
 #               per cell (default 6), AB_SHAPES; one line per cell into $OUT/ab.txt
@@ -144,6 +145,10 @@ for step in "$@"; do
         timeout ${PACE_T:-300} python3 benchmarks/pace_probe.py --out "$OUT/pace-$mode.json" \
           --seconds ${PACE_SECONDS:-12} $args >"$W/pace_$mode.log" 2>&1
         note "pace probe ($mode): $(result $?)"; cat "$W/pace_$mode.log"; done ;;
+    watchcost) for sh in ${WC_SHAPES:-mla61x576-bf16}; do
+        timeout ${WC_T:-150} python3 benchmarks/watch_cost.py --shape $sh --out "$OUT/watch_cost-$sh.json" \
+          >"$W/watch_cost_$sh.log" 2>&1
+        note "watch cost ($sh): $(result $?)"; cat "$W/watch_cost_$sh.log"; done ;;
     trace) for sh in ${TRACE_SHAPES:-mla61x656-fp8}; do
         timeout ${TRACE_T:-240} python3 benchmarks/pace_trace.py --out "$OUT/trace-$sh.json" --shape $sh \
           ${TRACE_ARGS:-} >"$W/trace_$sh.log" 2>&1
