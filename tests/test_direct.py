@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import pytest
 import torch
@@ -1293,6 +1294,11 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         ms[0], done[0] = big / (share * 55e6), True
         assert watch.memory_bound() is verdict and watch.last_share == pytest.approx(share), share
     assert watch.generation == 4 and watch.timings == 8
+    for share, verdict in ((0.6 - 1e-9, True), (0.7 - 1e-9, True), (0.7 + 1e-9, False), (0.6 + 1e-9, False)):
+        done[0], t[0] = False, t[0] + RENEW_S  # the lines themselves
+        watch.timed(lambda: None, big, 0)
+        ms[0], done[0] = big / (share * 55e6), True
+        assert watch.memory_bound() is verdict, share
     floor = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i),
                          min_room=2.2)
     for share, room in ((0.8, 1.0), (0.55, 2.2), (0.2, IDLE_SHARE / 0.2), (0.05, 8.0)):  # compute: 1; memory: 2.2-8
@@ -1300,6 +1306,36 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         floor.timed(lambda: None, big, 0)
         ms[0], done[0] = big / (share * 55e6), True
         assert floor.room() == pytest.approx(room), share
+
+
+def test_the_forward_watch_lends_its_events_to_one_timing_at_a_time_and_reads_them_before_lending_them_again():
+    """A timing started while another is being recorded (another thread) or pending just launches; a pending timing
+    is read while it still holds the events (a thread landing it cannot read events another thread re-records)."""
+    t, ms, done, log = [10.0], [0.1], [False], []
+    watch = _watch(t, ms, done, log)
+    big = 4 << 20
+    inner: list = []
+
+    def outer() -> str:  # another thread's timing starts while this one is being recorded
+        inner.append(watch.timed(lambda: "inner", big, 0))
+        return "outer"
+
+    assert watch.timed(outer, big, 0) == "outer" and inner == ["inner"] and len(log) == 2  # one pair recorded
+    assert watch.timed(lambda: "busy", big, 0) == "busy" and len(log) == 2  # pending: its events are in use
+    held = []
+    real = _Event.elapsed_time
+
+    def elapsed(self: _Event, other: _Event) -> float:
+        held.append(watch._pending is not None)  # still claimed while it is read
+        return real(self, other)
+
+    _Event.elapsed_time = elapsed  # type: ignore[method-assign]
+    try:
+        done[0] = True
+        assert watch.due(big) and held == [True] and watch.timings == 1
+    finally:
+        _Event.elapsed_time = real  # type: ignore[method-assign]
+    assert watch.timed(lambda: False, big, 0) is False and watch.due(big)  # a declined launch leaves nothing pending
 
 
 def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the_verdict(monkeypatch):
@@ -1362,6 +1398,18 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     auto.load(binding, h, d, 0)  # the normal path times a lone load alike
     assert served[-1] == ("kernel", 0) and len(log) == 8 and auto.lone_kernel_loads == 5
     assert auto.watch.timings == 3 and not auto.watch.memory_bound()
+    small = torch.arange(64)  # 74 KB: never timed; beside compute a lone one takes the kernel's lane untimed
+    t[0] += drained
+    assert lane(0, small, small) and served[-1] == ("kernel lane", 0) and len(log) == 8 and auto.lone_kernel_loads == 6
+    declining = w.make(True, lane_ok=False, direct_lane=True, forward="watch")  # the kernel's lane declines
+    declining.watch = _watch(t, ms, done, log)
+    decl = declining.lane(binding, False)
+    t[0] += drained
+    assert not decl(0, h, d) and served[-1] == ("kernel lane", 0)  # tried, declined: the normal path takes the call
+    assert declining.watch._pending is None and declining.lone_kernel_loads == 0  # nothing pending, counted ...
+    assert declining.clock.lone(0x77, t[0])  # ... or booked
+    declining.kernel.lane = None
+    assert declining.lane(binding, False)(0, h, d) is False and declining.lone_kernel_loads == 0  # no kernel lane
 
 
 def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):

@@ -29,11 +29,11 @@ SM-driven loads keep only about :data:`MEMORY_KERNEL_SHARE` of their idle speed 
 all of theirs, so the copy engine takes a load while the host submits it within ``1 / MEMORY_KERNEL_SHARE`` times
 the time that suffices with ``compute``, and lone loads follow the same rule (no lone-load exception).  ``watch``
 decides between the two as it goes, from the speed of its lone kernel loads (:class:`~.forward.ForwardWatch`:
-``memory`` while the last one timed ran under :data:`~.forward.SLOW_SHARE` of the link, with the room that slowdown
-gives (:meth:`~.forward.ForwardWatch.room`), at least ``memory``'s fixed one; then one lone load per
-:data:`~.forward.RENEW_S` goes to the kernel to renew that verdict until one runs at :data:`~.forward.FAST_SHARE`
-or more; while it says compute every lone kernel load is timed); it needs the lone-load
-rule (a CUDA pool whose kernel has fast load paths), and elsewhere acts as ``compute``.  Backups are decided alike
+``memory`` from a timing under :data:`~.forward.SLOW_SHARE` of the link until one at :data:`~.forward.FAST_SHARE` or
+more, with the room that slowdown gives (:meth:`~.forward.ForwardWatch.room`), at least ``memory``'s fixed one; then
+one lone load per :data:`~.forward.RENEW_S` goes to the kernel to renew that verdict; while it says compute every
+lone kernel load is timed); it needs the lone-load rule (a CUDA pool whose kernel has fast load paths), and
+elsewhere acts as ``compute``.  Backups are decided alike
 in every mode (the copy engine is the quiet route beside either kind of work).
 """
 
@@ -630,7 +630,7 @@ class AutoStrategy:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
         module docstring); only on a clocked pool.  :meth:`lane` holds an inlined copy of this rule (a lone load's
         launch waits on it): change both together.  With a watch, a lone load beside memory-bound work goes by the
-        rule of the rest (the copy engine), but for one whose timing would renew the verdict."""
+        rule of the rest, but for one whose timing would renew the verdict."""
         if not (layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)):
             return False
         watch = self.watch
@@ -679,7 +679,7 @@ class AutoStrategy:
                     if timing or watch is None or not watch.memory_bound():
                         if k_lane is None:
                             return False  # load() would send it to the kernel: its normal path
-                        if timing:  # renew the verdict from this load's speed (load() does the same)
+                        if timing:  # the watch times this load (load() does the same)
                             go = cast(ForwardWatch, watch).timed(
                                 lambda: k_lane(layer, host_indices, device_indices), n * layer_bytes, index)
                         else:

@@ -6,16 +6,18 @@ only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.m
 ``forward="watch"``, ``auto`` times its lone kernel loads (two CUDA events on the stream, made once) and
 :class:`ForwardWatch` turns the timings into a verdict: a load under :data:`SLOW_SHARE` of the link marks the
 forward pass memory-bound, and one at :data:`FAST_SHARE` or more marks it compute-bound again (a timing in between
-keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).  While the verdict says compute, every lone kernel load is timed (two event records around
-the launch, on ``auto``'s fast path too), so a change shows at the next one; while it says memory, lone loads go to the copy engine but for one per
-:data:`RENEW_S`, which goes to the kernel to be timed again.  Loads too small to time reliably (under :data:`MIN_TIMED_BYTES`) are never timed.
+keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).
+While the verdict says compute, every lone kernel load is timed (two event records around the launch, on ``auto``'s
+fast path too), so a change shows at the next one; while it says memory, lone loads go by the copy engine's rule but
+for one per :data:`RENEW_S`, which goes to the kernel to be timed again.  Loads too small to time reliably (under
+:data:`MIN_TIMED_BYTES`) are never timed.
 
 A lone load usually starts on an idle stream, where the start event fires as soon as it is recorded: the host's time
 from that record to the launch's return is taken off the measured time (else a call's own host work, e.g. checking
 new index tensors, would read as a slow load).  Where the stream was busy instead, or the host worked on after the
 launch, that makes the load look faster than it was: errors lean to ``compute``, the default's judgement.  A timing
 that comes out impossible (no time left, or faster than :data:`MAX_SHARE` of the link) is dropped.  The watch is
-shared by a pool's load and backup threads: timings land under a lock.
+shared by a pool's load and backup threads: the events are claimed, and timings land, under a lock.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM", "MAX_SHARE"]
+__all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM",
+           "MAX_SHARE"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
@@ -68,6 +71,7 @@ class ForwardWatch:
         self._event = event
         self._stream = stream
         self._pending: tuple[Any, Any, int, float] | None = None
+        self._timing = False  # a thread is recording a timing (claimed under the lock)
         self._events: tuple[Any, Any] | None = None  # made once: one timing at a time
         self._verdict = False
         self._at = float("-inf")  # when the last timing landed
@@ -87,7 +91,8 @@ class ForwardWatch:
         return self._generation
 
     def memory_bound(self) -> bool:
-        """The verdict of the last timing that landed (``False`` before any)."""
+        """The verdict standing after the last timing that landed (``False`` before any; a timing between
+        :data:`SLOW_SHARE` and :data:`FAST_SHARE` keeps the one before)."""
         self._land()
         return self._verdict
 
@@ -111,26 +116,34 @@ class ForwardWatch:
     def timed(self, launch: Callable[[], Any], nbytes: int, device_index: int) -> Any:
         """Run ``launch`` (which queues a load of ``nbytes`` on the current stream of CUDA device ``device_index``)
         between two timing events on that stream; its result (``False``: it queued nothing, nothing is timed).  While
-        another timing is pending, ``launch`` just runs (its events are in use)."""
-        if self._pending is not None:
+        another timing is pending or being made (another thread), ``launch`` just runs (the events are in use): the
+        events are claimed under the lock, and a pending timing is read before it is released (:meth:`_land`)."""
+        with self._lock:
+            free = self._pending is None and not self._timing
+            self._timing = self._timing or free
+        if not free:
             return launch()
-        if self._event is None or self._stream is None:
-            import torch
+        try:
+            if self._event is None or self._stream is None:
+                import torch
 
-            self._event = self._event or (lambda: torch.cuda.Event(enable_timing=True))
-            self._stream = self._stream or torch.cuda.current_stream
-        stream = self._stream(device_index)
-        if self._events is None:
-            self._events = (self._event(), self._event())
-        start, end = self._events
-        start.record(stream)
-        t0 = self._now()
-        result = launch()
-        host_ms = (self._now() - t0) * 1e3
-        end.record(stream)
-        if result is not False:
-            self._pending = (start, end, nbytes, host_ms)
-        return result
+                self._event = self._event or (lambda: torch.cuda.Event(enable_timing=True))
+                self._stream = self._stream or torch.cuda.current_stream
+            stream = self._stream(device_index)
+            if self._events is None:
+                self._events = (self._event(), self._event())
+            start, end = self._events
+            start.record(stream)
+            t0 = self._now()
+            result = launch()
+            host_ms = (self._now() - t0) * 1e3
+            end.record(stream)
+            if result is not False:
+                with self._lock:
+                    self._pending = (start, end, nbytes, host_ms)
+            return result
+        finally:
+            self._timing = False
 
     def _land(self) -> None:
         """Turn a finished timing into the verdict (nothing when none is pending or it has not finished)."""
@@ -140,9 +153,9 @@ class ForwardWatch:
             pending = self._pending
             if pending is None or not pending[1].query():
                 return
-            self._pending = None
             start, end, nbytes, host_ms = pending
-            ms = start.elapsed_time(end) - host_ms
+            ms = start.elapsed_time(end) - host_ms  # read before the events are released to the next timing
+            self._pending = None
             share = nbytes / ms / (self.link_gbps * 1e6) if ms > 0 else float("inf")
             if share > MAX_SHARE:
                 self.dropped += 1  # more host time taken off than the load took: no measure of it
