@@ -634,7 +634,8 @@ class AutoStrategy:
         if not (layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)):
             return False
         watch = self.watch
-        return watch is None or not watch.memory_bound() or watch.due(n * self._layer_token_bytes)
+        # due() first, as the lane asks: it lands a finished timing before the verdict is read
+        return watch is None or watch.due(n * self._layer_token_bytes) or not watch.memory_bound()
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
         """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (:meth:`lane` inlines
