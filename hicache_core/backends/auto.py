@@ -33,8 +33,8 @@ decides between the two as it goes, from the speed of its lone kernel loads (:cl
 more, with the room that slowdown gives (:meth:`~.forward.ForwardWatch.room`), at least ``memory``'s fixed one; then
 one lone load per :data:`~.forward.RENEW_S` goes to the kernel to renew that verdict; while it says compute every
 lone kernel load is timed); it needs the lone-load rule (a CUDA pool whose kernel has fast load paths), and
-elsewhere acts as ``compute``.  Backups are decided alike
-in every mode (the copy engine is the quiet route beside either kind of work).
+elsewhere acts as ``compute``.  Backups are decided alike in every mode (the copy engine is the quiet route beside
+either kind of work).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.m
 forward pass memory-bound, and one at :data:`FAST_SHARE` or more marks it compute-bound again (a timing in between
 keeps the verdict: one noisy timing near the line does not flip it, nor make ``auto`` decide all its picks again).
 While the verdict says compute, every lone kernel load is timed (two event records around the launch, on ``auto``'s
-fast path too), so a change shows at the next one; while it says memory, lone loads go by the copy engine's rule but
-for one per :data:`RENEW_S`, which goes to the kernel to be timed again.  Loads too small to time reliably (under
+fast path too), so a change shows at the next one; while it says memory, lone loads go by the rule of the other
+loads but for one per :data:`RENEW_S`, which goes to the kernel to be timed again.  Loads too small to time reliably (under
 :data:`MIN_TIMED_BYTES`) are never timed.
 
 A lone load usually starts on an idle stream, where the start event fires as soon as it is recorded: the host's time
