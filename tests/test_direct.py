@@ -1299,6 +1299,12 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         watch.timed(lambda: None, big, 0)
         ms[0], done[0] = big / (share * 55e6), True
         assert watch.memory_bound() is verdict, share
+    steps = _watch(t, ms, done, log)  # while memory-bound, a room that moved by ROOM_STEP moves the generation too
+    for share, gen in ((0.1, 1), (0.2, 2), (0.25, 2), (0.5, 3), (0.55, 3), (0.65, 3), (0.9, 4)):
+        done[0], t[0] = False, t[0] + RENEW_S  # rooms 8, 4.35 (/1.84), 3.48 (/1.25), 1.74 (/2.5), 1.58, 1.34, compute
+        steps.timed(lambda: None, big, 0)
+        ms[0], done[0] = big / (share * 55e6), True
+        assert steps.generation == gen, share
     floor = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i),
                          min_room=2.2)
     for share, room in ((0.8, 1.0), (0.55, 2.2), (0.2, IDLE_SHARE / 0.2), (0.05, 8.0)):  # compute: 1; memory: 2.2-8

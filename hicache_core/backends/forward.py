@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable
 
 __all__ = ["ForwardWatch", "SLOW_SHARE", "FAST_SHARE", "RENEW_S", "MIN_TIMED_BYTES", "IDLE_SHARE", "MAX_ROOM",
-           "MAX_SHARE"]
+           "MAX_SHARE", "ROOM_STEP"]
 
 #: A timed lone kernel load under this share of the link's speed marks the forward pass memory-bound (H200: 0.85-0.96
 #: beside nothing or a GEMM, 0.12-0.48 beside a memory-bound reduction).
@@ -43,6 +43,9 @@ RENEW_S = 0.5
 IDLE_SHARE = 0.87
 #: The most room (:meth:`ForwardWatch.room`) a verdict gives the copy engine's loads.
 MAX_ROOM = 8.0
+#: While the verdict stays memory-bound, a timing whose room differs from the room of the last decision by this factor
+#: or more moves :attr:`ForwardWatch.generation` too (``auto``'s memoised picks were decided at the old room).
+ROOM_STEP = 1.5
 #: A timing faster than this share of the link is dropped (the host time taken off covered more than the load).
 MAX_SHARE = 1.1
 #: Lone loads smaller than this are not timed: the launch's fixed microseconds would dominate (36 us at 55 GB/s).
@@ -76,6 +79,7 @@ class ForwardWatch:
         self._verdict = False
         self._at = float("-inf")  # when the last timing landed
         self._generation = 0
+        self._decided_room = 1.0  # the room when the generation last moved
         self._lock = threading.Lock()
         #: Timings that landed, those dropped as impossible, and the last landed one's share of the link (for tests,
         #: benchmarks and ``explain``).
@@ -85,8 +89,8 @@ class ForwardWatch:
 
     @property
     def generation(self) -> int:
-        """Moves whenever the verdict changes (``auto`` decides its memoised picks again then); a finished timing lands
-        first."""
+        """Moves whenever the verdict changes, or the room of a memory-bound one moves by :data:`ROOM_STEP` or more
+        (``auto`` decides its memoised picks again then); a finished timing lands first."""
         self._land()
         return self._generation
 
@@ -104,7 +108,10 @@ class ForwardWatch:
         pace)."""
         if not self.memory_bound() or self.last_share is None:
             return 1.0
-        return min(MAX_ROOM, max(self.min_room, IDLE_SHARE / max(self.last_share, 1e-6)))
+        return self._room_of(self.last_share)
+
+    def _room_of(self, share: float) -> float:
+        return min(MAX_ROOM, max(self.min_room, IDLE_SHARE / max(share, 1e-6)))
 
     def due(self, nbytes: int) -> bool:
         """Whether a lone load of ``nbytes`` should be timed (and so go to the kernel): large enough, no timing pending,
@@ -163,6 +170,8 @@ class ForwardWatch:
             self.timings += 1
             self.last_share = share
             verdict = share < SLOW_SHARE or (self._verdict and share < FAST_SHARE)
-            if verdict != self._verdict:
-                self._generation += 1
+            room = self._room_of(share) if verdict else 1.0
+            if verdict != self._verdict or max(room / self._decided_room, self._decided_room / room) >= ROOM_STEP:
+                self._generation += 1  # a new verdict, or the room of a memory-bound one moved by ROOM_STEP or more
+                self._decided_room = room
             self._verdict, self._at = verdict, self._now()
