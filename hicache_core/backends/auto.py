@@ -128,6 +128,12 @@ ENV_FORWARD = "HICACHE_AUTO_FORWARD"
 MEMORY_KERNEL_SHARE = 0.45
 
 
+def _allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float) -> float:
+    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times ``room`` for loads (the
+    factor by which the forward pass beside them slows the kernel's loads; 1 with ``forward="compute"``)."""
+    return nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
+
+
 def _burst_us(sub: Submission, desc_us: float) -> float:
     """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
     n = int(sub.lens.numel())
@@ -150,7 +156,7 @@ def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_hos
     margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
     speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
     slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
-    link_us = sub.nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
+    link_us = _allowed_us(sub.nbytes, cal, to_host, room)
     measured = desc_us is not None and sub.staged is None and sub.pitched is None
     if measured and _burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
         return True
@@ -165,7 +171,7 @@ def _worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, ro
     ``room``, as in :func:`_fed`)."""
     if sub.staged is not None or sub.pitched is not None:
         return False
-    return _burst_us(sub, cal.submit_us) <= FED_SHARE * (1.0 if to_host else room) * sub.nbytes / (cal.link_gbps * 1e3)
+    return _burst_us(sub, cal.submit_us) <= FED_SHARE * _allowed_us(sub.nbytes, cal, to_host, room)
 
 
 class AutoStrategy:
@@ -495,13 +501,13 @@ class AutoStrategy:
             return False
         blocks, nbytes = last
         return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
-            FED_SHARE * self.room * nbytes / (cal.link_gbps * 1e3)
+            FED_SHARE * _allowed_us(nbytes, cal, False, self.room)
 
     def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
         (:func:`_fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
         :meth:`pick` would start for it)."""
-        link_us = nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else self.room)
+        link_us = _allowed_us(nbytes, cal, to_host, self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
         if desc_us is not None:
@@ -614,11 +620,13 @@ class AutoStrategy:
                 binding, host_indices, device_indices, layer)
             return
         now, stream, n = self.clock.now(), current_stream_handle(self._index), host_indices.numel()
-        if self._lone(binding, layer, n, stream, now):
+        lone, timing = self._lone(binding, layer, n, stream, now)
+        if lone:
             self.lone_kernel_loads += 1
-            kernel, nbytes, watch = cast(Strategy, self.kernel), n * self._layer_token_bytes, self.watch
-            if watch is not None and watch.due(nbytes):  # renew the verdict on the forward pass from this load's speed
-                watch.timed(lambda: kernel.load(binding, host_indices, device_indices, layer), nbytes, self._index)
+            kernel = cast(Strategy, self.kernel)
+            if timing:  # the watch times this load (the lane does the same)
+                cast(ForwardWatch, self.watch).timed(lambda: kernel.load(binding, host_indices, device_indices, layer),
+                                                     n * self._layer_token_bytes, self._index)
             else:
                 kernel.load(binding, host_indices, device_indices, layer)
         else:
@@ -626,16 +634,17 @@ class AutoStrategy:
                 binding, host_indices, device_indices, layer)
         self._book(stream, n, layer, now)
 
-    def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> bool:
+    def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> tuple[bool, bool]:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
-        module docstring); only on a clocked pool.  :meth:`lane` holds an inlined copy of this rule (a lone load's
-        launch waits on it): change both together.  With a watch, a lone load beside memory-bound work goes by the
-        rule of the rest, but for one whose timing would renew the verdict."""
+        module docstring), and whether the watch times it; only on a clocked pool.  :meth:`lane` holds an inlined copy
+        of this rule (a lone load's launch waits on it): change both together.  With a watch, a lone load beside
+        memory-bound work goes by the rule of the rest, but for one whose timing would renew the verdict."""
         if not (layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)):
-            return False
+            return False, False
         watch = self.watch
-        # due() first, as the lane asks: it lands a finished timing before the verdict is read
-        return watch is None or watch.due(n * self._layer_token_bytes) or not watch.memory_bound()
+        # due() first: it lands a finished timing before the verdict is read
+        timing = watch is not None and watch.due(n * self._layer_token_bytes)
+        return timing or watch is None or not watch.memory_bound(), timing
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
         """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (:meth:`lane` inlines
