@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,19 +33,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core.backends.forward import ForwardWatch  # noqa: E402
-from hicache_core.bench import _check, _workload  # noqa: E402
+from hicache_core.bench import _check, _host_us, _workload  # noqa: E402
 from hicache_core.kernel_support import current_stream_handle  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
-
-
-def _host_us(fn: Callable[[], object], n: int = 3000) -> float:
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e6, 2)
 
 
 def host_pieces() -> dict[str, float]:
@@ -64,12 +55,13 @@ def host_pieces() -> dict[str, float]:
         torch.cuda.synchronize()
         watch.due(5 << 20)
 
-    return {"current_stream": _host_us(lambda: torch.cuda.current_stream(0)),
-            "current_stream_handle": _host_us(lambda: current_stream_handle(0)),
-            "event_record": _host_us(lambda: event.record(stream)),
-            "event_query": _host_us(event.query),
-            "due_nothing_pending": _host_us(lambda: watch.due(5 << 20)),
-            "timed_and_landed_minus_sync": round(_host_us(timed_then_landed, 1000) - _host_us(sync_then_due, 1000), 2)}
+    pieces = {"current_stream": lambda: torch.cuda.current_stream(0),
+              "current_stream_handle": lambda: current_stream_handle(0),
+              "event_record": lambda: event.record(stream), "event_query": event.query,
+              "due_nothing_pending": lambda: watch.due(5 << 20)}
+    out = {name: round(_host_us(fn, 3000), 2) for name, fn in pieces.items()}  # (bench's: synchronised between calls)
+    out["timed_and_landed_minus_sync"] = round(_host_us(timed_then_landed, 1000) - _host_us(sync_then_due, 1000), 2)
+    return out
 
 
 def copy_with_events(nbytes: int = 4_700_000, rounds: int = 200) -> dict[str, float]:
