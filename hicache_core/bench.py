@@ -433,15 +433,16 @@ def run_bench(
                             lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
-                            slow = _gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
-                            hbm_slow = hbm_ratio = None
-                            if reader is not None and op in GEMM_OPS:
-                                hbm_slow = _neighbor_slowdown(fn, reader)
-                                hbm_ratio = nbytes / _ms_beside(fn, reader) / 1e6 / base
-                            elif reader is not None and op in HBM_LONE_OPS:
-                                hbm_ratio = nbytes / _ms_beside(fn, reader, calls=1) / 1e6 / base
+                            # host time before the neighbours run: what they leave behind (e.g. auto's watch
+                            # verdict beside the reduction) must not reach it
                             host_us = (_burst_host_us(burst, max(3, reps // 4)) if op == "load_burst"
                                        else _host_us(fn, max(5, reps // 2)))
+                            slow = _gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
+                            hbm_slow = hbm_ratio = None
+                            if reader is not None and op in GEMM_OPS + HBM_LONE_OPS:
+                                lone_op = op in HBM_LONE_OPS
+                                hbm_slow = None if lone_op else _neighbor_slowdown(fn, reader)
+                                hbm_ratio = nbytes / _ms_beside(fn, reader, calls=1 if lone_op else 3) / 1e6 / base
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
                                            gbps / base, host_us, slow, variant,
                                            _served_by(pool, h, s if to_host else d, lay, to_host)
