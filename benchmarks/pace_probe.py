@@ -98,8 +98,9 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
 
 
 #: ``auto``'s candidates: label -> strategy options.
-VARIANTS: dict[str, dict[str, object]] = {"auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
-            "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"}}
+VARIANTS: dict[str, dict[str, object]] = {
+    "auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
+    "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"}}
 #: The optional ones: label -> the tag of their summary keys.
 TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch"}
 

@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 from benchmarks import peer_lmcache, peer_sglang  # noqa: E402
 from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  # noqa: E402
+from hicache_core.backends.auto import FORWARD_MODES  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
     SHAPES,
     _device_buffers,
@@ -136,7 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-backends", type=_csv, default=["kernel", "auto", "direct"],
                    help="hicache io_backends; ones not registered are noted and skipped")
     p.add_argument("--auto-forward", type=_csv, default=["compute"],
-                   help="hicache auto's forward option(s) to measure, comma list of compute, memory, watch (default compute)")
+                   help=f"hicache auto's forward option(s) to measure, comma list of {', '.join(FORWARD_MODES)} "
+                        "(default compute)")
     p.add_argument("--sglang-quotas", type=_ints, default=[2, 8], help="CTAs of SGLang's generic JIT kernel (2 = its default)")
     p.add_argument("--sglang-tma-quotas", type=_ints, default=[4, 8], help="CTAs of SGLang's TMA kernel (4 = its default)")
     p.add_argument("--peers", type=_csv, default=["hicache", "sglang", "lmcache"])
@@ -158,8 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if unknown := [op for op in args.ops if op not in ALL_OPS]:
         p.error(f"--ops {unknown}: choose from {list(ALL_OPS)}")
-    if unknown := [f for f in args.auto_forward if f not in ("compute", "memory", "watch")]:
-        p.error(f"--auto-forward {unknown}: choose from compute, memory, watch")
+    if unknown := [f for f in args.auto_forward if f not in FORWARD_MODES]:
+        p.error(f"--auto-forward {unknown}: choose from {', '.join(FORWARD_MODES)}")
     return args
 
 
