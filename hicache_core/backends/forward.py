@@ -127,7 +127,8 @@ class ForwardWatch:
         events are claimed under the lock, and a pending timing is read before it is released (:meth:`_land`)."""
         with self._lock:
             free = self._pending is None and not self._timing
-            self._timing = self._timing or free
+            if free:
+                self._timing = True
         if not free:
             return launch()
         try:
