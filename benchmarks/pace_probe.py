@@ -1,7 +1,8 @@
 """``auto``'s host-pace rule over time: forward-pass load bursts through the kernel, ``direct`` and ``auto`` in turn.
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
-[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--hbm]``.
+[--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
+[--hbm]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -12,8 +13,11 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 (indices reused batch after batch: plans built once, then reused).  It records per cycle the three ratios, what served
 ``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
-``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``; ``--hbm`` runs every burst beside a memory-bound reduction
-on another stream (``hicache bench --hbm``'s neighbour, queued to outlast the burst), against the idle pinned copy.
+``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``,
+``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``); ``--hbm``
+runs every burst beside a memory-bound reduction on another stream (``hicache bench --hbm``'s neighbour, queued to
+outlast the burst), against the idle pinned copy.  The summary's ``stalls`` lists, per candidate, the cycles whose
+burst had a call over :data:`STALL_US`.
 """
 
 from __future__ import annotations
@@ -100,9 +104,15 @@ def _copy_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
 #: ``auto``'s candidates: label -> strategy options.
 VARIANTS: dict[str, dict[str, object]] = {
     "auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
-    "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"}}
+    "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"},
+    "auto prefetch": {"forward": "compute", "prefetch": True},
+    "auto forward=watch prefetch": {"forward": "watch", "prefetch": True}}
 #: The optional ones: label -> the tag of their summary keys.
-TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch"}
+TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch",
+        "auto prefetch": "prefetch", "auto forward=watch prefetch": "watch_prefetch"}
+#: A call slower than this many microseconds counts as a stall in the summary (a read of GPU indices behind queued
+#: loads took 20-38 ms on the H200).
+STALL_US = 10_000.0
 
 
 def _by(name: str) -> str:
@@ -111,14 +121,15 @@ def _by(name: str) -> str:
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
-             hbm: bool = False, with_watch: bool = False) -> dict:
+             hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
     nbytes = spec.bytes_per_token * h.numel()
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch}
+    chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch,
+              "auto prefetch": with_prefetch, "auto forward=watch prefetch": with_prefetch and with_watch}
     names = ["kernel", "direct", "auto"] + [n for n, on in chosen.items() if on]
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
@@ -181,6 +192,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_within_3pts_share": round(sum(g >= -0.03 for g in gaps) / len(gaps), 3),
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
+        # per candidate: cycles whose burst had a call over STALL_US, and in which cycles (the first ones: warm-up)
+        "stalls": {n: [i for i, c in enumerate(cycles) if c[n + "_call_us_median_max"][1] > STALL_US] for n in names},
     }
     for name in (n for n in names if n in TAGS):
         tag, other = TAGS[name], [c[name] - b for c, b in zip(cycles, better)]
@@ -206,6 +219,8 @@ def main() -> None:
     p.add_argument("--with-memory", action="store_true", help="also auto with forward='memory'")
     p.add_argument("--with-watch", action="store_true", help="also auto with forward='watch'")
     p.add_argument("--hbm", action="store_true", help="every burst beside a memory-bound reduction on another stream")
+    p.add_argument("--with-prefetch", action="store_true",
+                   help="also auto with prefetch=True (and forward='watch' with it, with --with-watch)")
     p.add_argument("--min-samples", type=int, default=None,
                    help="samples a host-pace estimate needs (default: hicache's MIN_SAMPLES), to compare settings")
     p.add_argument("--stale-s", type=float, default=None,
@@ -224,7 +239,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
-                            args.with_watch)
+                            args.with_watch, args.with_prefetch)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -60,7 +60,7 @@ from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
-from .plans import Submission
+from .plans import PlanCache, Submission
 from .staging import LAUNCH_US, page_image
 
 if TYPE_CHECKING:
@@ -186,11 +186,16 @@ class AutoStrategy:
         alone decides.
     :param forward: what the forward pass beside the loads is bound by, ``compute`` or ``memory``, or ``watch`` to
         tell from timed lone loads (the module docstring; default: ``$HICACHE_AUTO_FORWARD`` or ``compute``).
+    :param prefetch: on CUDA pools, start reading a new index pair's GPU-resident device indices back at its first
+        decided load, before that load is queued (:meth:`~.plans.PlanCache.read_early`), so that a copy plan made
+        later in the burst waits for that read only, not for the loads queued since; costs a small device copy and
+        a host copy per new pair.  Off by default (not yet measured on a GPU).
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
-                 lone: bool | None = None, pace: bool = True, forward: str | None = None, **kernel_options: Any) -> None:
+                 lone: bool | None = None, pace: bool = True, forward: str | None = None, prefetch: bool = False,
+                 **kernel_options: Any) -> None:
         raw, where = (forward, "auto's forward option") if forward is not None else \
             (os.environ.get(ENV_FORWARD, ""), ENV_FORWARD)
         mode = str(raw).strip().lower() or "compute"
@@ -201,7 +206,7 @@ class AutoStrategy:
         self.forward = mode
         if lone is None:
             lone = mode != "memory"
-        for name, value in (("lone", lone), ("pace", pace)):
+        for name, value in (("lone", lone), ("pace", pace), ("prefetch", prefetch)):
             if not isinstance(value, bool):
                 raise ConfigError(f"auto's {name} option must be True or False, got {value!r}")
         if mode == "watch" and not lone:
@@ -209,7 +214,9 @@ class AutoStrategy:
         #: With ``forward="watch"`` on a pool that keeps the lone-load rule: the verdict from timed lone loads.
         self.watch: ForwardWatch | None = None
         self._watch_gen = 0
-        self.lone, self.use_pace = lone, pace
+        self.lone, self.use_pace, self.prefetch = lone, pace, prefetch
+        #: Early reads started for new index pairs (``prefetch``; for tests and benchmarks).
+        self.early_reads = 0
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
         self._kernel_options = kernel_options
         self.direct: DirectStrategy | None = None
@@ -327,6 +334,8 @@ class AutoStrategy:
             self._picks.clear()  # in place: lanes hold this dict
             self._picks.update(held)
         key = _pick_key(host_indices, device_indices, layer, to_host)
+        if self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses:
+            self._read_early(binding, host_indices, device_indices)
         reused, crossed = self._use(key, host_indices, device_indices, layer)
         hit = self._picks.get(key) if key is not None else None
         if hit is not None and not (crossed and hit is self.kernel):
@@ -361,8 +370,7 @@ class AutoStrategy:
         0.09 of memcpy)."""
         if not (self.forward == "memory" or self.watch is not None) or not self._picks:
             return {}
-        plans, copier = binding.scratch.get("direct.plans"), binding.scratch.get("direct.copier")
-        stream = copier.stream() if copier is not None else 0
+        plans, stream = self._plans(binding)
         held = {}
         for key, pick in list(self._picks.items()):  # a snapshot: another thread's pick() may add to it
             entry = self._uses.get(key)
@@ -373,8 +381,30 @@ class AutoStrategy:
                 continue  # planning reads nothing back from the GPU
             if plans is not None and plans.peek(h, d, stream) is not None:
                 continue  # planned already: nothing to read back
+            if plans is not None and h.device.type == "cpu" and (early := plans.early_of(d)) is not None \
+                    and early.ready():
+                continue  # its early read has landed: planning waits for nothing
             held[key] = pick
         return held
+
+    @staticmethod
+    def _plans(binding: PoolBinding) -> tuple[PlanCache | None, int]:
+        """The ``direct`` candidate's plan cache on ``binding`` (``None`` before it prepared one) and the stream its
+        plans are keyed by."""
+        copier = binding.scratch.get("direct.copier")
+        return binding.scratch.get("direct.plans"), copier.stream() if copier is not None else 0
+
+    def _read_early(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor) -> None:
+        """``prefetch``: start reading a new pair's GPU-resident device indices back (:meth:`.plans.PlanCache.read_early`)
+        where its host indices live on the CPU (else planning waits for the stream to read those anyway) and it has
+        no plan yet."""
+        if host_indices.device.type != "cpu" or self.direct is None:
+            return
+        plans, stream = self._plans(binding)
+        if plans is None or plans.peek(host_indices, device_indices, stream) is not None:
+            return
+        if plans.read_early(device_indices) is not None:
+            self.early_reads += 1
 
     def _watch_moved(self) -> bool:
         """Whether the watch's verdict changed since the memoised picks were decided."""
@@ -557,6 +587,9 @@ class AutoStrategy:
                          f"{self.room:.1f}x the time the rule above allows (at the calibration's costs: "
                          f"{self.room:.1f}x the transfer time at link speed; at a measured pace: "
                          f"{FED_SHARE * self.room:.0%} of it)" + ("" if self.lone else ", lone loads included"))
+        if self.prefetch:
+            lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
+                         "first decided load, so a copy plan made later in the burst waits for that read only")
         if self.lone and getattr(self.kernel, "fast_load", None) is not None:
             lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                          f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "

@@ -31,7 +31,7 @@ from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases,
 if TYPE_CHECKING:
     from .staging import StagedRoute, _Image
 
-__all__ = ["coalesce", "Submission", "Plan", "PlanCache", "MEMO_SLOTS", "WARN_MEAN_BLOCK", "WARN_BLOCKS"]
+__all__ = ["coalesce", "Submission", "Plan", "PlanCache", "EarlyRead", "MEMO_SLOTS", "WARN_MEAN_BLOCK", "WARN_BLOCKS"]
 
 logger = logging.getLogger(__name__)
 
@@ -306,29 +306,73 @@ def _page_runs(h: torch.Tensor, d: torch.Tensor, ps: int, facts: IndexFacts | No
     return hs // ps, ds.contiguous()
 
 
+class EarlyRead:
+    """A device index tensor's values on their way to the host, started before the work that a plan made later would
+    otherwise wait for.
+
+    Made at an index pair's first call (``auto``'s ``prefetch`` option), before that call queues any transfer: an own
+    ``int64`` copy on the device (what a staged route indexes with) and an asynchronous copy of it into pinned host
+    memory, both on the current stream, and an event recorded behind them.  A :class:`Plan` made later for the same
+    tensor (the same object, its version counter unchanged) takes both: reading the values then waits for that event
+    only, not for the loads queued on the stream since (H200, beside a memory-bound kernel: a read behind a burst's
+    queued kernel loads took 20-38 ms)."""
+
+    __slots__ = ("source", "version", "dev", "host", "event")
+
+    def __init__(self, device_indices: torch.Tensor) -> None:
+        self.source = device_indices
+        self.version = tensor_version(device_indices)
+        self.dev = device_indices.to(torch.int64, copy=True)
+        # pinned, so the copy is queued without waiting for the stream; read only after the event below
+        self.host = self.dev.to("cpu", non_blocking=True)
+        self.event: torch.cuda.Event | None = None
+        if self.dev.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(self.dev.device))
+
+    def of(self, device_indices: torch.Tensor) -> bool:
+        """Whether this read is of ``device_indices`` as they are now (the same object, unchanged since)."""
+        return device_indices is self.source and self.version is not None and \
+            tensor_version(device_indices) == self.version
+
+    def ready(self) -> bool:
+        """Whether the values have reached the host (reading them now waits for nothing)."""
+        return self.event is None or self.event.query()
+
+    def values(self) -> torch.Tensor:
+        """The values on the host, once they are there (waits for this read's event, nothing queued after it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
+
+
 class Plan:
     """Descriptor arrays for one pair of index tensors, per layer selection."""
 
     def __init__(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                 staging: str, staging_bytes: int, pitched: bool = False) -> None:
+                 staging: str, staging_bytes: int, pitched: bool = False, early: EarlyRead | None = None) -> None:
         self.binding = binding
         self.pitched = pitched
         checked = binding.checked
         # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again
         self._facts = None if checked is None else checked.facts_of(host_indices, device_indices)
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
-        # the device copy the staged relayout indexes with (made on the caller's stream); its own copy:
-        # the values it indexes with are the values read or checked, even if the caller later rewrites
-        # its tensor behind torch's version counter
-        self._d_dev: torch.Tensor | None = device_indices.to(torch.int64, copy=True) if on_dev else None
         # device-resident indices are read back (which waits for the work queued before this call)
         # only when a route needs their values on the host: plain runs do; a staged route indexes with
         # the device copy (its kernel relayout masks bad rows; the torch one reads and checks first)
         defer = on_dev and defer_device_read(binding)
+        early = early if defer and early is not None and early.of(device_indices) else None
+        # the device copy the staged relayout indexes with (made on the caller's stream, or by an early read at the
+        # pair's first call); its own copy: the values it indexes with are the values read or checked, even if the
+        # caller later rewrites its tensor behind torch's version counter
+        self._d_dev: torch.Tensor | None = (early.dev if early is not None else
+                                            device_indices.to(torch.int64, copy=True) if on_dev else None)
+        #: The early read the device indices' values come from (its event waited for, not the stream).
+        self._early = early
         # where the host indices live on the device too, reading them waits for the stream anyway: the device
         # indices come back in that same wait (queued first, asynchronously), for a route that needs them
         self._d_early: torch.Tensor | None = None
-        if defer and isinstance(host_indices, torch.Tensor) and host_indices.device == binding.device:
+        if defer and early is None and isinstance(host_indices, torch.Tensor) and host_indices.device == binding.device:
             assert self._d_dev is not None
             self._d_early = self._d_dev.to("cpu", non_blocking=True)
         # its own copy (as the device indices below): what the plan builds later, table by table, must come from
@@ -363,6 +407,8 @@ class Plan:
         """The device indices on the CPU, range-checked (read from the device copy on first use)."""
         if self._d is None:
             assert self._d_dev is not None
+            if self._early is not None:  # waits for the early read's event only
+                return self._read_d(self._early.values())
             # the early copy landed before the host indices were read (one stream, queued first)
             return self._read_d(self._d_early if self._d_early is not None else self._d_dev)
         return self._d
@@ -582,13 +628,37 @@ class PlanCache:
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
         self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
+        #: Early reads of device index tensors (:meth:`read_early`), newest first, at most :data:`MEMO_SLOTS`.
+        self._early: list[EarlyRead] = []
         self._lock = threading.Lock()
+
+    def read_early(self, device_indices: torch.Tensor) -> EarlyRead | None:
+        """Start reading ``device_indices`` back for a plan made later (:class:`EarlyRead`), where they live on the
+        pool's CUDA device, have a version counter and have no early read yet; the read, else ``None``."""
+        if not (isinstance(device_indices, torch.Tensor) and device_indices.device == self.binding.device
+                and defer_device_read(self.binding) and tensor_version(device_indices) is not None):
+            return None
+        if self.early_of(device_indices) is not None:
+            return None
+        early = EarlyRead(device_indices)
+        with self._lock:  # a new list each time: readers iterate a snapshot without the lock
+            self._early = [early, *self._early][:MEMO_SLOTS]
+        return early
+
+    def early_of(self, device_indices: torch.Tensor) -> EarlyRead | None:
+        """The early read of ``device_indices`` as they are now, else ``None``."""
+        for early in self._early:
+            if early.source is device_indices:
+                return early if early.of(device_indices) else None
+        return None
 
     def get(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan:
         plan = self.peek(host_indices, device_indices, stream)
         if plan is not None:
             return plan
-        plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched)
+        early = self.early_of(device_indices) if self._early else None
+        plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
+                    early=early)
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         if hv is not None and dv is not None:
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock
