@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache_core.backends.auto import _pick_key  # noqa: E402
+from hicache_core.backends.auto_rules import pick_key  # noqa: E402
 from hicache_core.bench import _check, _hbm_reader, _median_ms, _queue, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
@@ -172,7 +172,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         # what auto memoised for the burst (read, not asked: asking would count as one more call of the pair)
         for name in [n for n in names if n.startswith("auto") and n != "auto pace=off"]:
             st = pools[name].strategy
-            pick = st._picks.get(_pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
+            pick = st._picks.get(pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
             row[_by(name)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
                               else "kernel" if pick is not None else "lone/none")
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):

@@ -1350,7 +1350,8 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     loads get the memory room; the lane serves lone loads as load() would (timing those due) and declines once the verdict
     changed.  Pools
     without the lone-load rule keep no watch; ``lone=False`` is refused."""
-    from hicache_core.backends.auto import MEMORY_KERNEL_SHARE, AutoStrategy, _pick_key
+    from hicache_core.backends.auto import MEMORY_KERNEL_SHARE, AutoStrategy
+    from hicache_core.backends.auto_rules import pick_key
     from hicache_core.backends.forward import MAX_ROOM, RENEW_S, ForwardWatch
 
     w = _AutoWorld(monkeypatch)
@@ -1383,7 +1384,7 @@ def test_auto_watching_the_forward_pass_times_lone_kernel_loads_and_loads_by_the
     assert auto.clock.lone(0x77, t[0])
     assert not lane(1, h, d) and served[-1] == ("direct", 1)  # lone, memory-bound, not due, nothing memoised: declined
     for layer in (1, 2):
-        auto._picks[_pick_key(h, d, layer, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
+        auto._picks[pick_key(h, d, layer, False)] = auto.direct  # (pick is stubbed here: the memo by hand)
     assert lane(1, h, d) and served[-1] == ("direct lane", 1)  # lone beside memory-bound work: the memoised route
     auto.load(binding, h, d, 2)  # right after a call: not lone, the memoised route
     assert lane(2, h, d) and served[-1] == ("direct lane", 2)
@@ -1422,7 +1423,7 @@ def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):
     """``auto``'s fast path takes the kernel's lane exactly where :meth:`load` would send a lone load to the kernel,
     and otherwise the lane of the candidate memoised for these tensors; it books the bytes only when that lane
     launched, and declines everything else (the normal path decides), bad arguments included."""
-    from hicache_core.backends.auto import _pick_key
+    from hicache_core.backends.auto_rules import pick_key
 
     w = _AutoWorld(monkeypatch)
     served, t = w.served, w.t
@@ -1431,7 +1432,7 @@ def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):
     lane = auto.lane(w.binding, False)
     assert lane(0, h, d) and auto.lone_kernel_loads == 1
     assert not lane(1, h, d)  # the stream is busy with layer 0 by the clock, and no decision is memoised
-    auto._picks[_pick_key(h, d, 1, False)] = auto.direct
+    auto._picks[pick_key(h, d, 1, False)] = auto.direct
     assert lane(1, h, d) and not auto.clock.idle(0x77, t[0] + 1.5 * w.layer_s)  # the memoised route, booked
     t[0] += 3 * w.layer_s
     assert lane(1, h, d)  # drained, but right after the last call: not lone, the memoised route again
@@ -1445,7 +1446,7 @@ def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):
     for bad in ([0, 1], None, "x"):  # never raises, never moves: the pool's checks speak
         assert not lane(1, bad, d) and not lane(1, h, bad)
     backups = auto.lane(w.binding, True)
-    auto._picks[_pick_key(h, d, None, True)] = auto.kernel
+    auto._picks[pick_key(h, d, None, True)] = auto.kernel
     t[0] += 1e-3
     assert backups(None, h, d) and served[-1] == ("kernel lane", None) and not auto.clock.idle(0x77)
     served.clear()
@@ -1457,7 +1458,7 @@ def test_auto_lane_is_the_lane_of_the_candidate_load_would_take(monkeypatch):
     plain = w.make(None, lane_ok=True)  # a kernel without TMA loads: only memoised routes
     assert not plain.lane(w.binding, False)(0, h, d) and served == [] and plain.lone_kernel_loads == 0
     cpu = w.make(True, lane_ok=True, where=w.on_cpu)  # no clock on a CPU pool: only memoised routes
-    cpu._picks[_pick_key(h, d, 0, False)] = cpu.kernel
+    cpu._picks[pick_key(h, d, 0, False)] = cpu.kernel
     assert cpu.lane(w.on_cpu, False)(0, h, d) and cpu.lone_kernel_loads == 0 and served == [("kernel lane", 0)]
 
 

@@ -4,8 +4,8 @@ the stream.
 
 On these CPU pools, :func:`hicache_core.backends.plans.defer_device_read` is told to treat the device indices as
 GPU-resident (as tests/test_direct.py does); a CPU early read has no event, so what is checked here is which values a
-plan takes, the bytes it moves, and when ``auto`` starts a read.  The CUDA side (the event a plan waits for) runs in
-the GPU suite: tests/gpu/test_early_read_gpu.py.
+plan takes, the bytes it moves, and when ``auto`` starts a read.  The CUDA side (the event a plan waits for) runs
+with ``--hicache-device cuda`` on a GPU: the last tests here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends import plans
-from hicache_core.backends.auto import AutoStrategy, _pick_key
+from hicache_core.backends.auto import AutoStrategy
+from hicache_core.backends.auto_rules import pick_key
 from hicache_core.backends.plans import EarlyRead, Plan
 from hicache_core.calibration import DEFAULT
 from hicache_core.errors import ConfigError, IndexRangeError
@@ -46,13 +47,15 @@ def test_a_plan_takes_the_early_read_of_its_device_indices(monkeypatch):
     monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
     pool, _, h, d = _pool()
     cache = pool.binding.scratch["direct.plans"]
-    early = cache.read_early(d)
-    assert isinstance(early, EarlyRead) and cache.early_of(d) is early
-    assert cache.read_early(d) is None  # one read per tensor
+    early = cache.read_early(d, 0)
+    assert isinstance(early, EarlyRead) and cache.early_of(d, 0) is early
+    assert cache.read_early(d, 0) is None  # one read per tensor and stream
+    assert cache.early_of(d, 7) is None and cache.get(h, d, 7)._early is None  # a plan on another stream: its own read
     want = d.clone()
     d.data.copy_(d.data.flip(0))  # behind the version counter: the early read holds the values of its call
     plan = cache.get(h, d, 0)
     assert plan._early is early and plan._d_dev is early.dev and not plan.d_read
+    assert cache.early_of(d, 0) is None  # taken: the plan holds it
     sub = plan.submission(1)
     assert plan.d_read and torch.equal(plan.d, want)
     monkeypatch.setattr(plans, "defer_device_read", lambda binding: False)
@@ -61,7 +64,7 @@ def test_a_plan_takes_the_early_read_of_its_device_indices(monkeypatch):
     assert torch.equal(sub.host, ref_sub.host) and torch.equal(sub.dev, ref_sub.dev) and torch.equal(sub.lens, ref_sub.lens)
     monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
     d.add_(0)  # the counter moves: the read is of other values now
-    assert cache.early_of(d) is None
+    assert cache.early_of(d, 0) is None
     assert cache.get(h, d, 0)._early is None
 
 
@@ -70,7 +73,7 @@ def test_a_load_planned_from_an_early_read_writes_what_the_reference_writes(monk
     the device rows it does not name keep their canaries."""
     monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
     pool, dev, h, d = _pool()
-    assert pool.binding.scratch["direct.plans"].read_early(d) is not None
+    assert pool.binding.scratch["direct.plans"].read_early(d, 0) is not None
     canary = [rows[: PS * PAGES].clone() for rows in dev["kv"]]
     for layer in (0, 1):
         pool.load_layer(layer, h, d)
@@ -91,11 +94,27 @@ def test_an_early_read_of_rows_out_of_range_raises_before_any_byte_moves(monkeyp
     pool, dev, h, _ = _pool()
     bad = torch.arange(2 * PS * PAGES - 32, 2 * PS * PAGES - 32 + h.numel())  # runs past the device rows
     cache = pool.binding.scratch["direct.plans"]
-    assert cache.read_early(bad) is not None
+    assert cache.read_early(bad, 0) is not None
     before = [rows.clone() for rows in dev["kv"]]
     plan = cache.get(h, bad, 0)
     with pytest.raises(IndexRangeError, match=r"device_indices must lie in 0\.\.255; nothing was copied"):
         plan.submission(1)
+    assert all(torch.equal(rows, b) for rows, b in zip(dev["kv"], before))
+
+
+def test_a_full_check_of_newer_values_does_not_vouch_for_an_early_reads_values(monkeypatch):
+    """``validate="full"`` checks the values a tensor holds at the call; a plan taking an early read uses the values of
+    the read.  Where those were rewritten behind the version counter in between (out of range at the read, in range
+    at the check), the plan range-checks its own values: it raises, and no byte moves."""
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    pool, dev, h, _ = _pool()
+    pool = HostKVPool(pool.spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate="full")
+    bad = torch.arange(2 * PS * PAGES - 32, 2 * PS * PAGES - 32 + h.numel())  # runs past the device rows
+    assert pool.binding.scratch["direct.plans"].read_early(bad, 0) is not None
+    bad.data.copy_(torch.arange(h.numel()))  # in range now, behind the version counter
+    before = [rows.clone() for rows in dev["kv"]]
+    with pytest.raises(IndexRangeError, match=r"device_indices must lie in 0\.\.255; nothing was copied"):
+        pool.load_layer(1, h, bad)
     assert all(torch.equal(rows, b) for rows, b in zip(dev["kv"], before))
 
 
@@ -104,12 +123,12 @@ def test_no_early_read_where_reading_would_not_wait_or_could_not_be_matched():
     a version counter (they could not be matched to a later call)."""
     pool, _, h, d = _pool()
     cache = pool.binding.scratch["direct.plans"]
-    assert cache.read_early(d) is None  # defer_device_read is False on a CPU pool
+    assert cache.read_early(d, 0) is None  # defer_device_read is False on a CPU pool
     with torch.inference_mode():
         frozen = torch.arange(4)
     for t in (d.to("meta"), frozen):
         assert plans.defer_device_read(pool.binding) is False
-        assert cache.read_early(t) is None
+        assert cache.read_early(t, 0) is None
 
 
 def _auto(pool: HostKVPool, **options: object) -> AutoStrategy:
@@ -127,24 +146,24 @@ def test_auto_prefetch_starts_one_read_at_a_new_pairs_first_decided_load(monkeyp
     cache = pool.binding.scratch["direct.plans"]
     auto = _auto(pool, prefetch=True)
     auto.pick(pool.binding, h, d, 1, to_host=False)
-    assert auto.early_reads == 1 and cache.early_of(d) is not None
+    assert auto.early_reads == 1 and cache.early_of(d, 0) is not None
     auto.pick(pool.binding, h, d, 0, to_host=False)  # another layer of the same pair: planned or read already
     auto.pick(pool.binding, h, d, 1, to_host=False)
     h2, d2 = h.clone(), d.clone()
     auto.pick(pool.binding, h2, d2, 1, to_host=True)  # a backup
     auto.pick(pool.binding, h2, d2, None, to_host=False)  # all layers
-    assert auto.early_reads == 1 and cache.early_of(d2) is None
+    assert auto.early_reads == 1 and cache.early_of(d2, 0) is None
     off = _auto(pool)
     h3, d3 = h.clone(), d.clone()
     off.pick(pool.binding, h3, d3, 1, to_host=False)
-    assert off.early_reads == 0 and cache.early_of(d3) is None
+    assert off.early_reads == 0 and cache.early_of(d3, 0) is None
     d4 = d.clone()
     cache.get(h, d4, 0)  # planned already: nothing to read early
     auto.pick(pool.binding, h, d4, 1, to_host=False)
-    assert cache.early_of(d4) is None
+    assert cache.early_of(d4, 0) is None
     d5 = d.clone()
     auto._read_early(pool.binding, h.to("meta"), d5)  # host indices off the CPU (reading them waits anyway)
-    assert cache.early_of(d5) is None and auto.early_reads == 1
+    assert cache.early_of(d5, 0) is None and auto.early_reads == 1
 
 
 class _Early:
@@ -162,12 +181,12 @@ def test_a_pair_whose_early_read_landed_is_not_held_to_the_kernel(monkeypatch):
     auto = _auto(pool, forward="memory", prefetch=True)
     auto._layers = 2
     d_gpu = d.to("meta")  # "off the CPU" as far as the rule can tell
-    key = _pick_key(h, d_gpu, 1, False)
+    key = pick_key(h, d_gpu, 1, False)
     auto._picks[key], auto._uses[key] = auto.kernel, [1, h, d_gpu]
     cache = pool.binding.scratch["direct.plans"]
     for landed, held in ((None, True), (False, True), (True, False)):
         early = None if landed is None else _Early(landed)
-        monkeypatch.setattr(cache, "early_of", lambda t, e=early: e)
+        monkeypatch.setattr(cache, "early_of", lambda t, stream, e=early: e)
         assert (key in auto._held(pool.binding)) == held, landed
 
 
@@ -186,9 +205,10 @@ def _cuda_pool(device: torch.device, backend: str, **options: object) -> tuple[H
 
 @pytest.mark.parametrize("backend", ["direct", "auto"])
 def test_loads_after_an_early_read_on_the_gpu_are_bit_exact(hicache_device, backend):
-    """On a CUDA pool, with GPU-resident device indices: ``direct`` plans from an early read (its event waited for),
-    ``auto`` with ``prefetch=True`` starts one per new pair; every layer's rows land as the reference backend writes
-    them, and the rows not named keep their canaries."""
+    """On a CUDA pool, with GPU-resident device indices: ``direct`` plans from an early read queued behind other work
+    (so its values are there only once its event fired), ``auto`` with ``prefetch=True`` starts one per new pair;
+    the plan's values are the tensor's, every layer's rows land as the reference backend writes them, and the rows
+    not named keep their canaries."""
     if hicache_device.type != "cuda":
         pytest.skip("needs a CUDA device (an early read's event); the CPU side runs above")
     options = {"prefetch": True, "lone": False} if backend == "auto" else {}
@@ -197,15 +217,18 @@ def test_loads_after_an_early_read_on_the_gpu_are_bit_exact(hicache_device, back
     host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
     _, _, h, d_cpu = _pool()
     d = d_cpu.to(hicache_device)
+    stream = torch.cuda.current_stream(hicache_device).cuda_stream
+    cache = pool.binding.scratch["direct.plans"]
+    torch.cuda._sleep(1 << 24)  # the read is queued behind this: reading its buffer before the event fires would fail
     if backend == "direct":
-        assert pool.binding.scratch["direct.plans"].read_early(d) is not None
-    torch.cuda._sleep(1 << 22)  # work queued behind the read (a plan made later need not wait for it)
+        assert cache.read_early(d, stream) is not None
     for layer in range(4):
         pool.load_layer(layer, h, d)
     if backend == "auto":
         assert pool.strategy.early_reads == 1  # type: ignore[attr-defined]
-    else:
-        assert pool.binding.scratch["direct.plans"].get(h, d, torch.cuda.current_stream().cuda_stream)._early is not None
+    plan = cache.peek(h, d, stream)
+    if backend == "direct" or plan is not None:  # auto plans only where it picked the copy engine
+        assert plan is not None and plan._early is not None and torch.equal(plan.d, d_cpu)
     ref_dev = {"kv": [torch.full_like(rows, 7.0) for rows in dev["kv"]]}
     ref = HostKVPool(pool.spec, "layer_first", "reference", ref_dev, registry=REG, strategy="core.reference")
     ref.binding.segments[0].host_flat.copy_(host)

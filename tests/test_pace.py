@@ -9,8 +9,8 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends import memcpy as memcpy_mod
-from hicache_core.backends.auto import (ENV_FORWARD, FED_SHARE, MEMORY_KERNEL_SHARE, AutoStrategy, _fed, _pick_key,
-                                        _worth_measuring)
+from hicache_core.backends.auto import ENV_FORWARD, FED_SHARE, MEMORY_KERNEL_SHARE, AutoStrategy
+from hicache_core.backends.auto_rules import fed, pick_key, worth_measuring
 from hicache_core.backends.cudart import batch_schedule
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US, BatchCopier, QueueClock
@@ -171,16 +171,16 @@ def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_i
     assert isinstance(direct, DirectStrategy)
     sub = direct.submission(pool.binding, h, d, 1)
     link_us = sub.nbytes / (DEFAULT.link_gbps * 1e3)
-    assert not _fed(sub, DEFAULT) and not _fed(sub, DEFAULT, None)
-    assert _fed(sub, DEFAULT, 0.42) and not _fed(sub, DEFAULT, 0.9)
+    assert not fed(sub, DEFAULT) and not fed(sub, DEFAULT, None)
+    assert fed(sub, DEFAULT, 0.42) and not fed(sub, DEFAULT, 0.9)
     assert 64 * 0.42 + MODEL_CALL_US <= FED_SHARE * link_us < 64 * 0.9 + MODEL_CALL_US
-    assert _worth_measuring(sub, DEFAULT)  # 64 x 0.5 + 6 = 38 us <= 49 us
+    assert worth_measuring(sub, DEFAULT)  # 64 x 0.5 + 6 = 38 us <= 49 us
 
     w = _Paces()
     auto = _auto(pool, w)
     _fill(w.paces[False], 0.42)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct
-    assert auto._picks[_pick_key(h, d, 1, False)] is direct and auto.pace_probes == 0
+    assert auto._picks[pick_key(h, d, 1, False)] is direct and auto.pace_probes == 0
     _fill(w.paces[False], 0.9)  # the host slowed down: a new generation, decided again
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
     _fill(w.paces[True], 0.42)  # the other direction's measure does not count for loads
@@ -218,7 +218,7 @@ def test_auto_measures_the_host_where_no_recent_measure_exists():
     many = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
     hm = torch.arange(512).flip(0).repeat_interleave(32) * 32 + torch.arange(32).repeat(512)
     sub = many.strategy.submission(many.binding, hm, torch.arange(32 * 512), 1)  # type: ignore[attr-defined]
-    assert not _worth_measuring(sub, DEFAULT)  # 512 x 0.5 + 6 = 262 us > 196 us
+    assert not worth_measuring(sub, DEFAULT)  # 512 x 0.5 + 6 = 262 us > 196 us
     auto = _auto(many, _Paces())
     assert auto.pick(many.binding, hm, torch.arange(32 * 512), 1, to_host=False) is auto.kernel
     assert auto.pace_probes == 0
@@ -232,8 +232,8 @@ def test_a_slow_measure_takes_loads_but_never_backups_from_the_copy_engine_and_l
     direct = pool.strategy
     assert isinstance(direct, DirectStrategy)
     sub = direct.submission(pool.binding, h, d, 1)
-    assert _fed(sub, DEFAULT) and _fed(sub, DEFAULT, 50.0, to_host=True) and not _fed(sub, DEFAULT, 50.0, to_host=False)
-    assert _fed(sub, DEFAULT, 0.5, to_host=False)
+    assert fed(sub, DEFAULT) and fed(sub, DEFAULT, 50.0, to_host=True) and not fed(sub, DEFAULT, 50.0, to_host=False)
+    assert fed(sub, DEFAULT, 0.5, to_host=False)
     w = _Paces()
     _fill(w.paces[False], 50.0)
     _fill(w.paces[True], 50.0)
@@ -252,7 +252,7 @@ def test_a_slow_measure_takes_loads_but_never_backups_from_the_copy_engine_and_l
         idx = torch.arange(64 * 4)
         s = staged.strategy.submission(staged.binding, idx, idx, None)  # type: ignore[attr-defined]
         assert s.staged is not None
-        assert _fed(s, DEFAULT, 1e-6) == _fed(s, DEFAULT) and not _worth_measuring(s, DEFAULT)
+        assert fed(s, DEFAULT, 1e-6) == fed(s, DEFAULT) and not worth_measuring(s, DEFAULT)
 
 
 def test_auto_lane_declines_after_the_pace_moved_so_the_call_decides_again(monkeypatch):
@@ -423,7 +423,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     _fill(cold, 0.9)  # planning calls: too slow to feed these loads
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel  # first burst: the planning pace
     assert auto.pick(pool.binding, h, d, 0, to_host=False) is auto.kernel
-    key = _pick_key(h, d, 1, False)
+    key = pick_key(h, d, 1, False)
     assert auto._uses[key][0] == 2 and auto._uses[key][1] is h  # the tensors are held while counted
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct  # reused, no measure of reused plans: probe
     assert auto.pace_probes == 1 and auto.decisions == 2  # the first call and the first reuse decided
@@ -436,7 +436,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     for _ in range(3):  # fresh tensors every batch never count as reused, whatever ids they get
         hb, db = h.clone(), d.clone()
         assert [auto.pick(pool.binding, hb, db, layer, to_host=False) is auto.kernel for layer in (1, 0)] == [True] * 2
-        assert auto._uses[_pick_key(hb, db, 1, False)][0] == 2
+        assert auto._uses[pick_key(hb, db, 1, False)][0] == 2
     _fill(warm, 0.42)
     assert auto.pick(pool.binding, hb, db, 1, to_host=False) is auto.direct  # its third call: reused
 
@@ -476,10 +476,10 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     assert isinstance(direct, DirectStrategy)
     sub = direct.submission(pool.binding, h, d, 1)
     room = 1 / MEMORY_KERNEL_SHARE
-    assert not _fed(sub, DEFAULT, 0.9, to_host=False) and _fed(sub, DEFAULT, 0.9, to_host=False, room=room)
-    assert not _fed(sub, DEFAULT, 2.5, to_host=False, room=room)
-    assert not _fed(sub, DEFAULT, to_host=False) and _fed(sub, DEFAULT, to_host=False, room=room)  # the calibration
-    assert _fed(sub, DEFAULT, 0.9, to_host=True, room=room) == _fed(sub, DEFAULT, 0.9, to_host=True)  # backups: as before
+    assert not fed(sub, DEFAULT, 0.9, to_host=False) and fed(sub, DEFAULT, 0.9, to_host=False, room=room)
+    assert not fed(sub, DEFAULT, 2.5, to_host=False, room=room)
+    assert not fed(sub, DEFAULT, to_host=False) and fed(sub, DEFAULT, to_host=False, room=room)  # the calibration
+    assert fed(sub, DEFAULT, 0.9, to_host=True, room=room) == fed(sub, DEFAULT, 0.9, to_host=True)  # backups: as before
 
     for forward, slow_pick in (("compute", "kernel"), ("memory", "direct")):
         w = _Paces()
@@ -500,9 +500,9 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
         auto._load_blocks[n] = (64, nbytes)  # the last plan of a load of n positions
         assert auto._refuse_unread(n, DEFAULT, 0.9) == refused and not auto._refuse_unread(n, DEFAULT, None)
     slow = replace(DEFAULT, submit_us=1.5)  # a burst at 1.5 us per descriptor: 96 us and more, for 49 us at link speed
-    assert not _worth_measuring(sub, slow, to_host=False)  # too slow a host to feed it beside a GEMM ...
-    assert _worth_measuring(sub, slow, to_host=False, room=room)  # ... but fast enough beside memory-bound work
-    assert not _worth_measuring(sub, slow, to_host=True, room=room)  # backups: no room
+    assert not worth_measuring(sub, slow, to_host=False)  # too slow a host to feed it beside a GEMM ...
+    assert worth_measuring(sub, slow, to_host=False, room=room)  # ... but fast enough beside memory-bound work
+    assert not worth_measuring(sub, slow, to_host=True, room=room)  # backups: no room
 
     assert AutoStrategy(forward="memory", lone=True).lone and AutoStrategy(forward=" Memory ").forward == "memory"
     with pytest.raises(ConfigError, match="^auto's forward option is 'decode': use one of compute, memory"):
@@ -582,9 +582,9 @@ def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_bur
 
             auto.watch = ForwardWatch(55.0)  # what a clocked CUDA pool gets (an unclocked one acts as compute)
         auto._layers = 4
-        key = _pick_key(*on_gpu, 1, False)
+        key = pick_key(*on_gpu, 1, False)
         auto._picks[key], auto._uses[key] = auto.kernel, [2, *on_gpu]
-        cpu_key = _pick_key(h, d, 1, False)
+        cpu_key = pick_key(h, d, 1, False)
         auto._picks[cpu_key], auto._uses[cpu_key] = auto.kernel, [2, h, d]
         assert auto._held(pool.binding) == ({key: auto.kernel} if kept else {})
         _fill(w.paces[False], 0.42)  # the pace moved: pick() decides again, but what _held keeps

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -54,19 +53,20 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
-from . import pace as _pace
+from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, allowed_us, fed, pick_key,
+                         worth_measuring)
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
-from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE, ForwardWatch
+from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MODEL_CALL_US, HostPace
-from .plans import PlanCache, Submission
-from .staging import LAUNCH_US, page_image
+from .plans import PlanCache
+from .staging import page_image
 
 if TYPE_CHECKING:
     from ..registry import Registry
 
-__all__ = ["AutoStrategy"]
+__all__ = ["AutoStrategy", "FORWARD_MODES", "ENV_FORWARD", "MEMORY_KERNEL_SHARE", "FED_SHARE"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,82 +98,6 @@ _USES = 32
 _STILL = HostPace()
 
 
-def _pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
-              to_host: bool) -> tuple | None:
-    """A call's key in :attr:`AutoStrategy._picks` (tensor ids and versions, length, one layer or all, direction),
-    ``None`` for tensors without a version counter (never memoised)."""
-    try:
-        vh, vd = host_indices._version, device_indices._version
-    except RuntimeError:
-        return None
-    return id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host
-
-
-#: Share of a call's transfer time at link speed that the host's *measured* submission time may take (:func:`_fed`):
-#: a host-bound copy engine moves a burst at the host's pace, so it stays ahead of the kernels' loads (0.84-0.90 of
-#: memcpy) while the host submits within ~1.1x the link time (H200: fp8 MLA bursts 0.92 of memcpy at 45 us of host
-#: time per 43 us layer; bf16 MLA bursts 0.94 at 88 us per 86 us layer).
-FED_SHARE = 1.1
-
-
-#: Values of :class:`AutoStrategy`'s ``forward`` option (see the module docstring).
-FORWARD_MODES = ("compute", "memory", "watch")
-#: Environment variable giving ``forward`` where the option is not passed (e.g. to pools the SGLang bridge makes).
-ENV_FORWARD = "HICACHE_AUTO_FORWARD"
-#: Share of their idle speed that SM-driven load bursts keep beside memory-bound work: H200, a reduction over 2 GiB
-#: of device memory on another stream, hicache's, SGLang 0.5.23's and LMCache's kernels alike: 0.35-0.59 of memcpy
-#: against 0.73-0.91 idle (MLA 576 bf16: 0.40 of 0.87), while copy-engine bursts held 0.90-0.98 (docs/performance.md,
-#: "transfers beside a memory-bound kernel").  With ``forward="memory"``, the host may take up to 1 / this as long to
-#: submit a load as with ``"compute"`` before the kernel is judged faster.
-MEMORY_KERNEL_SHARE = 0.45
-
-
-def _allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float) -> float:
-    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times ``room`` for loads (the
-    factor by which the forward pass beside them slows the kernel's loads; 1 with ``forward="compute"``)."""
-    return nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
-
-
-def _burst_us(sub: Submission, desc_us: float) -> float:
-    """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
-    n = int(sub.lens.numel())
-    return n * desc_us + len(batch_schedule(n, eager=False)) * MODEL_CALL_US
-
-
-def _fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
-         room: float = 1.0) -> bool:
-    """Whether the host submits ``sub`` within its transfer time at link speed (loads: times ``room``, the factor
-    by which the kernel's loads are slowed by the forward pass beside them; 1 with ``forward="compute"``).
-
-    Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
-    microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
-    descriptors, a burst's submission at that pace must take at most :data:`FED_SHARE` of the transfer time.  For
-    loads that measure decides alone: the kernels' loads cost a model's GEMM next to nothing, so the faster route
-    wins (H200, MLA 1152-byte rows with new GPU-resident indices every batch: the copy engine's bursts 0.54-0.59 of
-    memcpy against the kernel's 0.87, its host planning and reading the indices back each batch; the same bursts
-    with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup slows a GEMM by
-    +13% or more).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
-    margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
-    speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
-    slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
-    link_us = _allowed_us(sub.nbytes, cal, to_host, room)
-    measured = desc_us is not None and sub.staged is None and sub.pitched is None
-    if measured and _burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
-        return True
-    if measured and not to_host:
-        return False
-    return sub.host_us(cal.submit_us, cal.call_us) <= link_us
-
-
-def _worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
-    """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
-    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (loads: times
-    ``room``, as in :func:`_fed`)."""
-    if sub.staged is not None or sub.pitched is not None:
-        return False
-    return _burst_us(sub, cal.submit_us) <= FED_SHARE * _allowed_us(sub.nbytes, cal, to_host, room)
-
-
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
 
@@ -182,7 +106,7 @@ class AutoStrategy:
         ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``).
     :param pace: on CUDA pools, let the host's measured submission speed (the copier's :class:`~.pace.HostPace` of
         the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
-        (:func:`_fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
+        (:func:`~.auto_rules.fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
         alone decides.
     :param forward: what the forward pass beside the loads is bound by, ``compute`` or ``memory``, or ``watch`` to
         tell from timed lone loads (the module docstring; default: ``$HICACHE_AUTO_FORWARD`` or ``compute``).
@@ -253,7 +177,7 @@ class AutoStrategy:
 
     @property
     def room(self) -> float:
-        """How many times the transfer time at link speed a load's submission may take now (:func:`_fed`'s ``room``):
+        """How many times the transfer time at link speed a load's submission may take now (:func:`~.auto_rules.fed`'s ``room``):
         1 beside compute, ``1 / MEMORY_KERNEL_SHARE`` with ``forward="memory"``, and with ``"watch"`` what the
         watch measured (:meth:`ForwardWatch.room <.forward.ForwardWatch.room>`)."""
         if self.forward == "memory":
@@ -333,7 +257,7 @@ class AutoStrategy:
             held = self._held(binding)
             self._picks.clear()  # in place: lanes hold this dict
             self._picks.update(held)
-        key = _pick_key(host_indices, device_indices, layer, to_host)
+        key = pick_key(host_indices, device_indices, layer, to_host)
         if self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses:
             self._read_early(binding, host_indices, device_indices)
         reused, crossed = self._use(key, host_indices, device_indices, layer)
@@ -381,7 +305,7 @@ class AutoStrategy:
                 continue  # planning reads nothing back from the GPU
             if plans is not None and plans.peek(h, d, stream) is not None:
                 continue  # planned already: nothing to read back
-            if plans is not None and h.device.type == "cpu" and (early := plans.early_of(d)) is not None \
+            if plans is not None and h.device.type == "cpu" and (early := plans.early_of(d, stream)) is not None \
                     and early.ready():
                 continue  # its early read has landed: planning waits for nothing
             held[key] = pick
@@ -403,7 +327,7 @@ class AutoStrategy:
         plans, stream = self._plans(binding)
         if plans is None or plans.peek(host_indices, device_indices, stream) is not None:
             return
-        if plans.read_early(device_indices) is not None:
+        if plans.read_early(device_indices, stream) is not None:
             self.early_reads += 1
 
     def _watch_moved(self) -> bool:
@@ -457,9 +381,9 @@ class AutoStrategy:
             self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
         if sub.smallest_block < cal.min_block(to_host):
             return self.kernel
-        if _fed(sub, cal, desc_us, to_host, self.room):
+        if fed(sub, cal, desc_us, to_host, self.room):
             return self.direct
-        if pace is not None and desc_us is None and _worth_measuring(sub, cal, to_host, self.room):
+        if pace is not None and desc_us is None and worth_measuring(sub, cal, to_host, self.room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
         return self.kernel
@@ -531,99 +455,31 @@ class AutoStrategy:
             return False
         blocks, nbytes = last
         return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
-            FED_SHARE * _allowed_us(nbytes, cal, False, self.room)
+            FED_SHARE * allowed_us(nbytes, cal, False, self.room)
 
     def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
-        (:func:`_fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
+        (:func:`~.auto_rules.fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
         :meth:`pick` would start for it)."""
-        link_us = _allowed_us(nbytes, cal, to_host, self.room)
+        link_us = allowed_us(nbytes, cal, to_host, self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
         if desc_us is not None:
             if blocks * desc_us + burst_us <= FED_SHARE * link_us:
                 return True
             if not to_host:
-                return False  # a recent measure decides loads alone (_fed)
+                return False  # a recent measure decides loads alone (auto_rules.fed)
         if blocks * cal.submit_us + batch_calls(blocks) * cal.call_us <= link_us:
             return True
         # no measure: one may start (pick) where a host at the calibration's cost would feed a burst
         return pace is not None and desc_us is None and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
-        """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
-        every slot of such a pool (estimated on a CPU copy of the pool: block sizes do not depend on
-        the device).  For ``hicache explain``."""
-        cal = load_calibration(spec.device) if spec.device.type == "cuda" and torch.cuda.is_available() else DEFAULT
-        lines = [
-            f"auto: the copy engine serves a call when its smallest copy block is >= {cal.d2h_min_block} B (backups) / "
-            f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
-            f"~{cal.call_us:.0f} us per runtime call, "
-            f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s; "
-            f"otherwise {self.kernel_name or 'the kernel (none available here)'}",
-            f"auto: calibration {cal.gpu} ({cal.source})",
-        ]
-        if self.use_pace:
-            lines.append(f"auto: on a GPU pool, the host's measured pace (the median of its recent copy-engine calls, from "
-                         f"{_pace.MIN_SAMPLES} on; a measure stops counting {_pace.STALE_S:g} s after its last call, "
-                         f"{_pace.WARM_STALE_S:g} s for calls that reuse a plan) decides "
-                         f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
-                         "that alone decides; backups: it can only add the copy engine); where none is measured and a "
-                         "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
-                         "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
-                         "burst at that of calls that reuse a plan")
-        if self.forward == "watch":
-            lines.append(f"auto: forward='watch': on a CUDA pool whose kernel has fast load paths, lone kernel loads of "
-                         f">= {MIN_TIMED_BYTES >> 20} MiB are timed; once one runs under "
-                         f"{SLOW_SHARE:.0%} of the link (until one runs at {FAST_SHARE:.0%} or more), loads are judged "
-                         f"as with forward='memory' at the room that slowdown "
-                         f"gives (its idle {IDLE_SHARE:.0%} over the share measured, {1 / MEMORY_KERNEL_SHARE:.1f}x to "
-                         f"{MAX_ROOM:g}x; lone loads "
-                         f"included, but for one per {RENEW_S:g} s that goes to the kernel to be timed again), else as "
-                         "with 'compute'")
-        if self.forward == "memory":
-            lines.append(f"auto: forward='memory' (a forward pass bound by memory beside the loads, where a kernel's loads "
-                         f"keep ~{MEMORY_KERNEL_SHARE:.0%} of their idle speed): a load's submission may take "
-                         f"{self.room:.1f}x the time the rule above allows (at the calibration's costs: "
-                         f"{self.room:.1f}x the transfer time at link speed; at a measured pace: "
-                         f"{FED_SHARE * self.room:.0%} of it)" + ("" if self.lone else ", lone loads included"))
-        if self.prefetch:
-            lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
-                         "first decided load, so a copy plan made later in the burst waits for that read only")
-        if self.lone and getattr(self.kernel, "fast_load", None) is not None:
-            lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
-                         f"{self.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
-                         "whole-page loads)")
-        try:
-            lines += self._estimate(spec, layout, cal)
-        except Exception as exc:  # an estimate only: never let it break explain
-            lines.append(f"auto: no estimate for this pool ({type(exc).__name__}: {exc})")
-        return lines
+        """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving every slot of such
+        a pool (:func:`.auto_explain.describe`).  For ``hicache explain``."""
+        from .auto_explain import describe
 
-    def _estimate(self, spec: PoolSpec, layout: Layout, cal: Calibration) -> list[str]:
-        from ..pool import HostKVPool
-
-        cpu = replace(spec, device=torch.device("cpu"))
-        rows = cpu.capacity
-        bufs = {c.name: [torch.zeros(rows, c.row_bytes, dtype=torch.uint8) if i in cpu.layer_map.device_layers else None
-                         for i in range(cpu.layer_map.num_device_layers)] for c in cpu.components}
-        pool = HostKVPool(cpu, layout.name, "direct", bufs, registry=self._registry, strategy="core.direct",
-                          pin_memory=False)
-        direct = pool.strategy
-        assert isinstance(direct, DirectStrategy)
-        idx = torch.arange(rows)
-        out = []
-        for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
-            sub = direct.submission(pool.binding, idx, idx, layer)
-            fed = _fed(sub, cal, to_host=to_host, room=self.room)
-            big = sub.smallest_block >= cal.min_block(to_host)
-            pick = "direct" if (big and fed) or self.kernel is None else (self.kernel_name or "kernel")
-            out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
-                       f"{sub.mean_block:.0f} B on average, over "
-                       f"{sub.count} copy-engine operations{', staged' if sub.staged is not None else ''}"
-                       f"{f', {sub.pitched_count} of them pitched' if sub.pitched_count else ''}; "
-                       f"{'large enough' if big else 'too small'}, host {'keeps up' if fed else 'cannot keep up'})")
-        return out
+        return describe(self, spec, layout)
 
     def _arm(self, binding: PoolBinding) -> None:
         """Whether this pool keeps the clock (a CUDA pool with both candidates, the kernel with fast load paths), and
@@ -741,7 +597,7 @@ class AutoStrategy:
             elif watch is not None and watch.generation != self._watch_gen:
                 return False  # the verdict on the forward pass changed: the normal path decides again
             else:
-                key = _pick_key(host_indices, device_indices, layer, to_host)
+                key = pick_key(host_indices, device_indices, layer, to_host)
                 pick = None if key is None else picks.get(key)
                 entry = None if pick is None else uses.get(key)  # type: ignore[arg-type]
                 if entry is not None:  # counted as pick() counts (_use)

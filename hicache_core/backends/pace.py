@@ -6,7 +6,7 @@ either wastes the copy engine while the host is fast or starves it while the hos
 recent calls that submit plain descriptors only (the whole call: a new index pair's plan too, so a
 serving loop's fresh indices count), per descriptor, once the runtime's per-call cost is taken off; and
 another per direction for the calls that reused a plan (no planning in the call: indices reused call after
-call).  ``auto`` reads them to tell whether the host keeps up with the copy engine now (:func:`.auto._fed`),
+call).  ``auto`` reads them to tell whether the host keeps up with the copy engine now (:func:`.auto_rules.fed`),
 judging a new index pair at the pace of planning calls and a reused one at that of reused plans.  A
 measure older than :data:`STALE_S` (:data:`WARM_STALE_S` for calls that reused a plan) no longer counts.
 

@@ -315,13 +315,17 @@ class EarlyRead:
     memory, both on the current stream, and an event recorded behind them.  A :class:`Plan` made later for the same
     tensor (the same object, its version counter unchanged) takes both: reading the values then waits for that event
     only, not for the loads queued on the stream since (H200, beside a memory-bound kernel: a read behind a burst's
-    queued kernel loads took 20-38 ms)."""
+    queued kernel loads took 20-38 ms).  Only a plan on the stream the read was made on takes it (as an
+    :class:`~hicache_core.kernel_support.IndexMemo` copy is reused): the device copy is ordered on that stream alone.
 
-    __slots__ = ("source", "version", "dev", "host", "event")
+    :param stream: the handle of the current stream (the plans' key: :meth:`PlanCache.get`)."""
 
-    def __init__(self, device_indices: torch.Tensor) -> None:
+    __slots__ = ("source", "version", "stream", "dev", "host", "event")
+
+    def __init__(self, device_indices: torch.Tensor, stream: int) -> None:
         self.source = device_indices
         self.version = tensor_version(device_indices)
+        self.stream = stream
         self.dev = device_indices.to(torch.int64, copy=True)
         # pinned, so the copy is queued without waiting for the stream; read only after the event below
         self.host = self.dev.to("cpu", non_blocking=True)
@@ -330,9 +334,10 @@ class EarlyRead:
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(self.dev.device))
 
-    def of(self, device_indices: torch.Tensor) -> bool:
-        """Whether this read is of ``device_indices`` as they are now (the same object, unchanged since)."""
-        return device_indices is self.source and self.version is not None and \
+    def of(self, device_indices: torch.Tensor, stream: int) -> bool:
+        """Whether this read is of ``device_indices`` as they are now (the same object, unchanged since), made on
+        ``stream``."""
+        return device_indices is self.source and stream == self.stream and self.version is not None and \
             tensor_version(device_indices) == self.version
 
     def ready(self) -> bool:
@@ -350,7 +355,8 @@ class Plan:
     """Descriptor arrays for one pair of index tensors, per layer selection."""
 
     def __init__(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                 staging: str, staging_bytes: int, pitched: bool = False, early: EarlyRead | None = None) -> None:
+                 staging: str, staging_bytes: int, pitched: bool = False, early: EarlyRead | None = None,
+                 stream: int = 0) -> None:
         self.binding = binding
         self.pitched = pitched
         checked = binding.checked
@@ -361,7 +367,11 @@ class Plan:
         # only when a route needs their values on the host: plain runs do; a staged route indexes with
         # the device copy (its kernel relayout masks bad rows; the torch one reads and checks first)
         defer = on_dev and defer_device_read(binding)
-        early = early if defer and early is not None and early.of(device_indices) else None
+        early = early if defer and early is not None and early.of(device_indices, stream) else None
+        if early is not None and self._facts is not None and self._facts.device_read:
+            # the check read the values as they are now; the plan takes them as they were at the early read (equal
+            # unless rewritten behind the version counter): the check's facts about them must not stand for those
+            self._facts = IndexFacts(self._facts.host_starts, None, False)
         # the device copy the staged relayout indexes with (made on the caller's stream, or by an early read at the
         # pair's first call); its own copy: the values it indexes with are the values read or checked, even if the
         # caller later rewrites its tensor behind torch's version counter
@@ -632,33 +642,37 @@ class PlanCache:
         self._early: list[EarlyRead] = []
         self._lock = threading.Lock()
 
-    def read_early(self, device_indices: torch.Tensor) -> EarlyRead | None:
-        """Start reading ``device_indices`` back for a plan made later (:class:`EarlyRead`), where they live on the
-        pool's CUDA device, have a version counter and have no early read yet; the read, else ``None``."""
+    def read_early(self, device_indices: torch.Tensor, stream: int) -> EarlyRead | None:
+        """Start reading ``device_indices`` back on the current stream (handle ``stream``) for a plan made later on it
+        (:class:`EarlyRead`), where they live on the pool's CUDA device, have a version counter and have no early read
+        on that stream yet; the read, else ``None``."""
         if not (isinstance(device_indices, torch.Tensor) and device_indices.device == self.binding.device
                 and defer_device_read(self.binding) and tensor_version(device_indices) is not None):
             return None
-        if self.early_of(device_indices) is not None:
+        if self.early_of(device_indices, stream) is not None:
             return None
-        early = EarlyRead(device_indices)
+        early = EarlyRead(device_indices, stream)
         with self._lock:  # a new list each time: readers iterate a snapshot without the lock
             self._early = [early, *self._early][:MEMO_SLOTS]
         return early
 
-    def early_of(self, device_indices: torch.Tensor) -> EarlyRead | None:
-        """The early read of ``device_indices`` as they are now, else ``None``."""
+    def early_of(self, device_indices: torch.Tensor, stream: int) -> EarlyRead | None:
+        """The early read of ``device_indices`` as they are now, made on ``stream``, else ``None``."""
         for early in self._early:
-            if early.source is device_indices:
-                return early if early.of(device_indices) else None
+            if early.of(device_indices, stream):
+                return early
         return None
 
     def get(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan:
         plan = self.peek(host_indices, device_indices, stream)
         if plan is not None:
             return plan
-        early = self.early_of(device_indices) if self._early else None
+        early = self.early_of(device_indices, stream) if self._early else None
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
-                    early=early)
+                    early=early, stream=stream)
+        if early is not None and plan._early is early:
+            with self._lock:  # taken: the plan holds it now
+                self._early = [e for e in self._early if e is not early]
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         if hv is not None and dv is not None:
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock

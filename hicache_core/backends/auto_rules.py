@@ -1,0 +1,95 @@
+"""``auto``'s rules, apart from its state: the key a call's decision is memoised under, and whether the host feeds the
+copy engine a submission within its transfer time (:func:`fed`), at the calibration's costs or at a measured pace.
+
+:class:`~.auto.AutoStrategy` applies them per call; ``hicache explain`` and the tests apply them to a submission alone.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+
+from ..calibration import Calibration
+from .cudart import batch_schedule
+from .pace import MODEL_CALL_US
+from .plans import Submission
+
+__all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "FORWARD_MODES", "ENV_FORWARD",
+           "MEMORY_KERNEL_SHARE"]
+
+
+def pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
+             to_host: bool) -> tuple | None:
+    """A call's key in :attr:`AutoStrategy._picks` (tensor ids and versions, length, one layer or all, direction),
+    ``None`` for tensors without a version counter (never memoised)."""
+    try:
+        vh, vd = host_indices._version, device_indices._version
+    except RuntimeError:
+        return None
+    return id(host_indices), vh, id(device_indices), vd, host_indices.numel(), layer is None, to_host
+
+
+#: Share of a call's transfer time at link speed that the host's *measured* submission time may take (:func:`fed`):
+#: a host-bound copy engine moves a burst at the host's pace, so it stays ahead of the kernels' loads (0.84-0.90 of
+#: memcpy) while the host submits within ~1.1x the link time (H200: fp8 MLA bursts 0.92 of memcpy at 45 us of host
+#: time per 43 us layer; bf16 MLA bursts 0.94 at 88 us per 86 us layer).
+FED_SHARE = 1.1
+
+
+#: Values of :class:`AutoStrategy`'s ``forward`` option (see the module docstring).
+FORWARD_MODES = ("compute", "memory", "watch")
+#: Environment variable giving ``forward`` where the option is not passed (e.g. to pools the SGLang bridge makes).
+ENV_FORWARD = "HICACHE_AUTO_FORWARD"
+#: Share of their idle speed that SM-driven load bursts keep beside memory-bound work: H200, a reduction over 2 GiB
+#: of device memory on another stream, hicache's, SGLang 0.5.23's and LMCache's kernels alike: 0.35-0.59 of memcpy
+#: against 0.73-0.91 idle (MLA 576 bf16: 0.40 of 0.87), while copy-engine bursts held 0.90-0.98 (docs/performance.md,
+#: "transfers beside a memory-bound kernel").  With ``forward="memory"``, the host may take up to 1 / this as long to
+#: submit a load as with ``"compute"`` before the kernel is judged faster.
+MEMORY_KERNEL_SHARE = 0.45
+
+
+def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float) -> float:
+    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times ``room`` for loads (the
+    factor by which the forward pass beside them slows the kernel's loads; 1 with ``forward="compute"``)."""
+    return nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
+
+
+def burst_us(sub: Submission, desc_us: float) -> float:
+    """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
+    n = int(sub.lens.numel())
+    return n * desc_us + len(batch_schedule(n, eager=False)) * MODEL_CALL_US
+
+
+def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
+         room: float = 1.0) -> bool:
+    """Whether the host submits ``sub`` within its transfer time at link speed (loads: times ``room``, the factor
+    by which the kernel's loads are slowed by the forward pass beside them; 1 with ``forward="compute"``).
+
+    Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
+    microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
+    descriptors, a burst's submission at that pace must take at most :data:`FED_SHARE` of the transfer time.  For
+    loads that measure decides alone: the kernels' loads cost a model's GEMM next to nothing, so the faster route
+    wins (H200, MLA 1152-byte rows with new GPU-resident indices every batch: the copy engine's bursts 0.54-0.59 of
+    memcpy against the kernel's 0.87, its host planning and reading the indices back each batch; the same bursts
+    with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup slows a GEMM by
+    +13% or more).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
+    margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
+    speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
+    slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
+    link_us = allowed_us(sub.nbytes, cal, to_host, room)
+    measured = desc_us is not None and sub.staged is None and sub.pitched is None
+    if measured and burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
+        return True
+    if measured and not to_host:
+        return False
+    return sub.host_us(cal.submit_us, cal.call_us) <= link_us
+
+
+def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
+    """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
+    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (loads: times
+    ``room``, as in :func:`fed`)."""
+    if sub.staged is not None or sub.pitched is not None:
+        return False
+    return burst_us(sub, cal.submit_us) <= FED_SHARE * allowed_us(sub.nbytes, cal, to_host, room)
