@@ -189,13 +189,17 @@ class HostKVPool:
         full = self.validate != "shapes"
         def values(t: object) -> bool:
             return full or not isinstance(t, torch.Tensor) or t.device.type == "cpu"
+        def version(t: object) -> int | None:
+            return tensor_version(t) if isinstance(t, torch.Tensor) else None
+        # read before the values are: a write landing during the check (another thread) then moves the counter
+        # past what is recorded as checked, so neither the memo nor a plan takes the check for those values
+        hv, dv = version(host_indices), version(device_indices)
         host_values = values(host_indices)
         facts = check_indices(self.spec, host_indices, device_indices, self.binding.device_rows,
                               host_values=host_values, device_values=values(device_indices),
                               unique_host=to_host, unique_device=not to_host)
         if self.validate == "strict":
             self._check_allocated(host_indices)
-        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         memo = not full and hv is not None and dv is not None
         self._checked = (host_indices, hv, device_indices, dv, to_host) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)

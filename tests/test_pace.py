@@ -459,7 +459,8 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     lane = auto.lane(pool.binding, False)
     assert lane is not None
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
-    assert not lane(0, h, d) and auto._uses[key][0] == 2  # the kernel's route (a bare object: no lane), counted
+    assert not lane(0, h, d) and auto._uses[key][0] == 1  # the kernel's route (a bare object: no lane): declined ...
+    assert auto.pick(pool.binding, h, d, 0, to_host=False) is auto.kernel and auto._uses[key][0] == 2  # ... counted once
     assert not lane(1, h, d) and auto._uses[key][0] == 2  # the pair's first reuse: declined, not counted
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
     assert lane(0, h, d) and ran and auto._uses[key][0] == 4

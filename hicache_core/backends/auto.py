@@ -589,6 +589,7 @@ class AutoStrategy:
                         self._book(stream, n, layer, now)
                         return True
                     # beside memory-bound work (the watch's verdict) a lone load goes by the rule of the rest, below
+            entry = None
             if direct is None or kernel is None:
                 route = only
             elif measured and (c0.generation + c1.generation + w0.generation + w1.generation != self._pace_gen
@@ -600,13 +601,13 @@ class AutoStrategy:
                 key = pick_key(host_indices, device_indices, layer, to_host)
                 pick = None if key is None else picks.get(key)
                 entry = None if pick is None else uses.get(key)  # type: ignore[arg-type]
-                if entry is not None:  # counted as pick() counts (_use)
-                    if pick is kernel and entry[0] == (1 if layer is None else layers):
-                        return False  # the pair's first reuse: pick() decides again at the pace of reused plans
-                    entry[0] += 1
+                if entry is not None and pick is kernel and entry[0] == (1 if layer is None else layers):
+                    return False  # the pair's first reuse: pick() decides again at the pace of reused plans
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
             if route is None or not route(layer, host_indices, device_indices):
-                return False
+                return False  # the normal path serves (and counts) the call
+            if entry is not None:  # counted as pick() counts (_use), once served here
+                entry[0] += 1
             if clocked:  # _book, inlined
                 queued(stream, n * (layer_bytes if layer is not None else token_bytes), now)
             return True

@@ -359,19 +359,12 @@ class Plan:
                  stream: int = 0) -> None:
         self.binding = binding
         self.pitched = pitched
-        checked = binding.checked
-        # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again
-        self._facts = None if checked is None else checked.facts_of(host_indices, device_indices)
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
         # device-resident indices are read back (which waits for the work queued before this call)
         # only when a route needs their values on the host: plain runs do; a staged route indexes with
         # the device copy (its kernel relayout masks bad rows; the torch one reads and checks first)
         defer = on_dev and defer_device_read(binding)
         early = early if defer and early is not None and early.of(device_indices, stream) else None
-        if early is not None and self._facts is not None and self._facts.device_read:
-            # the check read the values as they are now; the plan takes them as they were at the early read (equal
-            # unless rewritten behind the version counter): the check's facts about them must not stand for those
-            self._facts = IndexFacts(self._facts.host_starts, None, False)
         # the device copy the staged relayout indexes with (made on the caller's stream, or by an early read at the
         # pair's first call); its own copy: the values it indexes with are the values read or checked, even if the
         # caller later rewrites its tensor behind torch's version counter
@@ -388,13 +381,24 @@ class Plan:
         # its own copy (as the device indices below): what the plan builds later, table by table, must come from
         # the values checked now, even if the caller rewrites its tensor behind torch's version counter
         self.h = as_long(host_indices, "cpu", copy=True)  # waits for the stream where they live on the device
+        # device indices off the pool's device (on the CPU): their own copy too, before the facts are asked
+        d_off = None if defer or self._d_dev is not None else as_long(device_indices, "cpu", copy=True)
+        # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again.
+        # Asked after the copies above: a write landing before them moves a version counter and voids the facts, so
+        # facts only ever describe the values copied
+        checked = binding.checked
+        self._facts = None if checked is None else checked.facts_of(host_indices, device_indices)
+        if early is not None and self._facts is not None and self._facts.device_read:
+            # the check read the values as they are now; the plan takes them as they were at the early read (equal
+            # unless rewritten behind the version counter): the check's facts about them must not stand for those
+            self._facts = IndexFacts(self._facts.host_starts, None, False)
         self._rows = binding.device_rows
         cap = binding.spec.capacity
         if self.h.numel() and (self._facts is None or self._facts.host_starts is None) and not _within(self.h, cap):
             raise IndexRangeError(f"direct: host_indices must lie in 0..{cap - 1}; nothing was copied")
         self._d: torch.Tensor | None = None
-        if not defer:  # from its own copy where it made one (a CPU pool), else a copy of the caller's tensor
-            self._read_d(device_indices if self._d_dev is None else self._d_dev, copy=self._d_dev is None)
+        if not defer:  # from its own copy (made above)
+            self._read_d(d_off if d_off is not None else cast(torch.Tensor, self._d_dev))
         self.staging, self.staging_bytes = staging, staging_bytes
         self._page_runs: tuple[tuple[torch.Tensor, torch.Tensor] | None] | None = None  # (value,) once computed
         self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, int], int]] = {}
@@ -667,13 +671,14 @@ class PlanCache:
         plan = self.peek(host_indices, device_indices, stream)
         if plan is not None:
             return plan
+        # read before the plan copies the values: a write landing meanwhile leaves the plan unmemoised under them
+        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         early = self.early_of(device_indices, stream) if self._early else None
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
                     early=early, stream=stream)
         if early is not None and plan._early is early:
             with self._lock:  # taken: the plan holds it now
                 self._early = [e for e in self._early if e is not early]
-        hv, dv = tensor_version(host_indices), tensor_version(device_indices)
         if hv is not None and dv is not None:
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock
                 self._slots = [(host_indices, hv, device_indices, dv, stream, plan), *self._slots][:MEMO_SLOTS]
