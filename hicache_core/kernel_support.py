@@ -61,6 +61,10 @@ def kernel_unsupported_reason(spec: PoolSpec) -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (pip install triton)"
     if spec.device.type == "cuda":
+        if getattr(torch.version, "hip", None):
+            # the kernels read and write host memory through its host address; on ROCm registered host memory has
+            # a device address of its own (SGLang asks for it before its kernels touch host memory)
+            return "the kernels address pinned host memory by its host address, which ROCm does not map; use direct"
         return None
     if spec.device.type == "cpu" and interpreting():
         return None

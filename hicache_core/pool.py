@@ -25,7 +25,7 @@ from .validate import (
     tensor_version,
 )
 
-__all__ = ["HostKVPool", "allocate_host_buffers", "ENV_VALIDATE", "ENV_LANES"]
+__all__ = ["HostKVPool", "allocate_host_buffers", "validate_level", "ENV_VALIDATE", "ENV_LANES"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,17 @@ ENV_VALIDATE = "HICACHE_VALIDATE"
 ENV_LANES = "HICACHE_LANES"
 
 VALIDATE_LEVELS = ("shapes", "full", "strict")
+
+
+def validate_level(validate: str | None) -> str:
+    """The validation level of a pool: ``validate`` if given, else ``$HICACHE_VALIDATE``, else ``shapes`` (any case,
+    spaces ignored; an empty value is the default).  A value that is none of :data:`VALIDATE_LEVELS` raises
+    :class:`~hicache_core.errors.SpecError` naming where it came from."""
+    raw, where = (validate, "validate") if validate is not None else (os.environ.get(ENV_VALIDATE, ""), ENV_VALIDATE)
+    level = str(raw).strip().lower() or "shapes"
+    if level not in VALIDATE_LEVELS:
+        raise SpecError(f"{where}={raw!r}: use 'shapes', 'full' or 'strict'")
+    return level
 
 
 def allocate_host_buffers(plan: HostPlan, *, pin_memory: bool) -> dict[str, torch.Tensor]:
@@ -100,9 +111,7 @@ class HostKVPool:
         self.spec = spec
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
-        self.validate = validate or os.environ.get(ENV_VALIDATE, "shapes")
-        if self.validate not in VALIDATE_LEVELS:
-            raise SpecError(f"validate={self.validate!r}: use 'shapes', 'full' or 'strict'")
+        self.validate = validate_level(validate)
         self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool] | None = None
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)

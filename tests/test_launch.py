@@ -192,3 +192,16 @@ def test_int64_and_uint64_are_other_specialisations(fast):
     launch(1, (buf, 2**63 + 3, 8), num_warps=4)
     launch(1, (buf, 2**40 + 5, 8), num_warps=4)
     assert [e[0] for e in kernel.log] == ["public", "public", "fast"]
+
+
+def test_kernels_decline_rocm_devices(monkeypatch):
+    """On ROCm (``torch.version.hip``) registered host memory has a device address of its own, which the kernels do
+    not use: they decline the pool (``auto`` and the SGLang bridge then use the copy engine)."""
+    import hicache_core.kernel_support as ks
+
+    pytest.importorskip("triton")
+    spec = types.SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(ks.torch.version, "hip", None, raising=False)
+    assert ks.kernel_unsupported_reason(spec) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(ks.torch.version, "hip", "6.2.0", raising=False)
+    assert "ROCm" in (ks.kernel_unsupported_reason(spec) or "")  # type: ignore[arg-type]

@@ -63,3 +63,14 @@ def hooked(sglang_hooks, monkeypatch):
     monkeypatch.setenv("HICACHE_SGLANG", "all")
     load_plugin()
     return sglang_hooks
+
+
+@pytest.fixture
+def stock_kernels(monkeypatch):
+    """Pretend SGLang's stock kernels are importable (CPU): stock cells are then left to SGLang, whose
+    original raises its CPU ``NameError`` -- proof that the call was not ours."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: SGLang's NameError proves which side served the call")
+    from hicache_core.integrations.sglang import mode
+
+    monkeypatch.setattr(mode, "stock_kernels_available", lambda kind: True)

@@ -10,6 +10,7 @@ device pool, io_backend) and caches the outcome on the SGLang host object.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -19,8 +20,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ...errors import HicacheError
-from ...pool import HostKVPool
+from ...errors import ConfigError, HicacheError, SpecError
+from ...pool import ENV_VALIDATE, HostKVPool, validate_level
 from ...registry import default_registry
 from ...spec import MLA, Component, LayerMap, PoolSpec
 
@@ -240,6 +241,29 @@ class Bridge:
         return layer_id if layer_id in d.target_layers else None
 
 
+def _validate_level() -> str:
+    """The bridged pools' validation level: ``$HICACHE_VALIDATE`` (:func:`~hicache_core.pool.validate_level`), default
+    :data:`ENV_VALIDATE_DEFAULT`; ``strict`` counts as ``full`` (SGLang allocates the host slots itself, so none is
+    ever in hicache's allocator).
+
+    :raises ConfigError: the variable names no level."""
+    raw = os.environ.get(ENV_VALIDATE, "")
+    try:
+        level = validate_level(raw.strip() or ENV_VALIDATE_DEFAULT)
+    except SpecError as exc:
+        raise ConfigError(f"{ENV_VALIDATE}={raw!r}: use 'shapes', 'full' or 'strict'") from exc
+    if level == "strict":
+        _warn_strict()
+        return "full"
+    return level
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_strict() -> None:
+    logger.warning("hicache: %s=strict checks host slots against hicache's allocator, but SGLang allocates them: "
+                   "bridged pools use 'full'", ENV_VALIDATE)
+
+
 def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
     bridge = Bridge(device_pool)
     try:
@@ -248,13 +272,17 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         layout = reg.layout(host.layout)
         plan = layout.plan(d.spec)
         host_buffers = _reshape_host(plan.buffers, d.host_buffers)
-        validate = os.environ.get("HICACHE_VALIDATE", ENV_VALIDATE_DEFAULT)
+        validate = _validate_level()
         bridge.described = d
         bridge.pool = HostKVPool(d.spec, host.layout, io_backend, d.device_buffers,
                                  host_buffers=host_buffers, registry=reg, validate=validate)
         logger.info("hicache: %s %s (layout=%s, hicache io_backend=%s, sharded=%s) served by %s",
                     type(host).__qualname__, d.spec.describe(), host.layout, io_backend, d.spec.sharded,
                     bridge.pool.strategy_name)
+    except ConfigError as exc:  # the user's setting, not the cell: say so where it will be seen
+        bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
+        logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",
+                       type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
     except (Unsupported, HicacheError) as exc:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         logger.info("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",

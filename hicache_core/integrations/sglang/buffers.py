@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ...registry import default_registry
 from .adapter import pool_kind
 
 __all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "alloc_host"]
@@ -29,9 +30,15 @@ KV_SPLIT = "page_first_kv_split"
 
 
 def wants_kv_split_takeover(host: Any) -> bool:
-    """Whether ``host.init_kv_buffer`` is one SGLang cannot perform and we do."""
+    """Whether ``host.init_kv_buffer`` is one SGLang cannot perform and we do: CUDA/CPU pools whose transfers the
+    bridge serves (not allocator-only (dummy) pools, not decode context parallelism, and only with the
+    ``page_first_kv_split`` layout installed); the others keep SGLang's allocation, and its error."""
     if getattr(host, "layout", None) != KV_SPLIT:
         return False
+    if getattr(host, "_is_dummy", False) or getattr(host, "dcp_size", 1) != 1:
+        return False  # the bridge leaves these pools' transfers to SGLang (adapter.describe)
+    if KV_SPLIT not in default_registry().layouts:
+        return False  # no hicache layout would serve the buffers allocated here
     kind = pool_kind(host)
     if kind == "mla":
         return getattr(host, "_native_buffers", None) is None

@@ -26,7 +26,7 @@ from .takeover import ENV_TABLE, TakeoverTableError, active_table
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
 logger = logging.getLogger(__name__)
-_resolved: dict[tuple[Any, ...], str] = {}  # (registry, layout, chosen, io_backend, gap, sharded) -> io_backend
+_resolved: dict[tuple[Any, ...], str | None] = {}  # (registry, layout, chosen, io_backend, gap, sharded) -> io_backend
 #: The hicache io_backend of last resort for cells SGLang cannot serve (generic: serves every layout).
 GAP_FALLBACK = "direct"
 
@@ -72,14 +72,16 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
     except KeyError:
         pass
     hit = None
-    chosen = hicache_io_backend(current_mode(), kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    mode = current_mode()
+    chosen = hicache_io_backend(mode, kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
     if chosen is not None:
         gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
         key = (registry, host.layout, chosen, io_backend, gap, sharded)
-        hit = _resolved.get(key)
-        if hit is None:
+        if key in _resolved:
+            hit = _resolved[key]
+        else:
             hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
-    if _table_readable():
+    if mode != "measured" or _table_readable():  # only "measured" reads the table
         _decided[memo] = hit
     return hit
 
@@ -92,8 +94,18 @@ def _table_readable() -> bool:
     return True
 
 
-def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool, sharded: bool) -> str:
-    for backend in dict.fromkeys((chosen, IO_BACKENDS[io_backend], GAP_FALLBACK if gap else chosen)):
+def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool,
+                sharded: bool) -> str | None:
+    """The hicache io_backend that serves: ``chosen`` where it has a strategy for the layout.  Else, for a cell SGLang
+    cannot serve, the exact mapping of SGLang's io_backend, then the core's generic ``direct``; for a cell SGLang
+    serves, ``None`` where ``chosen`` is other than the exact mapping (a takeover table's or
+    ``HICACHE_SGLANG_KERNEL``'s choice, measured for that io_backend only: SGLang keeps the cell, with a warning)."""
+    exact = IO_BACKENDS[io_backend]
+    if not gap and chosen != exact and not registry.candidates(layout, chosen, sharded):
+        logger.warning("hicache: no %r strategy for layout %r (sharded=%s) is installed; SGLang %r calls stay "
+                       "SGLang's (the takeover was measured for %r only)", chosen, layout, sharded, io_backend, chosen)
+        return None
+    for backend in dict.fromkeys((chosen, exact, GAP_FALLBACK if gap else chosen)):
         if registry.candidates(layout, backend, sharded):
             if backend != chosen:
                 logger.info("hicache: no %r strategy for layout %r; SGLang %r calls use hicache %r", chosen,
@@ -110,7 +122,9 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     itself uses for drafts) already holds the draft's layer.
     """
     kind = pool_kind(host)
-    backend = None if kind is None else _backend(host, kind, io_backend, op)
+    if kind is None:
+        return None
+    backend = _backend(host, kind, io_backend, op)
     if backend is None:
         return None
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
@@ -118,6 +132,12 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
     bridge = bridge_for(host, device_pool, backend)
+    if bridge.pool is None and backend != GAP_FALLBACK and \
+            not stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
+                             can_use_jit=bool(getattr(host, "can_use_jit", False))):
+        # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
+        # without Triton here): the core's generic copy engine, rather than SGLang's certain error
+        bridge = bridge_for(host, device_pool, GAP_FALLBACK)
     return bridge if bridge.pool is not None else None
 
 

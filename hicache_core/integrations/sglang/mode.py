@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 
+from ...envflags import OFF
 from ...errors import ConfigError, TakeoverTableError
 from .takeover import Cell, active_table
 
@@ -71,11 +72,14 @@ def _error_once(message: str) -> None:
 
 
 def parse_mode(value: str | None) -> str:
-    """The mode named by ``value`` (case and surrounding blanks ignored; empty or ``None``: the default).
+    """The mode named by ``value`` (case and surrounding blanks ignored; empty or ``None``: the default; ``0``,
+    ``false`` and ``no`` mean ``off``).
 
     :raises ConfigError: ``value`` names no mode.
     """
     mode = (value or "").strip().lower() or DEFAULT_MODE
+    if mode in OFF:  # 0, false, no: off, as every hicache on/off switch reads them
+        mode = "off"
     if mode not in MODES:
         raise ConfigError(f"{ENV_MODE}={value!r} is not a mode; use one of {', '.join(MODES)}")
     return mode

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,8 @@ def _metrics(path: str, where: str, side: str, value: Any) -> dict[str, float]:
     for name, number in value.items():
         if name not in METRICS:
             raise _fail(path, where, f"unknown metric {name!r} in {side!r}; known metrics: {', '.join(METRICS)}")
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise _fail(path, where, f"{side}.{name} must be a number, got {number!r}")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise _fail(path, where, f"{side}.{name} must be a finite number, got {number!r}")
     return {k: float(v) for k, v in value.items()}
 
 

@@ -1,0 +1,121 @@
+"""The bridge's settings and fallbacks: ``HICACHE_VALIDATE`` as bridged pools read it, ``HICACHE_SGLANG``'s off
+spellings, which ``page_first_kv_split`` pools hicache allocates, the generic fallback of cells SGLang cannot serve,
+and a taken-over cell whose io_backend is not installed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from hicache_core.integrations.sglang import hooks
+from hicache_core.integrations.sglang.adapter import bridge_for
+from hicache_core.integrations.sglang.buffers import wants_kv_split_takeover
+from hicache_core.integrations.sglang.mode import parse_mode
+from sglang_helpers import same_bytes, settle
+from test_takeover import entry, write_table
+from test_transfers import make_pools, slots
+
+
+@pytest.mark.parametrize("value,level", [("Full", "full"), (" full ", "full"), ("", "shapes"), ("SHAPES", "shapes"),
+                                         ("strict", "full")])
+def test_bridged_pools_read_hicache_validate_leniently(hooked, monkeypatch, caplog, value, level):
+    """Case and blanks are ignored, an empty value is the default, and ``strict`` counts as ``full`` (SGLang
+    allocates the host slots itself: none is in hicache's allocator), with a warning; the transfer is served."""
+    monkeypatch.setenv("HICACHE_VALIDATE", value)
+    dev, host = make_pools("mha", "page_first_kv_split")
+    h, d1, _ = slots(host, dev)
+    with caplog.at_level(logging.WARNING, logger="hicache_core"):
+        host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
+    bridge = bridge_for(host, dev, "direct")
+    assert bridge.pool is not None and bridge.pool.validate == level
+    assert ("strict" in caplog.text) == (value == "strict")
+
+
+def test_a_bad_hicache_validate_is_a_warning_naming_the_variable(hooked, monkeypatch, caplog):
+    """A value that is no level leaves the cell to SGLang, with a WARNING that names the variable and the fix."""
+    monkeypatch.setenv("HICACHE_VALIDATE", "bogus")
+    dev, host = make_pools("mha", "page_first_kv_split")
+    h, d1, _ = slots(host, dev)
+    with caplog.at_level(logging.WARNING, logger="hicache_core"), pytest.raises(ValueError):
+        host.backup_from_device_all_layer(dev, h, d1, "direct")  # SGLang's own error: it cannot serve this layout
+    assert "HICACHE_VALIDATE='bogus': use 'shapes', 'full' or 'strict'" in caplog.text
+    assert bridge_for(host, dev, "direct").pool is None
+
+
+@pytest.mark.parametrize("value", ["0", "false", "No", " OFF "])
+def test_off_spellings_of_hicache_sglang(value):
+    assert parse_mode(value) == "off"
+
+
+def test_kv_split_allocation_is_taken_only_for_pools_the_bridge_serves(monkeypatch):
+    """hicache allocates ``page_first_kv_split`` buffers (which SGLang cannot on CUDA/CPU) only where the bridge will
+    serve the pool's transfers: not for allocator-only (dummy) pools, not with decode context parallelism, and not
+    without the layout installed; those keep SGLang's allocation (and its error)."""
+
+    class Host:
+        layout, dcp_size, _is_dummy, head_dim, v_head_dim = "page_first_kv_split", 1, False, 16, 16
+
+    monkeypatch.setattr("hicache_core.integrations.sglang.buffers.pool_kind", lambda host: "mha")
+    host = Host()
+    assert wants_kv_split_takeover(host)
+    host.dcp_size = 2
+    assert not wants_kv_split_takeover(host)
+    host.dcp_size, host._is_dummy = 1, True
+    assert not wants_kv_split_takeover(host)
+    host._is_dummy = False
+
+    class Registry:
+        layouts = {"layer_first": object()}
+
+    monkeypatch.setattr("hicache_core.integrations.sglang.buffers.default_registry", lambda: Registry())
+    assert not wants_kv_split_takeover(host)
+
+
+def test_a_gap_cell_falls_back_to_direct_when_its_strategy_cannot_serve_the_pool(hooked, monkeypatch):
+    """A cell SGLang cannot serve (MLA ``page_first_kv_split``) under ``gaps``, called with SGLang's ``kernel``: when the
+    kernel strategy is registered but refuses this pool (stood in for by a factory that raises), the core's ``direct``
+    serves it, byte for byte, instead of SGLang's certain error."""
+    from hicache_core.errors import ResolutionError
+    from hicache_core.integrations.sglang import adapter
+
+    monkeypatch.setenv("HICACHE_SGLANG", "gaps")
+    real = adapter.HostKVPool
+
+    def refusing(spec, layout, io_backend, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if io_backend == "kernel":
+            raise ResolutionError("kernel: cannot run here (stood in for a host without Triton)")
+        return real(spec, layout, io_backend, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "HostKVPool", refusing)
+    hooks._decided.clear()
+    dev, host = make_pools("mla", "page_first_kv_split")
+    h, d1, d2 = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    for layer in range(dev.layer_num):
+        host.load_to_device_per_layer(dev, h, d2, layer, "kernel")
+    settle()
+    assert bridge_for(host, dev, "kernel").pool is None
+    assert bridge_for(host, dev, "direct").pool is not None
+    for layer in range(dev.layer_num):  # every layer's rows came back where they were loaded
+        buf = dev.kv_buffer[layer]
+        assert same_bytes(buf[d1.to(buf.device)], buf[d2.to(buf.device)])
+
+
+def test_a_taken_over_cell_whose_io_backend_is_not_installed_stays_sglangs(hooked, monkeypatch, stock_kernels, tmp_path,
+                                                                           caplog):
+    """The table took the cell over for one hicache io_backend (measured for it alone); where that one has no strategy
+    here (``vendorx``), SGLang keeps the cell, with a warning, rather than an unmeasured hicache route serving it."""
+    table = write_table(tmp_path, [entry(op="backup", hicache_io_backend="vendorx")])
+    monkeypatch.setenv("HICACHE_SGLANG", "measured")
+    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
+    hooks._decided.clear()
+    hooks._resolved.clear()
+    dev, host = make_pools("mla", "layer_first")
+    h, d1, _ = slots(host, dev)
+    with caplog.at_level(logging.WARNING, logger="hicache_core"), \
+            pytest.raises(NameError, match="transfer_kv_all_layer_mla"):  # SGLang's stock kernel (absent on CPU)
+        host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    assert "no 'vendorx' strategy for layout 'layer_first'" in caplog.text
+    assert not getattr(host, "_hicache_bridges", {})
