@@ -1,6 +1,7 @@
 """The SGLang bridge decides who serves a call once per cell and environment (no SGLang needed): a repeated call
 costs one lookup, and every input of the decision (mode, kernel mapping and table variables, SGLang's stock
-kernels being bound, the registry) still changes it at once; a broken takeover table is never memoised."""
+kernels being bound, the host pool's JIT and packed rows, the registry) still changes it at once; under ``measured``
+a broken takeover table is never memoised."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ def test_every_input_of_the_decision_still_changes_it(counted, monkeypatch):
     assert len(counted) == 5
     assert hooks._backend(host, "mla", "kernel", "backup") == "auto"  # another op: its own decision
     assert len(counted) == 6
+    monkeypatch.setattr(mode, "stock_kernels_available", lambda kind: True)
+    monkeypatch.setenv("HICACHE_SGLANG_KERNEL", "kernel")
+    assert hooks._backend(host, "mla", "direct", "load") is None  # SGLang's direct layer_first
+    host.device_rows_packed = False  # strided device rows: still SGLang's (tensor copies)
+    assert hooks._backend(host, "mla", "direct", "load") is None
+    host.can_use_jit = False  # its kernel io now needs packed rows: a gap
+    assert hooks._backend(host, "mla", "kernel", "load") == "kernel"
+    assert len(counted) == 9
 
 
 def test_a_broken_table_is_read_again_on_every_call(counted, monkeypatch, tmp_path):
@@ -70,3 +79,8 @@ def test_a_broken_table_is_read_again_on_every_call(counted, monkeypatch, tmp_pa
     for _ in range(3):
         assert hooks._backend(host, "mla", "kernel", "load") is None
     assert len(counted) == 3
+    for value in ("all", "gaps", "off"):  # only "measured" reads the table: the others are memoised
+        monkeypatch.setenv("HICACHE_SGLANG", value)
+        for _ in range(3):
+            hooks._backend(host, "mla", "kernel", "load")
+    assert len(counted) == 6

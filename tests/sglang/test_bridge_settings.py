@@ -119,3 +119,48 @@ def test_a_taken_over_cell_whose_io_backend_is_not_installed_stays_sglangs(hooke
         host.backup_from_device_all_layer(dev, h, d1, "kernel")
     assert "no 'vendorx' strategy for layout 'layer_first'" in caplog.text
     assert not getattr(host, "_hicache_bridges", {})
+
+
+def test_strided_device_rows_are_gaps_where_sglang_needs_packed_rows():
+    """With strided device rows (``device_rows_packed`` false, e.g. ``--enable-unified-memory``) SGLang 0.5.23 serves a
+    cell only through its JIT kernels or ``direct``'s tensor copies of ``layer_first``; every other stock route raises
+    ``NotImplementedError``, so those cells are gaps hicache serves."""
+    from hicache_core.integrations.sglang.mode import stock_serves
+
+    def serves(kind, layout, io, packed, jit=False):  # type: ignore[no-untyped-def]
+        return stock_serves(kind, layout, io, False, "load", can_use_jit=jit, kernels_available=True,
+                            rows_packed=packed)
+
+    for kind in ("mla", "mha"):
+        assert serves(kind, "layer_first", "kernel", True) and not serves(kind, "layer_first", "kernel", False)
+        assert serves(kind, "layer_first", "kernel", False, jit=True) and serves(kind, "page_first", "kernel", False, True)
+        assert serves(kind, "layer_first", "direct", False)
+        assert serves(kind, "page_first_direct", "direct", True) and not serves(kind, "page_first_direct", "direct", False)
+    assert serves("mha", "page_head", "kernel", True) and not serves("mha", "page_head", "kernel", False, jit=True)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_strided_device_rows_without_jit_are_served_by_hicache_bit_exact(hooked, monkeypatch, stock_kernels, layout):
+    """SGLang's ``kernel`` calls on an MLA pool with strided device rows and no JIT kernel (its stock route would raise
+    ``NotImplementedError``): under ``gaps`` hicache serves them, every layer byte for byte."""
+    import sglang_harness as H
+    import torch
+
+    monkeypatch.setenv("HICACHE_SGLANG", "gaps")
+    with H.sglang_runtime(hicache_mem_layout=layout):
+        dev = H.make_mla_device_pool(size=64, page_size=4, layer_num=3, kv_lora_rank=32, qk_rope_head_dim=16)
+        rows = dev.kv_buffer[0].shape[0]
+        backing = torch.zeros(rows, 3, 1, 96, dtype=dev.kv_buffer[0].dtype)  # token-major: layers interleaved
+        dev.kv_buffer = [backing[:, i, :, :48] for i in range(3)]
+        host = H.make_host_pool(dev)
+    assert not host.device_rows_packed and not host.can_use_jit
+    for t in dev.kv_buffer:
+        t.view(torch.uint8).random_(0, 256)
+    h, d1, d2 = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    for layer in range(3):
+        host.load_to_device_per_layer(dev, h, d2, layer, "kernel")
+    settle()
+    for layer in range(3):
+        buf = dev.kv_buffer[layer]
+        assert same_bytes(buf[d1.to(buf.device)], buf[d2.to(buf.device)])

@@ -64,18 +64,19 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
     on every call until it is fixed).
     """
     sharded = _sharded(host, kind)
-    jit = bool(getattr(host, "can_use_jit", False))
+    jit, packed = _jit_packed(host)
     registry = default_registry()
-    memo = (kind, host.layout, io_backend, sharded, jit, op, registry, _mode.stock_kernels_available(kind), _env_key())
+    memo = (kind, host.layout, io_backend, sharded, jit, packed, op, registry, _mode.stock_kernels_available(kind),
+            _env_key())
     try:
         return _decided[memo]
     except KeyError:
         pass
     hit = None
     mode = current_mode()
-    chosen = hicache_io_backend(mode, kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+    chosen = hicache_io_backend(mode, kind, host.layout, io_backend, sharded, op, can_use_jit=jit, rows_packed=packed)
     if chosen is not None:
-        gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit)
+        gap = not stock_serves(kind, host.layout, io_backend, sharded, op, can_use_jit=jit, rows_packed=packed)
         key = (registry, host.layout, chosen, io_backend, gap, sharded)
         if key in _resolved:
             hit = _resolved[key]
@@ -84,6 +85,15 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
     if mode != "measured" or _table_readable():  # only "measured" reads the table
         _decided[memo] = hit
     return hit
+
+
+def _jit_packed(host: Any) -> tuple[bool, bool]:
+    """The host pool's ``can_use_jit`` and ``device_rows_packed`` (SGLang 0.5.23; absent: no JIT, packed rows)."""
+    try:
+        packed = bool(host.device_rows_packed)
+    except AttributeError:
+        packed = True
+    return bool(getattr(host, "can_use_jit", False)), packed
 
 
 def _table_readable() -> bool:
@@ -134,7 +144,7 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     bridge = bridge_for(host, device_pool, backend)
     if bridge.pool is None and backend != GAP_FALLBACK and \
             not stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
-                             can_use_jit=bool(getattr(host, "can_use_jit", False))):
+                             can_use_jit=_jit_packed(host)[0], rows_packed=_jit_packed(host)[1]):
         # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
         # without Triton here): the core's generic copy engine, rather than SGLang's certain error
         bridge = bridge_for(host, device_pool, GAP_FALLBACK)

@@ -116,6 +116,15 @@ def stock_kernels_available(kind: str) -> bool:
     return mod is not None and "transfer_kv_direct" in vars(mod)
 
 
+def _strided_rows_cell(layout: str, io_backend: str, can_use_jit: bool) -> bool:
+    """Whether SGLang 0.5.23 may serve a cell of an MLA/MHA pool whose device rows are strided: its JIT kernels
+    (``kernel`` io; not ``page_head``, whose kernels need packed rows), or ``direct``'s ``layer_first`` (tensor copies);
+    every other route raises ``NotImplementedError`` (``_require_packed_device_rows``)."""
+    if io_backend == "kernel":
+        return can_use_jit and layout != "page_head"
+    return io_backend == "direct" and layout == "layer_first"
+
+
 def _mla_cell(layout: str, io_backend: str, sharded: bool, op: str, can_use_jit: bool) -> bool:
     backup = op in (BACKUP, BACKUP_LAYER)
     if io_backend == "kernel":
@@ -150,7 +159,7 @@ def _indexer_cell(layout: str, io_backend: str, sharded: bool, op: str) -> bool:
 
 def stock_serves(
     kind: str, layout: str, io_backend: str, sharded: bool, op: str, *, can_use_jit: bool = False,
-    kernels_available: bool | None = None,
+    kernels_available: bool | None = None, rows_packed: bool = True,
 ) -> bool:
     """Whether SGLang 0.5.23's stock code serves this cell on this platform.
 
@@ -158,9 +167,14 @@ def stock_serves(
     :param op: ``backup`` (all layers), ``backup_layer`` (sharded per layer) or ``load``.
     :param can_use_jit: the host pool's ``can_use_jit`` (MLA sharded page_first backup needs it).
     :param kernels_available: override :func:`stock_kernels_available` (tests).
+    :param rows_packed: the host pool's ``device_rows_packed`` (``False``: device rows strided, e.g. with
+        ``--enable-unified-memory``: SGLang's AOT kernels then refuse, so only its JIT kernels and the tensor-based
+        ``direct`` copy of ``layer_first`` serve).
     """
     avail = stock_kernels_available(kind) if kernels_available is None else kernels_available
     if not avail:
+        return False
+    if not rows_packed and kind in ("mla", "mha") and not _strided_rows_cell(layout, io_backend, can_use_jit):
         return False
     if kind == "mla":
         return _mla_cell(layout, io_backend, sharded, op, can_use_jit)
@@ -182,7 +196,7 @@ def _table_backend(cell: Cell) -> str | None:
 
 def hicache_io_backend(
     mode: str, kind: str, layout: str, io_backend: str, sharded: bool, op: str, *, can_use_jit: bool = False,
-    kernels_available: bool | None = None,
+    kernels_available: bool | None = None, rows_packed: bool = True,
 ) -> str | None:
     """The hicache io_backend that serves this call, or ``None`` (SGLang's original runs).
 
@@ -199,7 +213,7 @@ def hicache_io_backend(
     if mode == "all":
         return exact
     gap = not stock_serves(kind, layout, io_backend, sharded, op, can_use_jit=can_use_jit,
-                           kernels_available=kernels_available)
+                           kernels_available=kernels_available, rows_packed=rows_packed)
     if mode == "measured":
         cell = Cell(kind, layout, io_backend, sharded, LOAD if op == LOAD else BACKUP)
         chosen = _table_backend(cell)
