@@ -15,7 +15,7 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends import relayout
-from hicache_core.backends.staging import StagedRoute
+from hicache_core.backends.staging import StagedRoute, page_images
 from hicache_core.errors import ConfigError
 from hicache_core.testing.conformance import CANARY, CASES, Case, check_strategy, make_device_buffers
 
@@ -74,9 +74,7 @@ def _routes(pool: HostKVPool, layer: int | None, pages: int = 3) -> tuple[Staged
     hp = torch.randperm(spec.num_pages, generator=gen)[:pages]
     h = (hp.unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
     d = torch.randperm(b.device_rows, generator=gen)[: h.numel()].to(spec.device)
-    probe = StagedRoute.build(b, h, lambda: d, layer, 1, relayout="torch")
-    assert probe is not None
-    budget = 4 * sum(im.span for im in probe.images)  # two pages per half
+    budget = 4 * sum(im.span for im in page_images(b, layer, False))  # two pages per half
     kernel = StagedRoute.build(b, h, lambda: d, layer, budget, relayout="kernel")
     torch_ = StagedRoute.build(b, h, lambda: d, layer, budget, relayout="torch")
     assert kernel is not None and torch_ is not None
@@ -198,7 +196,8 @@ def test_misaligned_staging_falls_back_to_torch(interpret):
 
 
 def test_kernel_never_strays_out_of_bounds(interpret):
-    """Bad device rows and a too-short image move nothing there (callers validate; the kernel masks anyway)."""
+    """Bad device rows read nothing (callers validate; the kernel masks anyway): a gather writes zeros to their image
+    slots, never what an earlier transfer staged there; a too-short image is touched nowhere past its end."""
     pool = _pool(SPECS[1], "page_first")
     assert pool is not None
     kernel, ref, _, d = _routes(pool, None)
@@ -210,8 +209,9 @@ def test_kernel_never_strays_out_of_bounds(interpret):
     assert kernel._kernel is not None and kernel._kernel.run(got[PAD:-PAD], bad, 2, 2, to_image=True)
     ref._relayout(want[PAD:-PAD], d[:n], 2, to_image=True)
     differ = got != want
-    assert bool(differ.any()) and bool((got[differ] == CANARY).all())  # only the two bad rows left out
+    assert bool(differ.any()) and bool((got[differ] == 0).all())  # only the two bad rows' slots: zeros
     assert int(differ.sum()) <= 2 * 3 * pool.spec.component("kv").row_bytes
+    assert bool((got[:PAD] == CANARY).all()) and bool((got[-PAD:] == CANARY).all())  # nothing outside the image
     short = torch.full_like(got, CANARY)
     half = kernel.chunk_bytes // 2
     assert kernel._kernel.run(short[PAD : PAD + half], d[:n], 2, 2, to_image=True)
@@ -261,3 +261,24 @@ def test_kernel_loaded_compiled_first_still_interprets(monkeypatch):
     _relay(kernel, bufs[0], rows, 2, to_image=True)
     _relay(ref, bufs[1], rows, 2, to_image=True)
     assert torch.equal(*bufs) and bool(bufs[0].any())
+
+
+def test_a_page_image_larger_than_the_staging_limit_goes_by_plain_runs(monkeypatch):
+    """A chunk holds at least one page; where two images of one page would need more than both the budget and the
+    default (a page image spanning most of the pool), no staged route is built: ``direct`` moves plain runs, byte for
+    byte as the reference backend."""
+    from hicache_core.backends import staging as staging_mod
+
+    pool = _pool(SPECS[3], "layer_first")
+    assert pool is not None
+    b = pool.binding
+    per_page = sum(im.span for im in page_images(b, None, False))
+    h = torch.arange(2 * pool.spec.page_size)
+    d = torch.arange(h.numel())
+    assert StagedRoute.build(b, h, lambda: d, None, 1) is not None  # under the default: one page per chunk
+    monkeypatch.setattr(staging_mod, "DEFAULT_STAGING_BYTES", 2 * per_page - 1)
+    assert StagedRoute.build(b, h, lambda: d, None, 2 * per_page - 1) is None
+    assert StagedRoute.build(b, h, lambda: d, None, 2 * per_page) is not None  # a budget that holds it
+    monkeypatch.setenv("HICACHE_DIRECT_STAGING", "always")
+    monkeypatch.setenv("HICACHE_STAGING_BYTES", "1")
+    check_strategy(REG, SPECS[3], "layer_first", "direct", strategy="core.direct")

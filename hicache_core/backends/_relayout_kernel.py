@@ -13,7 +13,8 @@ Addressing (words of the anchor's dtype, int64 offsets from ``anchor``, as in
             + (i // page_size) * span[e] + (i % page_size) * token[e] + c * cstride[e]
 
 Every access is masked: rows past ``n_rows``, device rows outside
-``0..dev_len[e]-1`` and image chunks outside ``0..img_words-1`` move nothing.
+``0..dev_len[e]-1`` and image chunks outside ``0..img_words-1`` move nothing, but a gather writes zeros to the
+image slot of a device row out of range (so no stale bytes of an earlier transfer reach the host).
 """
 
 from __future__ import annotations
@@ -60,25 +61,28 @@ def relayout_kernel(
     cstride = tl.load(t + 7)
     nch = tl.load(t + 8)
     i = tile * TOK + tl.arange(0, TOK)
-    ok = i < live_rows
-    d = tl.load(rows + i, mask=ok, other=0).to(tl.int64)
-    ok = ok & (d >= 0) & (d < dev_len)
+    live = i < live_rows
+    d = tl.load(rows + i, mask=live, other=0).to(tl.int64)
     rel = img_off + (i // page_size) * span + (i % page_size) * token
-    ok = ok & (rel >= 0) & (rel + (nch - 1) * cstride + CHUNK <= img_words)
+    in_img = live & (rel >= 0) & (rel + (nch - 1) * cstride + CHUNK <= img_words)
+    ok = in_img & (d >= 0) & (d < dev_len)
     dev = dev_off + d * dev_stride
     img = img_base + rel
     cols = tl.arange(0, BLOCK)
     for c in tl.static_range(NCH):
         for c0 in tl.static_range(0, CHUNK, BLOCK):
             col = c0 + cols
-            m = (ok & (tl.full([TOK], c, tl.int64) < nch))[:, None] & (col < CHUNK)[None, :]
+            has = (tl.full([TOK], c, tl.int64) < nch)[:, None] & (col < CHUNK)[None, :]
+            m = ok[:, None] & has
             dptr = (dev + c * CHUNK)[:, None] + col[None, :]
             iptr = (img + c * cstride)[:, None] + col[None, :]
             if VEC > 1:
                 dptr = tl.multiple_of(dptr, [1, VEC])
                 iptr = tl.multiple_of(iptr, [1, VEC])
             if TO_IMAGE:
-                tl.store(anchor + iptr, tl.load(anchor + dptr, mask=m), mask=m)
+                # a device row out of range reads nothing and leaves zeros in its image slot (not what an earlier
+                # transfer staged there: the copy engine moves the slot to the host)
+                tl.store(anchor + iptr, tl.load(anchor + dptr, mask=m, other=0), mask=in_img[:, None] & has)
             else:
                 tl.store(anchor + dptr, tl.load(anchor + iptr, mask=m), mask=m)
 

@@ -25,8 +25,8 @@ pair, for the work queued before the call).  Device indices on the pool's GPU
 are read back only when a plain route needs them (or ``auto`` staging needs the
 plain runs to decide): a staged route indexes with them on the device (its
 relayout kernel masks rows outside the device buffers,
-so with ``validate="shapes"`` an out-of-range row moves nothing and its host
-slot receives undefined bytes; ``validate="full"`` checks values first).  On
+so with ``validate="shapes"`` an out-of-range row reads nothing and its host
+slot receives zeros; ``validate="full"`` checks values first).  On
 CPU pools every copy is a ``memmove``.
 
 Some calls are a poor fit for the copy engine whatever the route: a one-layer load

@@ -38,6 +38,7 @@ out); otherwise ``direct`` uses plain runs.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -51,9 +52,13 @@ from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 if TYPE_CHECKING:
     from .memcpy import BatchCopier
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["StagedRoute", "StagingBuffers", "page_image", "page_images", "DEFAULT_STAGING_BYTES"]
 
-#: Device staging per stream (two halves): at most 512 MiB.
+#: Device staging per stream (two halves): at most 512 MiB.  A chunk holds at least one page, so a smaller budget is
+#: exceeded by up to two page images; a page whose two images would need more than this and the budget, the route
+#: leaves to plain runs (:meth:`StagedRoute.build`).
 DEFAULT_STAGING_BYTES = 512 << 20
 #: Host time of one relayout launch and bytes per chunk it should cover.  A chunk costs
 #: :attr:`StagedRoute.launches_per_chunk` launches: one kernel per segment group with the kernel
@@ -244,6 +249,14 @@ class StagedRoute:
         images = page_images(binding, layer, pitched)
         if not images:
             return None
+        per_page = sum(im.span for im in images)
+        if 2 * per_page > max(staging_bytes, DEFAULT_STAGING_BYTES):
+            # a chunk holds at least one page (two halves on CUDA); a page image mirrors the host from the lowest to
+            # the highest byte touched, which for rows not packable per block can span most of the pool: such
+            # images are not staged at all rather than outgrow both the budget and the default
+            logger.debug("direct: a page image of %d B would need more than the staging budget of %d B twice over: "
+                         "plain runs", per_page, max(staging_bytes, DEFAULT_STAGING_BYTES))
+            return None
         route = cls(binding, pages, d_dev, images, staging_bytes, relayout=relayout)
         route._check_rows = check_rows
         return route
@@ -331,6 +344,15 @@ class StagedRoute:
         staging.record_stream(side)
         free: list[torch.cuda.Event | None] = [None, None]
         side.wait_stream(main)  # rows written (backup) or indices made (load) by earlier work
+        try:
+            self._pipeline(copier, stream, main, side, halves, d_dev, free, n, ps, to_host)
+        finally:  # also when a chunk fails: nothing after the call may overtake what the side stream queued
+            main.wait_stream(side)
+
+    def _pipeline(self, copier: BatchCopier, stream: int, main: torch.cuda.Stream, side: torch.cuda.Stream,
+                  halves: tuple[torch.Tensor, torch.Tensor], d_dev: torch.Tensor, free: list[torch.cuda.Event | None],
+                  n: int, ps: int, to_host: bool) -> None:
+        """The chunks of a CUDA transfer, the relayout of one beside the copy of the other (:meth:`run`)."""
         for k, p0 in enumerate(range(0, n, self.chunk_pages)):
             p1 = min(n, p0 + self.chunk_pages)
             half = halves[k % 2]
@@ -355,7 +377,6 @@ class StagedRoute:
                     side.wait_event(landed)
                     self._relayout(half, rows, p1 - p0, to_image=False)
                     free[k % 2] = side.record_event()
-        main.wait_stream(side)
 
     def _relayout(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, *, to_image: bool) -> None:
         """Gather ``rows`` (``npages`` pages) into the chunk image at ``staging``, or scatter them from it."""
