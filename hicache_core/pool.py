@@ -47,6 +47,12 @@ ENV_LANES = "HICACHE_LANES"
 VALIDATE_LEVELS = ("shapes", "full", "strict")
 
 
+def _storage(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
+    """What a ``.data`` swap changes while keeping a tensor's identity and version counter: address, length, dtype."""
+    return (host_indices.data_ptr(), host_indices.numel(), host_indices.dtype,
+            device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
+
+
 def validate_level(validate: str | None) -> str:
     """The validation level of a pool: ``validate`` if given, else ``$HICACHE_VALIDATE``, else ``shapes`` (any case,
     spaces ignored; an empty value is the default).  A value that is none of :data:`VALIDATE_LEVELS` raises
@@ -112,7 +118,7 @@ class HostKVPool:
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
         self.validate = validate_level(validate)
-        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool] | None = None
+        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple] | None = None
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
         if host_buffers is None:
@@ -183,8 +189,9 @@ class HostKVPool:
 
         Per-layer calls of one batch pass the same tensors; checking the values
         of CPU indices once per batch instead of once per layer saves most of
-        the host time of a ``load_layer`` with CPU indices.  Writes that bypass
-        torch's version counter (``.data``, a NumPy view) are not seen, which is why
+        the host time of a ``load_layer`` with CPU indices.  A ``.data`` swap is seen (address, length and
+        dtype are compared too); writes that bypass torch's version counter (in place through ``.data``, a
+        NumPy view) are not, which is why
         ``validate="full"`` memoises nothing; every built-in strategy still
         keeps out-of-range indices away from memory (kernels mask them, the
         generic backends range-check what they read), so a stale check can never
@@ -193,7 +200,8 @@ class HostKVPool:
         """
         last = self._checked  # one snapshot: another thread may replace it
         if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
-                and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)):
+                and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)
+                and last[5] == _storage(host_indices, device_indices)):
             return  # nothing was read now: binding.checked is not set, the strategy reads what it needs itself
         full = self.validate != "shapes"
         def values(t: object) -> bool:
@@ -210,7 +218,8 @@ class HostKVPool:
         if self.validate == "strict":
             self._check_allocated(host_indices)
         memo = not full and hv is not None and dv is not None
-        self._checked = (host_indices, hv, device_indices, dv, to_host) if memo else None
+        self._checked = (host_indices, hv, device_indices, dv, to_host,
+                         _storage(host_indices, device_indices)) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)
         self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)
 

@@ -226,11 +226,12 @@ class Replays:
 
 def _matches(b: Batch, host_indices: torch.Tensor, device_indices: torch.Tensor, n: int, stream: int) -> bool:
     """Whether ``b`` is these index tensors (``n`` positions) as they are now, on ``stream``: the same objects, their
-    version counters and addresses unchanged (a ``.data`` swap keeps identity and version, not the address)."""
+    version counters, addresses and lengths unchanged (a ``.data`` swap keeps identity and version; a swap to a view
+    of the same storage keeps the address too, not the device tensor's length)."""
     return (b.host_indices is host_indices and b.device_indices is device_indices
             and host_indices._version == b.host_version and device_indices._version == b.device_version
             and host_indices.data_ptr() == b.host_ptr and device_indices.data_ptr() == b.device_ptr
-            and b.n == n and b.stream == stream)
+            and b.n == n and device_indices.numel() == n and b.stream == stream)
 
 
 def _args(st: Step, b: Batch) -> list:

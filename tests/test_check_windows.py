@@ -95,3 +95,24 @@ def test_auto_counts_each_call_of_a_pair_once_with_or_without_lanes(monkeypatch,
             pool.load_layer(layer, h, d)
             counts.append(auto._uses[pick_key(h, d, 0, False)][0])  # type: ignore[attr-defined]
     assert counts == list(range(1, 9))
+
+
+@pytest.mark.parametrize("lanes", ["0", "1"])
+@pytest.mark.parametrize("swap,error", [
+    (lambda h: h[:16].clone(), "IndexLengthMismatchError"),
+    (lambda h: h + 10 ** 6, "IndexRangeError"),
+    (lambda h: h.to(torch.int16), "IndexDtypeError"),
+], ids=["shorter", "out-of-range", "int16"])
+def test_a_data_swap_is_checked_again(monkeypatch, lanes, swap, error):
+    """``t.data = other`` keeps the tensor's identity and version counter: neither the pool's check memo nor
+    ``direct``'s plans (its lane) take the tensor for the one checked before; the call raises and writes nothing."""
+    pool, canary = _pool(lanes, monkeypatch)
+    h, d = torch.arange(0, 32), torch.arange(0, 32)
+    pool.backup_layer(1, h, d)
+    pool.backup_layer(1, h, d)  # the lane's turn
+    host = pool.binding.segments[0].host_flat.clone()
+    h.data = swap(h.data)
+    with pytest.raises(Exception) as err:
+        pool.backup_layer(1, h, d)
+    assert type(err.value).__name__ == error
+    assert torch.equal(pool.binding.segments[0].host_flat, host) and not canary.any()

@@ -25,6 +25,7 @@ from hicache_core import claunch, drvlaunch, kernel_support, launch as launch_mo
 from hicache_core.bench import SHAPES  # noqa: E402
 from hicache_core.drvlaunch import DriverKernel, expected_params  # noqa: E402
 from hicache_core.launch import Launcher, set_driver_launch  # noqa: E402
+from hicache_core.errors import IndexLengthMismatchError  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
@@ -304,6 +305,11 @@ def test_a_data_swap_is_seen_and_same_device_views_are_not_replayed(monkeypatch)
     assert h._version == version
     assert _replayed(w, load) and w.replays._batches[False] is not batch
     assert w.replays._batches[False].n == 16
+    full = d.data
+    d.data = full[:8]  # a view of the same storage: same object, version and address, 8 positions
+    with pytest.raises(IndexLengthMismatchError):
+        load()  # not replayed with the 16 positions of before: the pool's check sees the mismatch
+    d.data = full
     base = torch.stack([d, d + 1000], dim=1)  # d as a strided view
     view = base[:, 0]
     assert not view.is_contiguous()

@@ -641,7 +641,7 @@ class PlanCache:
         self.binding = cast(PoolBinding, weakref.proxy(binding))
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
-        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, Plan]] = []
+        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, tuple[int, int, int, int], Plan]] = []
         #: Early reads of device index tensors (:meth:`read_early`), newest first, at most :data:`MEMO_SLOTS`.
         self._early: list[EarlyRead] = []
         self._lock = threading.Lock()
@@ -673,6 +673,7 @@ class PlanCache:
             return plan
         # read before the plan copies the values: a write landing meanwhile leaves the plan unmemoised under them
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
+        where = _where(host_indices, device_indices)
         early = self.early_of(device_indices, stream) if self._early else None
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
                     early=early, stream=stream)
@@ -681,13 +682,19 @@ class PlanCache:
                 self._early = [e for e in self._early if e is not early]
         if hv is not None and dv is not None:
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock
-                self._slots = [(host_indices, hv, device_indices, dv, stream, plan), *self._slots][:MEMO_SLOTS]
+                self._slots = [(host_indices, hv, device_indices, dv, stream, where, plan),
+                               *self._slots][:MEMO_SLOTS]
         return plan
 
     def peek(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan | None:
-        """The memoised plan of these index tensors (the same objects, unchanged) on ``stream``, else ``None``
-        (builds nothing)."""
-        for h, hv0, d, dv0, s, plan in self._slots:  # identity first: anything else passed finds nothing
+        """The memoised plan of these index tensors (the same objects, unchanged: version counters, and addresses and
+        lengths, which a ``.data`` swap changes) on ``stream``, else ``None`` (builds nothing)."""
+        for h, hv0, d, dv0, s, where, plan in self._slots:  # identity first: anything else passed finds nothing
             if h is host_indices and d is device_indices and s == stream:
-                return plan if h._version == hv0 and d._version == dv0 else None
+                return plan if h._version == hv0 and d._version == dv0 and _where(h, d) == where else None
         return None
+
+
+def _where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[int, int, int, int]:
+    """Addresses and lengths of an index pair (a ``.data`` swap keeps a tensor's identity and version, not these)."""
+    return host_indices.data_ptr(), host_indices.numel(), device_indices.data_ptr(), device_indices.numel()
