@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Sequence, TextIO
 
 import torch
 
+from .envflags import OFF
 from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
@@ -785,7 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _configure_logging(verbose: int) -> None:
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    if os.environ.get(ENV_TRACE, "") not in ("", "0"):  # resolutions are INFO records of the registry
+    if os.environ.get(ENV_TRACE, "").strip().lower() not in ("", *OFF):  # resolutions are INFO records of the registry
         logging.getLogger(f"{__package__}.registry").setLevel(min(level, logging.INFO))
 
 

@@ -30,13 +30,15 @@ import logging
 import os
 import sys
 import threading
+import types
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 import pluggy
 
 from . import hookspecs
-from .errors import DuplicateRegistrationError, PluginLoadError, ResolutionError, UnknownLayoutError
+from .envflags import OFF
+from .errors import DuplicateRegistrationError, PluginLoadError, RegistryError, ResolutionError, UnknownLayoutError
 from .layout import Layout
 from .spec import PoolSpec
 from .strategy import ANY_LAYOUT, Strategy, StrategyInfo
@@ -146,7 +148,7 @@ class Registry:
         self._exact: dict[tuple[str, str, bool], str] = {}
         #: every duplicate registration, in the order found (see :class:`Conflict`)
         self.conflicts: list[Conflict] = []
-        self.trace = self.env.get(ENV_TRACE, "") not in ("", "0")
+        self.trace = self.env.get(ENV_TRACE, "").strip().lower() not in ("", *OFF)
         if self.trace:
             self.pm.trace.root.setwriter(lambda msg: logger.info("pluggy: %s", msg.rstrip()))
             self.pm.enable_tracing()
@@ -183,20 +185,37 @@ class Registry:
         hook, is recorded as broken and everything it registered is withdrawn.
         """
         self.plugins.append(record)
-        unknown = [n for n in dir(plugin) if n.startswith("hicache_") and not hasattr(self.pm.hook, n)]
+        # hook implementations: functions marked with hookimpl.  Unknown: a marked one no hook specifies, or one named
+        # hicache_register_* (a misspelt hook); a module may import hicache_core or name other helpers hicache_*
+        funcs = {n: f for n in dir(plugin) if n.startswith("hicache_")
+                 and callable(f := getattr(plugin, n, None)) and not isinstance(f, (type, types.ModuleType))}
+        marked = {n for n, f in funcs.items() if getattr(f, f"{hookspecs.PROJECT}_impl", None) is not None}
+        unknown = [n for n in funcs if not hasattr(self.pm.hook, n) and (n in marked or n.startswith("hicache_register_"))]
         if unknown:
             self._broken(record, f"implements unknown hooks {unknown}", explicit, append=False)
             return
+        bare = [n for n in funcs if hasattr(self.pm.hook, n) and n not in marked]
+        if bare:
+            logger.warning("hicache plugin %r (%s): %s not marked with @hicache_core.hookimpl: never called",
+                           record.name, record.label, bare)
+        # two phases: the hooks' registrations are collected, and enter the registry only when every hook succeeded
+        # (a plugin failing half-way leaves no layout, strategy or conflict of its own behind)
+        layouts: list[Layout] = []
+        infos: list[StrategyInfo] = []
         try:
             self.pm.register(plugin, name=record.name)
             self.pm.check_pending()
-            self._call(plugin, "hicache_register_layouts", lambda lay: self._add_layout(lay, record))
-            self._call(plugin, "hicache_register_strategies", lambda info: self._add_strategy(info, record))
-        except DuplicateRegistrationError:
-            raise
+            self._call(plugin, "hicache_register_layouts", layouts.append)
+            self._call(plugin, "hicache_register_strategies", infos.append)
         except Exception as exc:
-            self._withdraw(record, plugin)
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
             self._broken(record, f"registration failed: {type(exc).__name__}: {exc}", explicit, append=False)
+            return
+        for lay in layouts:
+            self._add_layout(lay, record)
+        for info in infos:
+            self._add_strategy(info, record)
 
     def _call(self, plugin: Any, hook: str, register: Any) -> None:
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
@@ -210,17 +229,6 @@ class Registry:
         if explicit:
             raise PluginLoadError(f"hicache plugin {record.name!r} ({record.label}) was requested but {why}")
         logger.warning("hicache plugin %r (%s) skipped: %s", record.name, record.label, why)
-
-    def _withdraw(self, record: PluginRecord, plugin: Any) -> None:
-        for name in record.layouts:
-            self.layouts.pop(name, None)
-        for name in record.strategies:
-            self.strategies.pop(name, None)
-        self._exact = {k: v for k, v in self._exact.items() if v not in record.strategies}
-        record.layouts.clear()
-        record.strategies.clear()
-        if self.pm.is_registered(plugin):
-            self.pm.unregister(plugin)
 
     def _conflict(self, kind: str, name: str, first: tuple[PluginRecord, str] | None,
                   record: PluginRecord, detail: str = "") -> Conflict:
@@ -350,7 +358,11 @@ class Registry:
             raise DuplicateRegistrationError(conflict.message)
         cands = self.candidates(layout, io_backend, key_sharded)
         rejected: list[tuple[str, str]] = []
-        reason = lay.check(spec)
+        try:
+            reason = lay.check(spec)
+        except Exception as exc:  # a plugin's bug: a rejection naming it, as a raising supports() is
+            owner = self.layouts[layout][1]
+            reason = f"its check() raised {type(exc).__name__}: {exc} (a bug of plugin {owner.name!r}, {owner.label})"
         if reason:
             return None, [(f"layout {layout}", reason)]
         if override is None:
@@ -407,20 +419,22 @@ class Registry:
         lines = [f"no strategy serves (layout={layout!r}, io_backend={io_backend!r}, sharded={spec.sharded}) "
                  f"for {spec.describe()}:"]
         lines += [f"  {name}: {why}" for name, why in rejected]
-        alts = self.alternatives(spec, layout, io_backend)
+        alts = self.alternatives(spec, layout, io_backend, options)
         lines.append("nearest working alternatives: " + (", ".join(alts) if alts else "(none)"))
         lines.append(self.inventory())
         raise ResolutionError("\n".join(lines))
 
-    def alternatives(self, spec: PoolSpec, layout: str, io_backend: str) -> list[str]:
-        """Keys that do resolve for ``spec``: same layout other backends, then same backend other layouts."""
+    def alternatives(self, spec: PoolSpec, layout: str, io_backend: str,
+                     options: Mapping[str, Any] | None = None) -> list[str]:
+        """Keys that do resolve for ``spec`` (with ``options``): same layout other backends, then same backend other
+        layouts."""
         out = []
         pairs = [(layout, b) for b in self.io_backends if b != io_backend]
         pairs += [(lay, io_backend) for lay in sorted(self.layouts) if lay != layout]
         for lay, backend in pairs:
             if lay not in self.layouts or self.conflict_for(lay, backend, spec.sharded) is not None:
                 continue
-            res, _ = self.try_resolve(spec, lay, backend)
+            res, _ = self.try_resolve(spec, lay, backend, options=options)
             if res is not None:
                 out.append(f"--layout {lay} --io-backend {backend} ({res.info.name})")
         return out
@@ -453,17 +467,30 @@ def create_registry(
 
 
 _default: Registry | None = None
-_DEFAULT_LOCK = threading.Lock()
+_DEFAULT_LOCK = threading.RLock()
+_CREATING: list[int] = []  # the thread creating the default registry (while it runs plugins' hooks)
 
 
 def default_registry() -> Registry:
-    """The process-wide registry, created on first use."""
+    """The process-wide registry, created on first use.
+
+    :raises RegistryError: called from a plugin's hook while the default registry is being created (it would wait
+        for itself); a hook gets what it needs through its ``register`` argument."""
     global _default
-    if _default is None:
-        with _DEFAULT_LOCK:
-            if _default is None:
+    reg = _default
+    if reg is not None:
+        return reg
+    with _DEFAULT_LOCK:
+        if _default is None:
+            if threading.get_ident() in _CREATING:
+                raise RegistryError("default_registry() was called from a plugin hook while the default registry "
+                                    "is being created; a hook must not use the registry it registers into")
+            _CREATING.append(threading.get_ident())
+            try:
                 _default = create_registry()
-    return _default
+            finally:
+                _CREATING.remove(threading.get_ident())
+        return _default
 
 
 def reset_default_registry() -> None:

@@ -372,3 +372,84 @@ def test_layout_name_check_catches_dispatch(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text('"""Docs may say page_first."""\ndef f(layout):\n    if layout == "page_first":\n        return 1\n')
     assert [w for _, w in _code_words(bad) if "page_first" in w] == ["page_first"]
+
+
+# -- plugins failing half-way, plugin modules, re-entry ---------------------------------------
+def test_a_plugin_failing_half_way_leaves_no_conflict_behind():
+    """Its registrations are collected and enter the registry only when every hook succeeded: a plugin registering a
+    name another plugin holds, then raising, takes nothing from it (no conflict outlives it)."""
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    class Copycat:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
+            register(PageHeadLayout())
+            raise RuntimeError("hook exploded")
+
+    reg = create_registry(env=BASE, plugins=[("copycat", Copycat())])
+    assert "page_head" in reg.layouts and reg.conflicts == []
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+    assert next(p for p in reg.plugins if p.name == "copycat").error == "registration failed: RuntimeError: hook exploded"
+
+
+def test_a_plugin_module_may_import_hicache_core_and_name_helpers_alike(caplog):
+    """Only functions marked with ``hookimpl`` are hooks: a module attribute ``hicache_core`` (the import) or a helper
+    named ``hicache_*`` is no unknown hook; a hook function left unmarked is never called, with a warning."""
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    module = types.ModuleType("vendor_plugin")
+    module.hicache_core = hicache_core  # type: ignore[attr-defined]
+    module.hicache_helper = lambda: None  # type: ignore[attr-defined]
+
+    def hicache_register_layouts(register: Callable[[object], None]) -> None:
+        register(PageHeadLayout())
+
+    module.hicache_register_layouts = hicache_register_layouts  # type: ignore[attr-defined]
+    caplog.set_level(logging.WARNING, logger="hicache_core.registry")
+    reg = create_registry(env={"HICACHE_PLUGINS": "core"}, plugins=[("vendor", module)])
+    assert next(p for p in reg.plugins if p.name == "vendor").error is None
+    assert "page_head" not in reg.layouts  # unmarked: not called
+    assert "['hicache_register_layouts'] not marked with @hicache_core.hookimpl" in caplog.text
+    module.hicache_register_layouts = hookimpl(hicache_register_layouts)  # type: ignore[attr-defined]
+    reg = create_registry(env={"HICACHE_PLUGINS": "core"}, plugins=[("vendor", module)])
+    assert "page_head" in reg.layouts
+
+
+def test_a_layout_whose_check_raises_is_a_rejection_naming_its_plugin():
+    """A layout plugin's ``check()`` raising is that plugin's bug: resolving with it is a rejection naming the plugin,
+    and resolution errors about other layouts still list their alternatives."""
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    class Broken(PageHeadLayout):
+        name = "broken_check"
+
+        def check(self, spec):  # type: ignore[no-untyped-def]
+            raise KeyError("head_num")
+
+    reg = create_registry(env=BASE, plugins=[("brittle", layouts(Broken()))])
+    res, rejected = reg.try_resolve(mha(), "broken_check", "direct")
+    assert res is None and "check() raised KeyError: 'head_num' (a bug of plugin 'brittle'" in rejected[0][1]
+    with pytest.raises(ResolutionError, match="nearest working alternatives"):
+        reg.resolve(mha(), "page_head", "no_such_backend")
+
+
+def test_a_hook_calling_default_registry_while_it_is_made_fails_its_plugin_not_the_process(monkeypatch):
+    """``default_registry()`` from a plugin hook while the default registry is being created would wait for itself:
+    it raises instead, and that plugin is reported broken."""
+    class Reentrant:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
+            registry_module.default_registry()
+
+    real = registry_module.create_registry
+    monkeypatch.setattr(registry_module, "create_registry", lambda: real(env=BASE, plugins=[("reentrant", Reentrant())]))
+    monkeypatch.setattr(registry_module, "_default", None)
+    reg = registry_module.default_registry()
+    rec = next(p for p in reg.plugins if p.name == "reentrant")
+    assert rec.error is not None and "called from a plugin hook while the default registry is being created" in rec.error
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("yes", True), ("0", False), ("off", False), ("False", False),
+                                      ("", False)])
+def test_trace_switch_reads_off_values_as_off(value, on):
+    assert create_registry(env={**BASE, "HICACHE_TRACE": value}).trace is on
