@@ -571,11 +571,23 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"hicache bench --peers: {exc}", file=sys.stderr)
             return 2
         return int(peers.main(["--out", args.out, *shlex.split(args.peers_args)]) or 0)
-    os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
-        with open(args.plot_only) as f:
-            data = json.load(f)
-        return 0 if plot(data["rows"], os.path.join(args.out, "bench.png")) else 1
+        try:
+            with open(args.plot_only) as f:
+                rows = json.load(f)["rows"]
+            if not isinstance(rows, list):
+                raise TypeError(f"'rows' must be a list, got {type(rows).__name__}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"hicache bench --plot-only: cannot read rows from {args.plot_only} ({type(exc).__name__}: {exc}); "
+                  "give a bench.json written by hicache bench", file=sys.stderr)
+            return 2
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        print(f"hicache bench: cannot create --out {args.out} ({exc})", file=sys.stderr)
+        return 2
+    if args.plot_only:
+        return 0 if plot(rows, os.path.join(args.out, "bench.png")) else 1
     progress = _progress_printer()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "argv": sys.argv[1:]}

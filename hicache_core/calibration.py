@@ -16,8 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -74,30 +76,78 @@ def calibration_path() -> str:
     return os.environ.get(ENV_CALIBRATION) or os.path.join(os.path.expanduser("~"), ".cache", "hicache", "calibration.json")
 
 
+#: Keys an entry of the calibration file may hold besides :class:`Calibration`'s fields.
+_EXTRA_KEYS = {"measurements"}
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` at WARNING the first time (pools load the calibration one by one)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
+
+
+def _number(entry: dict, key: str, default: float | None = None, *, integer: bool = False) -> Any:
+    """``entry[key]`` (``default`` where absent) as a finite number (an integer where ``integer``)."""
+    if key not in entry:
+        if default is None:
+            raise KeyError(f"{key!r} is missing")
+        return default
+    value = entry[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key!r} must be a finite number, got {value!r}")
+    if integer and not (isinstance(value, int) or float(value).is_integer()):
+        raise ValueError(f"{key!r} must be a whole number of bytes, got {value!r}")
+    return int(value) if integer else float(value)
+
+
 def load_calibration(device: torch.device) -> Calibration:
-    """The calibration for ``device``'s GPU model: the file's entry if any, else :data:`DEFAULT`."""
+    """The calibration for ``device``'s GPU model (``cpu`` for CPU pools): the file's entry if any, else
+    :data:`DEFAULT`.  A file that ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of
+    GPU entries, without an entry for this GPU, or with a malformed entry (a value that is not a finite number,
+    block sizes that are not whole positive numbers) gives :data:`DEFAULT` with a warning naming the file and the
+    fix (once per message); unknown keys are warned about and ignored."""
     path = calibration_path()
+    named = bool(os.environ.get(ENV_CALIBRATION))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fix = "run `hicache calibrate` on this GPU, or fix the file"
     try:
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
+        if named:
+            _warn_once(f"hicache: {ENV_CALIBRATION}={path} does not exist; using the shipped calibration ({DEFAULT.gpu}); "
+                       f"{fix}")
         return DEFAULT
     except (OSError, ValueError) as exc:
-        logger.warning("hicache: ignoring unreadable calibration %s (%s); using shipped defaults", path, exc)
+        _warn_once(f"hicache: ignoring unreadable calibration {path} ({exc}); using the shipped calibration; {fix}")
         return DEFAULT
-    entry = data.get(gpu) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        _warn_once(f"hicache: calibration {path} must be a JSON object of GPU name -> entry, got {type(data).__name__}; "
+                   f"using the shipped calibration; {fix}")
+        return DEFAULT
+    entry = data.get(gpu)
     if entry is None:
+        if named or data:
+            _warn_once(f"hicache: calibration {path} has no entry for {gpu!r} (entries: {sorted(data)}); using the "
+                       f"shipped calibration ({DEFAULT.gpu}); {fix}")
         return DEFAULT
     try:
-        cal = Calibration(gpu, int(entry["d2h_min_block"]), int(entry["h2d_min_block"]), str(entry.get("source", path)),
-                          float(entry.get("submit_us", DEFAULT.submit_us)), float(entry.get("link_gbps", DEFAULT.link_gbps)),
-                          float(entry.get("call_us", DEFAULT.call_us)))
+        if not isinstance(entry, dict):
+            raise TypeError(f"the entry must be an object, got {type(entry).__name__}")
+        unknown = sorted(set(entry) - {f for f in Calibration.__dataclass_fields__ if f != "gpu"} - _EXTRA_KEYS)
+        if unknown:
+            _warn_once(f"hicache: calibration {path} entry {gpu!r}: unknown keys {unknown} ignored")
+        cal = Calibration(gpu, _number(entry, "d2h_min_block", integer=True), _number(entry, "h2d_min_block", integer=True),
+                          str(entry.get("source", path)), _number(entry, "submit_us", DEFAULT.submit_us),
+                          _number(entry, "link_gbps", DEFAULT.link_gbps), _number(entry, "call_us", DEFAULT.call_us))
         if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or min(cal.submit_us, cal.call_us) < 0 or cal.link_gbps <= 0:
             raise ValueError("block sizes and link_gbps must be positive, submit_us and call_us not negative")
         return cal
     except (KeyError, TypeError, ValueError) as exc:
-        logger.warning("hicache: calibration %s entry %r is malformed (%s); using shipped defaults", path, gpu, exc)
+        _warn_once(f"hicache: calibration {path} entry {gpu!r} is malformed ({exc}); using the shipped calibration; "
+                   f"{fix}")
         return DEFAULT
 
 
@@ -148,16 +198,53 @@ def _threshold(rows: list[dict[str, float]], to_host: bool, target: float, fallb
     return ok[0] if ok else fallback
 
 
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be a ratio in (0, 1], got {text!r}")
+    return value
+
+
 def add_parser(subparsers: Any) -> None:
+    from .cli import _positive_int
+
     p = subparsers.add_parser("calibrate", help="measure this GPU's copy-engine block-size thresholds for auto")
-    p.add_argument("--target", type=float, default=0.92, help="ratio to memcpy the copy engine must reach (default 0.92)")
-    p.add_argument("--total-mb", type=int, default=64, help="bytes per measurement, MB (default 64)")
+    p.add_argument("--target", type=_share, default=0.92, help="ratio to memcpy the copy engine must reach, in (0, 1] "
+                   "(default 0.92)")
+    p.add_argument("--total-mb", type=_positive_int, default=64, help="bytes per measurement, MB (default 64)")
     p.add_argument("--out", default=None, help=f"file to update (default {ENV_CALIBRATION} or ~/.cache/hicache/calibration.json)")
     p.set_defaults(func=_cmd)
 
 
+def _existing(path: str) -> dict:
+    """The calibration file at ``path`` to update (``{}`` when there is none).
+
+    :raises ValueError: the file exists but is not a JSON object (it is never overwritten then)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"calibration file {path} exists but cannot be read ({exc}); fix or move it, or pass --out "
+                         "another file (it is never overwritten)") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"calibration file {path} is not a JSON object of GPU name -> entry; fix or move it, or pass "
+                         "--out another file (it is never overwritten)")
+    return data
+
+
 def _cmd(args: argparse.Namespace) -> int:
     # the CLI refuses the command without CUDA before it gets here (usage error, exit 2)
+    path = args.out or calibration_path()
+    try:
+        data = _existing(path)  # before measuring: a file that would be lost stops the command
+    except ValueError as exc:
+        print(f"hicache calibrate: {exc}", file=sys.stderr)
+        return 2
     blocks = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10]
     rows = measure(blocks, args.total_mb * 1_000_000)
     for r in rows:
@@ -169,12 +256,6 @@ def _cmd(args: argparse.Namespace) -> int:
                       f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
                       statistics.median(r["submit_us_per_block"] for r in rows),
                       statistics.median(r["memcpy_gbps"] for r in rows))
-    path = args.out or calibration_path()
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        data = {}
     data[gpu] = {**{k: v for k, v in asdict(cal).items() if k != "gpu"}, "measurements": rows}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -7,7 +7,8 @@ registry from the environment, so ``HICACHE_PLUGINS``, ``HICACHE_DISABLE_PLUGINS
 each resolution on stderr).
 
 Exit codes: 0 success; 1 ``verify`` found a failing cell; 2 a usage, registry
-or resolution error (unknown names, ``explain`` on a miss, no CUDA for ``bench``).
+or resolution error (unknown names, ``explain`` on a miss, no CUDA for ``bench``, ``verify`` with
+nothing left to verify).
 
 Each subcommand is one ``_cmd_<name>(args) -> int`` plus one ``_parser_<name>(sub)``
 listed in :data:`SUBCOMMANDS`; adding a subcommand is adding such a pair.
@@ -566,7 +567,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         timed = [] if args.no_timing else [representative_spec(k, False, device, tokens=tokens, medium=True)
                                            for k in kinds]
         print(render_verify(rows, device, timed))
-    return 1 if any(r.result == "FAIL" for r in rows) else 0
+    if any(r.result == "FAIL" for r in rows):
+        return 1
+    if not any(r.result == "PASS" for r in rows):  # filters or settings that leave nothing to verify prove nothing
+        print(f"hicache verify: no cell was verified ({_n(len(rows), 'cell')}, all skipped: see the notes); check the "
+              "filters and the HICACHE_* settings", file=sys.stderr)
+        return 2
+    return 0
 
 
 # -- doctor --------------------------------------------------------------------------
@@ -761,6 +768,8 @@ def _parser_calibrate(sub: argparse._SubParsersAction, common: argparse.Argument
 
     calibration.add_parser(sub)
     p = sub.choices["calibrate"]
+    p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="log INFO (-v) or DEBUG (-vv) to stderr")
     p.set_defaults(func=_needs_cuda(p.get_default("func")))
 
 

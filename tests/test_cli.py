@@ -402,10 +402,11 @@ def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("k", _FakeKernelPlugin())]))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
-    assert rc == 0 and out.splitlines()[-5] == (
+    rc, out, err = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
+    assert rc == 2 and out.splitlines()[-5] == (  # nothing verified: not a success
         "[1] fake.kernel: Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); the pool is on cpu")
     assert "SKIP" in out.splitlines()[3]
+    assert "hicache verify: no cell was verified (1 cell, all skipped: see the notes)" in err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
     assert rc == 0 and out.splitlines()[-5] == "[1] not timed: Triton interpreter (TRITON_INTERPRET=1)"
@@ -607,3 +608,19 @@ def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
     assert (seen["hbm"], seen["gemm"], seen["ops"]) == (True, False, ["backup_all_layers"])
     assert bench.main(["--out", str(tmp_path), "--gemm"]) == 0
     assert (seen["hbm"], seen["gemm"]) == (False, True)
+
+
+def test_bench_plot_only_reports_unreadable_input_without_a_traceback(capsys, tmp_path):
+    out_dir = tmp_path / "results"
+    bad = tmp_path / "bad.json"
+    for content in (None, "{not json", '{"meta": {}}'):
+        if content is not None:
+            bad.write_text(content)
+        rc, _, err = run(capsys, "bench", "--plot-only", str(bad), "--out", str(out_dir))
+        assert rc == 2 and f"hicache bench --plot-only: cannot read rows from {bad}" in err
+        assert "Traceback" not in err and not out_dir.exists()  # nothing made before the input was read
+
+
+def test_calibrate_takes_verbose_after_its_name():
+    args = cli.build_parser().parse_args(["calibrate", "-vv", "--target", "0.9"])
+    assert args.verbose == 2 and args.target == 0.9

@@ -29,7 +29,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
     """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
     every slot of such a pool (estimated on a CPU copy of the pool: block sizes do not depend on
     the device).  For ``hicache explain``."""
-    cal = load_calibration(spec.device) if spec.device.type == "cuda" and torch.cuda.is_available() else DEFAULT
+    # what the pool would load (a CPU pool reads the file's "cpu" entry), but for a CUDA spec where torch sees no GPU
+    cal = load_calibration(spec.device) if spec.device.type != "cuda" or torch.cuda.is_available() else DEFAULT
     lines = [
         f"auto: the copy engine serves a call when its smallest copy block is >= {cal.d2h_min_block} B (backups) / "
         f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "

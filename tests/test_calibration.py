@@ -1,0 +1,108 @@
+"""The calibration file as ``auto`` reads it and ``hicache calibrate`` updates it: what is taken, what falls back to
+the shipped values with a warning naming the file and the fix, and what the command refuses before it measures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import pytest
+import torch
+
+from hicache_core import calibration
+from hicache_core.calibration import DEFAULT, load_calibration
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cal_file(tmp_path, monkeypatch):
+    """A calibration path named by ``HICACHE_CALIBRATION`` (not yet written), warnings not yet given."""
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("HICACHE_CALIBRATION", str(path))
+    monkeypatch.setattr(calibration, "_warned", set())
+    return path
+
+
+def _write(path, entry) -> None:
+    path.write_text(json.dumps({"cpu": entry}, allow_nan=True))
+
+
+GOOD = {"d2h_min_block": 4096, "h2d_min_block": 8192, "submit_us": 0.4, "link_gbps": 50.0, "call_us": 5.0}
+
+
+def test_a_good_entry_is_taken(cal_file):
+    _write(cal_file, {**GOOD, "source": "test", "measurements": []})
+    cal = load_calibration(CPU)
+    assert (cal.gpu, cal.d2h_min_block, cal.h2d_min_block, cal.submit_us, cal.link_gbps, cal.call_us, cal.source) == \
+        ("cpu", 4096, 8192, 0.4, 50.0, 5.0, "test")
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"link_gbps": float("nan")}, "'link_gbps' must be a finite number, got nan"),
+    ({"submit_us": float("inf")}, "'submit_us' must be a finite number, got inf"),
+    ({"d2h_min_block": 1e400}, "'d2h_min_block' must be a finite number"),
+    ({"d2h_min_block": True}, "'d2h_min_block' must be a finite number, got True"),
+    ({"h2d_min_block": 1.9}, "'h2d_min_block' must be a whole number of bytes, got 1.9"),
+    ({"h2d_min_block": "16k"}, "'h2d_min_block' must be a finite number, got '16k'"),
+    ({"link_gbps": 0}, "block sizes and link_gbps must be positive"),
+])
+def test_a_malformed_entry_falls_back_with_a_warning(cal_file, caplog, change, why):
+    _write(cal_file, {**GOOD, **change})
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        assert load_calibration(CPU) == DEFAULT
+    assert f"calibration {cal_file} entry 'cpu' is malformed" in caplog.text and why in caplog.text
+    assert "hicache calibrate" in caplog.text
+
+
+@pytest.mark.parametrize("content,why", [
+    (None, "does not exist"),
+    ("[1, 2]", "must be a JSON object of GPU name -> entry, got list"),
+    ('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1}}', "has no entry for 'cpu' (entries: ['NVIDIA A100'])"),
+    ("{not json", "ignoring unreadable calibration"),
+])
+def test_a_named_file_that_gives_nothing_for_this_device_is_warned_about(cal_file, caplog, content, why):
+    if content is not None:
+        cal_file.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        assert load_calibration(CPU) == DEFAULT
+        assert load_calibration(CPU) == DEFAULT  # pools load it one by one: warned once
+    assert why in caplog.text and len(caplog.records) == 1
+
+
+def test_unknown_keys_are_warned_about_and_ignored(cal_file, caplog):
+    _write(cal_file, {**GOOD, "link_gpbs": 12.0})
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        assert load_calibration(CPU).link_gbps == 50.0
+    assert "unknown keys ['link_gpbs'] ignored" in caplog.text
+
+
+def test_calibrate_never_overwrites_a_file_it_cannot_read(cal_file, capsys, monkeypatch):
+    """An existing file that is not JSON (a hand edit with a trailing comma) or not an object stops the command
+    before it measures anything (exit 2, naming the file); a readable one keeps its other GPUs' entries."""
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured before checking the file"))
+    args = argparse.Namespace(out=None, target=0.92, total_mb=64)
+    for text in ('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1},}', "[1]"):
+        cal_file.write_text(text)
+        assert calibration._cmd(args) == 2
+        assert cal_file.read_text() == text
+        assert f"calibration file {cal_file}" in capsys.readouterr().err
+    rows = [{"to_host": t, "block": 4096, "gbps": 50.0, "memcpy_gbps": 52.0, "ratio": 0.96,
+             "submit_us_per_block": 0.5} for t in (True, False)]
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: rows)
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    cal_file.write_text('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1}}')
+    assert calibration._cmd(args) == 0
+    data = json.loads(cal_file.read_text())
+    assert sorted(data) == ["NVIDIA A100", "NVIDIA H200"] and data["NVIDIA H200"]["d2h_min_block"] == 4096
+
+
+@pytest.mark.parametrize("flag,value", [("--target", "5"), ("--target", "nan"), ("--target", "0"),
+                                        ("--total-mb", "0"), ("--total-mb", "-3")])
+def test_calibrate_refuses_out_of_range_options(flag, value, capsys):
+    parser = argparse.ArgumentParser()
+    calibration.add_parser(parser.add_subparsers())
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["calibrate", flag, value])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
