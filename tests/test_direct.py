@@ -969,7 +969,9 @@ def _fake_runtime_3d(version: int, fail_at_call: int | None = None, err: int = 8
         calls3d.append((count, ops, rest))
         return err if fail_at_call is not None and len(calls3d) - 1 == fail_at_call else 0
     rt._batch3d = batch3d
-    rt._lib = type("Lib", (), {"cudaGetErrorString": staticmethod(lambda code: b"operation not supported")})()
+    rt.cleared = []  # type: ignore[attr-defined]
+    rt._lib = type("Lib", (), {"cudaGetErrorString": staticmethod(lambda code: b"operation not supported"),
+                               "cudaGetLastError": staticmethod(lambda: rt.cleared.append(1) or 0)})()
     return rt, calls, calls3d
 
 
@@ -1001,6 +1003,7 @@ class _FakeLib:
         self.cudaGetErrorString = lambda *a: b""
         self.cudaMemcpyAsync = self.cudaMemcpyBatchAsync = noop
         self.cudaMemcpy3DBatchAsync = lambda *a: 0
+        self.cudaGetLastError = lambda: 0
 
 
 @pytest.mark.parametrize("version, pitched", [(12080, False), (12090, False), (13000, True), (13020, True)])
@@ -1048,9 +1051,11 @@ def test_pitched_copies_raise_when_a_later_call_fails(monkeypatch):
     n = 40
     k = torch.arange(n, dtype=torch.int64)
     p = Pitched(k * 64, k * 64, torch.full((n,), 64), torch.full((n,), 2), torch.full((n,), 1 << 20), torch.full((n,), 1 << 20))
-    with pytest.raises(BatchSubmitError, match="16 of the 40 copies of this call were queued before it") as err:
+    with pytest.raises(BatchSubmitError, match="16 of the 40 copies of this call were queued by earlier runtime "
+                                               "calls") as err:
         copier.copy_pitched(p, lambda: ops_tensor(p, to_host=False), to_host=False, stream=5)
     assert err.value.submitted == 16 and not calls  # no plain fallback after a partial submission
+    assert rt.cleared == [1]  # the runtime's last error reset: torch would raise it after its next kernel launch
 
 
 def test_copier_reads_the_current_stream_through_torchs_raw_accessor_or_the_public_api(monkeypatch):

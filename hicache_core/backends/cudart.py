@@ -87,8 +87,10 @@ def submit_in_schedule(n: int, submit: Callable[[int, int], int], call: str, rt:
     for count in batch_schedule(n, eager):
         err = submit(start, count)
         if err:
+            rt.clear_error()
             raise BatchSubmitError(f"{call} failed: {rt.error_string(err)} (cudaError {err}); {start} of the "
-                                   f"{n} copies of this call were queued before it, the rest were not", start)
+                                   f"{n} copies of this call were queued by earlier runtime calls, the failing call's "
+                                   "copies were not (or only in part)", start)
         start += count
 
 
@@ -143,6 +145,8 @@ class CudaRuntime:
         self.driver_version = int(drv.value)
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaGetLastError.argtypes = []
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.cudaMemcpyAsync.argtypes = [vp, vp, sz, ctypes.c_int, vp]
         lib.cudaMemcpyAsync.restype = ctypes.c_int
@@ -177,6 +181,13 @@ class CudaRuntime:
     def has_batch3d(self) -> bool:
         """Whether pitched copies go in one ``cudaMemcpy3DBatchAsync`` call (CUDA 13 runtime and driver)."""
         return getattr(self, "_batch3d", None) is not None
+
+    def clear_error(self) -> None:
+        """Reset the runtime's last error of this thread after a failed call this module reports itself
+        (``cudaGetLastError``): torch checks that error after its own kernel launches and would raise it there."""
+        lib = getattr(self, "_lib", None)
+        if lib is not None:
+            lib.cudaGetLastError()
 
     def error_string(self, code: int) -> str:
         msg = self._lib.cudaGetErrorString(code)
@@ -249,6 +260,7 @@ class CudaRuntime:
         for i, (dst, src, n) in enumerate(triples):
             err = self._lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEFAULT, stream)
             if err:
+                self.clear_error()
                 raise BatchSubmitError(f"cudaMemcpyAsync failed: {self.error_string(err)} (cudaError {err}); {i} of "
                                        f"the {len(triples)} copies of this call were queued before it, the rest were not", i)
 
