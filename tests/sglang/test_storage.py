@@ -217,3 +217,38 @@ def test_storage_roundtrip(hooked, plugin_layouts, tmp_path, kind, layout, io_ba
             keep = torch.ones(got.shape[0], dtype=torch.bool)
             keep[d2] = False
             assert same_bytes(got[keep.to(got.device)], old[keep.to(old.device)]), f"layer {d}: other rows moved"
+
+
+@pytest.mark.parametrize("kind", ["mla", "mla_sharded", "mha"])
+def test_registered_buffers_cover_every_page_block_of_kv_split(hooked, kind):
+    """Zero-copy storage backends register ``kv_buffer`` plus ``get_hybrid_pool_buffer()``: for the
+    ``page_first_kv_split`` buffers hicache allocates, those cover every block ``get_page_buffer_meta`` names (MLA
+    rope rows live in a buffer of their own)."""
+    dev, host = make_pools(kind, "page_first_kv_split")
+    bufs = [host.kv_buffer, *getattr(host, "get_hybrid_pool_buffer", lambda: [])()]
+    regions = [(b.data_ptr(), b.numel() * b.element_size()) for b in bufs if b is not None]
+    for page in range(3):
+        ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * host.page_size, (page + 1) * host.page_size))
+        assert ptrs and all(any(a <= p and p + n <= a + m for a, m in regions) for p, n in zip(ptrs, sizes))
+
+
+def test_page_hooks_take_only_the_first_slot_of_a_page(hooked):
+    """A slot inside a page, or a non-integer, raises instead of naming the page that holds it (an off-by-one in a
+    storage backend would read or overwrite a neighbouring page)."""
+    dev, host = make_pools("mha", "page_first_kv_split")
+    ps = host.page_size
+    page = host.get_data_page(ps)
+    assert torch.equal(host.get_data_page(torch.tensor(ps)), page)  # a 0-d integer tensor is an integer
+    for bad in (ps + 1, ps + 0.5, "4"):
+        with pytest.raises(ValueError, match="get_data_page: "):
+            host.get_data_page(bad)
+    before = host.get_data_page(ps)
+    with pytest.raises(ValueError, match="host slot 5 does not start a page"):
+        host.set_from_flat_data_page(ps + 1, torch.zeros_like(page))
+    assert torch.equal(host.get_data_page(ps), before)
+    slots = torch.arange(ps, 2 * ps)
+    assert host.get_page_buffer_meta(slots)[0]
+    with pytest.raises(ValueError, match="get_page_buffer_meta: host slot 5 does not start a page"):
+        host.get_page_buffer_meta(slots + 1)
+    with pytest.raises(ValueError, match="are not the 4 consecutive slots of one page"):
+        host.get_page_buffer_meta(slots[[0, 1, 3, 2]])

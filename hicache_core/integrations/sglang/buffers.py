@@ -63,6 +63,9 @@ def _mla(host: Any) -> torch.Tensor:
     if not packed:
         rope = host.qk_rope_head_dim
         host.v_buffer = alloc_host(host, (P, L, ps, 1, rope), host.dtype, ps * L * rope * item)
+        # zero-copy storage backends (Mooncake, UMBP) register kv_buffer plus get_hybrid_pool_buffer(); SGLang's MLA
+        # pools have no such method, so without it the rope buffer, a page's second block, would go unregistered
+        host.get_hybrid_pool_buffer = lambda: [host.k_buffer, host.v_buffer]
     host.index_k_buffer = None
     host.index_k_scale_buffer = None
     host.token_stride_size = host.kv_cache_dim * item

@@ -18,6 +18,7 @@ off NPU, plugin layouts) the AROUND hooks below answer from
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
@@ -49,6 +50,20 @@ def page_pool(host: Any) -> HostKVPool | None:
     return bridge_for(host, None, _PAGE_IO).pool
 
 
+def _page_of(host: Any, index: Any, what: str) -> int:
+    """The page whose first host slot is ``index`` (an integer: int, NumPy integer, 0-d integer tensor).
+
+    :raises ValueError: ``index`` is not an integer, or not the first slot of a page (a neighbouring page would be
+        read or written instead)."""
+    try:
+        slot = operator.index(index)
+    except TypeError:
+        raise ValueError(f"{what}: index must be an integer host slot, got {index!r}") from None
+    if slot % host.page_size:
+        raise ValueError(f"{what}: host slot {slot} does not start a page (pages of {host.page_size} slots)")
+    return slot // host.page_size
+
+
 def _flat(host: Any, data: torch.Tensor) -> torch.Tensor:
     return data.view(host.dtype) if data.numel() % host.dtype.itemsize == 0 else data
 
@@ -58,7 +73,7 @@ def get_data_page(original: Callable, self: Any, index: int, flat: bool = True) 
     pool = page_pool(self)
     if pool is None:
         return original(self, index, flat=flat)
-    return _flat(self, pool.get_page(int(index) // self.page_size))
+    return _flat(self, pool.get_page(_page_of(self, index, "get_data_page")))
 
 
 def get_dummy_flat_data_page(original: Callable, self: Any) -> torch.Tensor:
@@ -75,7 +90,7 @@ def set_from_flat_data_page(original: Callable, self: Any, index: int, data_page
     pool = page_pool(self)
     if pool is None:
         return original(self, index, data_page)
-    pool.set_page(int(index) // self.page_size, data_page)
+    pool.set_page(_page_of(self, index, "set_from_flat_data_page"), data_page)
     return None
 
 
@@ -85,7 +100,13 @@ def get_page_buffer_meta(original: Callable, self: Any, indices: Any) -> tuple[l
     if pool is None:
         return original(self, indices)
     slots = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-    if len(slots) % self.page_size:
-        raise ValueError(f"get_page_buffer_meta: {len(slots)} indices are not whole pages of {self.page_size}")
-    blocks = [b for start in slots[:: self.page_size] for b in pool.page_pointers(int(start) // self.page_size)]
+    ps = self.page_size
+    if len(slots) % ps:
+        raise ValueError(f"get_page_buffer_meta: {len(slots)} indices are not whole pages of {ps}")
+    starts = slots[::ps]
+    for k, start in enumerate(starts):
+        if slots[k * ps:(k + 1) * ps] != list(range(int(start), int(start) + ps)):
+            raise ValueError(f"get_page_buffer_meta: indices {k * ps}..{(k + 1) * ps - 1} are not the {ps} consecutive "
+                             f"slots of one page")
+    blocks = [b for start in starts for b in pool.page_pointers(_page_of(self, start, "get_page_buffer_meta"))]
     return [a for a, _ in blocks], [n for _, n in blocks]
