@@ -279,6 +279,9 @@ class HostKVPool:
     def _check_page(self, page: int) -> int:
         if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.spec.num_pages:
             raise HostBufferError(f"page must be an int in 0..{self.spec.num_pages - 1}, got {page!r}")
+        if self.validate == "strict" and not bool(self.allocator.allocated(torch.tensor([page]))[0]):
+            raise UnallocatedSlotError(f"page {page} is not allocated in this pool (freed or never allocated; "
+                                       "validate='strict'); use pages of slots from alloc()")
         return page
 
     def page_pointers(self, page: int) -> list[tuple[int, int]]:
@@ -323,8 +326,12 @@ class HostKVPool:
         work on the pool's device; otherwise synchronise the load's stream yourself.
         """
         self._check_page(page)
-        if not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.numel() * data.element_size() != self.page_bytes:
-            raise HostBufferError(f"data must be a CPU tensor of {self.page_bytes} bytes (page_bytes)")
+        if (not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.layout != torch.strided
+                or data.is_quantized or data.numel() * data.element_size() != self.page_bytes):
+            raise HostBufferError(f"data must be a dense (strided, not quantized) CPU tensor of {self.page_bytes} bytes "
+                                  "(page_bytes)")
+        if data.is_conj() or data.is_neg():
+            data = data.resolve_conj().resolve_neg()  # a lazy view: its bytes are not yet what it reads as
         if synchronize:
             self._synchronize()
         flat = data.reshape(-1).view(torch.uint8)

@@ -344,14 +344,17 @@ def test_page_out_of_range(pool: HostKVPool, method: str, page: Any) -> None:
         lambda n: torch.zeros(n, dtype=torch.float16),  # twice the bytes
         lambda n: torch.zeros(n, dtype=torch.uint8, device="meta"),
         lambda n: bytes(n),
+        lambda n: torch.quantize_per_tensor(torch.zeros(n), 1.0, 0, torch.quint8),  # torch's own copy crashed on it
+        lambda n: torch.zeros(n, dtype=torch.uint8).to_sparse(),
     ],
-    ids=["short", "long", "fp16-count-not-bytes", "meta-device", "bytes-object"],
+    ids=["short", "long", "fp16-count-not-bytes", "meta-device", "bytes-object", "quantized", "sparse"],
 )
 def test_set_page_wrong_bytes(pool: HostKVPool, data: Callable[[int], Any]) -> None:
     n = pool.page_bytes
     assert n == PS * LAYERS * HEADS * (HD + VD) * 2
     before = snapshot(pool.host_buffers)
-    with pytest.raises(HostBufferError, match=rf"data must be a CPU tensor of {n} bytes \(page_bytes\)"):
+    with pytest.raises(HostBufferError, match=rf"data must be a dense \(strided, not quantized\) CPU tensor of {n} "
+                                              r"bytes \(page_bytes\)"):
         pool.set_page(1, data(n))
     assert_unchanged(before, pool.host_buffers)
 
@@ -365,3 +368,12 @@ def test_transfer_errors_keep_sglang_compatible_bases() -> None:
         assert issubclass(cls, TransferArgumentError) and issubclass(cls, ValueError)
     assert issubclass(IndexDtypeError, TypeError) and issubclass(IndexDtypeError, ValueError)
     assert issubclass(UnknownLayoutError, ValueError) and issubclass(ResolutionError, ValueError)
+
+
+def test_set_page_writes_what_a_lazy_negated_view_reads_as(pool: HostKVPool) -> None:
+    n = pool.page_bytes
+    x = torch.arange(n // 4, dtype=torch.float32) + 1
+    view = torch._neg_view(x)
+    assert view.is_neg()
+    pool.set_page(1, view)
+    assert torch.equal(pool.get_page(1).view(torch.float32), -x)

@@ -287,6 +287,14 @@ def test_strict_validation_refuses_unallocated_slots() -> None:
     with pytest.raises(UnallocatedSlotError, match=r"pages \[0\]"):
         pool.backup_layer(1, slots, torch.arange(4))
     assert_same_bytes(before, all_bytes(pool, dev))
+    # the page views too: an unallocated page is neither read, written nor handed out
+    for call in (lambda: pool.get_page(0), lambda: pool.page_pointers(0),
+                 lambda: pool.set_page(0, torch.zeros(pool.page_bytes, dtype=torch.uint8))):
+        with pytest.raises(UnallocatedSlotError, match=r"^page 0 is not allocated in this pool"):
+            call()
+    assert_same_bytes(before, all_bytes(pool, dev))
+    page = int(pool.alloc(4)[0]) // spec.page_size
+    assert len(pool.get_page(page)) == pool.page_bytes
 
 
 # --- kernel program count --------------------------------------------------------------------
