@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .errors import SpecError
 from .spec import PoolSpec
 
 __all__ = ["Addressing", "Segment", "BufferSpec", "HostPlan", "Layout", "strided_host_view", "page_blocks"]
@@ -118,6 +119,16 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     a = seg.addressing
     shape = (host_layers, spec.num_pages, spec.page_size, a.chunks(seg.width), a.chunk_bytes)
     stride = (a.layer, a.page, a.token, a.chunk_stride or a.chunk_bytes, 1)
+    if seg.width % a.chunk_bytes:
+        raise SpecError(f"segment of {seg.component!r} in host buffer {seg.buffer!r}: its width ({seg.width} B) is not a "
+                        f"multiple of its chunk_bytes ({a.chunk_bytes} B); fix the layout's plan")
+    # the lowest and highest byte the segment reaches must lie in its own buffer (as_strided checks only the whole
+    # storage, which may hold other buffers after this one)
+    lo = a.offset + sum(min(0, (n - 1) * st) for n, st in zip(shape, stride))
+    hi = a.offset + sum(max(0, (n - 1) * st) for n, st in zip(shape, stride)) + 1
+    if lo < 0 or hi > flat.numel():
+        raise SpecError(f"segment of {seg.component!r} reaches bytes {lo}..{hi - 1} of host buffer {seg.buffer!r}, "
+                        f"which holds {flat.numel()} B; fix the layout's plan")
     return flat.as_strided(shape, stride, flat.storage_offset() + a.offset)
 
 

@@ -174,3 +174,39 @@ def test_verify_reaches_the_vendor_backend(capsys, monkeypatch):
     assert cli.main(["verify", "--device", "cpu", "--io-backend", "fakedma", "--kind", "mha", "--no-timing"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.startswith("page_head")]
     assert rows == [["page_head", "fakedma", s, "mha", "test_vendor.fakedma", "PASS", "-", "-"] for s in ("no", "yes")]
+
+
+def test_a_plan_whose_segment_outruns_its_buffer_is_refused():
+    """A layout plan whose addressing reaches past its own buffer (here the page stride one row too large) is refused
+    with a ``SpecError`` naming the buffer, also where the buffers are views of one larger allocation (which a strided
+    view alone would accept, reading the next buffer's bytes)."""
+    from hicache_core import Addressing, BufferSpec, HostPlan, Segment, hookimpl
+    from hicache_core.errors import SpecError
+
+    class OffByRow:
+        name, description = "off_by_row", "a buggy plan"
+
+        def check(self, spec):  # type: ignore[no-untyped-def]
+            return None
+
+        def plan(self, spec):  # type: ignore[no-untyped-def]
+            bufs, segs = [], []
+            for c in spec.components:
+                row = c.row_bytes
+                bufs.append(BufferSpec(c.name, (spec.capacity, row // c.itemsize), c.dtype))
+                segs.append(Segment(c.name, c.name, None, 0, row, Addressing(0, 0, spec.page_size * row + row, row, row)))
+            return HostPlan(tuple(bufs), tuple(segs))
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(OffByRow())
+
+    reg = create_registry(plugins=[("buggy", Plugin())])
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=1, head_dim=4, dtype=torch.float16, page_size=2,
+                        capacity=4)
+    dev = {"k": [torch.zeros(8, 1, 4).half()], "v": [torch.zeros(8, 1, 4).half()]}
+    block = torch.zeros(2 * 16 + 64, dtype=torch.float16)  # k then v then spare bytes, one allocation
+    for host in (None, {"k": block[:16].view(4, 4), "v": block[16:32].view(4, 4)}):
+        with pytest.raises(SpecError, match=r"segment of 'k' reaches bytes 0\.\.39 of host buffer 'k', which holds 32 B"):
+            HostKVPool(spec, "off_by_row", "direct", dev, registry=reg, host_buffers=host, pin_memory=False)
