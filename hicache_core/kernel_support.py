@@ -116,7 +116,10 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
         a = seg.segment.addressing
         hbase = seg.host_flat.data_ptr() + a.offset
         host_bases = [hbase + h * a.layer for h in seg.host_layers]
-        anchor_src = seg.device_rows[0] if seg.device_rows else seg.host_flat
+        # a segment holding no layer of this rank moves nothing: any valid address anchors it (its host buffer may be
+        # an empty view, whose address need not lie in its storage)
+        anchor_src = (seg.device_rows[0] if seg.device_rows else seg.host_flat if seg.host_flat.numel()
+                      else torch.zeros(8, dtype=torch.uint8, device=device))
         word = access_word(seg.width, a.chunk_bytes, a.chunk_stride, a.layer, a.page, a.token, hbase,
                            anchor_src.untyped_storage().data_ptr(), *seg.dev_ptrs, *seg.dev_strides,
                            max_word=max_word)
@@ -150,8 +153,8 @@ class IndexMemo:
     An engine passes the same index tensors to every per-layer call of a batch
     (80 ``load_layer`` calls with one pair of tensors); with a memo the copy is
     made once.  A hit needs the *same tensor object* with an unchanged version
-    counter, so an in-place change (``idx[0] = 5``) is seen and copied again
-    (writes that bypass torch, through ``.data`` or a NumPy view, are not: a pool
+    counter, address and length, so an in-place change (``idx[0] = 5``) or a ``.data`` swap is seen and copied
+    again (writes that bypass torch, in place through ``.data`` or a NumPy view, are not: a pool
     built with ``validate="full"`` or ``"strict"`` therefore disables its memos);
     tensors without a version counter (made under ``torch.inference_mode``) are
     never memoised.  The copy is reused only on the stream that made it (another
@@ -169,23 +172,25 @@ class IndexMemo:
 
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
-        # (source tensor, its version, stream, device copy): one snapshot, replaced atomically
-        self._entry: tuple[torch.Tensor, int, int | None, torch.Tensor] | None = None
+        # (source tensor, its version, its address and length, stream, device copy): one snapshot, replaced atomically
+        self._entry: tuple[torch.Tensor, int, tuple[int, int], int | None, torch.Tensor] | None = None
 
     def lookup(self, t: torch.Tensor, stream: int | None) -> torch.Tensor | None:
-        """The copy stored for ``t`` on ``stream`` if ``t`` is unchanged since, else ``None``."""
+        """The copy stored for ``t`` on ``stream`` if ``t`` is unchanged since (its version counter, and its address
+        and length, which a ``.data`` swap changes while keeping the object and its counter), else ``None``."""
         entry = self._entry  # read once: the checks and the result come from the same store
         if entry is None or not self.enabled:
             return None
-        src, version, made_on, out = entry
-        if t is src and stream == made_on and tensor_version(t) == version:
+        src, version, where, made_on, out = entry
+        if t is src and stream == made_on and tensor_version(t) == version and (t.data_ptr(), t.numel()) == where:
             return out
         return None
 
     def store(self, t: torch.Tensor, stream: int | None, out: torch.Tensor) -> None:
         """Remember ``out`` as ``t``'s copy on ``stream`` (forgets everything when ``t`` has no version counter)."""
         version = tensor_version(t)
-        self._entry = None if version is None or not self.enabled else (t, version, stream, out)
+        self._entry = (None if version is None or not self.enabled
+                       else (t, version, (t.data_ptr(), t.numel()), stream, out))
 
 
 def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:

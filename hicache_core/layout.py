@@ -126,7 +126,7 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     # storage, which may hold other buffers after this one)
     lo = a.offset + sum(min(0, (n - 1) * st) for n, st in zip(shape, stride))
     hi = a.offset + sum(max(0, (n - 1) * st) for n, st in zip(shape, stride)) + 1
-    if lo < 0 or hi > flat.numel():
+    if all(shape) and (lo < 0 or hi > flat.numel()):  # an empty view (no host layer of it here) reaches no byte
         raise SpecError(f"segment of {seg.component!r} reaches bytes {lo}..{hi - 1} of host buffer {seg.buffer!r}, "
                         f"which holds {flat.numel()} B; fix the layout's plan")
     return flat.as_strided(shape, stride, flat.storage_offset() + a.offset)

@@ -251,7 +251,10 @@ def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
     device = a0.dev_off.device
     per_layer = {d: torch.tensor([i for i, x in enumerate(layers) if x == d], dtype=torch.int64, device=device)
                  for d in sorted(set(layers))}
-    rows = min(min(a.rows, b.rows if b is not None else a.rows) for a, b in members)
+    # device rows every member with device layers here has (a member holding no layer of this rank, e.g. a component
+    # of other layers on a sharded rank, moves nothing and bounds nothing: its 0 rows would mask the whole group)
+    rows = min((min(a.rows, b.rows if b is not None else a.rows) for a, b in members if a.segment.device_layers),
+               default=0)
     return RowGroup(names=tuple(names), anchor=anchor, word=word, width=width, split=a0.width, vec=vec, rows=rows,
                     tables={k: torch.cat(v) for k, v in parts.items()},
                     all_layers=torch.arange(len(layers), dtype=torch.int64, device=device), per_layer=per_layer,
