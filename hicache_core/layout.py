@@ -117,11 +117,11 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     ``flat`` is the whole host buffer as a flat uint8 tensor.
     """
     a = seg.addressing
+    if a.chunk_bytes <= 0 or seg.width % a.chunk_bytes:
+        raise SpecError(f"segment of {seg.component!r} in host buffer {seg.buffer!r}: its width ({seg.width} B) is not a "
+                        f"positive multiple of its chunk_bytes ({a.chunk_bytes} B); fix the layout's plan")
     shape = (host_layers, spec.num_pages, spec.page_size, a.chunks(seg.width), a.chunk_bytes)
     stride = (a.layer, a.page, a.token, a.chunk_stride or a.chunk_bytes, 1)
-    if seg.width % a.chunk_bytes:
-        raise SpecError(f"segment of {seg.component!r} in host buffer {seg.buffer!r}: its width ({seg.width} B) is not a "
-                        f"multiple of its chunk_bytes ({a.chunk_bytes} B); fix the layout's plan")
     # the lowest and highest byte the segment reaches must lie in its own buffer (as_strided checks only the whole
     # storage, which may hold other buffers after this one)
     lo = a.offset + sum(min(0, (n - 1) * st) for n, st in zip(shape, stride))

@@ -118,7 +118,7 @@ class HostKVPool:
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
         self.validate = validate_level(validate)
-        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple] | None = None
+        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple, tuple] | None = None
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
         if host_buffers is None:
@@ -218,8 +218,10 @@ class HostKVPool:
         if self.validate == "strict":
             self._check_allocated(host_indices)
         memo = not full and hv is not None and dv is not None
-        self._checked = (host_indices, hv, device_indices, dv, to_host,
-                         _storage(host_indices, device_indices)) if memo else None
+        # the storages are held with the memo: a .data swap's freed storage cannot give its address to another
+        # one while the memo compares addresses
+        self._checked = (host_indices, hv, device_indices, dv, to_host, _storage(host_indices, device_indices),
+                         (host_indices.untyped_storage(), device_indices.untyped_storage())) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)
         self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)
 

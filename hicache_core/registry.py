@@ -207,6 +207,13 @@ class Registry:
             self.pm.check_pending()
             self._call(plugin, "hicache_register_layouts", layouts.append)
             self._call(plugin, "hicache_register_strategies", infos.append)
+            for lay in layouts:  # checked here, so that entering them below cannot fail half-way
+                if not isinstance(lay, Layout) or not isinstance(getattr(lay, "name", None), str) or not lay.name:
+                    raise TypeError(f"register() was given {lay!r}: a hicache_core.Layout with a non-empty name "
+                                    "(name, description, check, plan)")
+            for info in infos:
+                if not isinstance(info, StrategyInfo):
+                    raise TypeError(f"register() was given {info!r}: a hicache_core.StrategyInfo")
         except Exception as exc:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)

@@ -79,6 +79,9 @@ class Batch(NamedTuple):
     n: int
     traits: tuple  # the launch-key traits of h, d and n, and which side of each split n lies
     values: tuple[int, int, int]  # what a launch's batch parameters take: h's and d's addresses, n
+    #: the storages of the tensors as passed, held so that no other storage takes their addresses while this batch
+    #: compares them (after a ``.data`` swap frees one)
+    held: tuple = ()
 
 
 #: ``lane(layer, host_indices, device_indices) -> bool`` (:meth:`Replays.lane`).
@@ -164,7 +167,8 @@ class Replays:
             return None  # a contiguous copy of a same-device view: made anew by every call (normal path)
         traits = (_traits(h), _traits(d), _traits(n), *[n > cut for cut in self.splits])
         b = Batch(host_indices, hv, host_indices.data_ptr(), device_indices, dv, device_indices.data_ptr(), stream,
-                  h, d, n, traits, (h.data_ptr(), d.data_ptr(), n))
+                  h, d, n, traits, (h.data_ptr(), d.data_ptr(), n),
+                  (host_indices.untyped_storage(), device_indices.untyped_storage()))
         self._batches[to_host] = b
         self._ready[to_host] = {}
         return b

@@ -245,3 +245,16 @@ def test_explain_tells_whether_auto_reads_early():
     for prefetch in (False, True):
         lines = AutoStrategy(prefetch=prefetch).describe(pool.spec, REG.layout("layer_first"))
         assert any(line.startswith("auto: prefetch:") for line in lines) is prefetch
+
+
+def test_an_early_read_is_not_taken_after_a_data_swap(monkeypatch):
+    """``d.data = other`` keeps the object and its version counter: the read compares address, length and dtype, so a
+    plan made after the swap reads the new values itself."""
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    pool, _, h, d = _pool()
+    cache = pool.binding.scratch["direct.plans"]
+    assert cache.read_early(d, 0) is not None
+    d.data = d.data.flip(0).clone()  # the same rows, in another order: another storage
+    assert cache.early_of(d, 0) is None
+    plan = cache.get(h, d, 0)
+    assert plan._early is None and torch.equal(plan.d, d)

@@ -453,3 +453,16 @@ def test_a_hook_calling_default_registry_while_it_is_made_fails_its_plugin_not_t
                                       ("", False)])
 def test_trace_switch_reads_off_values_as_off(value, on):
     assert create_registry(env={**BASE, "HICACHE_TRACE": value}).trace is on
+
+
+def test_a_plugin_registering_a_malformed_object_is_broken_alone():
+    """``register(object())``: that plugin is reported broken; the registry and every other plugin stay."""
+    class Malformed:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
+            register(object())
+
+    reg = create_registry(env=BASE, plugins=[("malformed", Malformed())])
+    rec = next(p for p in reg.plugins if p.name == "malformed")
+    assert rec.error is not None and rec.error.startswith("registration failed: TypeError: register() was given")
+    assert "page_head" in reg.layouts and reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"

@@ -320,11 +320,15 @@ class EarlyRead:
 
     :param stream: the handle of the current stream (the plans' key: :meth:`PlanCache.get`)."""
 
-    __slots__ = ("source", "version", "stream", "dev", "host", "event")
+    __slots__ = ("source", "version", "where", "storage", "stream", "dev", "host", "event")
 
     def __init__(self, device_indices: torch.Tensor, stream: int) -> None:
         self.source = device_indices
         self.version = tensor_version(device_indices)
+        # a .data swap keeps the object and its version: its address, length and dtype tell (the storage is held,
+        # so no other one takes its address meanwhile)
+        self.where = (device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
+        self.storage = device_indices.untyped_storage()
         self.stream = stream
         self.dev = device_indices.to(torch.int64, copy=True)
         # pinned, so the copy is queued without waiting for the stream; read only after the event below
@@ -338,7 +342,8 @@ class EarlyRead:
         """Whether this read is of ``device_indices`` as they are now (the same object, unchanged since), made on
         ``stream``."""
         return device_indices is self.source and stream == self.stream and self.version is not None and \
-            tensor_version(device_indices) == self.version
+            tensor_version(device_indices) == self.version and \
+            (device_indices.data_ptr(), device_indices.numel(), device_indices.dtype) == self.where
 
     def ready(self) -> bool:
         """Whether the values have reached the host (reading them now waits for nothing)."""
@@ -641,7 +646,7 @@ class PlanCache:
         self.binding = cast(PoolBinding, weakref.proxy(binding))
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
-        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, tuple[int, int, int, int], Plan]] = []
+        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, tuple, tuple, Plan]] = []
         #: Early reads of device index tensors (:meth:`read_early`), newest first, at most :data:`MEMO_SLOTS`.
         self._early: list[EarlyRead] = []
         self._lock = threading.Lock()
@@ -682,19 +687,24 @@ class PlanCache:
                 self._early = [e for e in self._early if e is not early]
         if hv is not None and dv is not None:
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock
-                self._slots = [(host_indices, hv, device_indices, dv, stream, where, plan),
+                # the storages are held with the slot: a .data swap's freed storage cannot give its address to
+                # another one while the slot compares addresses
+                held = (host_indices.untyped_storage(), device_indices.untyped_storage())
+                self._slots = [(host_indices, hv, device_indices, dv, stream, where, held, plan),
                                *self._slots][:MEMO_SLOTS]
         return plan
 
     def peek(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan | None:
         """The memoised plan of these index tensors (the same objects, unchanged: version counters, and addresses and
         lengths, which a ``.data`` swap changes) on ``stream``, else ``None`` (builds nothing)."""
-        for h, hv0, d, dv0, s, where, plan in self._slots:  # identity first: anything else passed finds nothing
+        for h, hv0, d, dv0, s, where, _, plan in self._slots:  # identity first: anything else passed finds nothing
             if h is host_indices and d is device_indices and s == stream:
                 return plan if h._version == hv0 and d._version == dv0 and _where(h, d) == where else None
         return None
 
 
-def _where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple[int, int, int, int]:
-    """Addresses and lengths of an index pair (a ``.data`` swap keeps a tensor's identity and version, not these)."""
-    return host_indices.data_ptr(), host_indices.numel(), device_indices.data_ptr(), device_indices.numel()
+def _where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
+    """Addresses, lengths and dtypes of an index pair (a ``.data`` swap keeps a tensor's identity and version, not
+    these)."""
+    return (host_indices.data_ptr(), host_indices.numel(), host_indices.dtype,
+            device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
