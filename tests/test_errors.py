@@ -11,6 +11,7 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec
 from hicache_core.errors import (
+    DuplicateIndexError,
     DeviceBufferError,
     HostBufferError,
     IndexDeviceError,
@@ -377,3 +378,32 @@ def test_set_page_writes_what_a_lazy_negated_view_reads_as(pool: HostKVPool) -> 
     assert view.is_neg()
     pool.set_page(1, view)
     assert torch.equal(pool.get_page(1).view(torch.float32), -x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_host_slot_at_capacity_is_out_of_range_with_pages_of_one(layout: str, backend: str,
+                                                                    index_check_path: str) -> None:
+    """With pages of one slot a host index can equal the capacity exactly (with larger pages a run past the end
+    always passes it): still out of range, and nothing is written (not past the host buffer either)."""
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(LAYERS), head_num=HEADS, head_dim=HD, v_head_dim=VD,
+                        dtype=torch.float16, page_size=1, capacity=CAP)
+    p = HostKVPool(spec, layout, backend, make_device(spec), pin_memory=False)
+    fill_random(p.host_buffers)
+    before = snapshot(p.host_buffers, _device(p))
+    for op in OPS.values():
+        with pytest.raises(IndexRangeError, match=rf"host_indices must lie in 0\.\.{CAP - 1} \(capacity\), got 0\.\.{CAP}"):
+            op(p, torch.tensor([0, CAP]), AR(0, 2))
+    assert_unchanged(before, p.host_buffers, _device(p))
+
+
+def test_device_runs_sharing_one_row_are_refused_for_loads(pool: HostKVPool, index_check_path: str) -> None:
+    """Two device page runs that share exactly one row (rows 8..11 and 11..14): a load would write row 11 twice.
+    Backups only read device rows: there it is allowed."""
+    d = torch.cat([AR(8, 12), AR(11, 15)])
+    before = snapshot(pool.host_buffers, _device(pool))
+    for op in ("load_layer", "load_all_layers"):
+        with pytest.raises(DuplicateIndexError, match=r"device_indices repeat rows \[11\]"):
+            OPS[op](pool, AR(0, 8), d)
+    assert_unchanged(before, pool.host_buffers, _device(pool))
+    pool.backup_all_layers(AR(0, 8), d)

@@ -85,3 +85,73 @@ def test_the_kit_sets_the_interpreter_itself_without_a_gpu() -> None:
     assert "2 passed" in out.stdout  # mha-fp16-ps1 and mha-fp16-ps128-drafts
     assert ("hicache conformance kit: no CUDA device, so it set TRITON_INTERPRET=1: kernel strategies ran in "
             "Triton's CPU interpreter") in out.stdout
+
+
+# -- the kit catches what it is for: broken strategies fail it ---------------------------------------
+from hicache_core.backends.reference import ReferenceStrategy  # noqa: E402
+from hicache_core.testing.conformance import INDEX_VARIANTS, _place, check_strategy  # noqa: E402
+
+
+class StrayByte(ReferenceStrategy):
+    """Backs up right, then writes one byte into the last host page (a page the kit leaves canary)."""
+
+    def backup(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().backup(binding, host_indices, device_indices, layer)
+        flat = binding.segments[0].host_flat
+        flat[flat.numel() - 1] ^= 0xFF
+
+
+class SkipsALayer(ReferenceStrategy):
+    """An all-layer backup that leaves the last layer out."""
+
+    def backup(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        if layer is not None:
+            return super().backup(binding, host_indices, device_indices, layer)
+        for one in binding.spec.layer_map.device_layers[:-1]:
+            super().backup(binding, host_indices, device_indices, one)
+
+
+class MisreadsInt32(ReferenceStrategy):
+    """Right with int64 indices; with int32 ones it loads the first page twice instead of each page."""
+
+    def load(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        if host_indices.dtype == torch.int32:
+            ps = binding.spec.page_size
+            host_indices = host_indices[:ps].repeat(host_indices.numel() // ps)
+        super().load(binding, host_indices, device_indices, layer)
+
+
+class WritesAStrayRow(ReferenceStrategy):
+    """Loads right, then writes device row 0 (the kit's canary page) too."""
+
+    def load(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().load(binding, host_indices, device_indices, layer)
+        for seg, e in ((s, e) for s in binding.segments for e in s.entries(layer)):
+            seg.device_rows[e][0] = seg.device_rows[e][0] ^ 0xFF
+
+
+@pytest.mark.parametrize("broken,variant,message", [
+    (StrayByte, "shuffled-i64", "backup: host buffer"),
+    (SkipsALayer, "shuffled-i64", "backup: host buffer"),
+    (MisreadsInt32, "shuffled-i32", "load_layer: "),
+    (WritesAStrayRow, "shuffled-i64", "load_layer: "),
+], ids=["stray-host-byte", "skipped-layer", "int32-misread", "stray-device-row"])
+def test_the_kit_fails_a_broken_strategy(broken, variant, message) -> None:
+    reg = create_registry(env=ENV, plugins=[("broken", plugin(StrategyInfo("broken.x", "broken", ("*",), broken)))])
+    case = CASE["mha-fp16-ps1"]
+    with pytest.raises(AssertionError, match=message):
+        check_strategy(reg, case, "layer_first", "broken", strategy="broken.x", variant=variant)
+    if variant == "shuffled-i32":  # the same strategy with int64 indices passes: the variant is what caught it
+        check_strategy(reg, case, "layer_first", "broken", strategy="broken.x", variant="shuffled-i64")
+
+
+def test_index_variants_are_placed_as_named() -> None:
+    """Each variant's indices have the dtype, device and memory shape its name says (the kit's coverage rests on it)."""
+    spec = CASE["mha-fp16-ps1"].build(torch.device("cpu"))
+    t = torch.arange(8)
+    for variant in INDEX_VARIANTS:
+        got = _place(t, variant, spec)
+        assert got.dtype == (torch.int32 if "i32" in variant else torch.int64), variant
+        assert got.device == (spec.device if variant.endswith("-dev") else torch.device("cpu")), variant
+        assert got.is_contiguous() is ("strided-view" not in variant), variant
+        assert torch.equal(got.long(), t), variant

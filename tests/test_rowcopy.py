@@ -159,6 +159,14 @@ def test_access_word_and_vector_width(row, lead, word, vec):
     assert (g.word, g.width * g.word, g.vec) == (word, row, vec)
 
 
+def test_vector_width_looks_at_every_layer_not_only_the_anchor():
+    """The anchor layer's rows are 16-byte aligned, the other layer's start 8 bytes off: one misaligned base takes
+    the vector hint away from the whole group (a wide access there would be misaligned on the GPU)."""
+    gen = torch.Generator()
+    (g,) = _groups(_kv(32), "layer_first", {"kv": [_rand(16, 32, gen, lead=0), _rand(16, 32, gen, lead=8)]})
+    assert (g.word, g.vec) == (8, 1)
+
+
 # -- launch values by name -----------------------------------------------------------------------------------
 class _FakeKernel:
     def __init__(self, *names: str) -> None:

@@ -55,6 +55,8 @@ def _mha(lmap: LayerMap, ps: int, pages: int, *, heads=2, hd=8, vd=None, dtype=t
 
 
 _IDX = (Component("index_k", 128, torch.uint8, layers=(0, 2)), Component("index_scale", 4, torch.float32, layers=(0, 2)))
+#: An extra component of the rows' own width (one launch group with them) on layers 0 and 1 only.
+_IDX_LOW = (Component("extra_low", 576, torch.bfloat16, layers=(0, 1)),)
 
 #: Small specs covering kinds, row sizes, dtypes, page sizes and layer maps.
 CASES: tuple[Case, ...] = (
@@ -68,6 +70,8 @@ CASES: tuple[Case, ...] = (
     Case("mla576-bf16-ps4-sharded5of2r1-padded-drafts",
          _mla(LayerMap.sharded_cp(5, 2, 1, draft_layers=1, pad_to_largest=True), 4, 4)),
     Case("mla-dsa-extra-ps4", _mla(LayerMap.unsharded(3), 4, 5, extra=_IDX)),
+    # a context-parallel rank owning none of the layers that hold the extra components (rank 1 of 2 owns 2, 3)
+    Case("mla-extra-ps4-sharded4of2r1-none-here", _mla(LayerMap.sharded_cp(4, 2, 1), 4, 5, extra=_IDX_LOW)),
     Case("mha-fp16-ps1", _mha(LayerMap.unsharded(3), 1, 20)),
     Case("mha-bf16-ps16-vdim-strided", _mha(LayerMap.unsharded(2), 16, 3, vd=4, dtype=torch.bfloat16), strided=True),
     Case("mha-fp32-ps64-sharded3of2r0", _mha(LayerMap.sharded_cp(3, 2, 0), 64, 2, hd=4, dtype=torch.float32)),
