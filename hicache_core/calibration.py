@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .logonce import log_once
+
 __all__ = ["Calibration", "DEFAULT", "ENV_CALIBRATION", "calibration_path", "load_calibration", "measure", "add_parser"]
 
 logger = logging.getLogger(__name__)
@@ -78,14 +80,9 @@ def calibration_path() -> str:
 
 #: Keys an entry of the calibration file may hold besides :class:`Calibration`'s fields.
 _EXTRA_KEYS = {"measurements"}
-_warned: set[str] = set()
-
-
 def _warn_once(message: str) -> None:
     """Log ``message`` at WARNING the first time (pools load the calibration one by one)."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("%s", message)
+    log_once(logger, logging.WARNING, message)
 
 
 def _number(entry: dict, key: str, default: float | None = None, *, integer: bool = False) -> Any:

@@ -12,6 +12,7 @@ import torch
 
 from hicache_core import calibration
 from hicache_core.calibration import DEFAULT, load_calibration
+from hicache_core.logonce import forget_logged
 
 CPU = torch.device("cpu")
 
@@ -21,7 +22,7 @@ def cal_file(tmp_path, monkeypatch):
     """A calibration path named by ``HICACHE_CALIBRATION`` (not yet written), warnings not yet given."""
     path = tmp_path / "cal.json"
     monkeypatch.setenv("HICACHE_CALIBRATION", str(path))
-    monkeypatch.setattr(calibration, "_warned", set())
+    forget_logged()
     return path
 
 

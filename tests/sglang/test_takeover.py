@@ -9,6 +9,7 @@ import pytest
 
 from hicache_core.errors import ConfigError, TakeoverTableError
 from hicache_core.integrations.sglang import load_plugin, mode
+from hicache_core.logonce import forget_logged
 from hicache_core.integrations.sglang.mode import hicache_io_backend, parse_mode
 from hicache_core.integrations.sglang.takeover import SHIPPED_TABLE, Cell, load_table
 from sglang_helpers import placed, same_bytes, settle
@@ -250,7 +251,7 @@ def test_kernel_switch_maps_unassigned_kernel_cells_to_auto(monkeypatch, caplog,
     assert [decide("measured", *c) for c in (gap, stock, taken, direct_gap)] == ["auto", None, "direct", "direct"]
     assert [decide(m, *stock) for m in ("all", "gaps", "off")] == ["auto", None, None]
     monkeypatch.setenv(mode.ENV_KERNEL, "triton")
-    monkeypatch.setattr(mode, "_warned", set())  # logged once per process: start from none
+    forget_logged()  # logged once per process: start from none
     with caplog.at_level("ERROR", logger=mode.__name__):
         assert decide("measured", *gap) == "kernel" and decide("all", *stock) == "kernel"
         assert decide("off", *stock) is None  # off reads no switch

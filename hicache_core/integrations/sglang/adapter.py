@@ -10,7 +10,6 @@ device pool, io_backend) and caches the outcome on the SGLang host object.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -21,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from ...errors import ConfigError, HicacheError, SpecError
+from ...logonce import log_once
 from ...pool import ENV_VALIDATE, HostKVPool, validate_level
 from ...registry import default_registry
 from ...spec import MLA, Component, LayerMap, PoolSpec
@@ -253,15 +253,10 @@ def _validate_level() -> str:
     except SpecError as exc:
         raise ConfigError(f"{ENV_VALIDATE}={raw!r}: use 'shapes', 'full' or 'strict'") from exc
     if level == "strict":
-        _warn_strict()
+        log_once(logger, logging.WARNING, f"hicache: {ENV_VALIDATE}=strict checks host slots against hicache's "
+                 "allocator, but SGLang allocates them: bridged pools use 'full'")
         return "full"
     return level
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_strict() -> None:
-    logger.warning("hicache: %s=strict checks host slots against hicache's allocator, but SGLang allocates them: "
-                   "bridged pools use 'full'", ENV_VALIDATE)
 
 
 def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:

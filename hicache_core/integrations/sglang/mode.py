@@ -31,6 +31,7 @@ import os
 import sys
 
 from ...envflags import OFF
+from ...logonce import log_once
 from ...errors import ConfigError, TakeoverTableError
 from .takeover import Cell, active_table
 
@@ -61,14 +62,9 @@ _POOL_MODULES = {
     "mha": "sglang.srt.mem_cache.pool_host.mha",
     "dsa_indexer": "sglang.srt.mem_cache.pool_host.dsa",
 }
-_warned: set[str] = set()
-
-
 def _error_once(message: str) -> None:
     """Log ``message`` at ERROR the first time this process sees it (settings are read at every call)."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.error("%s", message)
+    log_once(logger, logging.ERROR, message)
 
 
 def parse_mode(value: str | None) -> str:
