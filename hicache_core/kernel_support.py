@@ -23,7 +23,7 @@ import torch
 from .binding import BoundSegment, PoolBinding
 from .errors import HostBufferError
 from .spec import PoolSpec
-from .validate import parse_programs, tensor_version
+from .validate import parse_programs, tensor_version, tensor_where
 
 __all__ = [
     "current_stream_handle",
@@ -182,7 +182,7 @@ class IndexMemo:
         if entry is None or not self.enabled:
             return None
         src, version, where, made_on, out = entry
-        if t is src and stream == made_on and tensor_version(t) == version and (t.data_ptr(), t.numel()) == where[:2]:
+        if t is src and stream == made_on and tensor_version(t) == version and tensor_where(t) == where[:3]:
             return out
         return None
 
@@ -191,7 +191,7 @@ class IndexMemo:
         version = tensor_version(t)
         # the storage is held with the entry: a .data swap's freed storage cannot give its address to another one
         self._entry = (None if version is None or not self.enabled
-                       else (t, version, (t.data_ptr(), t.numel(), t.untyped_storage()), stream, out))
+                       else (t, version, (*tensor_where(t), t.untyped_storage()), stream, out))
 
 
 def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:

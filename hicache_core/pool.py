@@ -22,6 +22,7 @@ from .validate import (
     check_host_buffers_disjoint,
     check_indices,
     check_layer,
+    pair_where,
     tensor_version,
 )
 
@@ -45,12 +46,6 @@ ENV_VALIDATE = "HICACHE_VALIDATE"
 ENV_LANES = "HICACHE_LANES"
 
 VALIDATE_LEVELS = ("shapes", "full", "strict")
-
-
-def _storage(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
-    """What a ``.data`` swap changes while keeping a tensor's identity and version counter: address, length, dtype."""
-    return (host_indices.data_ptr(), host_indices.numel(), host_indices.dtype,
-            device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
 
 
 def validate_level(validate: str | None) -> str:
@@ -201,7 +196,7 @@ class HostKVPool:
         last = self._checked  # one snapshot: another thread may replace it
         if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)
-                and last[5] == _storage(host_indices, device_indices)):
+                and last[5] == pair_where(host_indices, device_indices)):
             return  # nothing was read now: binding.checked is not set, the strategy reads what it needs itself
         full = self.validate != "shapes"
         def values(t: object) -> bool:
@@ -220,7 +215,7 @@ class HostKVPool:
         memo = not full and hv is not None and dv is not None
         # the storages are held with the memo: a .data swap's freed storage cannot give its address to another
         # one while the memo compares addresses
-        self._checked = (host_indices, hv, device_indices, dv, to_host, _storage(host_indices, device_indices),
+        self._checked = (host_indices, hv, device_indices, dv, to_host, pair_where(host_indices, device_indices),
                          (host_indices.untyped_storage(), device_indices.untyped_storage())) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)
         self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)

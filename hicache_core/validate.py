@@ -24,7 +24,7 @@ from .errors import (
 )
 from .spec import PoolSpec
 
-__all__ = ["check_indices", "check_layer", "tensor_version", "check_device_buffers", "check_host_buffers_disjoint",
+__all__ = ["check_indices", "check_layer", "tensor_version", "tensor_where", "pair_where", "check_device_buffers", "check_host_buffers_disjoint",
            "byte_storage", "parse_programs", "repeated_rows", "index_bounds", "page_starts", "IndexFacts", "CheckedPair"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -72,6 +72,17 @@ class CheckedPair:
         if tensor_version(self.host_indices) != self.host_version or tensor_version(self.device_indices) != self.device_version:
             return None
         return self.facts
+
+
+def tensor_where(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    """What a ``.data`` swap changes while keeping the tensor object and its version counter: address, length, dtype
+    (memos compare it beside :func:`tensor_version`, and hold the storage so that no other one takes its address)."""
+    return t.data_ptr(), t.numel(), t.dtype
+
+
+def pair_where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
+    """:func:`tensor_where` of an index pair."""
+    return (*tensor_where(host_indices), *tensor_where(device_indices))
 
 
 def tensor_version(t: torch.Tensor) -> int | None:

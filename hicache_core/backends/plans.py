@@ -23,7 +23,7 @@ import torch
 
 from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
-from ..validate import IndexFacts, index_bounds, page_starts, tensor_version
+from ..validate import IndexFacts, index_bounds, page_starts, pair_where, tensor_version, tensor_where
 from .common import as_long
 from .memcpy import CALL_US, DESC_US
 from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
@@ -327,7 +327,7 @@ class EarlyRead:
         self.version = tensor_version(device_indices)
         # a .data swap keeps the object and its version: its address, length and dtype tell (the storage is held,
         # so no other one takes its address meanwhile)
-        self.where = (device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
+        self.where = tensor_where(device_indices)
         self.storage = device_indices.untyped_storage()
         self.stream = stream
         self.dev = device_indices.to(torch.int64, copy=True)
@@ -343,7 +343,7 @@ class EarlyRead:
         ``stream``."""
         return device_indices is self.source and stream == self.stream and self.version is not None and \
             tensor_version(device_indices) == self.version and \
-            (device_indices.data_ptr(), device_indices.numel(), device_indices.dtype) == self.where
+            tensor_where(device_indices) == self.where
 
     def ready(self) -> bool:
         """Whether the values have reached the host (reading them now waits for nothing)."""
@@ -678,7 +678,7 @@ class PlanCache:
             return plan
         # read before the plan copies the values: a write landing meanwhile leaves the plan unmemoised under them
         hv, dv = tensor_version(host_indices), tensor_version(device_indices)
-        where = _where(host_indices, device_indices)
+        where = pair_where(host_indices, device_indices)
         early = self.early_of(device_indices, stream) if self._early else None
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
                     early=early, stream=stream)
@@ -699,12 +699,8 @@ class PlanCache:
         lengths, which a ``.data`` swap changes) on ``stream``, else ``None`` (builds nothing)."""
         for h, hv0, d, dv0, s, where, _, plan in self._slots:  # identity first: anything else passed finds nothing
             if h is host_indices and d is device_indices and s == stream:
-                return plan if h._version == hv0 and d._version == dv0 and _where(h, d) == where else None
+                return plan if h._version == hv0 and d._version == dv0 and pair_where(h, d) == where else None
         return None
 
 
-def _where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:
-    """Addresses, lengths and dtypes of an index pair (a ``.data`` swap keeps a tensor's identity and version, not
-    these)."""
-    return (host_indices.data_ptr(), host_indices.numel(), host_indices.dtype,
-            device_indices.data_ptr(), device_indices.numel(), device_indices.dtype)
+
