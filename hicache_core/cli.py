@@ -436,20 +436,32 @@ def _sharded_text(sharded: tuple[bool, ...]) -> str:
     return "both" if set(sharded) == {False, True} else _yn(sharded[0]) if sharded else "none"
 
 
+def _conflict_text(reg: Registry, kind: str, name: str) -> str:
+    conflict = next((c for c in reg.conflicts if c.kind == kind and c.name == name), None)
+    return conflict.message if conflict is not None else f"{kind} {name!r} is not registered"
+
+
 def _cmd_plugins(args: argparse.Namespace) -> int:
     reg = _registry()
     if args.json:
         data = [{**asdict(p), "layouts": sorted(p.layouts), "strategies": [
             {"name": n, "io_backend": reg.strategies[n][0].io_backend, "layouts": list(reg.strategies[n][0].layouts),
-             "sharded": list(reg.strategies[n][0].sharded)} for n in sorted(p.strategies)]} for p in reg.plugins]
+             "sharded": list(reg.strategies[n][0].sharded)} if n in reg.strategies else {"name": n, "disabled": True}
+            for n in sorted(p.strategies)]} for p in reg.plugins]
         print(json.dumps({"plugins": data, "layouts": sorted(reg.layouts)}, indent=1))
         return 0
     lines = []
     for p in reg.plugins:
         lines.append(f"{p.name} ({p.label})" + (f": BROKEN, {p.error}" if p.error else ""))
         for name in sorted(p.layouts):
+            if name not in reg.layouts:  # registered by another plugin too: disabled for both
+                lines.append(f"  layout {name}: DISABLED, {_conflict_text(reg, 'layout', name)}")
+                continue
             lines.append(f"  layout {name}: {reg.layouts[name][0].description}")
         for name in sorted(p.strategies):
+            if name not in reg.strategies:
+                lines.append(f"  strategy {name}: DISABLED, {_conflict_text(reg, 'strategy', name)}")
+                continue
             info = reg.strategies[name][0]
             desc = f": {info.description}" if info.description else ""
             lines.append(f"  strategy {name} [io_backend={info.io_backend} layouts={','.join(info.layouts)} "

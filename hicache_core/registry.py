@@ -227,7 +227,11 @@ class Registry:
     def _call(self, plugin: Any, hook: str, register: Any) -> None:
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
             if impl.plugin is plugin:
-                impl.function(register=register)
+                _IN_HOOK.depth = getattr(_IN_HOOK, "depth", 0) + 1
+                try:
+                    impl.function(register=register)
+                finally:
+                    _IN_HOOK.depth -= 1
 
     def _broken(self, record: PluginRecord, why: str, explicit: bool, *, append: bool = True) -> None:
         record.error = why
@@ -474,29 +478,26 @@ def create_registry(
 
 
 _default: Registry | None = None
-_DEFAULT_LOCK = threading.RLock()
-_CREATING: list[int] = []  # the thread creating the default registry (while it runs plugins' hooks)
+_DEFAULT_LOCK = threading.Lock()
+#: ``depth``: registration hooks running in this thread (:meth:`Registry._call`).
+_IN_HOOK = threading.local()
 
 
 def default_registry() -> Registry:
     """The process-wide registry, created on first use.
 
-    :raises RegistryError: called from a plugin's hook while the default registry is being created (it would wait
-        for itself); a hook gets what it needs through its ``register`` argument."""
+    :raises RegistryError: called from a plugin's registration hook (creating the default registry would run that
+        hook again, and wait for itself); a hook gets what it needs through its ``register`` argument."""
     global _default
+    if getattr(_IN_HOOK, "depth", 0):
+        raise RegistryError("default_registry() was called from a plugin's registration hook; a hook must not use "
+                            "a registry: it registers through its register argument")
     reg = _default
     if reg is not None:
         return reg
     with _DEFAULT_LOCK:
         if _default is None:
-            if threading.get_ident() in _CREATING:
-                raise RegistryError("default_registry() was called from a plugin hook while the default registry "
-                                    "is being created; a hook must not use the registry it registers into")
-            _CREATING.append(threading.get_ident())
-            try:
-                _default = create_registry()
-            finally:
-                _CREATING.remove(threading.get_ident())
+            _default = create_registry()
         return _default
 
 

@@ -624,3 +624,20 @@ def test_bench_plot_only_reports_unreadable_input_without_a_traceback(capsys, tm
 def test_calibrate_takes_verbose_after_its_name():
     args = cli.build_parser().parse_args(["calibrate", "-vv", "--target", "0.9"])
     assert args.verbose == 2 and args.target == 0.9
+
+
+def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeypatch):
+    """A plugin registering an installed layout's name disables it for both: ``plugins`` says so (it crashed)."""
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    class Copycat:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
+            register(PageHeadLayout())
+
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("copycat", Copycat())]))
+    rc, out, err = run(capsys, "plugins")
+    assert rc == 0 and "Traceback" not in err
+    assert "  layout page_head: DISABLED, layout 'page_head' is registered by " in out
+    rc, out, _ = run(capsys, "plugins", "--json")
+    assert rc == 0

@@ -155,3 +155,33 @@ def test_index_variants_are_placed_as_named() -> None:
         assert got.device == (spec.device if variant.endswith("-dev") else torch.device("cpu")), variant
         assert got.is_contiguous() is ("strided-view" not in variant), variant
         assert torch.equal(got.long(), t), variant
+
+
+def test_the_kit_names_a_layout_plan_that_addresses_a_byte_twice() -> None:
+    """A plan whose layer stride forgets the V part (layer l+1's K lands on layer l's V) fails the kit at once, with
+    the layout and the buffer named, before any transfer's bytes are compared."""
+    from hicache_core import Addressing, BufferSpec, HostPlan, Segment, hookimpl
+
+    class Overlapping:
+        name, description = "overlapping", "K and V of a page-major buffer, the layer stride one part short"
+
+        def check(self, spec):  # type: ignore[no-untyped-def]
+            return None if spec.kind == "mha" else "MHA only"
+
+        def plan(self, spec):  # type: ignore[no-untyped-def]
+            k, v = spec.component("k").row_bytes, spec.component("v").row_bytes
+            layers, ps = spec.layer_map.host_layer_num, spec.page_size
+            page = layers * ps * (k + v)
+            buf = BufferSpec("pages", (spec.num_pages, page), torch.uint8)
+            return HostPlan((buf,), (Segment("pages", "k", None, 0, k, Addressing(0, ps * k, page, k, k)),
+                                     Segment("pages", "v", None, 0, v, Addressing(ps * k, ps * k, page, v, v))))
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(Overlapping())
+
+    reg = create_registry(env=ENV, plugins=[("overlapping", Plugin())])
+    with pytest.raises(AssertionError, match=r"layout 'overlapping' plan: \d+ bytes of host buffer 'pages' are "
+                                             r"addressed by two row bytes"):
+        check_strategy(reg, CASE["mha-fp16-ps1"], "overlapping", "reference", strategy="core.reference")

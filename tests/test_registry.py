@@ -433,9 +433,9 @@ def test_a_layout_whose_check_raises_is_a_rejection_naming_its_plugin():
         reg.resolve(mha(), "page_head", "no_such_backend")
 
 
-def test_a_hook_calling_default_registry_while_it_is_made_fails_its_plugin_not_the_process(monkeypatch):
-    """``default_registry()`` from a plugin hook while the default registry is being created would wait for itself:
-    it raises instead, and that plugin is reported broken."""
+def test_a_hook_calling_default_registry_fails_its_plugin_not_the_process(monkeypatch):
+    """``default_registry()`` from a plugin hook (while the default registry is being created it would wait for
+    itself; in any registry it would run the hook again): it raises instead, and that plugin is reported broken."""
     class Reentrant:
         @hookimpl
         def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
@@ -446,7 +446,10 @@ def test_a_hook_calling_default_registry_while_it_is_made_fails_its_plugin_not_t
     monkeypatch.setattr(registry_module, "_default", None)
     reg = registry_module.default_registry()
     rec = next(p for p in reg.plugins if p.name == "reentrant")
-    assert rec.error is not None and "called from a plugin hook while the default registry is being created" in rec.error
+    assert rec.error is not None and "default_registry() was called from a plugin's registration hook" in rec.error
+    reg = create_registry(env=BASE, plugins=[("reentrant", Reentrant())])  # a registry of its own: the same
+    assert "was called from a plugin's registration hook" in (next(p for p in reg.plugins if p.name == "reentrant").error
+                                                              or "")
 
 
 @pytest.mark.parametrize("value,on", [("1", True), ("yes", True), ("0", False), ("off", False), ("False", False),

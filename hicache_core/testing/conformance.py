@@ -200,7 +200,27 @@ def _owned_rows(spec: PoolSpec, bufs: dict[str, list[torch.Tensor | None]], idx:
     return {k: [t if i in owned else None for i, t in enumerate(lst)] for k, lst in rows.items()}
 
 
-def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dict[str, list[torch.Tensor | None]]) -> None:
+def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
+    """No host byte is addressed by two row bytes of the layout's plan (segments, layers, pages, slots, chunks)."""
+    counts: dict[int, tuple[torch.Tensor, str]] = {}
+    for seg in pool.binding.segments:
+        flat, view = seg.host_flat, seg.host_view
+        key = flat.data_ptr()
+        total, name = counts.get(key, (torch.zeros(flat.numel(), dtype=torch.int64), seg.segment.buffer))
+        if view.numel():
+            idx = torch.arange(flat.numel(), dtype=torch.int64).as_strided(
+                view.shape, view.stride(), view.storage_offset() - flat.storage_offset())
+            total += torch.bincount(idx.reshape(-1), minlength=flat.numel())
+        counts[key] = (total, name)
+    for total, name in counts.values():
+        twice = (total > 1).nonzero().flatten()
+        if twice.numel():
+            raise AssertionError(f"layout {layout!r} plan: {twice.numel()} bytes of host buffer {name!r} are addressed "
+                                 f"by two row bytes (first at byte {int(twice[0])}); give every row byte its own place")
+
+
+def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dict[str, list[torch.Tensor | None]],
+                 against: str = "the reference") -> None:
     for k in want:
         for i, (g, w) in enumerate(zip(got[k], want[k])):
             if g is None or w is None:
@@ -208,7 +228,7 @@ def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dic
             if not torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w):
                 bad = (g.reshape(g.shape[0], -1).view(torch.uint8) != w.reshape(w.shape[0], -1).view(torch.uint8))
                 rows = bad.any(1).nonzero().flatten()[:5].tolist()
-                raise AssertionError(f"{what}: {k}[layer {i}] differs from the reference at rows {rows}")
+                raise AssertionError(f"{what}: {k}[layer {i}] differs from {against} at rows {rows}")
 
 
 def check_strategy(
@@ -233,6 +253,7 @@ def check_strategy(
     dev_ref = clone_buffers(dev)
     pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
     ref = HostKVPool(spec, layout, "reference", dev_ref, registry=registry, strategy="core.reference", pin_memory=False)
+    _assert_plan_disjoint(pool, layout)
     fill_canary(pool)
     fill_canary(ref)
     h, src, dst = _pick_indices(spec, variant, gen)
@@ -263,7 +284,9 @@ def check_strategy(
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     _assert_same("load_layer", dev, dev_ref)
-    _assert_same("round trip", _rows(dev, dst), original)
+    _assert_same("round trip", _rows(dev, dst), original,
+                 "the rows backed up (the reference backend agreeing, look at the layout's plan: a row byte it leaves "
+                 "out comes back wrong)")
     return pool
 
 
