@@ -258,3 +258,14 @@ def test_an_early_read_is_not_taken_after_a_data_swap(monkeypatch):
     assert cache.early_of(d, 0) is None
     plan = cache.get(h, d, 0)
     assert plan._early is None and torch.equal(plan.d, d)
+
+
+def test_no_early_read_where_the_layout_alone_gives_the_load_to_the_kernel(monkeypatch):
+    """One layer of a token-major (``page_first``) host page is rows of 96 bytes: the layout alone bounds the copy
+    blocks under the calibrated size, so the kernel serves every such load and no plan will want the values."""
+    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    pool, dev, h, d = _pool()
+    page_first = HostKVPool(pool.spec, "page_first", "direct", dev, registry=REG, strategy="core.direct")
+    auto = _auto(page_first, prefetch=True)
+    assert auto.pick(page_first.binding, h, d, 1, to_host=False) is auto.kernel
+    assert auto.early_reads == 0 and page_first.binding.scratch["direct.plans"].early_of(d, 0) is None

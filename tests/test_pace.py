@@ -604,3 +604,48 @@ def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_bur
     auto.forward = "memory"
     monkeypatch.setattr(pool.binding.scratch["direct.plans"], "peek", lambda *a: object())  # planned already
     assert key not in auto._held(pool.binding)
+
+
+def test_no_probe_the_copier_would_not_sample():
+    """A call of fewer than MIN_OPS descriptors is never sampled by the copier: it is never sent to measure the host
+    (it would be sent again every time, measuring nothing)."""
+    pool, h, d = _fp8_pool(pages=MIN_OPS - 1)
+    sub = pool.strategy.submission(pool.binding, h, d, 1)  # type: ignore[attr-defined]
+    assert sub.count == MIN_OPS - 1 and not worth_measuring(sub, DEFAULT)
+    auto = _auto(pool, _Paces())
+    for _ in range(3):
+        auto.pick(pool.binding, h.clone(), d, 1, to_host=False)
+    assert auto.pace_probes == 0
+
+
+def test_dropping_the_use_counts_drops_the_picks_too(monkeypatch):
+    """The picks are memoised by tensor ids the use counts keep alive: when the counts are dropped (too many pairs),
+    so are the picks, so a new tensor at a freed tensor's address never gets an old pair's pick."""
+    import hicache_core.backends.auto as auto_mod
+
+    monkeypatch.setattr(auto_mod, "_PICKS", 10 * auto_mod._USES)  # the picks' own bound out of the way
+    pool, h, d = _fp8_pool()
+    auto = _auto(pool, None)
+    for _ in range(auto_mod._USES):
+        auto.pick(pool.binding, h.clone(), d, 1, to_host=False)
+    assert len(auto._uses) == auto_mod._USES and auto._picks
+    auto.pick(pool.binding, h.clone(), d, 1, to_host=False)  # the counts start again: so do the picks
+    assert len(auto._uses) == 1 and len(auto._picks) == 1
+
+
+def test_a_kernel_whose_prepare_fails_in_any_way_leaves_direct_serving(monkeypatch, caplog):
+    """Not only hicache's own errors: a kernel failing to prepare for any reason (a Triton that fails to import, say)
+    leaves the pool on the copy engine, with a warning, where ``direct`` can serve it."""
+    pool, h, d = _fp8_pool()
+    auto = AutoStrategy()
+    auto.direct = pool.strategy  # type: ignore[assignment]
+
+    class Broken:
+        def prepare(self, binding):  # type: ignore[no-untyped-def]
+            raise ImportError("libtriton.so: cannot open shared object file")
+
+    auto.kernel, auto.kernel_name = Broken(), "broken.kernel"  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="hicache_core.backends.auto"):
+        auto.prepare(pool.binding)
+    assert auto.kernel is None and "the kernel cannot serve this pool (libtriton.so" in caplog.text
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy

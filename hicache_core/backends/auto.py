@@ -59,7 +59,7 @@ from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
-from .pace import MODEL_CALL_US, HostPace
+from .pace import MIN_OPS, MODEL_CALL_US, HostPace
 from .plans import PlanCache
 from .staging import page_image
 
@@ -207,7 +207,7 @@ class AutoStrategy:
         if self.kernel is not None:
             try:
                 self.kernel.prepare(binding)
-            except HicacheError as exc:  # e.g. unpinned host buffers: the copy engine still serves
+            except Exception as exc:  # e.g. unpinned host buffers, a Triton that fails to import: direct still serves
                 if self.direct is None:
                     raise
                 logger.warning("hicache auto: the kernel cannot serve this pool (%s); using direct only",
@@ -258,13 +258,12 @@ class AutoStrategy:
             self._picks.clear()  # in place: lanes hold this dict
             self._picks.update(held)
         key = pick_key(host_indices, device_indices, layer, to_host)
-        if self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses:
-            self._read_early(binding, host_indices, device_indices)
+        early = self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses
         reused, crossed = self._use(key, host_indices, device_indices, layer)
         hit = self._picks.get(key) if key is not None else None
         if hit is not None and not (crossed and hit is self.kernel):
             return hit
-        pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused)
+        pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
         if key is not None:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
@@ -350,15 +349,17 @@ class AutoStrategy:
         if entry is None:
             if len(self._uses) >= _USES:
                 self._uses.clear()
+                self._picks.clear()  # in place (lanes hold it): no pick outlives the count of its tensors
             entry = self._uses[key] = [0, host_indices, device_indices]
         entry[0] += 1
         limit = 1 if layer is None else self._layers
         return entry[0] > limit, entry[0] == limit + 1
 
     def _decide(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                layer: int | None, to_host: bool, reused: bool) -> Strategy:
+                layer: int | None, to_host: bool, reused: bool, early: bool = False) -> Strategy:
         """The candidate for a call not memoised (:meth:`pick`); ``reused``: judged at the host's pace of calls that
-        reuse their plans (:attr:`warm_paces`), else at that of calls that plan."""
+        reuse their plans (:attr:`warm_paces`), else at that of calls that plan; ``early``: a new pair's first load
+        with ``prefetch`` (its device indices start back unless the layout alone gives the call to the kernel)."""
         assert self.direct is not None and self.kernel is not None
         self.decisions += 1
         paces = self.warm_paces if reused and self.warm_paces is not None else self.paces
@@ -368,6 +369,8 @@ class AutoStrategy:
         assert cal is not None
         if self._block_bound(binding, layer) < cal.min_block(to_host):
             return self.kernel  # some copy block is certainly too small: decided without the index values (no sync)
+        if early:  # a plan may come (now or later in the burst): its device read need not wait for the queued loads
+            self._read_early(binding, host_indices, device_indices)
         least = self._least_blocks(binding, host_indices, layer) if layer is not None else None
         if least is not None and not self._may_feed(*least, cal, to_host, pace):
             return self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
@@ -471,8 +474,10 @@ class AutoStrategy:
                 return False  # a recent measure decides loads alone (auto_rules.fed)
         if blocks * cal.submit_us + batch_calls(blocks) * cal.call_us <= link_us:
             return True
-        # no measure: one may start (pick) where a host at the calibration's cost would feed a burst
-        return pace is not None and desc_us is None and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us
+        # no measure: one may start (pick) where a host at the calibration's cost would feed a burst, in a call the
+        # copier samples (MIN_OPS)
+        return (pace is not None and desc_us is None and blocks >= MIN_OPS
+                and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us)
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving every slot of such

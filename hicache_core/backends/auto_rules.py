@@ -12,7 +12,7 @@ import torch
 
 from ..calibration import Calibration
 from .cudart import batch_schedule
-from .pace import MODEL_CALL_US
+from .pace import MIN_OPS, MODEL_CALL_US
 from .plans import Submission
 
 __all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "FORWARD_MODES", "ENV_FORWARD",
@@ -89,7 +89,8 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
 def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
     may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (loads: times
-    ``room``, as in :func:`fed`)."""
-    if sub.staged is not None or sub.pitched is not None:
+    ``room``, as in :func:`fed`), and enough of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a
+    probe it never samples would be repeated forever)."""
+    if sub.staged is not None or sub.pitched is not None or sub.count < MIN_OPS:
         return False
     return burst_us(sub, cal.submit_us) <= FED_SHARE * allowed_us(sub.nbytes, cal, to_host, room)
