@@ -26,6 +26,7 @@ pool asks for them; everything else keeps working.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import sys
@@ -192,7 +193,11 @@ class Registry:
         marked = {n for n, f in funcs.items() if getattr(f, f"{hookspecs.PROJECT}_impl", None) is not None}
         unknown = [n for n in funcs if not hasattr(self.pm.hook, n) and (n in marked or n.startswith("hicache_register_"))]
         if unknown:
-            self._broken(record, f"implements unknown hooks {unknown}", explicit, append=False)
+            hooks = [n for n in dir(self.pm.hook) if n.startswith("hicache_")]
+            near = {n: difflib.get_close_matches(n, hooks, n=1) for n in unknown}
+            hint = "; ".join(f"did you mean {m[0]!r} for {n!r}?" for n, m in near.items() if m)
+            self._broken(record, f"implements unknown hooks {unknown}" + (f" ({hint})" if hint else ""), explicit,
+                         append=False)
             return
         bare = [n for n in funcs if hasattr(self.pm.hook, n) and n not in marked]
         if bare:

@@ -202,13 +202,13 @@ def test_raising_hook_is_reported_and_skipped_others_still_work(caplog):
 def test_misspelled_hook_is_reported_and_skipped():
     reg = create_registry(env=BASE, plugins=[("typo", Misspelled())])
     rec = next(p for p in reg.plugins if p.name == "typo")
-    assert rec.error == "implements unknown hooks ['hicache_register_layout']"
+    assert rec.error == "implements unknown hooks ['hicache_register_layout'] (did you mean 'hicache_register_layouts' for 'hicache_register_layout'?)"
     assert sorted(reg.layouts) == ["page_head"]
 
 
 @pytest.mark.parametrize("plugin, error", [
     (Raising(), "registration failed: RuntimeError: hook exploded"),
-    (Misspelled(), "implements unknown hooks ['hicache_register_layout']"),
+    (Misspelled(), "implements unknown hooks ['hicache_register_layout'] (did you mean 'hicache_register_layouts' for 'hicache_register_layout'?)"),
     (ImportError("no module named vendor_sdk"), "import failed: ImportError: no module named vendor_sdk"),
 ])
 def test_broken_entry_point_skipped_unless_allowed(extra_entry_points, plugin, error):
