@@ -142,12 +142,13 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
     bridge = bridge_for(host, device_pool, backend)
-    if bridge.pool is None and backend != GAP_FALLBACK and \
-            not stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op,
-                             can_use_jit=_jit_packed(host)[0], rows_packed=_jit_packed(host)[1]):
-        # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
-        # without Triton here): the core's generic copy engine, rather than SGLang's certain error
-        bridge = bridge_for(host, device_pool, GAP_FALLBACK)
+    if bridge.pool is None and backend != GAP_FALLBACK:
+        jit, packed = _jit_packed(host)
+        if not stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op, can_use_jit=jit,
+                            rows_packed=packed):
+            # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a
+            # kernel without Triton here): the core's generic copy engine, rather than SGLang's certain error
+            bridge = bridge_for(host, device_pool, GAP_FALLBACK)
     return bridge if bridge.pool is not None else None
 
 
