@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from ..binding import BoundSegment
 from ..kernel_support import kernel_unsupported_reason
 from ..pool import HostKVPool
 from ..registry import Registry
@@ -200,6 +201,32 @@ def _owned_rows(spec: PoolSpec, bufs: dict[str, list[torch.Tensor | None]], idx:
     return {k: [t if i in owned else None for i, t in enumerate(lst)] for k, lst in rows.items()}
 
 
+def _byte_offsets(seg: BoundSegment) -> torch.Tensor:
+    """For every byte of ``seg``'s host view (``[host layer, page, slot, chunk, byte]``), its offset in the host
+    buffer."""
+    flat, view = seg.host_flat, seg.host_view
+    return torch.arange(flat.numel(), dtype=torch.int64).as_strided(view.shape, view.stride(),
+                                                                    view.storage_offset() - flat.storage_offset())
+
+
+def _where_in_plan(pool: HostKVPool, got: torch.Tensor, want: torch.Tensor) -> str:
+    """What the first byte where ``got`` and ``want`` (one host buffer) differ holds in the layout's plan: a segment's
+    host layer, page, slot and byte, or no row byte (a canary the transfer should have left alone)."""
+    flat_got, flat_want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+    first = int((flat_got != flat_want).nonzero()[0])
+    for seg in pool.binding.segments:
+        flat, view = seg.host_flat, seg.host_view
+        if flat.data_ptr() != flat_got.data_ptr() or not view.numel():
+            continue
+        hit = (_byte_offsets(seg) == first).nonzero()
+        if hit.numel():
+            layer, page, slot, chunk, byte = hit[0].tolist()
+            byte += chunk * seg.segment.addressing.chunk_bytes
+            return (f"byte {first} is {seg.segment.component!r} of host layer {layer}, page {page}, slot {slot}, row "
+                    f"byte {byte}")
+    return f"byte {first} holds no row byte in the plan (a canary a transfer must leave alone)"
+
+
 def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
     """No host byte is addressed by two row bytes of the layout's plan (segments, layers, pages, slots, chunks)."""
     counts: dict[int, tuple[torch.Tensor, str]] = {}
@@ -208,9 +235,7 @@ def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
         key = flat.data_ptr()
         total, name = counts.get(key, (torch.zeros(flat.numel(), dtype=torch.int64), seg.segment.buffer))
         if view.numel():
-            idx = torch.arange(flat.numel(), dtype=torch.int64).as_strided(
-                view.shape, view.stride(), view.storage_offset() - flat.storage_offset())
-            total += torch.bincount(idx.reshape(-1), minlength=flat.numel())
+            total += torch.bincount(_byte_offsets(seg).reshape(-1), minlength=flat.numel())
         counts[key] = (total, name)
     for total, name in counts.values():
         twice = (total > 1).nonzero().flatten()
@@ -272,7 +297,8 @@ def check_strategy(
     for name, t in ref.host_buffers.items():
         if not torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)):
             diff = (pool.host_buffers[name].view(torch.uint8) != t.view(torch.uint8)).nonzero()[:3].tolist()
-            raise AssertionError(f"backup: host buffer {name!r} differs from the reference at {diff}")
+            raise AssertionError(f"backup: host buffer {name!r} differs from the reference at {diff}: "
+                                 f"{_where_in_plan(pool, pool.host_buffers[name], t)}")
     for bufs in (dev, dev_ref):  # poison the load targets
         for lst in bufs.values():
             for dt in lst:
