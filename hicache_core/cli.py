@@ -63,7 +63,7 @@ NO_LAYOUT = (
 )
 #: What a PASS of ``verify`` proved.
 PASS_MEANS = (
-    "PASS: random KV backed up through the strategy is byte-identical to the reference backend's host buffers "
+    "A PASS means: random KV backed up through the strategy is byte-identical to the reference backend's host buffers "
     "(canary-filled slots untouched), and loading every layer back into other device slots returns the original "
     "rows (small pools, shuffled int64 and device-resident int32 indices; --all-cases runs the whole kit)."
 )
