@@ -41,7 +41,7 @@ def _sharded(host: Any, kind: str) -> bool:
 
 #: The decision of :func:`_backend` by everything it depends on (environment included): SGLang's own cells pay
 #: one lookup per call, not the mode, table and registry walk (~5 us of Python per call otherwise).
-_decided: dict[tuple[Any, ...], str | None] = {}
+_decided: dict[tuple[Any, ...], tuple[str | None, bool]] = {}
 _ENV_NAMES = (ENV_MODE, ENV_KERNEL, ENV_TABLE)
 _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own dict behind os.environ (bytes keys on POSIX)
 _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES) if hasattr(os.environ, "encodekey") else ()
@@ -55,13 +55,18 @@ def _env_key() -> tuple[Any, ...]:
 
 
 def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
-    """The hicache io_backend for this call per the mode (and table).
+    """The hicache io_backend for this call per the mode (and table) (:func:`_decision`)."""
+    return _decision(host, kind, io_backend, op)[0]
+
+
+def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | None, bool]:
+    """The hicache io_backend for this call per the mode (and table), and whether the cell is one SGLang cannot serve.
 
     When the chosen one has no strategy for the layout: the exact mapping, then,
     for a cell SGLang cannot serve at all (a plugin layout with no kernel under
     SGLang's default ``kernel`` io, say), the core's generic ``direct``.  Decided once per cell, mode,
-    environment, registry and availability of SGLang's stock kernels (a broken takeover table is re-read
-    on every call until it is fixed).
+    environment, registry and availability of SGLang's stock kernels (under ``measured``, a broken takeover table
+    is re-read on every call until it is fixed).
     """
     sharded = _sharded(host, kind)
     jit, packed = _jit_packed(host)
@@ -72,7 +77,7 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
         return _decided[memo]
     except KeyError:
         pass
-    hit = None
+    hit, gap = None, False
     mode = current_mode()
     chosen = hicache_io_backend(mode, kind, host.layout, io_backend, sharded, op, can_use_jit=jit, rows_packed=packed)
     if chosen is not None:
@@ -83,8 +88,8 @@ def _backend(host: Any, kind: str, io_backend: str, op: str) -> str | None:
         else:
             hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
     if mode != "measured" or _table_readable():  # only "measured" reads the table
-        _decided[memo] = hit
-    return hit
+        _decided[memo] = (hit, gap)
+    return hit, gap
 
 
 def _jit_packed(host: Any) -> tuple[bool, bool]:
@@ -134,7 +139,7 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     kind = pool_kind(host)
     if kind is None:
         return None
-    backend = _backend(host, kind, io_backend, op)
+    backend, gap = _decision(host, kind, io_backend, op)
     if backend is None:
         return None
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
@@ -142,13 +147,10 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
     bridge = bridge_for(host, device_pool, backend)
-    if bridge.pool is None and backend != GAP_FALLBACK:
-        jit, packed = _jit_packed(host)
-        if not stock_serves(kind, host.layout, io_backend, _sharded(host, kind), op, can_use_jit=jit,
-                            rows_packed=packed):
-            # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a
-            # kernel without Triton here): the core's generic copy engine, rather than SGLang's certain error
-            bridge = bridge_for(host, device_pool, GAP_FALLBACK)
+    if bridge.pool is None and gap and backend != GAP_FALLBACK:
+        # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
+        # without Triton here): the core's generic copy engine, rather than SGLang's certain error
+        bridge = bridge_for(host, device_pool, GAP_FALLBACK)
     return bridge if bridge.pool is not None else None
 
 
