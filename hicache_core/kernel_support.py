@@ -172,8 +172,9 @@ class IndexMemo:
 
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled
-        # (source tensor, its version, its address and length, stream, device copy): one snapshot, replaced atomically
-        self._entry: tuple[torch.Tensor, int, tuple, int | None, torch.Tensor] | None = None
+        # (source tensor, its version, its address/length/dtype, its storage (held: no other storage takes its address
+        # while the entry compares it), stream, device copy): one snapshot, replaced atomically
+        self._entry: tuple[torch.Tensor, int, tuple, torch.UntypedStorage, int | None, torch.Tensor] | None = None
 
     def lookup(self, t: torch.Tensor, stream: int | None) -> torch.Tensor | None:
         """The copy stored for ``t`` on ``stream`` if ``t`` is unchanged since (its version counter, and its address
@@ -181,17 +182,16 @@ class IndexMemo:
         entry = self._entry  # read once: the checks and the result come from the same store
         if entry is None or not self.enabled:
             return None
-        src, version, where, made_on, out = entry
-        if t is src and stream == made_on and tensor_version(t) == version and tensor_where(t) == where[:3]:
+        src, version, where, _, made_on, out = entry
+        if t is src and stream == made_on and tensor_version(t) == version and tensor_where(t) == where:
             return out
         return None
 
     def store(self, t: torch.Tensor, stream: int | None, out: torch.Tensor) -> None:
         """Remember ``out`` as ``t``'s copy on ``stream`` (forgets everything when ``t`` has no version counter)."""
         version = tensor_version(t)
-        # the storage is held with the entry: a .data swap's freed storage cannot give its address to another one
         self._entry = (None if version is None or not self.enabled
-                       else (t, version, (*tensor_where(t), t.untyped_storage()), stream, out))
+                       else (t, version, tensor_where(t), t.untyped_storage(), stream, out))
 
 
 def index_memos(binding: PoolBinding) -> tuple[IndexMemo, IndexMemo]:

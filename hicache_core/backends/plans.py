@@ -701,6 +701,3 @@ class PlanCache:
             if h is host_indices and d is device_indices and s == stream:
                 return plan if h._version == hv0 and d._version == dv0 and pair_where(h, d) == where else None
         return None
-
-
-
