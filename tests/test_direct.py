@@ -555,7 +555,69 @@ def test_staging_buffers_grow_without_deadlock_and_serialise_runs_per_stream():
     t.start()
     t.join(120)  # a guard against a deadlock only: the call takes microseconds
     assert done and done[0].numel() == 1024 and small.numel() == 16
-    assert bufs.run_lock(7) is bufs.run_lock(7) and bufs.run_lock(7) is not bufs.run_lock(8)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(stream):
+        with bufs.running(stream):
+            entered.set()
+            release.wait(120)
+
+    holder = threading.Thread(target=hold, args=(7,))
+    holder.start()
+    assert entered.wait(120)
+    with bufs.running(8):  # another stream: not serialised with 7
+        pass
+    order = []
+    def second():
+        with bufs.running(7):
+            order.append("second")
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    waiter.join(0.2)  # a chance to overtake; it must not, whatever the timing
+    order.append("first done")
+    release.set()
+    holder.join(120)
+    waiter.join(120)
+    assert order == ["first done", "second"]
+
+
+def test_staging_buffers_keep_the_recent_streams_only_and_never_one_mid_transfer():
+    import threading
+
+    from hicache_core.backends.staging import MAX_STAGING_STREAMS, StagingBuffers
+
+    assert StagingBuffers(torch.device("cpu")).max_streams == MAX_STAGING_STREAMS
+    bufs = StagingBuffers(torch.device("cpu"), max_streams=2)
+    one = bufs.get(1, 64)
+    bufs.get(2, 64)
+    assert bufs.get(1, 32) is one  # kept, and now the most recent
+    bufs.get(3, 64)
+    assert bufs.streams() == [1, 3]  # 2 was the least recently used
+    assert bufs.get(2, 64) is not None and bufs.streams() == [3, 2]
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        with bufs.running(3):
+            entered.set()
+            release.wait(120)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    assert entered.wait(120)
+    bufs.get(4, 64)  # 3 is mid-transfer: 2 goes instead
+    assert bufs.streams() == [3, 4]
+    lone = StagingBuffers(torch.device("cpu"), max_streams=1)
+    with lone.running(1):
+        lone.get(2, 64)  # 1 is busy: kept beyond the bound rather than pulled from under its transfer
+        assert lone.streams() == [1, 2]
+    lone.get(3, 64)
+    assert lone.streams() == [3]
+    release.set()
+    t.join(120)
+    bufs.get(6, 64)
+    assert bufs.streams() == [4, 6]
 
 
 def test_calibration_rejects_nonsense_values(tmp_path, monkeypatch):
@@ -1579,3 +1641,24 @@ def test_auto_lane_with_one_candidate_takes_its_lane_without_a_decision(monkeypa
     auto.direct = None
     auto._arm(w.binding)
     assert auto.lane(w.binding, True)(None, h, d) and w.served[-1] == ("kernel lane", None)
+
+
+def test_copy_batch_refuses_descriptor_arrays_it_cannot_hand_the_runtime_by_address():
+    """The runtime reads the arrays by address: a strided, shorter or non-int64 one would give it other memory as
+    addresses and sizes.  Checked before the runtime is touched, so this holds on any machine."""
+    from hicache_core.backends.cudart import CudaRuntime
+
+    rt = CudaRuntime.__new__(CudaRuntime)  # no library needed: the checks come first
+    ok = torch.arange(4, dtype=torch.int64)
+    bad = {
+        "srcs": (ok, torch.arange(8, dtype=torch.int64)[::2], ok),
+        "sizes": (ok, ok, torch.arange(3, dtype=torch.int64)),
+        "dsts": (ok.to(torch.int32), ok, ok),
+    }
+    for name, (d, s, z) in bad.items():
+        with pytest.raises(ValueError, match=f"copy_batch: {name} must be a contiguous CPU int64"):
+            rt.copy_batch(d, s, z, stream=0)
+    with pytest.raises(ValueError, match=r"contiguous CPU int64 \[n, 14\]"):
+        rt.copy_3d_batch(torch.zeros(3, 14, dtype=torch.int64)[:, :13], stream=0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        rt.copy_3d_batch(torch.zeros(14, 3, dtype=torch.int64).t(), stream=0)

@@ -23,6 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .pitched import OP_WORDS
+
 __all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls",
            "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL"]
 
@@ -45,6 +47,17 @@ _EVEN_CALLS = 4
 _MAX_CHUNK = 512
 #: The most descriptors (or pitched operations) one runtime call carries.
 MAX_PER_CALL = _MAX_CHUNK
+
+
+def _check_arrays(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor) -> None:
+    """Raise unless the three descriptor arrays are contiguous CPU int64 tensors of one length: the runtime reads them
+    by address, so a strided or shorter array would hand it other memory as addresses and sizes."""
+    n = dsts.numel()
+    for name, t in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
+        if t.dtype is not torch.int64 or t.is_cuda or not t.is_contiguous() or t.numel() != n:
+            raise ValueError(f"copy_batch: {name} must be a contiguous CPU int64 tensor of {n} elements like dsts "
+                             f"(call .contiguous() / .to(torch.int64)), got {t.dtype} of {t.numel()} on {t.device}"
+                             f"{'' if t.is_contiguous() else ', not contiguous'}")
 
 
 def batch_schedule(n: int, eager: bool = True) -> list[int]:
@@ -205,6 +218,7 @@ class CudaRuntime:
             replaced by the per-thread default stream, which the batch API
             accepts and which is ordered with the legacy stream.
         """
+        _check_arrays(dsts, srcs, sizes)
         n = int(dsts.numel())
         if n == 0:
             return
@@ -219,6 +233,11 @@ class CudaRuntime:
     def copy_3d_batch(self, ops: torch.Tensor, stream: int, eager: bool = True) -> None:
         """Enqueue the ``cudaMemcpy3DBatchOp`` array ``ops`` (a contiguous CPU int64 ``[n, 14]`` tensor,
         :func:`.pitched.ops_tensor`) on ``stream`` in the calls of :func:`batch_schedule`.  Needs :attr:`has_batch3d`."""
+        if ops.dtype is not torch.int64 or ops.is_cuda or ops.dim() != 2 or ops.shape[1] != OP_WORDS \
+                or not ops.is_contiguous():
+            raise ValueError(f"copy_3d_batch: ops must be a contiguous CPU int64 [n, {OP_WORDS}] tensor "
+                             f"(pitched.ops_tensor), got {ops.dtype} {tuple(ops.shape)} on {ops.device}"
+                             f"{'' if ops.is_contiguous() else ', not contiguous'}")
         n = int(ops.shape[0])
         if n == 0:
             return

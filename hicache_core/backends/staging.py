@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -311,7 +313,7 @@ class StagedRoute:
         if self._check_rows is not None and self._kernel is None:
             self._check_rows()  # the torch relayout's index ops must not see a bad row: check before anything moves
             self._check_rows = None
-        with buffers.run_lock(stream):
+        with buffers.running(stream):
             if binding.device.type != "cuda":
                 self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
             else:
@@ -407,38 +409,101 @@ class StagedRoute:
             region += self.chunk_pages * im.span
 
 
+#: Caller streams whose staging a pool keeps at once; the least recently used one beyond them gives its buffer back.
+MAX_STAGING_STREAMS = 4
+
+
+@dataclass
+class _StreamStaging:
+    """What one caller stream of a pool stages with: its run lock, its relayout stream and its buffer."""
+
+    lock: threading.Lock
+    side: torch.cuda.Stream | None = None
+    buffer: torch.Tensor | None = None
+
+
 class StagingBuffers:
-    """One staging buffer and one side stream per caller stream of a pool, grown on demand."""
+    """One staging buffer and one side stream per caller stream of a pool, grown on demand.
 
-    def __init__(self, device: torch.device) -> None:
+    At most :data:`MAX_STAGING_STREAMS` caller streams keep theirs (a server that makes a stream per request would
+    otherwise hold a staging buffer of up to the budget for every stream it ever used): a new stream's first staged
+    transfer releases the least recently used stream's buffer once no transfer of that stream is being enqueued (the
+    caching allocator reuses the memory only after the work queued on it has run, :meth:`torch.Tensor.record_stream`).
+    """
+
+    def __init__(self, device: torch.device, max_streams: int = MAX_STAGING_STREAMS) -> None:
         self.device = device
-        self._buffers: dict[int, torch.Tensor] = {}
-        self._sides: dict[int, torch.cuda.Stream] = {}
-        self._runs: dict[int, threading.Lock] = {}
-        self._lock = threading.RLock()  # get() takes side_stream() under it
+        self.max_streams = max(1, max_streams)
+        self._streams: OrderedDict[int, _StreamStaging] = OrderedDict()
+        self._lock = threading.RLock()
 
-    def run_lock(self, stream: int) -> threading.Lock:
-        """Held for the whole enqueueing of one staged transfer: two threads on one caller stream
-        would otherwise fill the same staging half on the same side stream."""
+    def streams(self) -> list[int]:
+        """The caller streams that hold staging now, least recently used first."""
         with self._lock:
-            lock = self._runs.get(stream)
-            if lock is None:
-                lock = self._runs[stream] = threading.Lock()
-            return lock
+            return list(self._streams)
+
+    def _entry(self, stream: int) -> _StreamStaging:
+        with self._lock:
+            entry = self._streams.get(stream)
+            if entry is None:
+                entry = self._streams[stream] = _StreamStaging(threading.Lock())
+                self._evict(keep=stream)
+            else:
+                self._streams.move_to_end(stream)
+            return entry
+
+    def _evict(self, keep: int) -> None:
+        """Release the least recently used streams' staging beyond :attr:`max_streams`, skipping any stream whose
+        transfer is being enqueued (its lock held: it still fills its buffer)."""
+        for stream in list(self._streams):
+            if len(self._streams) <= self.max_streams:
+                return
+            entry = self._streams[stream]
+            if stream == keep or not entry.lock.acquire(blocking=False):
+                continue
+            try:
+                if entry.buffer is not None and entry.side is not None:
+                    entry.buffer.record_stream(entry.side)  # a relayout queued on the side stream may still use it
+                del self._streams[stream]
+            finally:
+                entry.lock.release()
+            logger.debug("direct staging on %s: released the buffer of caller stream %#x (least recently used of "
+                         "more than %d)", self.device, stream, self.max_streams)
+
+    @contextmanager
+    def running(self, stream: int) -> Iterator[None]:
+        """Held for the whole enqueueing of one staged transfer on caller stream ``stream``: two threads on one caller
+        stream would otherwise fill the same staging half on the same side stream.  The stream's staging cannot be
+        released meanwhile (a lock taken from an entry released before it was acquired is given back and taken
+        again from the stream's new entry)."""
+        while True:
+            entry = self._entry(stream)
+            entry.lock.acquire()
+            with self._lock:
+                current = self._streams.get(stream) is entry
+            if current:
+                break
+            entry.lock.release()
+        try:
+            yield
+        finally:
+            entry.lock.release()
 
     def side_stream(self, stream: int) -> torch.cuda.Stream:
         """The relayout stream paired with the caller's stream ``stream``."""
         with self._lock:
-            side = self._sides.get(stream)
-            if side is None:
-                side = self._sides[stream] = torch.cuda.Stream(self.device)
-            return side
+            entry = self._entry(stream)
+            if entry.side is None:
+                entry.side = torch.cuda.Stream(self.device)
+            return entry.side
 
     def get(self, stream: int, nbytes: int) -> torch.Tensor:
+        """The staging buffer of caller stream ``stream``, at least ``nbytes`` long (a shorter one is replaced)."""
         with self._lock:
-            buf = self._buffers.get(stream)
+            entry = self._entry(stream)
+            buf = entry.buffer
             if buf is None or buf.numel() < nbytes:
                 if buf is not None and self.device.type == "cuda":
                     buf.record_stream(self.side_stream(stream))  # a pending relayout may still read it
-                buf = self._buffers[stream] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                buf = entry.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return buf
