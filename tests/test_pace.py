@@ -649,3 +649,40 @@ def test_a_kernel_whose_prepare_fails_in_any_way_leaves_direct_serving(monkeypat
         auto.prepare(pool.binding)
     assert auto.kernel is None and "the kernel cannot serve this pool (libtriton.so" in caplog.text
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy
+
+
+def test_auto_hands_direct_the_start_of_its_call_so_a_new_pairs_planning_is_sampled(monkeypatch):
+    """``auto`` plans a new pair while deciding; the planning pace's sample of the call ``direct`` then serves must
+    start before that planning, as it does for ``direct``'s own calls (tests above)."""
+    from hicache_core.backends.plans import PlanCache
+
+    pool, h, d = _fp8_pool()
+    w = _Paces()
+    auto = _auto(pool, w)
+    _fill(w.paces[False], 0.42)  # a fast host: the copy engine serves the loads
+    copier = pool.binding.scratch["direct.copier"]
+    tick = [0.0]
+
+    def now() -> float:
+        tick[0] += 1.0
+        return tick[0]
+
+    monkeypatch.setattr(copier.clock, "now", now)
+    seen: list[tuple[float | None, bool]] = []
+    planned: list[float] = []
+    real_copy, real_get = BatchCopier.copy, PlanCache.get
+
+    def spy(self, dsts, srcs, lens, stream=None, nbytes=None, to_host=None, since=None, warm=False):
+        seen.append((since, warm))
+        return real_copy(self, dsts, srcs, lens, stream, nbytes, to_host, since, warm)
+
+    def get(self, *args, **kwargs):
+        planned.append(now())
+        return real_get(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchCopier, "copy", spy)
+    monkeypatch.setattr(PlanCache, "get", get)
+    auto.load(pool.binding, h, d, 1)
+    assert auto._picks[pick_key(h, d, 1, False)] is pool.strategy
+    since, warm = seen[0]
+    assert since is not None and since < planned[0] and not warm  # the sample covers the plan made while deciding

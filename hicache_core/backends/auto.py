@@ -500,18 +500,31 @@ class AutoStrategy:
         self.watch = (ForwardWatch(cal.link_gbps, now=self.clock.now, min_room=1.0 / MEMORY_KERNEL_SHARE)
                       if self.forward == "watch" and self._clocked else None)
 
+    def _serve(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
+               layer: int | None, to_host: bool) -> None:
+        """The picked candidate's transfer.  Where ``direct`` serves it, its host-pace sample starts when this call
+        began: a new pair's plan is made while deciding (:meth:`_decide`), and the planning calls' pace must count
+        it as ``direct``'s own calls do."""
+        copier = binding.scratch.get("direct.copier")
+        since = copier.clock.now() if copier is not None else None
+        pick = self.pick(binding, host_indices, device_indices, layer, to_host=to_host)
+        if pick is self.direct and since is not None:
+            pick.transfer(binding, host_indices, device_indices, layer, to_host=to_host, since=since)
+        elif to_host:
+            pick.backup(binding, host_indices, device_indices, layer)
+        else:
+            pick.load(binding, host_indices, device_indices, layer)
+
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
-        self.pick(binding, host_indices, device_indices, layer, to_host=True).backup(
-            binding, host_indices, device_indices, layer)
+        self._serve(binding, host_indices, device_indices, layer, True)
         if self._clocked:  # a backup on the loads' stream delays them too
             self._book(current_stream_handle(self._index), host_indices.numel(), layer, self.clock.now())
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:
         if not self._clocked:
-            self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
-                binding, host_indices, device_indices, layer)
+            self._serve(binding, host_indices, device_indices, layer, False)
             return
         now, stream, n = self.clock.now(), current_stream_handle(self._index), host_indices.numel()
         lone, timing = self._lone(binding, layer, n, stream, now)
@@ -524,8 +537,7 @@ class AutoStrategy:
             else:
                 kernel.load(binding, host_indices, device_indices, layer)
         else:
-            self.pick(binding, host_indices, device_indices, layer, to_host=False).load(
-                binding, host_indices, device_indices, layer)
+            self._serve(binding, host_indices, device_indices, layer, False)
         self._book(stream, n, layer, now)
 
     def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> tuple[bool, bool]:

@@ -124,9 +124,12 @@ class DirectStrategy(DirectionalStrategy):
         return plans.get(host_indices, device_indices, stream).submission(layer)
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                 layer: int | None, *, to_host: bool) -> None:
+                 layer: int | None, *, to_host: bool, since: float | None = None) -> None:
+        """Submit the call; ``since``: the copier clock's time when the caller's call began, where a caller (``auto``)
+        did part of the call's work, such as planning this pair, before handing it on (default: now)."""
         copier: BatchCopier = binding.scratch["direct.copier"]
-        since = copier.clock.now()  # the host's pace counts the whole call (a new pair's or layer's plan too)
+        if since is None:
+            since = copier.clock.now()  # the host's pace counts the whole call (a new pair's or layer's plan too)
         stream = copier.stream()
         sub = self._submission(binding, host_indices, device_indices, layer, stream)
         if not any(sub.served):  # once per submission: a pool moving tiny blocks is told about auto
