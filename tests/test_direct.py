@@ -1235,8 +1235,8 @@ class _AutoWorld:
 
         self.monkeypatch, self.served, self.t = monkeypatch, [], [100.0]
         spec = types.SimpleNamespace(bytes_per_token=4 * 1152, layer_map=types.SimpleNamespace(device_layers=range(4)))
-        self.binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec)
-        self.on_cpu = types.SimpleNamespace(device=torch.device("cpu"), spec=spec)
+        self.binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec, scratch={})
+        self.on_cpu = types.SimpleNamespace(device=torch.device("cpu"), spec=spec, scratch={})
         monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
         self.layer_s = 64 * 1152 / DRAIN_BYTES_PER_US * 1e-6  # one 64-token layer at the clock's drain rate
 
