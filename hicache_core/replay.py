@@ -35,6 +35,7 @@ import torch
 from .envflags import env_on
 from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices
 from .launch import _traits
+from .validate import tensor_where
 
 __all__ = ["Replays", "Step", "Batch", "Lane", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
 
@@ -69,10 +70,12 @@ class Batch(NamedTuple):
 
     host_indices: torch.Tensor
     host_version: int
-    host_ptr: int  # data_ptr() of the tensors as passed: a ``.data`` swap keeps identity and version, not these
+    #: :func:`~hicache_core.validate.tensor_where` of the tensors as passed: a ``.data`` swap keeps identity and
+    #: version, not these
+    host_where: tuple
     device_indices: torch.Tensor
     device_version: int
-    device_ptr: int
+    device_where: tuple
     stream: int
     h: torch.Tensor  # what kernels read (device copies of CPU indices, contiguous)
     d: torch.Tensor
@@ -166,7 +169,7 @@ class Replays:
                 (d is not device_indices and device_indices.device == d.device):
             return None  # a contiguous copy of a same-device view: made anew by every call (normal path)
         traits = (_traits(h), _traits(d), _traits(n), *[n > cut for cut in self.splits])
-        b = Batch(host_indices, hv, host_indices.data_ptr(), device_indices, dv, device_indices.data_ptr(), stream,
+        b = Batch(host_indices, hv, tensor_where(host_indices), device_indices, dv, tensor_where(device_indices), stream,
                   h, d, n, traits, (h.data_ptr(), d.data_ptr(), n),
                   (host_indices.untyped_storage(), device_indices.untyped_storage()))
         self._batches[to_host] = b
@@ -230,12 +233,12 @@ class Replays:
 
 def _matches(b: Batch, host_indices: torch.Tensor, device_indices: torch.Tensor, n: int, stream: int) -> bool:
     """Whether ``b`` is these index tensors (``n`` positions) as they are now, on ``stream``: the same objects, their
-    version counters, addresses and lengths unchanged (a ``.data`` swap keeps identity and version; a swap to a view
-    of the same storage keeps the address too, not the device tensor's length)."""
+    version counters, addresses, lengths, dtypes and strides unchanged (a ``.data`` swap keeps identity and version;
+    a swap to another view of the same storage may keep the address too, not all the rest)."""
     return (b.host_indices is host_indices and b.device_indices is device_indices
             and host_indices._version == b.host_version and device_indices._version == b.device_version
-            and host_indices.data_ptr() == b.host_ptr and device_indices.data_ptr() == b.device_ptr
-            and b.n == n and device_indices.numel() == n and b.stream == stream)
+            and b.n == n and b.stream == stream
+            and tensor_where(host_indices) == b.host_where and tensor_where(device_indices) == b.device_where)
 
 
 def _args(st: Step, b: Batch) -> list:

@@ -74,10 +74,11 @@ class CheckedPair:
         return self.facts
 
 
-def tensor_where(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
-    """What a ``.data`` swap changes while keeping the tensor object and its version counter: address, length, dtype
-    (memos compare it beside :func:`tensor_version`, and hold the storage so that no other one takes its address)."""
-    return t.data_ptr(), t.numel(), t.dtype
+def tensor_where(t: torch.Tensor) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+    """What a ``.data`` swap changes while keeping the tensor object and its version counter: address, length, dtype,
+    strides (a swap to another view of the same storage may keep the first three: ``store[::2]`` for ``store[:n]``).
+    Memos compare it beside :func:`tensor_version`, and hold the storage so that no other one takes its address."""
+    return t.data_ptr(), t.numel(), t.dtype, t.stride()
 
 
 def pair_where(host_indices: torch.Tensor, device_indices: torch.Tensor) -> tuple:

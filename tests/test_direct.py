@@ -1662,3 +1662,73 @@ def test_copy_batch_refuses_descriptor_arrays_it_cannot_hand_the_runtime_by_addr
         rt.copy_3d_batch(torch.zeros(3, 14, dtype=torch.int64)[:, :13], stream=0)
     with pytest.raises(ValueError, match="not contiguous"):
         rt.copy_3d_batch(torch.zeros(14, 3, dtype=torch.int64).t(), stream=0)
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("io_backend", ["direct", "auto"])
+def test_under_full_validation_no_plan_outlives_its_call(io_backend):
+    """``validate="full"`` checks and copies every call afresh: an index tensor rewritten behind torch's version
+    counter (through NumPy) between calls moves the rows it names now, in both directions, and a bad value written
+    that way is refused; a plan still serves the whole call that made it (one plan per call)."""
+    from hicache_core.backends import plans as plans_mod
+    from hicache_core.errors import IndexRangeError
+
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=4, capacity=32)
+    gen = torch.Generator().manual_seed(11)
+    dev = {"kv": [torch.randn(32, 1, 576, generator=gen).to(torch.bfloat16) for _ in range(2)]}
+    pool = HostKVPool(spec, "layer_first", io_backend, dev, registry=REG, validate="full", pin_memory=False)
+    for b in pool.host_buffers.values():
+        b.view(torch.uint8).fill_(0xA5)
+    h, d = torch.arange(0, 4), torch.arange(8, 12)
+    made = []
+    real = plans_mod.Plan.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        real(self, *args, **kwargs)
+
+    plans_mod.Plan.__init__ = counted  # type: ignore[method-assign]
+    try:
+        pool.backup_all_layers(h, d)
+        assert len(made) == 1
+        h.numpy()[:] = [12, 13, 14, 15]  # host page 3, device rows 20..23 now: versions unchanged
+        d.numpy()[:] = [20, 21, 22, 23]
+        pool.backup_all_layers(h, d)
+        assert len(made) == 2
+    finally:
+        plans_mod.Plan.__init__ = real  # type: ignore[method-assign]
+    rows = lambda lo: torch.cat([dev["kv"][i][lo:lo + 4].reshape(-1).view(torch.uint8) for i in range(2)])  # noqa: E731
+    assert torch.equal(pool.get_page(3), rows(20)) and torch.equal(pool.get_page(0), rows(8))
+    assert bool((pool.get_page(1) == 0xA5).all()) and bool((pool.get_page(2) == 0xA5).all())
+    h.numpy()[:] = [96, 97, 98, 99]  # out of range, behind torch's back: checked all the same
+    with pytest.raises(IndexRangeError):
+        pool.backup_all_layers(h, d)
+    h.numpy()[:] = [12, 13, 14, 15]
+    pool.load_all_layers(h, d)  # rows 20..23 <- page 3
+    canary = [t.clone() for t in dev["kv"]]
+    d.numpy()[:] = [28, 29, 30, 31]
+    pool.load_all_layers(h, d)
+    for i, t in enumerate(dev["kv"]):
+        assert torch.equal(t[28:32].view(torch.uint8), t[20:24].view(torch.uint8)), i
+        assert torch.equal(t[:28].view(torch.uint8), canary[i][:28].view(torch.uint8)), i
+
+
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("io_backend", ["direct", "auto"])
+def test_a_data_swap_to_a_strided_view_at_the_same_address_moves_the_rows_it_names(io_backend):
+    """``d.data = store[::2]`` after ``d = store[:4]`` keeps d's identity, version, address, length and dtype: the
+    pool's check memo and the copy plans compare strides too, so the next call moves the rows named now."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(1), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=4, capacity=32)
+    dev = {"kv": [torch.randn(32, 1, 576, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)]}
+    pool = HostKVPool(spec, "layer_first", io_backend, dev, registry=REG, pin_memory=False)
+    h, store = torch.arange(0, 4), torch.tensor([8, 9, 10, 11, 20, 21, 22, 23])
+    d = store[:4]
+    pool.backup_all_layers(h, d)
+    version = d._version
+    d.data = store.as_strided((4,), (2,), 0)  # rows 8, 10, 20, 22
+    assert d._version == version and d.data_ptr() == store.data_ptr() and d.numel() == 4
+    pool.backup_all_layers(h, d)
+    rows = dev["kv"][0][torch.tensor([8, 10, 20, 22])].reshape(-1).view(torch.uint8)
+    assert torch.equal(pool.get_page(0), rows)

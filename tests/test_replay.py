@@ -380,7 +380,7 @@ def test_the_lane_sees_device_indices_change(monkeypatch, change):
     d.data = other.clone()  # same length, same object, same version counter, other storage
     w.pool.load_layer(1, h, d)
     assert w.lib.launches[-1] != before  # the device copy the launch reads is the new one
-    assert w.replays._batches[False].device_ptr == d.data_ptr()
+    assert w.replays._batches[False].device_where[0] == d.data_ptr()
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (3, 2, 0, 4, 1), (4, 0, 1, 2), (0, 1, 3, 4)])
@@ -648,3 +648,32 @@ def test_gpu_replays_on_either_side_of_the_tma_row_limit(monkeypatch):
             for layer in layers:
                 assert torch.equal(dev[name][layer].view(torch.uint8)[d], want[layer][:cut]), (cut, layer)
     assert prep.replays.hits - before == 4 * len(layers)  # the last two rounds replay every call on both sides
+
+
+@pytest.mark.parametrize("swap", ["strided view", "int32 view"])
+def test_a_data_swap_to_another_view_at_the_same_address_is_not_replayed(monkeypatch, swap):
+    """``t.data = view`` where the view starts at the same address with the same length (``store[::2]`` for
+    ``store[:n]``, or the int32 view of an int64 tensor) keeps identity, version, address and length: the batch
+    compares dtype and strides too, so the call is checked and copied again, never replayed from the old reading."""
+    from hicache_core.errors import DuplicateIndexError
+
+    w = World(monkeypatch, "layer_first")
+    h, _ = _idx(16)
+    n = h.numel()
+    store = torch.arange(2 * n) + 16  # store[:n] and store[::2] both name distinct rows in range
+    view = store[:n]
+    for _ in range(2):
+        w.burst(h, view)
+    assert _replayed(w, lambda: w.pool.load_layer(1, h, view))
+    version, before = view._version, len(w.lib.launches)
+    if swap == "strided view":
+        view.data = store.as_strided((n,), (2,), 0)
+        assert view._version == version and view.data_ptr() == store.data_ptr() and view.numel() == n
+        assert not _replayed(w, lambda: w.pool.load_layer(1, h, view))
+        assert len(w.lib.launches) > before  # launched by the normal path, which reads the strided values
+    else:
+        view.data = store.view(torch.int32)[:n]  # each int64 value's low and high halves: row 0 repeats
+        assert view._version == version and view.numel() == n
+        with pytest.raises(DuplicateIndexError):
+            w.pool.load_layer(1, h, view)
+        assert len(w.lib.launches) == before  # refused before any launch, replayed or not

@@ -23,6 +23,7 @@ import torch
 
 from ..binding import BoundSegment, PoolBinding
 from ..errors import IndexRangeError
+from ..kernel_support import index_memos
 from ..validate import IndexFacts, index_bounds, page_starts, pair_where, tensor_version, tensor_where
 from .common import as_long
 from .memcpy import CALL_US, DESC_US
@@ -646,7 +647,12 @@ class PlanCache:
         self.binding = cast(PoolBinding, weakref.proxy(binding))
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
-        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, tuple, tuple, Plan]] = []
+        #: Whether plans outlive their call: not on a pool that checks and copies every call afresh (``validate=
+        #: "full"``/``"strict"``: its index memos are off), where a write torch does not count (NumPy, ``.data``)
+        #: would leave a memoised plan moving the old rows.  There a plan serves the call that made it only (``auto``
+        #: sizes it while deciding, ``direct`` submits it): it is keyed by the pool's check of that call.
+        self.memoise = index_memos(binding)[0].enabled
+        self._slots: list[tuple[torch.Tensor, int, torch.Tensor, int, int, tuple, tuple, object, Plan]] = []
         #: Early reads of device index tensors (:meth:`read_early`), newest first, at most :data:`MEMO_SLOTS`.
         self._early: list[EarlyRead] = []
         self._lock = threading.Lock()
@@ -685,19 +691,22 @@ class PlanCache:
         if early is not None and plan._early is early:
             with self._lock:  # taken: the plan holds it now
                 self._early = [e for e in self._early if e is not early]
-        if hv is not None and dv is not None:
+        call = None if self.memoise else self.binding.checked
+        if hv is not None and dv is not None and (self.memoise or call is not None):
             with self._lock:  # a new list each time: readers iterate a snapshot without the lock
                 # the storages are held with the slot: a .data swap's freed storage cannot give its address to
                 # another one while the slot compares addresses
                 held = (host_indices.untyped_storage(), device_indices.untyped_storage())
-                self._slots = [(host_indices, hv, device_indices, dv, stream, where, held, plan),
+                self._slots = [(host_indices, hv, device_indices, dv, stream, where, held, call, plan),
                                *self._slots][:MEMO_SLOTS]
         return plan
 
     def peek(self, host_indices: torch.Tensor, device_indices: torch.Tensor, stream: int) -> Plan | None:
         """The memoised plan of these index tensors (the same objects, unchanged: version counters, and addresses and
         lengths, which a ``.data`` swap changes) on ``stream``, else ``None`` (builds nothing)."""
-        for h, hv0, d, dv0, s, where, _, plan in self._slots:  # identity first: anything else passed finds nothing
+        for h, hv0, d, dv0, s, where, _, call, plan in self._slots:  # identity first: anything else finds nothing
             if h is host_indices and d is device_indices and s == stream:
+                if call is not None and call is not self.binding.checked:
+                    return None  # made in an earlier call of a pool that checks every call: not reused
                 return plan if h._version == hv0 and d._version == dv0 and pair_where(h, d) == where else None
         return None
