@@ -331,7 +331,7 @@ class HostKVPool:
             data = data.resolve_conj().resolve_neg()  # a lazy view: its bytes are not yet what it reads as
         if synchronize:
             self._synchronize()
-        flat = data.reshape(-1).view(torch.uint8)
+        flat = data.contiguous().view(-1).view(torch.uint8)  # a strided or expanded tensor: its bytes in order
         pos = 0
         for host, stride, blocks in self._page_segments:
             base = page * stride

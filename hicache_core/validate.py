@@ -336,7 +336,10 @@ def parse_programs(value: object, source: str) -> int:
     """
     n: int | None = None
     if isinstance(value, str):
-        n = int(value.strip()) if value.strip().lstrip("+-").isdigit() else None
+        try:
+            n = int(value.strip())
+        except ValueError:  # "abc", "+-5", "2.5": named below
+            n = None
     elif not isinstance(value, bool):
         try:
             n = operator.index(value)  # type: ignore[arg-type]

@@ -371,6 +371,15 @@ def test_transfer_errors_keep_sglang_compatible_bases() -> None:
     assert issubclass(UnknownLayoutError, ValueError) and issubclass(ResolutionError, ValueError)
 
 
+def test_set_page_writes_what_a_strided_or_expanded_tensor_reads_as(pool: HostKVPool) -> None:
+    n = pool.page_bytes
+    wide = torch.arange(n // 2, dtype=torch.float32) + 1
+    pool.set_page(1, wide[::2])  # a 1-D strided float32 view: reshape(-1) keeps its stride
+    assert torch.equal(pool.get_page(1).view(torch.float32), wide[::2])
+    pool.set_page(2, torch.full((1,), 3.5).expand(n // 4))  # stride 0
+    assert torch.equal(pool.get_page(2).view(torch.float32), torch.full((n // 4,), 3.5))
+
+
 def test_set_page_writes_what_a_lazy_negated_view_reads_as(pool: HostKVPool) -> None:
     n = pool.page_bytes
     x = torch.arange(n // 4, dtype=torch.float32) + 1

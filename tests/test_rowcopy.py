@@ -125,9 +125,12 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert cls().effective_tuning(cuda) == every(programs=4)
     monkeypatch.delenv(ENV_PROGRAMS)
     assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load), cap(t.page_load))
-    monkeypatch.setenv(ENV_PROGRAMS, "abc")
-    with pytest.raises(ConfigError, match=ENV_PROGRAMS):
-        cls().effective_tuning(cpu)
+    for bad in ("abc", "+-5", "--3", "\u00b2", "2.5", "0", "-3"):  # never a raw ValueError from int()
+        monkeypatch.setenv(ENV_PROGRAMS, bad)
+        with pytest.raises(ConfigError, match=ENV_PROGRAMS):
+            cls().effective_tuning(cpu)
+    monkeypatch.setenv(ENV_PROGRAMS, " +7 ")
+    assert cls().effective_tuning(cpu).load.programs == 7
 
 
 def _groups(spec, layout, dev):
