@@ -7,6 +7,7 @@ base address and token stride, so strategies can build pointer tables once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -39,7 +40,14 @@ def device_rows(t: torch.Tensor, name: str) -> torch.Tensor:
             f"device buffer {name}: each token's row must be contiguous (only the token axis may be "
             f"strided); got shape {tuple(t.shape)} strides {t.stride()}. Pass a view with contiguous rows"
         )
-    rows = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.unsqueeze(1)
+    row_items = math.prod(t.shape[1:])
+    if t.shape[0] > 1 and t.stride(0) < row_items:
+        raise DeviceBufferError(
+            f"device buffer {name}: token rows overlap (shape {tuple(t.shape)}, token stride {t.stride(0)} elements "
+            f"for rows of {row_items}); a load would write one row's bytes through another. Pass a buffer whose "
+            "tokens each have their own memory (not an expand()ed or as_strided() view)"
+        )
+    rows = t.reshape(t.shape[0], row_items) if t.dim() > 1 else t.unsqueeze(1)
     return rows.view(torch.uint8)
 
 

@@ -36,6 +36,20 @@ def as_int(value: object, name: str, error: type[Exception] = SpecError) -> int:
         raise error(f"{name} must be an int, got {type(value).__name__} {value!r}; pass a whole number") from None
 
 
+def _dim(value: object, name: str, least: int = 1) -> int:
+    """A model dimension: an int >= ``least``, else :class:`SpecError` naming it (``-2`` heads of ``-8`` would multiply
+    out to a positive row)."""
+    n = as_int(value, name)
+    if n < least:
+        raise SpecError(f"{name}={n} must be >= {least}")
+    return n
+
+
+def _layer_count(value: object, name: str) -> int:
+    """A count of layers: an int >= 0, else :class:`SpecError` naming it."""
+    return _dim(value, name, least=0)
+
+
 def _check_dtype(dtype: object, where: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise SpecError(f"{where}: dtype must be a torch.dtype (e.g. torch.bfloat16), got {type(dtype).__name__} {dtype!r}")
@@ -48,6 +62,9 @@ def shard_range(num_layers: int, shards: int, rank: int) -> tuple[int, int]:
     Same rule as SGLang's context-parallel layer split: the first
     ``num_layers % shards`` ranks own one extra layer.
     """
+    num_layers, shards, rank = as_int(num_layers, "num_layers"), as_int(shards, "shards"), as_int(rank, "rank")
+    if num_layers < 0:
+        raise SpecError(f"num_layers={num_layers} must be >= 0")
     if shards < 1 or not 0 <= rank < shards:
         raise SpecError(f"shard rank {rank} is outside 0..{shards - 1} (shards={shards}); pass 0 <= rank < shards")
     base, rem = divmod(num_layers, shards)
@@ -109,7 +126,7 @@ class LayerMap:
     @classmethod
     def unsharded(cls, num_layers: int, *, draft_layers: int = 0) -> "LayerMap":
         """Every device layer on this rank, plus ``draft_layers`` appended MTP draft layers."""
-        n = num_layers + draft_layers
+        n = _layer_count(num_layers, "num_layers") + _layer_count(draft_layers, "draft_layers")
         return cls(tuple(range(n)), n, n, sharded=False)
 
     @classmethod
@@ -124,6 +141,7 @@ class LayerMap:
         ``pad_to_largest`` the target part is sized for the largest shard and
         the drafts follow it (SGLang's rule: a smaller shard leaves a gap).
         """
+        num_layers, draft_layers = _layer_count(num_layers, "num_layers"), _layer_count(draft_layers, "draft_layers")
         start, end = shard_range(num_layers, shards, rank)
         owned = tuple(range(start, end)) + tuple(range(num_layers, num_layers + draft_layers))
         targets = math.ceil(num_layers / shards) if pad_to_largest else end - start
@@ -152,6 +170,10 @@ class Part:
     offset: int
     nbytes: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offset", as_int(self.offset, f"part {self.name!r} offset"))
+        object.__setattr__(self, "nbytes", as_int(self.nbytes, f"part {self.name!r} nbytes"))
+
 
 @dataclass(frozen=True)
 class Component:
@@ -178,6 +200,17 @@ class Component:
                 f"component {self.name!r}: row_bytes={self.row_bytes} must be a positive multiple of the "
                 f"{self.dtype} item size {item}"
             )
+        parts = tuple(self.parts) if isinstance(self.parts, (tuple, list)) else None
+        if parts is None or not all(isinstance(p, Part) for p in parts):
+            raise SpecError(f"component {self.name!r}: parts must be a tuple of Part(name, offset, nbytes), "
+                            f"got {self.parts!r}")
+        object.__setattr__(self, "parts", parts)
+        if self.layers is not None:
+            if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
+                raise SpecError(f"component {self.name!r}: layers must be a tuple of device layer ids or None, "
+                                f"got {type(self.layers).__name__} {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(as_int(x, f"component {self.name!r} layers entry")
+                                                     for x in self.layers))
         covered = 0
         for part in self.parts:
             if part.offset != covered or part.nbytes <= 0 or part.nbytes % item:
@@ -262,8 +295,8 @@ class PoolSpec:
     ) -> "PoolSpec":
         """An MHA pool: components ``k`` (``head_num x head_dim``) and ``v`` (``head_num x v_head_dim``)."""
         item = torch.empty((), dtype=_check_dtype(dtype, "PoolSpec.mha")).element_size()
-        head_num, head_dim = as_int(head_num, "head_num"), as_int(head_dim, "head_dim")
-        vd = head_dim if v_head_dim is None else as_int(v_head_dim, "v_head_dim")
+        head_num, head_dim = _dim(head_num, "head_num"), _dim(head_dim, "head_dim")
+        vd = head_dim if v_head_dim is None else _dim(v_head_dim, "v_head_dim")
         comps = (Component("k", head_num * head_dim * item, dtype), Component("v", head_num * vd * item, dtype))
         return cls(MHA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device), head_num)
 
@@ -287,8 +320,8 @@ class PoolSpec:
         uint8); such a row has no parts (layouts that store parts apart keep it whole).
         """
         item = torch.empty((), dtype=_check_dtype(dtype, "PoolSpec.mla")).element_size()
-        kv_lora_rank = as_int(kv_lora_rank, "kv_lora_rank")
-        qk_rope_head_dim = as_int(qk_rope_head_dim, "qk_rope_head_dim")
+        kv_lora_rank = _dim(kv_lora_rank, "kv_lora_rank", least=0)
+        qk_rope_head_dim = _dim(qk_rope_head_dim, "qk_rope_head_dim", least=0)
         rope = qk_rope_head_dim * item
         row = row_bytes if row_bytes is not None else (kv_lora_rank + qk_rope_head_dim) * item
         split = row_bytes is None and qk_rope_head_dim > 0 and kv_lora_rank > 0

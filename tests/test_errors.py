@@ -211,6 +211,14 @@ def _mutate(name: str) -> Callable[[dict[str, list[Any]]], dict[str, list[Any]]]
         dev["v"][0] = torch.tensor(1.0, dtype=torch.float16)
         return dev
 
+    def expanded_rows(dev):
+        dev["k"][1] = torch.zeros(1, HEADS, HD, dtype=torch.float16).expand(ROWS, HEADS, HD)
+        return dev
+
+    def overlapping_rows(dev):
+        dev["v"][1] = torch.zeros(ROWS * HEADS * VD, dtype=torch.float16).as_strided((ROWS, HEADS, VD), (VD, VD, 1))
+        return dev
+
     return locals()[name]
 
 
@@ -222,6 +230,8 @@ DEVICE_CASES = [
     ("non_contiguous_rows", r"device_buffers\['k'\]\[1\]: each token's row must be contiguous .*Pass a view with contiguous rows"),
     ("too_few_layers", r"device_buffers\['k'\] has 2 layers but the layer map reads device layer 2; pass one tensor per device layer id"),
     ("zero_dim", r"device_buffers\['v'\]\[0\] must have a token axis, got a 0-d tensor"),
+    ("expanded_rows", r"device_buffers\['k'\]\[1\]: token rows overlap .*token stride 0 elements"),
+    ("overlapping_rows", r"device_buffers\['v'\]\[1\]: token rows overlap .*not an expand\(\)ed or as_strided\(\) view"),
 ]
 
 
@@ -234,6 +244,24 @@ def test_bad_device_buffers(target: tuple[str, str], name: str, pattern: str) ->
         HostKVPool(spec, *target, dev, pin_memory=False)
     assert type(info.value) is DeviceBufferError
     assert_unchanged(before, dev)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("auto",))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_device_pool_of_no_tokens_builds_and_refuses_every_row(layout: str, backend: str) -> None:
+    """Device layers of zero tokens (any number of inner dims) make a pool (reshaping them must not guess the row
+    size from no elements); every device index is then out of range, and nothing moves."""
+    spec = make_spec()
+    n = spec.layer_map.num_device_layers
+    dev = {"k": [torch.zeros(0, HEADS, HD, dtype=torch.float16) for _ in range(n)],
+           "v": [torch.zeros(0, HEADS, VD, dtype=torch.float16) for _ in range(n)]}
+    pool = HostKVPool(spec, layout, backend, dev, pin_memory=False)
+    fill_random(pool.host_buffers)
+    before = snapshot(pool.host_buffers)
+    for call in (lambda: pool.backup_all_layers(AR(0, PS), AR(0, PS)), lambda: pool.load_layer(1, AR(0, PS), AR(0, PS))):
+        with pytest.raises(IndexRangeError, match="device_indices"):
+            call()
+    assert_unchanged(before, pool.host_buffers)
 
 
 # --- construction: wrapped host buffers -------------------------------------------------

@@ -257,3 +257,42 @@ def test_unknown_component_lookup() -> None:
                         page_size=1, capacity=8)
     with pytest.raises(SpecError, match=r"no component 'kv'; the spec has \['k', 'v'\]"):
         spec.component("kv")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Component("kv", 256, torch.bfloat16, (Part("latent", 0, 128.0), Part("rope", 128.0, 128))),
+         r"part 'latent' nbytes must be an int, got float 128\.0"),
+        (lambda: Component("kv", 256, torch.bfloat16, (("latent", 0, 128), ("rope", 128, 128))),  # type: ignore[arg-type]
+         r"parts must be a tuple of Part\(name, offset, nbytes\)"),
+        (lambda: Component("kv", 256, torch.bfloat16, layers=(0.5,)), r"layers entry must be an int, got float 0\.5"),
+        (lambda: Component("kv", 256, torch.bfloat16, layers=5), r"layers must be a tuple of device layer ids or None"),  # type: ignore[arg-type]
+        (lambda: PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=-2, head_dim=-8, dtype=torch.bfloat16,
+                              page_size=4, capacity=16), r"head_num=-2 must be >= 1"),
+        (lambda: PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=8, v_head_dim=0,
+                              dtype=torch.bfloat16, page_size=4, capacity=16), r"v_head_dim=0 must be >= 1"),
+        (lambda: PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=72, qk_rope_head_dim=-8,
+                              dtype=torch.bfloat16, page_size=4, capacity=16), r"qk_rope_head_dim=-8 must be >= 0"),
+        (lambda: LayerMap.unsharded(4, draft_layers=-1), r"draft_layers=-1 must be >= 0"),
+        (lambda: LayerMap.unsharded(-1), r"num_layers=-1 must be >= 0"),
+        (lambda: LayerMap.sharded_cp(8, 2.0, 0), r"shards must be an int, got float 2\.0"),  # type: ignore[arg-type]
+        (lambda: LayerMap.sharded_cp(8, 2, 0, draft_layers=-2), r"draft_layers=-2 must be >= 0"),
+    ],
+    ids=["float-part", "tuple-parts", "float-layer", "int-layers", "negative-heads", "zero-v-dim", "negative-rope",
+         "negative-drafts", "negative-layers", "float-shards", "negative-sharded-drafts"],
+)
+def test_spec_inputs_that_would_multiply_out_or_truncate_are_refused(make, message) -> None:
+    """Never accepted only to fail deep inside a layout (a float byte count in torch.empty) or quietly misread
+    (negative dimensions whose product is positive, a negative draft count shrinking the map)."""
+    with pytest.raises(SpecError, match=message):
+        make()
+
+
+def test_spec_parts_and_layers_take_any_integer_like_value() -> None:
+    import numpy as np
+
+    comp = Component("kv", 256, torch.bfloat16, [Part("latent", np.int64(0), np.int32(128)), Part("rope", 128, 128)],
+                     layers=[np.int64(1), 0])
+    assert comp.parts == (Part("latent", 0, 128), Part("rope", 128, 128)) and comp.layers == (1, 0)
+    assert type(comp.parts[0].nbytes) is int and type(comp.layers[0]) is int
