@@ -352,7 +352,7 @@ class RowKernelStrategy(DirectionalStrategy):
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
-        capability 9.x/10.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load
+        capability 9.x for rows of >= 1152 bytes in boxes of >= 16 KiB, when the strategy has a TMA load
         kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
     :param pages: loads of whole pages as flat words where the layout keeps a layer's page contiguous

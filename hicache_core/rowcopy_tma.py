@@ -20,10 +20,14 @@ row kernel.
 
 Which loads use it (:func:`tma_mode`): the strategy option ``tma`` (``True``,
 ``False``, ``None``: automatic), else ``HICACHE_KERNEL_TMA`` (``1``/``0``),
-else automatic: on CUDA devices of compute capability 9.x and 10.x (TMA and
-~228 KiB of shared memory per SM), groups whose rows hold at least 1152 bytes
+else automatic: on CUDA devices of compute capability 9.x (Hopper: TMA and
+~228 KiB of shared memory per SM; where it was measured), groups whose rows hold at least 1152 bytes
 and whose boxes at least 16 KiB only, and where a group's host rows are strided
-(token-major), calls of at most 8192 rows only (:func:`row_limit`).
+(token-major), calls of at most 8192 rows only (:func:`row_limit`).  Compute
+capability 10.x (Blackwell) has TMA too but only by request (``tma=True`` or
+``HICACHE_KERNEL_TMA=1``): unmeasured there, and its drivers up to 13.1 have a
+known fault with descriptors of small extents that Triton's own encoder works
+around and :mod:`.drvlaunch`'s does not.
 Nothing here imports Triton at import time.
 """
 
@@ -115,7 +119,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
 
     ``option`` (``True``: all, ``False``: none), else ``HICACHE_KERNEL_TMA``
     (``1``: all, ``0``: none), else ``"auto"`` on CUDA devices of compute
-    capability 9.x/10.x: groups whose rows hold at least
+    capability 9.x (10.x only by request: the module docstring): groups whose rows hold at least
     :data:`AUTO_MIN_ROW_BYTES` and whose boxes at least
     :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`), where 4 TMA programs
     move a load burst at least as fast as 16 register-staged ones and slow a
@@ -132,7 +136,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
         raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on), 0 (off) or leave it unset (automatic)")
     if device.type != "cuda" or interpreting():
         return None
-    return "auto" if torch.cuda.get_device_capability(device)[0] in (9, 10) else None
+    return "auto" if torch.cuda.get_device_capability(device)[0] == 9 else None
 
 
 def _pow2_floor(x: int) -> int:

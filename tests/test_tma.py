@@ -188,7 +188,7 @@ def test_switch(monkeypatch):
     assert tma_mode(None, cpu) == "all" and tma_mode(False, cpu) is None
     monkeypatch.delenv(ENV_TMA)
     monkeypatch.setattr(rowcopy_tma, "interpreting", lambda: False)
-    for major, want in ((8, None), (9, "auto"), (10, "auto"), (12, None)):  # automatic: by compute capability
+    for major, want in ((8, None), (9, "auto"), (10, None), (12, None)):  # automatic: the measured generation only
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert tma_mode(None, torch.device("cuda", 0)) == want
     monkeypatch.undo()
