@@ -1732,3 +1732,37 @@ def test_a_data_swap_to_a_strided_view_at_the_same_address_moves_the_rows_it_nam
     pool.backup_all_layers(h, d)
     rows = dev["kv"][0][torch.tensor([8, 10, 20, 22])].reshape(-1).view(torch.uint8)
     assert torch.equal(pool.get_page(0), rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
+@pytest.mark.parametrize("wait", ["synchronize", "query"])
+def test_a_backup_on_the_legacy_default_stream_is_covered_by_waiting_for_that_stream(wait):
+    """On torch's default (legacy) stream the copies go to the per-thread stream (the batch API refuses the legacy
+    one); synchronising or querying the legacy stream, as a caller of a pool that enqueues on the current stream
+    would, must still cover them (a backup large enough to take milliseconds, the last host page checked)."""
+    layers, ps, pages = 8, 64, 512  # 8 x 32768 rows of 1152 B: 302 MB
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=ps, capacity=ps * pages, device="cuda")
+    dev = {"kv": [torch.full((ps * pages, 1, 576), float(i + 1), dtype=torch.bfloat16, device="cuda")
+                  for i in range(layers)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"staging": "never"})
+    assert torch.cuda.current_stream().cuda_stream == 0
+    for trial in range(3):
+        for b in pool.host_buffers.values():
+            b.view(torch.uint8).fill_(0)
+        for t in dev["kv"]:
+            t.add_(1)
+        torch.cuda.synchronize()
+        idx = torch.arange(ps * pages)
+        pool.backup_all_layers(idx, idx)
+        s = torch.cuda.current_stream()
+        if wait == "synchronize":
+            s.synchronize()
+        else:
+            while not s.query():
+                pass
+        last = pool.get_page(pages - 1).view(torch.bfloat16).view(layers, ps, 576)
+        want = torch.stack([t[-ps:, 0].cpu() for t in dev["kv"]])
+        assert torch.equal(last, want), trial

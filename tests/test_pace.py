@@ -686,3 +686,18 @@ def test_auto_hands_direct_the_start_of_its_call_so_a_new_pairs_planning_is_samp
     assert auto._picks[pick_key(h, d, 1, False)] is pool.strategy
     since, warm = seen[0]
     assert since is not None and since < planned[0] and not warm  # the sample covers the plan made while deciding
+
+
+def test_copies_submitted_for_the_legacy_stream_are_marked_on_it(monkeypatch):
+    """The batch API refuses the legacy default stream (handle 0): cudart queues such copies on the per-thread
+    stream, and the copier records an event on the legacy stream after them (so that synchronising or querying
+    the legacy stream covers them); copies for any other stream are not marked."""
+    t = [100.0]
+    copier, rt = _copier(monkeypatch, t, desc_us=0.45)
+    marks = []
+    monkeypatch.setattr(copier, "_mark_legacy", lambda: marks.append(rt.calls[-1][1]))
+    z = torch.zeros(4, dtype=torch.int64)
+    copier.copy(z, z, torch.full((4,), 64, dtype=torch.int64), stream=0x55)
+    assert marks == []
+    copier.copy(z, z, torch.full((4,), 64, dtype=torch.int64), stream=0)
+    assert marks == [0]  # after the submission

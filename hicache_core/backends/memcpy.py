@@ -112,6 +112,7 @@ class BatchCopier:
         self.paces = (HostPace(), HostPace())
         self.warm_paces = (HostPace(warm=True), HostPace(warm=True))
         self._pitched_refused = False
+        self._legacy_mark: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
 
     @staticmethod
     def unavailable_on_cuda() -> str | None:
@@ -197,9 +198,25 @@ class BatchCopier:
         s = self.stream() if stream is None else stream
         since = self.clock.now()
         eager = self.clock.eager(s, CALL_US + ops * op_us, burstable=ops <= _ONE_CALL)
-        self._on_device(lambda: enqueue(s, eager))
+        def submit() -> None:
+            enqueue(s, eager)
+            if s == 0:
+                self._mark_legacy()
+
+        self._on_device(submit)
         self.clock.queued(s, nbytes, since)
         return eager
+
+    def _mark_legacy(self) -> None:
+        """After copies submitted for the legacy default stream (handle 0): the batch API refuses that stream, so
+        :mod:`.cudart` queues them on ``cudaStreamPerThread``, a blocking stream.  Work queued on the legacy stream
+        later waits for them, but ``cudaStreamSynchronize(0)`` (``torch.cuda.current_stream().synchronize()``) and a
+        query of the legacy stream need not: an event recorded on the legacy stream now is an operation there that
+        waits for them, so both cover the copies."""
+        mark = self._legacy_mark
+        if mark is None:
+            mark = self._legacy_mark = (torch.cuda.Event(), torch.cuda.default_stream(self._index))
+        mark[0].record(mark[1])
 
     def _on_device(self, fn: Callable[[], None]) -> None:
         if current_device_index() != self._index:
