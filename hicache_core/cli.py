@@ -250,7 +250,11 @@ def explain_lines(reg: Registry, spec: PoolSpec, layout: str, io_backend: str, o
         lines.append(f"chosen: {res.info.name} from {res.provider.label}")
         describe = getattr(res.strategy, "describe", None)  # strategies that decide per call say how
         if callable(describe):
-            lines += describe(spec, lay)
+            try:
+                lines += describe(spec, lay)
+            except Exception as exc:  # a plugin's describe() that needs what this machine lacks: the rest stands
+                lines.append(f"{res.info.name}: cannot describe itself for {spec.device} here "
+                             f"({type(exc).__name__}: {exc})")
     return lines, res is not None
 
 
@@ -559,9 +563,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         problem = _interpreter_problem()
         if problem:
             raise UsageError(problem)
-    if not reg.layouts:
-        print(NO_LAYOUT)
-        return 0
+    if not reg.layouts:  # nothing to verify proves nothing (as when the filters leave no cell)
+        if args.json:
+            print(json.dumps({"device": str(device), "rows": []}, indent=1))
+        print(f"hicache verify: {NO_LAYOUT}", file=sys.stderr)
+        return 2
     kinds = _kinds(args)
     tokens = args.tokens or VERIFY_TOKENS.get(device.type, VERIFY_TOKENS["cpu"])
     reps = args.reps or VERIFY_REPS.get(device.type, VERIFY_REPS["cpu"])

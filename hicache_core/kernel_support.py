@@ -280,6 +280,6 @@ def sm_budget(default: int, device: torch.device) -> int:
     """Programs to launch: ``HICACHE_KERNEL_PROGRAMS`` if set, else ``default`` (at most 4x the SM count)."""
     env = os.environ.get(ENV_PROGRAMS)
     n = parse_programs(env, ENV_PROGRAMS) if env else default
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():  # (hicache explain --device cuda describes it anywhere)
         n = min(n, torch.cuda.get_device_properties(device).multi_processor_count * 4)
     return max(1, n)

@@ -76,6 +76,32 @@ def test_plugins_core_alone_says_no_layout(capsys, monkeypatch):
     ]
     rc, out, _ = run(capsys, "matrix")
     assert rc == 0 and out.startswith("no layout is installed: hicache-core alone gives generic backends and no layouts")
+    rc, out, err = run(capsys, "verify")  # nothing verified proves nothing: not a success
+    assert rc == 2 and out == "" and err.startswith("hicache verify: no layout is installed")
+    rc, out, err = run(capsys, "verify", "--json")
+    assert rc == 2 and json.loads(out)["rows"] == [] and "no layout is installed" in err
+
+
+def test_explain_describes_a_kernel_for_a_device_this_machine_lacks(capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("describes CUDA kernels on a machine without CUDA")
+    monkeypatch.setenv("HICACHE_PLUGINS", "core,layer_first")
+    rc, out, _ = run(capsys, "explain", "--layout", "layer_first", "--io-backend", "kernel", "--device", "cuda")
+    assert rc == 0 and "layer_first.kernel: backups " in out and "CUDA is not available" in out
+
+
+
+def test_explain_survives_a_strategy_whose_describe_fails(capsys, monkeypatch):
+    from hicache_core.rowcopy import RowKernelStrategy
+
+    def failing(self, spec, layout):
+        raise RuntimeError("needs the vendor's driver")
+
+    monkeypatch.setattr(RowKernelStrategy, "describe", failing)
+    monkeypatch.setenv("HICACHE_PLUGINS", "core,layer_first")
+    rc, out, _ = run(capsys, "explain", "--layout", "layer_first", "--io-backend", "kernel")
+    assert rc == 0 and "chosen: layer_first.kernel" in out
+    assert "layer_first.kernel: cannot describe itself for cpu here (RuntimeError: needs the vendor's driver)" in out
 
 
 class _RaisingPlugin:
