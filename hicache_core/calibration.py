@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .jsonfile import check_writable, write_json
 from .logonce import log_once
 
 __all__ = ["Calibration", "DEFAULT", "ENV_CALIBRATION", "calibration_path", "load_calibration", "measure", "add_parser"]
@@ -190,9 +191,10 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     return out
 
 
-def _threshold(rows: list[dict[str, float]], to_host: bool, target: float, fallback: int) -> int:
+def _threshold(rows: list[dict[str, float]], to_host: bool, target: float) -> int | None:
+    """The smallest measured block size that reached ``target`` in the direction ``to_host``; ``None`` if none did."""
     ok = sorted(int(r["block"]) for r in rows if bool(r["to_host"]) == to_host and r["ratio"] >= target)
-    return ok[0] if ok else fallback
+    return ok[0] if ok else None
 
 
 def _share(text: str) -> float:
@@ -223,7 +225,7 @@ def _existing(path: str) -> dict:
     try:
         with open(path) as f:
             data = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none yet (whether one can be written is asked next)
         return {}
     except (OSError, ValueError) as exc:
         raise ValueError(f"calibration file {path} exists but cannot be read ({exc}); fix or move it, or pass --out "
@@ -242,20 +244,36 @@ def _cmd(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"hicache calibrate: {exc}", file=sys.stderr)
         return 2
+    problem = check_writable(path)  # before measuring too: a measure that cannot be written is lost
+    if problem:
+        print(f"hicache calibrate: {problem}; pass --out a file in a folder you can write", file=sys.stderr)
+        return 2
     blocks = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10, 256 << 10]
     rows = measure(blocks, args.total_mb * 1_000_000)
     for r in rows:
         print(f"{'D2H' if r['to_host'] else 'H2D'} {int(r['block']) >> 10:4d} KiB blocks: {r['gbps']:6.1f} GB/s "
               f"ratio {r['ratio']:.3f}  submit {r['submit_us_per_block']:.2f} us/block")
     gpu = torch.cuda.get_device_name()
-    cal = Calibration(gpu, _threshold(rows, True, args.target, DEFAULT.d2h_min_block),
-                      _threshold(rows, False, args.target, DEFAULT.h2d_min_block),
-                      f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
+    d2h, h2d = _threshold(rows, True, args.target), _threshold(rows, False, args.target)
+    if d2h is None or h2d is None:
+        for to_host, found in ((True, d2h), (False, h2d)):
+            if found is None:
+                best = max((r for r in rows if bool(r["to_host"]) == to_host), key=lambda r: r["ratio"])
+                print(f"hicache calibrate: no block size up to {max(blocks) >> 10} KiB reached --target "
+                      f"{args.target} {'D2H' if to_host else 'H2D'} (best {best['ratio']:.3f} at "
+                      f"{int(best['block']) >> 10} KiB blocks)", file=sys.stderr)
+        print(f"hicache calibrate: nothing written to {path} (this GPU's entry, if any, is kept); measure again on an "
+              "idle GPU, or pass a lower --target", file=sys.stderr)
+        return 1
+    cal = Calibration(gpu, d2h, h2d, f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
                       statistics.median(r["submit_us_per_block"] for r in rows),
                       statistics.median(r["memcpy_gbps"] for r in rows))
     data[gpu] = {**{k: v for k, v in asdict(cal).items() if k != "gpu"}, "measurements": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    try:
+        write_json(path, data)
+    except OSError as exc:
+        print(f"hicache calibrate: cannot write {path} ({exc}); the measurement as JSON on stdout:", file=sys.stderr)
+        print(json.dumps({gpu: data[gpu]}, indent=1))
+        return 2
     print(f"{gpu}: copy engine from {cal.d2h_min_block} B blocks (D2H), {cal.h2d_min_block} B (H2D); written to {path}")
     return 0

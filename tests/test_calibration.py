@@ -107,3 +107,57 @@ def test_calibrate_refuses_out_of_range_options(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["calibrate", flag, value])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def _rows(ratio_d2h: float, ratio_h2d: float) -> list[dict]:
+    return [{"to_host": t, "block": b, "gbps": 50.0 * r, "memcpy_gbps": 52.0, "ratio": r * (b / 65536) ** 0.1,
+             "submit_us_per_block": 0.5} for t, r in ((True, ratio_d2h), (False, ratio_h2d)) for b in (4096, 65536)]
+
+
+def test_calibrate_writes_nothing_when_no_block_reaches_the_target(cal_file, capsys, monkeypatch):
+    """Never the shipped thresholds saved as this GPU's measure: exit 1, the best ratio named, the file untouched."""
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: _rows(0.80, 0.97))
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    text = '{"NVIDIA H200": {"d2h_min_block": 1, "h2d_min_block": 1}}'
+    cal_file.write_text(text)
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 1
+    err = capsys.readouterr().err
+    assert "no block size up to 256 KiB reached --target 0.92 D2H (best 0.800 at 64 KiB blocks)" in err
+    assert "H2D (best" not in err and f"nothing written to {cal_file}" in err
+    assert cal_file.read_text() == text
+
+
+def test_calibrate_checks_it_can_write_before_measuring_and_keeps_a_measure_it_cannot_write(tmp_path, capsys,
+                                                                                             monkeypatch):
+    from hicache_core import jsonfile
+
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured a result it cannot write"))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    args = argparse.Namespace(out=str(blocked / "cal.json"), target=0.92, total_mb=64)  # under a plain file
+    assert calibration._cmd(args) == 2
+    assert "pass --out a file in a folder you can write" in capsys.readouterr().err
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: _rows(0.97, 0.97))
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(calibration, "write_json", full_disk)
+    out = tmp_path / "cal.json"
+    assert calibration._cmd(argparse.Namespace(out=str(out), target=0.92, total_mb=64)) == 2
+    captured = capsys.readouterr()
+    assert "No space left on device" in captured.err and not out.exists()
+    assert json.loads(captured.out[captured.out.index("{"):])["NVIDIA H200"]["d2h_min_block"] == 65536  # on stdout
+    monkeypatch.setattr(calibration, "write_json", jsonfile.write_json)
+
+
+def test_json_files_are_replaced_whole_or_not_at_all(tmp_path):
+    from hicache_core.jsonfile import write_json
+
+    path = tmp_path / "sub" / "f.json"
+    write_json(str(path), {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    with pytest.raises(TypeError):
+        write_json(str(path), {"a": object()})  # fails midway through serialising: the old file stays whole
+    assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in path.parent.iterdir()] == ["f.json"]
