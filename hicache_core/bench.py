@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .jsonfile import check_writable, write_json
 from .pool import HostKVPool, allocate_host_buffers
 from .registry import Registry, create_registry
 from .spec import LayerMap, PoolSpec
@@ -497,22 +498,57 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+def _int_list(least: int) -> Callable[[str], list[int]]:
+    """An argparse type: a comma list of whole numbers >= ``least``, at least one."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < least for v in values):
+            raise argparse.ArgumentTypeError(f"must be a comma list of whole numbers >= {least}, got {text!r}")
+        return values
+    return parse
+
+
+def _name_list(choices: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list of names from ``choices``, at least one."""
+    known = sorted(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in names if x not in known]
+        if not names or bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad)) or repr(text)} not among {', '.join(known)}")
+        return names
+    return parse
+
+
+#: io_backends measured by default (those installed).
+DEFAULT_BACKENDS = ("kernel", "direct", "auto")
+#: Keys of a bench.json row that the plot reads.
+PLOT_KEYS = ("op", "shape", "strategy", "page_size", "tokens", "ratio")
 
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="GPU throughput of every strategy vs pinned memcpy (JSON + PNG)")
-    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
-    p.add_argument("--shapes", default="mla61x576-bf16,mha80x8x128-bf16", help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--tokens", default="4096,32768")
-    p.add_argument("--page-sizes", default="1,64")
-    p.add_argument("--programs", default="4,8,16,0", help="SM budgets for kernel strategies; 0 = strategy default")
+    from .cli import _positive_int
+
+    p.add_argument("--out", default=None, help="folder for bench.json and bench.png (default bench-results; with "
+                   "--plot-only, the JSON file's folder)")
+    p.add_argument("--shapes", type=_name_list(SHAPES), default="mla61x576-bf16,mha80x8x128-bf16",
+                   help=f"comma list of {sorted(SHAPES)}")
+    p.add_argument("--tokens", type=_int_list(1), default="4096,32768")
+    p.add_argument("--page-sizes", type=_int_list(1), default="1,64")
+    p.add_argument("--programs", type=_int_list(0), default="4,8,16,0",
+                   help="SM budgets for kernel strategies; 0 = strategy default")
     p.add_argument("--layouts", default="", help="comma list (default: all installed)")
-    p.add_argument("--io-backends", default="kernel,direct,auto")
-    p.add_argument("--direct-variants", default="auto", help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)}")
-    p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--io-backends", default=None, help=f"comma list (default: those of {','.join(DEFAULT_BACKENDS)} "
+                   "installed)")
+    p.add_argument("--direct-variants", type=_name_list(DIRECT_VARIANTS), default="auto",
+                   help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)}")
+    p.add_argument("--ops", type=_name_list(OPS), default=",".join(OPS), help=f"comma list of {list(OPS)}")
+    p.add_argument("--reps", type=_positive_int, default=20)
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
     p.add_argument("--hbm", action="store_true",
                    help=f"during {' and '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
@@ -573,41 +609,70 @@ def _cmd(args: argparse.Namespace) -> int:
         return int(peers.main(["--out", args.out, *shlex.split(args.peers_args)]) or 0)
     if args.plot_only:
         try:
-            with open(args.plot_only) as f:
-                rows = json.load(f)["rows"]
-            if not isinstance(rows, list):
-                raise TypeError(f"'rows' must be a list, got {type(rows).__name__}")
+            rows = _plot_rows(args.plot_only)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"hicache bench --plot-only: cannot read rows from {args.plot_only} ({type(exc).__name__}: {exc}); "
                   "give a bench.json written by hicache bench", file=sys.stderr)
             return 2
-    try:
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as exc:
-        print(f"hicache bench: cannot create --out {args.out} ({exc})", file=sys.stderr)
-        return 2
+    out = args.out or (os.path.dirname(os.path.abspath(args.plot_only)) if args.plot_only else "bench-results")
     if args.plot_only:
-        return 0 if plot(rows, os.path.join(args.out, "bench.png")) else 1
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as exc:
+            print(f"hicache bench: cannot create --out {out} ({exc})", file=sys.stderr)
+            return 2
+        return 0 if plot(rows, os.path.join(out, "bench.png")) else 1
+    reg = create_registry()
+    layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] or None
+    backends = ([x.strip() for x in args.io_backends.split(",") if x.strip()] if args.io_backends is not None
+                else [b for b in DEFAULT_BACKENDS if b in reg.io_backends])
+    for option, names, known in (("--layouts", layouts or [], reg.layouts), ("--io-backends", backends, reg.io_backends)):
+        bad = [x for x in names if x not in known]
+        if bad or (option == "--io-backends" and not names):
+            print(f"hicache bench: {option} {', '.join(map(repr, bad)) or 'is empty'}: installed are "
+                  f"{', '.join(sorted(known))}", file=sys.stderr)
+            return 2
+    problem = check_writable(os.path.join(out, "bench.json"))
+    if problem:
+        print(f"hicache bench: {problem}; pass --out a folder you can write", file=sys.stderr)
+        return 2
     progress = _progress_printer()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count, "argv": sys.argv[1:]}
-    path = os.path.join(args.out, "bench.json")
+    path = os.path.join(out, "bench.json")
     done: list[dict[str, Any]] = []
 
-    def sink(row: BenchRow) -> None:  # rewrite after every row: a killed run keeps its results
+    def sink(row: BenchRow) -> None:  # rewritten whole after every row: a killed run keeps its results
         done.append(asdict(row))
-        with open(path, "w") as f:
-            json.dump({"meta": meta, "rows": done}, f, indent=1)
+        write_json(path, {"meta": meta, "rows": done})
 
     run_bench(
-        shapes=args.shapes.split(","), tokens=_ints(args.tokens), page_sizes=_ints(args.page_sizes),
-        programs=[p or None for p in _ints(args.programs)], layouts=[x for x in args.layouts.split(",") if x] or None,
-        backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, hbm=args.hbm,
-        direct_variants=args.direct_variants.split(","),
+        shapes=args.shapes, tokens=args.tokens, page_sizes=args.page_sizes,
+        programs=[p or None for p in args.programs], layouts=layouts, backends=backends, ops=args.ops,
+        reps=args.reps, gemm=args.gemm, hbm=args.hbm, direct_variants=args.direct_variants, registry=reg,
         progress=progress, sink=sink,
     )
-    plot(done, os.path.join(args.out, "bench.png"))
+    if not done:
+        print("hicache bench: no cell of the grid could be measured (no installed strategy serves these layouts, "
+              "io_backends and shapes: see hicache matrix); nothing written", file=sys.stderr)
+        return 2
+    plot(done, os.path.join(out, "bench.png"))
     return 0
+
+
+def _plot_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a bench.json at ``path``, each with what :func:`plot` reads.
+
+    :raises OSError, ValueError, KeyError, TypeError: not such a file (nothing is plotted)."""
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError("'rows' must be a non-empty list")
+    for i, r in enumerate(rows):
+        missing = [k for k in PLOT_KEYS if not isinstance(r, dict) or k not in r]
+        if missing:
+            raise KeyError(f"row {i} lacks {', '.join(missing)}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -763,7 +763,8 @@ def _parser_doctor(sub: argparse._SubParsersAction, common: argparse.ArgumentPar
 def _needs_cuda(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Wrap ``bench``: without CUDA it is a usage error, before anything is written."""
     def run(args: argparse.Namespace) -> int:
-        if not getattr(args, "plot_only", "") and not torch.cuda.is_available():
+        asks_help = getattr(args, "peers", False) and bool({"-h", "--help"} & set(getattr(args, "peers_args", "").split()))
+        if not getattr(args, "plot_only", "") and not asks_help and not torch.cuda.is_available():
             raise UsageError("needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False)")
         return func(args)
     return run

@@ -630,10 +630,44 @@ def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "plot", lambda rows, path: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
-    assert bench.main(["--out", str(tmp_path), "--hbm", "--ops", "backup_all_layers"]) == 0
+    assert bench.main(["--out", str(tmp_path), "--hbm", "--ops", "backup_all_layers"]) == 2  # nothing measured
     assert (seen["hbm"], seen["gemm"], seen["ops"]) == (True, False, ["backup_all_layers"])
-    assert bench.main(["--out", str(tmp_path), "--gemm"]) == 0
+    assert bench.main(["--out", str(tmp_path), "--gemm"]) == 2
     assert (seen["hbm"], seen["gemm"]) == (False, True)
+    assert seen["backends"] == ["direct", "auto"]  # the default io_backends that are installed (no kernel here)
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(monkeypatch, tmp_path, capsys):
+    bench = pytest.importorskip("hicache_core.bench")
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured with a bad option"))
+    for argv, says in ((["--tokens", "4k"], "--tokens: must be a comma list of whole numbers >= 1, got '4k'"),
+                       (["--page-sizes", "0"], "--page-sizes: must be a comma list of whole numbers >= 1"),
+                       (["--shapes", "mla61x576"], "--shapes: 'mla61x576' not among mha32x8x128-bf16"),
+                       (["--ops", "load"], "--ops: 'load' not among backup_all_layers"),
+                       (["--reps", "0"], "--reps: '0' is not a positive integer")):
+        with pytest.raises(SystemExit) as exc:
+            bench.main(["--out", str(tmp_path), *argv])
+        assert exc.value.code == 2 and says in capsys.readouterr().err
+    for argv, says in ((["--io-backends", "kernal"], "--io-backends 'kernal': installed are auto, direct, fakedma"),
+                       (["--layouts", "page_hed"], "--layouts 'page_hed': installed are page_head")):
+        assert bench.main(["--out", str(tmp_path), *argv]) == 2
+        assert says in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
+    monkeypatch.setattr(bench, "plot", lambda rows, path: False)
+    rows = [{"op": "load_layer", "shape": "s", "strategy": "x", "page_size": 1, "tokens": 8, "ratio": 0.5}]
+    written = []
+
+    def fake_run(**kw):
+        kw["sink"](object())  # one measured row (asdict below gives its fields)
+        written.append(json.loads((tmp_path / "bench.json").read_text()))
+
+    monkeypatch.setattr(bench, "asdict", lambda row: dict(rows[0]))
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    assert bench.main(["--out", str(tmp_path), "--io-backends", "direct"]) == 0
+    assert written == [{"meta": written[0]["meta"], "rows": rows}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temporary file left beside it
 
 
 def test_bench_plot_only_reports_unreadable_input_without_a_traceback(capsys, tmp_path):
@@ -645,6 +679,11 @@ def test_bench_plot_only_reports_unreadable_input_without_a_traceback(capsys, tm
         rc, _, err = run(capsys, "bench", "--plot-only", str(bad), "--out", str(out_dir))
         assert rc == 2 and f"hicache bench --plot-only: cannot read rows from {bad}" in err
         assert "Traceback" not in err and not out_dir.exists()  # nothing made before the input was read
+    for rows, says in (([], "'rows' must be a non-empty list"), ([1], "row 0 lacks op, shape"),
+                       ([{"op": "load_layer"}], "row 0 lacks shape, strategy, page_size, tokens, ratio")):
+        bad.write_text(json.dumps({"rows": rows}))
+        rc, _, err = run(capsys, "bench", "--plot-only", str(bad), "--out", str(out_dir))
+        assert rc == 2 and says in err and not out_dir.exists()
 
 
 def test_calibrate_takes_verbose_after_its_name():
