@@ -61,6 +61,9 @@ NO_LAYOUT = (
     "install a layout plugin from the hicache source tree (e.g. pip install ./plugins/layer_first "
     "./plugins/page_first ./plugins/kv_split)"
 )
+#: Exit code when the reader of the output went away (``hicache plugins | head -1``): 128 + SIGPIPE, as a shell
+#: reports a process that signal ends; never 1 (a failing ``verify`` cell).
+BROKEN_PIPE = 141
 #: What a PASS of ``verify`` proved.
 PASS_MEANS = (
     "A PASS means: random KV backed up through the strategy is byte-identical to the reference backend's host buffers "
@@ -828,9 +831,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RegistryError, UsageError) as exc:
         print(f"hicache {args.command}: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # e.g. ``hicache verify | head``: stop quietly
+    except BrokenPipeError:  # e.g. ``hicache verify | head``: stop quietly, with the code of a process SIGPIPE ends
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -41,6 +41,7 @@ from . import hookspecs
 from .envflags import OFF
 from .errors import DuplicateRegistrationError, PluginLoadError, RegistryError, ResolutionError, UnknownLayoutError
 from .layout import Layout
+from .logonce import log_once
 from .spec import PoolSpec
 from .strategy import ANY_LAYOUT, Strategy, StrategyInfo
 
@@ -171,8 +172,13 @@ class Registry:
                 self._broken(record, f"import failed: {type(exc).__name__}: {exc}", explicit=allow is not None)
                 continue
             self.add_plugin(plugin, record, explicit=allow is not None)
+        unknown = block - {ep.name for ep in eps}
+        if unknown:  # a typo (or a distribution's name) leaves the plugin it meant to switch off on
+            log_once(logger, logging.WARNING,
+                     f"{ENV_BLOCK} names plugins that are not installed: {sorted(unknown)} (nothing switched off for "
+                     f"them); it takes entry-point names: {sorted(ep.name for ep in eps)}")
         if allow:
-            missing = allow - {p.name for p in self.plugins}
+            missing = allow - {p.name for p in self.plugins} - block  # blocked as well: the block list wins
             if missing:
                 raise PluginLoadError(
                     f"{ENV_ALLOW} names plugins that are not installed: {sorted(missing)}; "

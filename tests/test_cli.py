@@ -706,3 +706,15 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
     assert "  layout page_head: DISABLED, layout 'page_head' is registered by " in out
     rc, out, _ = run(capsys, "plugins", "--json")
     assert rc == 0
+
+
+def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():
+    """``hicache plugins | head -1``: not exit 1 (a failing verify cell) and no traceback (the write that finds the
+    pipe closed is made to fail every time here, in a child process: the handler redirects the real stdout)."""
+    import subprocess
+
+    code = ("import sys\nfrom hicache_core import cli\n"
+            "def closed():\n    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "cli._registry = closed\nsys.exit(cli.main(['plugins']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == cli.BROKEN_PIPE == 141 and "Traceback" not in out.stderr and out.stdout == ""

@@ -185,6 +185,23 @@ def test_blocking_one_side_of_a_duplicate_resolves_it():
     assert reg.resolve(mha(), "page_head", "fakedma").info.name == "other.dma"
 
 
+def test_a_block_list_naming_no_installed_plugin_is_warned_about(caplog):
+    """A typo (or a distribution's name) in HICACHE_DISABLE_PLUGINS would leave on the plugin it meant to switch
+    off: said once, with the entry-point names it takes; the names that match still block."""
+    from hicache_core.logonce import forget_logged
+
+    forget_logged()
+    caplog.set_level(logging.WARNING, logger="hicache_core.registry")
+    reg = create_registry(env={**BASE, "HICACHE_DISABLE_PLUGINS": "fake_vendor,hicache-test-page-head"})
+    assert "fakedma" not in reg.io_backends and "page_head" in reg.layouts
+    warned = [r.getMessage() for r in caplog.records if "HICACHE_DISABLE_PLUGINS" in r.getMessage()]
+    assert len(warned) == 1 and "not installed: ['hicache-test-page-head']" in warned[0]
+    assert "'page_head'" in warned[0]  # the names it takes
+    caplog.clear()
+    create_registry(env={**BASE, "HICACHE_DISABLE_PLUGINS": "fake_vendor"})
+    assert not [r for r in caplog.records if "HICACHE_DISABLE_PLUGINS" in r.getMessage()]
+
+
 # -- broken plugins ----------------------------------------------------------------------
 def test_raising_hook_is_reported_and_skipped_others_still_work(caplog):
     caplog.set_level(logging.WARNING, logger="hicache_core.registry")
