@@ -701,3 +701,38 @@ def test_copies_submitted_for_the_legacy_stream_are_marked_on_it(monkeypatch):
     assert marks == []
     copier.copy(z, z, torch.full((4,), 64, dtype=torch.int64), stream=0)
     assert marks == [0]  # after the submission
+
+
+def test_samples_older_than_the_measure_lasts_never_make_an_estimate():
+    """Six samples (one short of an estimate), then a sample after the measure went stale: the old six are gone, not
+    the median of the new estimate; the same for a whole window whose estimate aged (its generation moves)."""
+    t = [10.0]
+    pace = HostPace(now=lambda: t[0])
+    _fill(pace, 3.0, count=MIN_SAMPLES - 1)
+    t[0] += STALE_S * 1.5
+    _fill(pace, 0.4, count=1)
+    assert pace.samples() == [pytest.approx(0.4)] and pace.desc_us is None
+    _fill(pace, 0.4, count=MIN_SAMPLES - 1)
+    assert pace.desc_us == pytest.approx(0.4) and pace.generation == 1
+    t[0] += STALE_S * 1.5
+    _fill(pace, 3.0, count=1)  # the aged estimate is dropped (decisions made from it are made again)
+    assert pace.samples() == [pytest.approx(3.0)] and pace.desc_us is None and pace.generation == 2
+
+
+def test_a_reset_from_another_thread_mid_record_loses_the_sample_quietly():
+    """``auto`` resets an aged measure from the thread deciding while another thread's submission records into it:
+    the record must not raise (its copies are already queued), whatever point the reset lands at."""
+    from collections import deque
+
+    pace = HostPace(now=lambda: 10.0)
+
+    class ResetOnCount(deque):
+        def __len__(self) -> int:  # the other thread's reset lands right after the sample is counted
+            n = super().__len__()
+            if n >= MIN_SAMPLES:
+                pace.reset()
+            return n
+
+    pace._samples = ResetOnCount(maxlen=WINDOW)
+    _fill(pace, 0.4, count=MIN_SAMPLES)
+    assert pace.desc_us is None and pace.samples() == []

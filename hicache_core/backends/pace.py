@@ -100,8 +100,14 @@ class HostPace:
         return self.desc_us if self.now() - self._stamp <= self.stale_s else None
 
     def record(self, host_us: float, ops: int, calls: int) -> None:
-        """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time."""
-        self._stamp = self.now()
+        """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time.
+
+        A sample that comes after the measure went :meth:`stale` starts a new one (:meth:`reset`): samples older than
+        :attr:`stale_s` never make an estimate, also where there were too few of them to make one then."""
+        now = self.now()
+        if self._samples and now - self._stamp > self.stale_s:
+            self.reset()
+        self._stamp = now
         self._samples.append(max(_FLOOR_US, (host_us - calls * MODEL_CALL_US) / ops))
         n = len(self._samples)
         if n < MIN_SAMPLES:
@@ -110,9 +116,12 @@ class HostPace:
         if self.desc_us is not None and self._since_recompute < _RECOMPUTE_EVERY:
             return
         self._since_recompute = 0
-        ordered = sorted(self._samples)
+        ordered = sorted(self._samples)  # one snapshot: another thread's reset() may empty the window meanwhile
+        if not ordered:
+            return
         self.desc_us = est = ordered[len(ordered) // 2]
-        if self._anchor is None or abs(est - self._anchor) > REDECIDE * self._anchor:
+        anchor = self._anchor
+        if anchor is None or abs(est - anchor) > REDECIDE * anchor:
             self._anchor = est
             self.generation += 1
 
