@@ -736,3 +736,17 @@ def test_a_reset_from_another_thread_mid_record_loses_the_sample_quietly():
     pace._samples = ResetOnCount(maxlen=WINDOW)
     _fill(pace, 0.4, count=MIN_SAMPLES)
     assert pace.desc_us is None and pace.samples() == []
+
+
+@pytest.mark.skipif("page_first_direct" not in REG.layouts, reason="needs the page_first layout plugin")
+def test_explain_names_the_kernel_where_auto_has_no_copy_engine():
+    """A CUDA host without the batch copy API leaves ``auto`` the kernel alone: its estimate must not name direct."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=64, capacity=64 * 64)
+    lay = REG.layout("page_first_direct")
+    auto = AutoStrategy()
+    auto.use_registry(REG)
+    auto.direct, auto.kernel, auto.kernel_name = None, object(), "page_first.kernel"  # type: ignore[assignment]
+    picks = [line for line in auto.describe(spec, lay) if "slots ->" in line]
+    assert len(picks) == 2 and all("-> page_first.kernel (the copy engine is not available here)" in p for p in picks)
+    assert auto.pick(None, torch.arange(4), torch.arange(4), 1, to_host=False) is auto.kernel  # type: ignore[arg-type]

@@ -93,7 +93,11 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
         sub = direct.submission(pool.binding, idx, idx, layer)
         feeds = fed(sub, cal, to_host=to_host, room=auto.room)
         big = sub.smallest_block >= cal.min_block(to_host)
-        pick = "direct" if (big and feeds) or auto.kernel is None else (auto.kernel_name or "kernel")
+        kernel = auto.kernel_name or "kernel"
+        if auto.direct is None and auto.kernel is not None:  # no copy engine here (no batch copy API): the kernel
+            pick = f"{kernel} (the copy engine is not available here)"
+        else:
+            pick = "direct" if (big and feeds) or auto.kernel is None else kernel
         out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
                    f"{sub.mean_block:.0f} B on average, over "
                    f"{sub.count} copy-engine operations{', staged' if sub.staged is not None else ''}"
