@@ -15,7 +15,7 @@ import torch
 
 from .errors import DeviceBufferError, HostBufferError
 from .layout import BufferSpec, HostPlan, Layout, Segment, strided_host_view
-from .spec import PoolSpec
+from .spec import Part, PoolSpec
 
 if TYPE_CHECKING:
     from .validate import CheckedPair
@@ -134,7 +134,15 @@ def _device_list(
     spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, Sequence[torch.Tensor | None]]
 ) -> tuple[Sequence[torch.Tensor | None], str, int]:
     if seg.part is not None and seg.part in device_buffers:
-        return device_buffers[seg.part], seg.part, 0
+        part = _part(spec, seg)
+        offset = seg.src_offset - part.offset  # src_offset is in the component row, the tensor holds the part alone
+        if offset < 0 or offset + seg.width > part.nbytes:
+            raise DeviceBufferError(
+                f"layout segment of {seg.component!r} bytes {seg.src_offset}..{seg.src_offset + seg.width} names part "
+                f"{part.name!r} (bytes {part.offset}..{part.offset + part.nbytes} of the row) but lies outside it; "
+                "fix the layout's Segment (part, src_offset, width)"
+            )
+        return device_buffers[seg.part], seg.part, offset
     if seg.component in device_buffers:
         return device_buffers[seg.component], seg.component, seg.src_offset
     wanted = [seg.component] + ([seg.part] if seg.part else [])
@@ -144,9 +152,17 @@ def _device_list(
     )
 
 
+def _part(spec: PoolSpec, seg: Segment) -> Part:
+    for p in spec.component(seg.component).parts:
+        if p.name == seg.part:
+            return p
+    raise DeviceBufferError(f"layout segment names part {seg.part!r}, which component {seg.component!r} does not have "
+                            f"(parts: {[p.name for p in spec.component(seg.component).parts]}); fix the layout's Segment")
+
+
 def _split_by_parts(spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, object]) -> list[Segment]:
-    """Segments as the device holds them: a whole-row segment becomes one per part
-    when the device keeps the component's parts in separate tensors."""
+    """Segments as the device holds them: a segment without a part becomes one per part its bytes overlap (that
+    piece of it) when the device keeps the component's parts in separate tensors."""
     comp = spec.component(seg.component)
     if seg.part is not None or seg.component in device_buffers or not comp.parts:
         return [seg]
@@ -159,9 +175,12 @@ def _split_by_parts(spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, o
             f"rows into {a.chunk_bytes}-byte chunks; pass the whole-row device tensors instead"
         )
     out = []
+    start, end = seg.src_offset, seg.src_offset + seg.width
     for p in comp.parts:
-        addr = replace(a, offset=a.offset + p.offset, chunk_bytes=p.nbytes, chunk_stride=0)
-        out.append(replace(seg, part=p.name, src_offset=p.offset, width=p.nbytes, addressing=addr))
+        lo, hi = max(start, p.offset), min(end, p.offset + p.nbytes)
+        if lo < hi:  # this part's bytes of the segment, where they lie in the segment's host row
+            addr = replace(a, offset=a.offset + lo - start, chunk_bytes=hi - lo, chunk_stride=0)
+            out.append(replace(seg, part=p.name, src_offset=lo, width=hi - lo, addressing=addr))
     return out
 
 
@@ -170,7 +189,7 @@ def _bind_segment(
 ) -> BoundSegment:
     lmap = spec.component_map(seg.component)
     layers, name, offset = _device_list(spec, seg, device_buffers)
-    need_bytes = spec.component(seg.component).row_bytes if name == seg.component else seg.width
+    need_bytes = spec.component(seg.component).row_bytes if name == seg.component else _part(spec, seg).nbytes
     if len(layers) < lmap.num_device_layers and lmap.device_layers and max(lmap.device_layers) >= len(layers):
         raise DeviceBufferError(
             f"device_buffers[{name!r}] has {len(layers)} layers but the layer map reads device layer "

@@ -210,3 +210,59 @@ def test_a_plan_whose_segment_outruns_its_buffer_is_refused():
     for host in (None, {"k": block[:16].view(4, 4), "v": block[16:32].view(4, 4)}):
         with pytest.raises(SpecError, match=r"segment of 'k' reaches bytes 0\.\.39 of host buffer 'k', which holds 32 B"):
             HostKVPool(spec, "off_by_row", "direct", dev, registry=reg, host_buffers=host, pin_memory=False)
+
+
+@pytest.mark.parametrize("backend", ["direct", "reference", "auto"])
+def test_segments_that_split_a_row_anywhere_bind_to_device_parts_held_apart(backend: str) -> None:
+    """A layout storing an MLA row as two segments cut at byte 288 (not at the latent/rope boundary, ``part`` left
+    ``None``) with reserved bytes after the row: a device pool holding latent and rope apart moves the same host bytes
+    as one holding whole rows, the reserved bytes untouched, and loads them back into the parts."""
+    from hicache_core import Addressing, BufferSpec, HostPlan, Segment, hookimpl
+
+    class CutRows:
+        name, description = "cut_rows", "a row in two segments cut mid-latent, reserved bytes after it"
+
+        def check(self, spec):  # type: ignore[no-untyped-def]
+            return None
+
+        def plan(self, spec):  # type: ignore[no-untyped-def]
+            row = spec.components[0].row_bytes
+            span = 2 * row  # the row, then as many reserved bytes
+            lay = spec.layer_map.host_layer_num
+            buf = BufferSpec("kv", (lay, spec.capacity, span // 2), torch.bfloat16)
+
+            def at(off: int, width: int) -> Addressing:
+                return Addressing(offset=off, layer=spec.capacity * span, page=spec.page_size * span, token=span,
+                                  chunk_bytes=width)
+            return HostPlan((buf,), (Segment("kv", "kv", None, 288, row - 288, at(288, row - 288)),
+                                     Segment("kv", "kv", None, 0, 288, at(0, 288))))
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(CutRows())
+
+    reg = create_registry(plugins=[("cut", Plugin())])
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=256, qk_rope_head_dim=32, dtype=torch.bfloat16,
+                        page_size=2, capacity=8)
+    gen = torch.Generator().manual_seed(5)
+    whole = [torch.randn(16, 1, 288, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    parts = {"latent": [w[:, 0, :256].clone() for w in whole], "rope": [w[:, 0, 256:].clone() for w in whole]}
+    pools = [HostKVPool(spec, "cut_rows", backend, dev, registry=reg, pin_memory=False)
+             for dev in ({"kv": whole}, parts)]
+    for p in pools:
+        p.host_buffers["kv"].view(torch.uint8).fill_(0xA5)
+    h, d = torch.arange(2, 6), torch.tensor([9, 10, 3, 4])
+    for p in pools:
+        p.backup_all_layers(h, d)
+    host = [p.host_buffers["kv"].view(torch.uint8).reshape(2, 8, 2, 576) for p in pools]
+    assert torch.equal(host[0], host[1])
+    assert bool((host[1][:, :, 1] == 0xA5).all())  # the reserved bytes
+    want = torch.stack([w[d, 0].view(torch.uint8) for w in whole])
+    assert torch.equal(host[1][:, 2:6, 0], want)
+    for t in (*parts["latent"], *parts["rope"]):
+        t.zero_()
+    pools[1].load_all_layers(h, torch.tensor([0, 1, 12, 13]))
+    for i, w in enumerate(whole):
+        got = torch.cat([parts["latent"][i], parts["rope"][i]], dim=1)[torch.tensor([0, 1, 12, 13])]
+        assert torch.equal(got.view(torch.uint8), w[d, 0].view(torch.uint8))

@@ -120,6 +120,7 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
                                                                     backup=replace(t.backup, programs=2))
     # on CUDA the environment and the defaults are capped at 4x the SMs; an explicit option is taken as given
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the cap applies where CUDA is there to ask
     cuda, cap = torch.device("cuda", 0), lambda x: replace(x, programs=min(x.programs, 4))  # noqa: E731
     assert cls(100).effective_tuning(cuda).load.programs == 100
     assert cls().effective_tuning(cuda) == every(programs=4)
