@@ -188,9 +188,12 @@ def test_switch(monkeypatch):
     assert tma_mode(None, cpu) == "all" and tma_mode(False, cpu) is None
     monkeypatch.delenv(ENV_TMA)
     monkeypatch.setattr(rowcopy_tma, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for major, want in ((8, None), (9, "auto"), (10, None), (12, None)):  # automatic: the measured generation only
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert tma_mode(None, torch.device("cuda", 0)) == want
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # explain describes CUDA pools without a GPU
+    assert tma_mode(None, torch.device("cuda", 0)) is None
     monkeypatch.undo()
     monkeypatch.delenv(ENV_TMA, raising=False)
     monkeypatch.setenv(ENV_TMA, "maybe")
