@@ -49,6 +49,31 @@ def test_load_plugins_discovers_entry_point(sglang_hooks, monkeypatch):
     assert same_bytes(host.kv_buffer[h, 0], dev.kv_buffer[0][d1])
 
 
+def test_a_plugin_sglang_runs_after_ours_keeps_its_hooks_on_the_targets_we_hook(sglang_hooks, monkeypatch):
+    """``load_plugins()`` runs every plugin, then applies the hooks once, skipping patched targets: ours must not patch
+    mid-loading, or a later plugin's hook on one of our targets (``ServerArgs.add_cli_args``) would never apply."""
+    import argparse
+
+    import sglang.srt.plugins as plugins
+    from sglang.srt.plugins.hook_registry import HookType
+
+    seen: list[str] = []
+
+    def later_plugin() -> None:
+        sglang_hooks.register("sglang.srt.server_args.ServerArgs.add_cli_args",
+                              lambda result, *a, **k: seen.append("later"), HookType.AFTER)
+
+    monkeypatch.setattr(plugins, "_plugins_loaded", False)
+    monkeypatch.setattr(plugins, "load_plugins_by_group", lambda *a, **k: {"hicache": (load_plugin, "hicache-core"),
+                                                                         "later": (later_plugin, "later")})
+    plugins.load_plugins()
+    from sglang.srt.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(argparse.ArgumentParser())
+    assert seen == ["later"]
+    assert _ours(sglang_hooks, "sglang.srt.server_args.ServerArgs.add_cli_args") == 1
+
+
 def test_load_plugin_is_idempotent(sglang_hooks):
     originals = {t: _attr(t) for t in HOOK_TARGETS}
     load_plugin()

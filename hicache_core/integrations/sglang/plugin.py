@@ -49,15 +49,17 @@ AFTER_TARGETS: dict[str, Callable] = {
 def load_plugin() -> None:
     """Register the hooks (once per process) and apply them.
 
-    SGLang's ``load_plugins`` applies hooks after running every plugin; applying
-    here as well makes a direct call (tests, engines embedding SGLang) effective.
-    Already-applied targets are skipped by SGLang itself.
+    SGLang's ``load_plugins`` applies hooks once, after running every plugin: called from there (its current plugin
+    source is set) this only registers, since a target patched now would never take the hooks that plugins run after
+    this one register on it (SGLang skips patched targets).  A direct call (tests, engines embedding SGLang) applies
+    them too.
 
     :raises TakeoverTableError: in ``measured`` mode, after the hooks are in
         place, when the takeover table is unreadable or malformed (SGLang logs
         it as a plugin error; until it is fixed the hooks serve only the cells
         SGLang cannot).
     """
+    from sglang.srt.plugins import hook_registry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     for targets, kind in ((HOOK_TARGETS, HookType.AROUND), (AFTER_TARGETS, HookType.AFTER)):
@@ -65,7 +67,9 @@ def load_plugin() -> None:
             if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
                 continue
             HookRegistry.register(target, hook, kind)
-    HookRegistry.apply_hooks()
+    source = getattr(hook_registry, "_current_plugin_source", None)
+    if source is None or source.get() is None:  # not inside load_plugins(), which applies them after every plugin
+        HookRegistry.apply_hooks()
     logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS) + len(AFTER_TARGETS))
     if current_mode() == "measured":
         active_table()
