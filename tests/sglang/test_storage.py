@@ -232,6 +232,15 @@ def test_registered_buffers_cover_every_page_block_of_kv_split(hooked, kind):
         assert ptrs and all(any(a <= p and p + n <= a + m for a, m in regions) for p, n in zip(ptrs, sizes))
 
 
+@pytest.mark.parametrize("kind", ["mla", "mha"])
+def test_sglangs_page_size_probe_works_on_the_pools_we_serve(hooked, kind):
+    """SGLang's ``get_page_buffer_element_size`` (UMBP calls it when it starts) asks ``get_page_buffer_meta`` about
+    ``torch.zeros(page_size)``: the first page, named by its first slot repeated."""
+    dev, host = make_pools(kind, "page_first_kv_split")
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(host.page_size))
+    assert host.get_page_buffer_element_size(1) == sizes[0]
+
+
 def test_page_hooks_take_only_the_first_slot_of_a_page(hooked):
     """A slot inside a page, or a non-integer, raises instead of naming the page that holds it (an off-by-one in a
     storage backend would read or overwrite a neighbouring page)."""
@@ -250,5 +259,10 @@ def test_page_hooks_take_only_the_first_slot_of_a_page(hooked):
     assert host.get_page_buffer_meta(slots)[0]
     with pytest.raises(ValueError, match="get_page_buffer_meta: host slot 5 does not start a page"):
         host.get_page_buffer_meta(slots + 1)
-    with pytest.raises(ValueError, match="are not the 4 consecutive slots of one page"):
-        host.get_page_buffer_meta(slots[[0, 1, 3, 2]])
+    # as SGLang reads them, by each page's first index: slots of the page in any order, or the first one repeated
+    # (UMBP sizes its pages with get_page_buffer_meta(torch.zeros(page_size)))
+    assert host.get_page_buffer_meta(slots[[0, 1, 3, 2]]) == host.get_page_buffer_meta(slots)
+    assert host.get_page_buffer_meta(torch.full((ps,), ps)) == host.get_page_buffer_meta(slots)
+    assert host.get_page_buffer_meta(torch.zeros(ps, dtype=torch.int64))[0]
+    with pytest.raises(ValueError, match="indices 0..3 name slots of more than one page"):
+        host.get_page_buffer_meta(torch.tensor([ps, ps + 1, ps + 2, 3 * ps]))

@@ -104,9 +104,10 @@ def get_page_buffer_meta(original: Callable, self: Any, indices: Any) -> tuple[l
     if len(slots) % ps:
         raise ValueError(f"get_page_buffer_meta: {len(slots)} indices are not whole pages of {ps}")
     starts = slots[::ps]
-    for k, start in enumerate(starts):
-        if slots[k * ps:(k + 1) * ps] != list(range(int(start), int(start) + ps)):
-            raise ValueError(f"get_page_buffer_meta: indices {k * ps}..{(k + 1) * ps - 1} are not the {ps} consecutive "
-                             f"slots of one page")
-    blocks = [b for start in starts for b in pool.page_pointers(_page_of(self, start, "get_page_buffer_meta"))]
+    pages = [_page_of(self, start, "get_page_buffer_meta") for start in starts]
+    for k, page in enumerate(pages):  # as SGLang reads them: each page by its first index (UMBP probes with zeros)
+        if any(int(x) // ps != page for x in slots[k * ps:(k + 1) * ps]):
+            raise ValueError(f"get_page_buffer_meta: indices {k * ps}..{(k + 1) * ps - 1} name slots of more than one "
+                             f"page; pass each page's {ps} slots together")
+    blocks = [b for page in pages for b in pool.page_pointers(page)]
     return [a for a, _ in blocks], [n for _, n in blocks]
