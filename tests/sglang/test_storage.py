@@ -266,3 +266,26 @@ def test_page_hooks_take_only_the_first_slot_of_a_page(hooked):
     assert host.get_page_buffer_meta(torch.zeros(ps, dtype=torch.int64))[0]
     with pytest.raises(ValueError, match="indices 0..3 name slots of more than one page"):
         host.get_page_buffer_meta(torch.tensor([ps, ps + 1, ps + 2, 3 * ps]))
+
+
+def test_an_mha_kv_split_pool_with_fewer_pages_than_layers_builds_with_per_layer_views(hooked):
+    """SGLang's per-layer transfer views of a layout it does not know index the first dimension: for the page-major
+    buffers hicache allocates that is the page (an IndexError where pages < layers, page views otherwise).  Each view
+    is now one layer's [pages, page_size, heads, dim], and the pool moves its bytes."""
+    from sglang_helpers import same_bytes, settle
+
+    with H.sglang_runtime(hicache_mem_layout="page_first_kv_split"):
+        dev = H.make_mha_device_pool(size=8, page_size=4, layer_num=8, head_num=2, head_dim=16)
+        host = H.make_host_pool(dev)
+    assert host.page_num < host.layer_num == 8
+    assert host.kv_buffer.shape == (2, host.page_num, 8, 4, 2, 16)  # page-major again after the views were made
+    assert len(host.k_data_refs) == 8
+    for layer, view in enumerate(host.k_data_refs):
+        assert view.shape == (host.page_num, 4, 2, 16) and view.data_ptr() == host.k_buffer[0, layer].data_ptr()
+    for t in (*dev.k_buffer, *dev.v_buffer):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())).to(t.dtype))
+    h, d = host.alloc(4), torch.arange(4, 8)
+    host.backup_from_device_all_layer(dev, h, d, "direct")
+    settle()
+    page = int(h[0]) // 4
+    assert all(same_bytes(host.k_buffer[page, layer], dev.k_buffer[layer][d]) for layer in range(8))

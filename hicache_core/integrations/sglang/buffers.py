@@ -17,14 +17,14 @@ buffers (as for the other layouts) and ``layout_dim = token_stride_size * L``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ...registry import default_registry
 from .adapter import pool_kind
 
-__all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "alloc_host"]
+__all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "init_transfer_views", "alloc_host"]
 
 KV_SPLIT = "page_first_kv_split"
 
@@ -73,6 +73,10 @@ def _mla(host: Any) -> torch.Tensor:
     return host.k_buffer
 
 
+#: Set on an MHA host pool whose ``page_first_kv_split`` buffers :func:`init_kv_split_buffer` allocated.
+MHA_KV_SPLIT_ATTR = "_hicache_mha_kv_split"
+
+
 def _mha(host: Any) -> torch.Tensor:
     if host.head_dim != host.v_head_dim:
         raise ValueError(f"Unsupported layout: {host.layout} (MHA with head_dim != v_head_dim)")
@@ -80,7 +84,24 @@ def _mha(host: Any) -> torch.Tensor:
     host.token_stride_size = host.head_num * host.head_dim * host.dtype.itemsize
     host.layout_dim = host.token_stride_size * L
     dims = (2, P, L, ps, host.head_num, host.head_dim)
+    host.__dict__[MHA_KV_SPLIT_ATTR] = True
     return alloc_host(host, dims, host.dtype, ps * host.layout_dim)
+
+
+def init_transfer_views(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``MHATokenToKVPoolHost._initialize_transfer_views`` of a pool whose ``page_first_kv_split`` buffers we
+    allocated: SGLang's branch for layouts it does not know takes ``k_buffer[i]`` as layer ``i``, which is page ``i``
+    of these page-major buffers (and fails outright where the pool has fewer pages than layers).  It gets the buffers
+    layer-major for the call (a transposed view, as SGLang makes its own page-major layouts' per-layer views);
+    ``kv_buffer`` is restored after."""
+    if not self.__dict__.get(MHA_KV_SPLIT_ATTR):
+        return original(self, *args, **kwargs)
+    kv = self.kv_buffer
+    self.kv_buffer = kv.transpose(1, 2)  # [2, L, P, ps, H, D]
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        self.kv_buffer = kv
 
 
 def init_kv_split_buffer(host: Any) -> torch.Tensor:
