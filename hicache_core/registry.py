@@ -39,7 +39,8 @@ import pluggy
 
 from . import hookspecs
 from .envflags import OFF
-from .errors import DuplicateRegistrationError, PluginLoadError, RegistryError, ResolutionError, UnknownLayoutError
+from .errors import (ConfigError, DuplicateRegistrationError, PluginLoadError, RegistryError, ResolutionError,
+                     UnknownLayoutError)
 from .layout import Layout
 from .logonce import log_once
 from .spec import PoolSpec
@@ -366,12 +367,13 @@ class Registry:
 
     def try_resolve(
         self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,
-        options: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None, errors: list[Exception] | None = None,
     ) -> tuple[Resolution | None, list[tuple[str, str]]]:
         """Resolve without raising: ``(resolution or None, [(strategy name, rejection reason)])``.
 
         ``options`` are passed to the chosen strategy's factory as keyword arguments
-        (e.g. ``programs`` for kernel strategies).
+        (e.g. ``programs`` for kernel strategies).  ``errors``, where given, receives the exception of each candidate
+        that failed to load (its rejection reason names it too).
         """
         lay = self.layout(layout)
         key_sharded = spec.sharded
@@ -407,6 +409,8 @@ class Registry:
                 why = strategy.supports(spec, lay)
             except Exception as exc:  # a broken factory rejects its strategy, not the registry
                 why = f"failed to load: {type(exc).__name__}: {exc}"
+                if errors is not None:
+                    errors.append(exc)
             if why:
                 rejected.append((info.name, why))
                 continue
@@ -435,7 +439,8 @@ class Registry:
         :raises ResolutionError: nothing serves the key; the message lists each
             rejection, the installed plugins and the nearest working alternatives.
         """
-        res, rejected = self.try_resolve(spec, layout, io_backend, override=override, options=options)
+        errors: list[Exception] = []
+        res, rejected = self.try_resolve(spec, layout, io_backend, override=override, options=options, errors=errors)
         if res is not None:
             return res
         lines = [f"no strategy serves (layout={layout!r}, io_backend={io_backend!r}, sharded={spec.sharded}) "
@@ -444,7 +449,9 @@ class Registry:
         alts = self.alternatives(spec, layout, io_backend, options)
         lines.append("nearest working alternatives: " + (", ".join(alts) if alts else "(none)"))
         lines.append(self.inventory())
-        raise ResolutionError("\n".join(lines))
+        config = next((e for e in errors if isinstance(e, ConfigError)), None)
+        # a setting that made a candidate fail to load is the cause (a caller may tell the user's setting apart)
+        raise ResolutionError("\n".join(lines)) from config
 
     def alternatives(self, spec: PoolSpec, layout: str, io_backend: str,
                      options: Mapping[str, Any] | None = None) -> list[str]:

@@ -14,7 +14,7 @@ from hicache_core.integrations.sglang.buffers import wants_kv_split_takeover
 from hicache_core.integrations.sglang.mode import parse_mode
 from sglang_helpers import same_bytes, settle
 from test_takeover import entry, write_table
-from test_transfers import make_pools, slots
+from test_transfers import make_pools, roundtrip, slots
 
 
 @pytest.mark.parametrize("value,level", [("Full", "full"), (" full ", "full"), ("", "shapes"), ("SHAPES", "shapes"),
@@ -42,6 +42,18 @@ def test_a_bad_hicache_validate_is_a_warning_naming_the_variable(hooked, monkeyp
         host.backup_from_device_all_layer(dev, h, d1, "direct")  # SGLang's own error: it cannot serve this layout
     assert "HICACHE_VALIDATE='bogus': use 'shapes', 'full' or 'strict'" in caplog.text
     assert bridge_for(host, dev, "direct").pool is None
+
+
+def test_a_bad_auto_forward_is_a_warning_and_a_gap_cell_falls_back_to_direct(hooked, monkeypatch, caplog):
+    """``HICACHE_AUTO_FORWARD`` that is no mode makes ``auto`` fail to load: a WARNING names the variable (it came
+    wrapped in the resolution's error, logged at INFO only); a cell SGLang cannot serve goes to ``direct``."""
+    monkeypatch.setenv("HICACHE_SGLANG_KERNEL", "auto")
+    monkeypatch.setenv("HICACHE_AUTO_FORWARD", "bogus")
+    with caplog.at_level(logging.WARNING, logger="hicache_core"):
+        roundtrip("mla", "page_first_kv_split", "kernel")  # the bytes in SGLang's layout, both ways
+    warned = [r for r in caplog.records
+              if r.levelno == logging.WARNING and "HICACHE_AUTO_FORWARD is 'bogus'" in r.getMessage()]
+    assert warned
 
 
 @pytest.mark.parametrize("value", ["0", "false", "No", " OFF "])

@@ -274,14 +274,12 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         logger.info("hicache: %s %s (layout=%s, hicache io_backend=%s, sharded=%s) served by %s",
                     type(host).__qualname__, d.spec.describe(), host.layout, io_backend, d.spec.sharded,
                     bridge.pool.strategy_name)
-    except ConfigError as exc:  # the user's setting, not the cell: say so where it will be seen
-        bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",
-                       type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
     except (Unsupported, HicacheError) as exc:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.info("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang: %s",
-                    type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
+        # the user's setting (itself, or what made the strategy fail to load), not the cell: said where it is seen
+        setting = isinstance(exc, ConfigError) or isinstance(exc.__cause__, ConfigError)
+        logger.log(logging.WARNING if setting else logging.INFO, "hicache: %s (layout=%s, hicache io_backend=%s) left "
+                   "to SGLang: %s", type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
     except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang after an unexpected error",
