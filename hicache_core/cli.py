@@ -460,12 +460,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     lines = []
     for p in reg.plugins:
         lines.append(f"{p.name} ({p.label})" + (f": BROKEN, {p.error}" if p.error else ""))
-        for name in sorted(p.layouts):
+        # a name two plugins registered is listed, DISABLED, under each of them
+        clashes = {kind: {c.name for c in reg.conflicts if c.kind == kind and any(q is p for q in c.plugins)}
+                   for kind in ("layout", "strategy")}
+        for name in sorted(set(p.layouts) | clashes["layout"]):
             if name not in reg.layouts:  # registered by another plugin too: disabled for both
                 lines.append(f"  layout {name}: DISABLED, {_conflict_text(reg, 'layout', name)}")
                 continue
             lines.append(f"  layout {name}: {reg.layouts[name][0].description}")
-        for name in sorted(p.strategies):
+        for name in sorted(set(p.strategies) | clashes["strategy"]):
             if name not in reg.strategies:
                 lines.append(f"  strategy {name}: DISABLED, {_conflict_text(reg, 'strategy', name)}")
                 continue

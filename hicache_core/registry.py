@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hicache"
 ENV_ALLOW = "HICACHE_PLUGINS"
+#: The entry-point name of hicache-core's own plugin (:mod:`hicache_core.builtin`).
+BUILTIN_PLUGIN = "core"
 ENV_BLOCK = "HICACHE_DISABLE_PLUGINS"
 ENV_STRATEGY = "HICACHE_STRATEGY"
 ENV_TRACE = "HICACHE_TRACE"
@@ -448,6 +450,10 @@ class Registry:
         lines += [f"  {name}: {why}" for name, why in rejected]
         alts = self.alternatives(spec, layout, io_backend, options)
         lines.append("nearest working alternatives: " + (", ".join(alts) if alts else "(none)"))
+        allow = _csv(self.env.get(ENV_ALLOW))
+        if allow is not None and BUILTIN_PLUGIN not in allow:
+            lines.append(f"note: {ENV_ALLOW}={self.env[ENV_ALLOW]!r} leaves out {BUILTIN_PLUGIN!r}, the plugin of the "
+                         "generic backends (reference, direct, auto); add it to the list")
         lines.append(self.inventory())
         config = next((e for e in errors if isinstance(e, ConfigError)), None)
         # a setting that made a candidate fail to load is the cause (a caller may tell the user's setting apart)

@@ -704,6 +704,13 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
     rc, out, err = run(capsys, "plugins")
     assert rc == 0 and "Traceback" not in err
     assert "  layout page_head: DISABLED, layout 'page_head' is registered by " in out
+    listed = {}  # the plugin each DISABLED line is listed under
+    for line in out.splitlines():
+        if not line.startswith(" "):
+            plugin = line.split(" ")[0]
+        elif "layout page_head: DISABLED" in line:
+            listed[plugin] = True
+    assert set(listed) == {"page_head", "copycat"}  # under both plugins that registered it
     rc, out, _ = run(capsys, "plugins", "--json")
     assert rc == 0
 

@@ -66,3 +66,14 @@ def test_out_of_range_device_resident_indices_touch_nothing(io_backend: str) -> 
             changed = [r for r in range(12) if not torch.equal(after[c][layer][r], original[c][layer][r])]
             assert changed == ([8] if layer == 1 and not torch.equal(original[c][1][8], original[c][1][4]) else [])
     assert torch.equal(after["k"][1][8, 0].view(torch.uint8), rows[1, 0, 0])
+
+
+def test_the_example_engine_declares_the_rejection_the_kit_sees_on_a_gpu():
+    """Copied as a starting point, the example must pass the kit on a GPU machine too: its CPU-only engine rejects
+    the kit's GPU pools, which is a declared rejection (a skip), not an undeclared one (a failure)."""
+    from hicache_core import create_registry
+    from hicache_core.testing.conformance import CASES, classify_rejection
+
+    rejection = classify_rejection(create_registry(), CASES[0], "example_packed", "example_engine", "example.engine",
+                                   "cuda")
+    assert rejection is not None and rejection.kind == "declared"

@@ -486,3 +486,15 @@ def test_a_plugin_registering_a_malformed_object_is_broken_alone():
     rec = next(p for p in reg.plugins if p.name == "malformed")
     assert rec.error is not None and rec.error.startswith("registration failed: TypeError: register() was given")
     assert "page_head" in reg.layouts and reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+
+
+def test_an_allow_list_without_core_is_named_where_a_generic_backend_is_missing():
+    from hicache_core.errors import ResolutionError
+
+    reg = create_registry(env={"HICACHE_PLUGINS": "page_head"})
+    with pytest.raises(ResolutionError, match=r"note: HICACHE_PLUGINS='page_head' leaves out 'core', the plugin of "
+                                              r"the generic backends \(reference, direct, auto\); add it to the list"):
+        reg.resolve(mha(), "page_head", "reference")
+    with pytest.raises(ResolutionError) as info:
+        create_registry(env=BASE).resolve(mha(), "page_head", "kernel")
+    assert "leaves out" not in str(info.value)
