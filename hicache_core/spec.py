@@ -342,6 +342,8 @@ class PoolSpec:
         for comp in self.components:
             if comp.name == name:
                 return comp
+        if isinstance(name, Component):
+            raise SpecError(f"pass a component's name, not the Component: {name.name!r}")
         raise SpecError(f"no component {name!r}; the spec has {[c.name for c in self.components]}")
 
     def component_map(self, name: str) -> LayerMap:

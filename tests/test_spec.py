@@ -296,3 +296,11 @@ def test_spec_parts_and_layers_take_any_integer_like_value() -> None:
                      layers=[np.int64(1), 0])
     assert comp.parts == (Part("latent", 0, 128), Part("rope", 128, 128)) and comp.layers == (1, 0)
     assert type(comp.parts[0].nbytes) is int and type(comp.layers[0]) is int
+
+
+def test_component_lookups_name_the_fix_when_given_a_component() -> None:
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=2, head_dim=8, dtype=torch.float16, page_size=4,
+                        capacity=16)
+    with pytest.raises(SpecError, match="pass a component's name, not the Component: 'k'"):
+        spec.component_map(spec.components[0])  # type: ignore[arg-type]
+    assert spec.component_map("k") is spec.layer_map
