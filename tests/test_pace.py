@@ -750,3 +750,43 @@ def test_explain_names_the_kernel_where_auto_has_no_copy_engine():
     picks = [line for line in auto.describe(spec, lay) if "slots ->" in line]
     assert len(picks) == 2 and all("-> page_first.kernel (the copy engine is not available here)" in p for p in picks)
     assert auto.pick(None, torch.arange(4), torch.arange(4), 1, to_host=False) is auto.kernel  # type: ignore[arg-type]
+
+
+def test_a_pick_made_while_another_thread_dropped_the_memo_is_not_kept():
+    """Another thread's 33rd new pair drops the use counts and the picks while this thread decides: its pick is not
+    memoised for tensors no count holds (a later pair at the same ids would get it without deciding); nor one decided
+    from a measure that moved meanwhile."""
+    import threading
+
+    from hicache_core.backends import auto as auto_mod
+
+    pool, h, d = _fp8_pool()
+    auto = _auto(pool, None)
+    decide = auto._decide
+
+    def racing(*args, **kwargs):
+        pick = decide(*args, **kwargs)
+        t = threading.Thread(target=lambda: [auto._use(("pair", i), h, d, None) for i in range(auto_mod._USES + 1)])
+        t.start()
+        t.join()
+        return pick
+
+    auto._decide = racing  # type: ignore[method-assign]
+    hh, dd = h.clone(), d.clone()
+    assert auto.pick(pool.binding, hh, dd, 1, to_host=False) is auto.kernel
+    assert pick_key(hh, dd, 1, False) not in auto._picks
+    w = _Paces()
+    moving = _auto(pool, w)
+    step = moving._decide
+
+    def measure_moves(*args, **kwargs):
+        pick = step(*args, **kwargs)
+        moving._pace_gen += 1  # what _pace_moved() records when another thread's call sees a new generation
+        return pick
+
+    moving._decide = measure_moves  # type: ignore[method-assign]
+    moving.pick(pool.binding, hh, dd, 1, to_host=False)
+    assert pick_key(hh, dd, 1, False) not in moving._picks
+    moving._decide = step  # type: ignore[method-assign]
+    moving.pick(pool.binding, hh, dd, 1, to_host=False)
+    assert pick_key(hh, dd, 1, False) in moving._picks  # decided undisturbed: memoised

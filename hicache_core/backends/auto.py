@@ -263,8 +263,11 @@ class AutoStrategy:
         hit = self._picks.get(key) if key is not None else None
         if hit is not None and not (crossed and hit is self.kernel):
             return hit
+        gens = (self._pace_gen, self._watch_gen)
         pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
-        if key is not None:
+        # memoised only if nothing another thread did while deciding made it stale: dropped the picks because a
+        # measure or the watch moved (this pick read the old one), or dropped the use counts (its tensors with them)
+        if key is not None and (self._pace_gen, self._watch_gen) == gens and key in self._uses:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
             self._picks[key] = pick
