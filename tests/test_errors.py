@@ -122,6 +122,8 @@ INDEX_CASES: list[tuple[str, Any, Any, type[Exception], str]] = [
      r"host_indices must lie in 0\.\.15 \(capacity\), got -4\.\.-1"),
     ("device-index-out-of-range", AR(0, 4), AR(ROWS - 2, ROWS + 2), IndexRangeError,
      r"device_indices must lie in 0\.\.31 \(rows of the device buffers\), got 30\.\.33"),
+    ("device-index-one-past-the-rows", AR(0, 4), AR(ROWS - 3, ROWS + 1), IndexRangeError,
+     r"device_indices must lie in 0\.\.31 \(rows of the device buffers\), got 29\.\.32"),  # exactly at the bound
     ("negative-device-index", AR(0, 4), torch.tensor([0, 1, -1, 2]), IndexRangeError,
      r"device_indices must lie in 0\.\.31 .*got -1\.\.2"),
     ("float-host-indices", AR(0, 4).float(), AR(0, 4), IndexDtypeError,
@@ -207,6 +209,10 @@ def _mutate(name: str) -> Callable[[dict[str, list[Any]]], dict[str, list[Any]]]
         dev["k"] = dev["k"][:2]
         return dev
 
+    def too_many_layers(dev):
+        dev["k"].append(torch.zeros(ROWS, HEADS, HD, dtype=torch.float16))
+        return dev
+
     def zero_dim(dev):
         dev["v"][0] = torch.tensor(1.0, dtype=torch.float16)
         return dev
@@ -229,6 +235,8 @@ DEVICE_CASES = [
     ("wrong_device", r"device_buffers\['k'\]\[0\] is on meta, the pool spec says cpu; move it or fix the spec"),
     ("non_contiguous_rows", r"device_buffers\['k'\]\[1\]: each token's row must be contiguous .*Pass a view with contiguous rows"),
     ("too_few_layers", r"device_buffers\['k'\] has 2 layers but the layer map reads device layer 2; pass one tensor per device layer id"),
+    ("too_many_layers", r"device_buffers\['k'\] has 4 layers but the spec has 3 device layers "
+                        r"\(layer_map\.num_device_layers\); pass one tensor per device layer id, or fix the layer map"),
     ("zero_dim", r"device_buffers\['v'\]\[0\] must have a token axis, got a 0-d tensor"),
     ("expanded_rows", r"device_buffers\['k'\]\[1\]: token rows overlap .*token stride 0 elements"),
     ("overlapping_rows", r"device_buffers\['v'\]\[1\]: token rows overlap .*not an expand\(\)ed or as_strided\(\) view"),

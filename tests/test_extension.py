@@ -176,6 +176,24 @@ def test_verify_reaches_the_vendor_backend(capsys, monkeypatch):
     assert rows == [["page_head", "fakedma", s, "mha", "test_vendor.fakedma", "PASS", "-", "-"] for s in ("no", "yes")]
 
 
+def test_a_segment_one_byte_past_its_buffer_is_refused_and_one_that_ends_on_it_is_not() -> None:
+    """The bound is exact: a segment whose last byte is the buffer's last binds, one shifted by a byte is refused."""
+    from hicache_core import Addressing, Segment
+    from hicache_core.errors import SpecError
+    from hicache_core.layout import strided_host_view
+
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=1, head_dim=4, dtype=torch.float16, page_size=2,
+                        capacity=4)
+    flat = torch.zeros(32, dtype=torch.uint8)  # one host layer of 4 slots of 8 B
+    for offset, ok in ((0, True), (1, False)):
+        seg = Segment("k", "k", None, 0, 8, Addressing(offset, 32, 16, 8, 8))
+        if ok:
+            assert strided_host_view(flat, seg, spec, 1).shape[1:] == (2, 2, 1, 8)
+        else:
+            with pytest.raises(SpecError, match=r"reaches bytes 1\.\.32 of host buffer 'k', which holds 32 B"):
+                strided_host_view(flat, seg, spec, 1)
+
+
 def test_a_plan_whose_segment_outruns_its_buffer_is_refused():
     """A layout plan whose addressing reaches past its own buffer (here the page stride one row too large) is refused
     with a ``SpecError`` naming the buffer, also where the buffers are views of one larger allocation (which a strided

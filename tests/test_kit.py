@@ -186,3 +186,41 @@ def test_the_kit_names_a_layout_plan_that_addresses_a_byte_twice() -> None:
     with pytest.raises(AssertionError, match=r"layout 'overlapping' plan: \d+ bytes of host buffer 'pages' are "
                                              r"addressed by two row bytes"):
         check_strategy(reg, CASE["mha-fp16-ps1"], "overlapping", "reference", strategy="core.reference")
+
+
+class TouchesTheCanaryPage(DirectStrategy):
+    """Moves the right rows, and also writes device row 0 (the kit's canary page) on loads."""
+
+    def transfer(self, binding, host_indices, device_indices, layer, *, to_host):  # type: ignore[no-untyped-def]
+        super().transfer(binding, host_indices, device_indices, layer, to_host=to_host)
+        if not to_host:
+            for seg in binding.segments:
+                for rows in seg.device_rows:
+                    rows[0].add_(1)
+
+
+class TouchesAHostCanary(DirectStrategy):
+    """Moves the right rows, and also flips the last host byte (not one of the rows it was asked to move) on backups."""
+
+    def transfer(self, binding, host_indices, device_indices, layer, *, to_host):  # type: ignore[no-untyped-def]
+        super().transfer(binding, host_indices, device_indices, layer, to_host=to_host)
+        if to_host:
+            buf = next(iter(binding.host_buffers.values())).view(torch.uint8).view(-1)
+            buf[-1] = buf[-1] ^ 0xFF
+
+
+def test_the_kit_fails_a_strategy_that_writes_outside_its_rows() -> None:
+    """The kit's own oracle can fail: a strategy that moves every row right but also writes a device canary row or a
+    host canary byte is caught (and the control, plain direct, passes the same checks)."""
+    from hicache_core.testing.conformance import check_load_all, check_strategy
+
+    reg = create_registry(env=ENV, plugins=[("sloppy", plugin(
+        StrategyInfo("sloppy.device", "sloppy_dev", ("page_head",), TouchesTheCanaryPage),
+        StrategyInfo("sloppy.host", "sloppy_host", ("page_head",), TouchesAHostCanary)))])
+    case = CASE["mha-fp16-ps1"]
+    check_load_all(reg, case, "page_head", "direct")
+    check_strategy(reg, case, "page_head", "direct")
+    with pytest.raises(AssertionError, match="canary page"):
+        check_load_all(reg, case, "page_head", "sloppy_dev")
+    with pytest.raises(AssertionError, match="backup: host buffer"):
+        check_strategy(reg, case, "page_head", "sloppy_host")

@@ -448,11 +448,13 @@ def test_generic_backends_range_check_unvalidated_indices(backend: str, bad: str
     pool = HostKVPool(spec, "layer_first", backend, dev)
     before_host = {k: v.clone() for k, v in pool.host_buffers.items()}
     before_dev = {k: [t.clone() for t in lst] for k, lst in dev.items()}
-    host = torch.arange(spec.page_size) + (spec.capacity if bad == "host" else 0)
-    rows = torch.arange(spec.page_size) + (32 if bad == "device" else 0)
-    for op in (pool.strategy.backup, pool.strategy.load):
-        with pytest.raises(IndexRangeError, match="nothing was"):
-            op(pool.binding, host, rows, None)
+    ps = spec.page_size
+    for shift in (ps, 1):  # a whole page past the end, and one slot or row past it (the last index at the bound)
+        host = torch.arange(ps) + (spec.capacity - ps + shift if bad == "host" else 0)
+        rows = torch.arange(ps) + (32 - ps + shift if bad == "device" else 0)
+        for op in (pool.strategy.backup, pool.strategy.load):
+            with pytest.raises(IndexRangeError, match="nothing was"):
+                op(pool.binding, host, rows, None)
     assert all(torch.equal(pool.host_buffers[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before_host.items())
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                for k in dev for a, b in zip(dev[k], before_dev[k]))
