@@ -392,3 +392,27 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
                            f"3 stages; loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "5")
     assert "backups 5 programs" in LayerFirstKernelStrategy().describe(spec, None)[0]
+
+
+@pytest.mark.skipif("page_first_kv_split" not in REGISTRY.layouts, reason="needs the kv_split layout plugin")
+@pytest.mark.parametrize("gap", [0, 8, -576])
+def test_split_parts_fuse_only_where_rope_follows_latent_in_the_same_rows(gap: int) -> None:
+    """MLA parts held apart as views of one padded tensor, equal row strides: rope right after latent (``gap`` 0: one
+    fused launch may move both), 8 elements after it, or before it (never fused): every backup is the reference's."""
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=4, capacity=16)
+    gen = torch.Generator().manual_seed(9)
+    bufs = [torch.randn(32, 1, 1200, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    lat0 = 600 if gap < 0 else 0
+    rope0 = 0 if gap < 0 else 512 + gap
+    dev = {"latent": [b[:, :, lat0:lat0 + 512] for b in bufs], "rope": [b[:, :, rope0:rope0 + 64] for b in bufs]}
+    pool = HostKVPool(spec, "page_first_kv_split", "kernel", dev, registry=REGISTRY, pin_memory=False)
+    ref = HostKVPool(spec, "page_first_kv_split", "reference", {k: [t.clone() for t in v] for k, v in dev.items()},
+                     registry=REGISTRY, pin_memory=False)
+    h, d = torch.cat([torch.arange(8, 12), torch.arange(0, 4)]), torch.tensor([3, 7, 11, 2, 30, 31, 12, 5])
+    for p in (pool, ref):
+        for t in p.host_buffers.values():
+            t.view(torch.uint8).fill_(0xA5)
+        p.backup_all_layers(h, d)
+    for name, t in ref.host_buffers.items():
+        assert torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)), name
