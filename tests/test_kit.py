@@ -224,3 +224,27 @@ def test_the_kit_fails_a_strategy_that_writes_outside_its_rows() -> None:
         check_load_all(reg, case, "page_head", "sloppy_dev")
     with pytest.raises(AssertionError, match="backup: host buffer"):
         check_strategy(reg, case, "page_head", "sloppy_host")
+
+
+@pytest.mark.skipif("layer_first" not in create_registry().layouts, reason="needs the layer_first layout plugin")
+def test_the_kit_checks_the_plan_addresses_not_only_agreement_with_the_reference(monkeypatch) -> None:
+    """Every backend shares the binding, so a binding that misplaces rows the same way for all of them (here host
+    layers swapped) passes a comparison with the reference and a round trip; the kit also checks where the plan's
+    addressing puts each row byte."""
+    from dataclasses import replace
+
+    from hicache_core import binding as binding_mod
+    from hicache_core.testing.conformance import check_strategy
+
+    real = binding_mod._bind_segment
+
+    def swapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seg = real(*args, **kwargs)
+        return replace(seg, host_layers=tuple(reversed(seg.host_layers)))
+
+    reg = create_registry()
+    case = CASE["mla576-bf16-ps1"]
+    check_strategy(reg, case, "layer_first", "direct")
+    monkeypatch.setattr(binding_mod, "_bind_segment", swapped)
+    with pytest.raises(AssertionError, match="is not where the plan's addressing puts it"):
+        check_strategy(reg, case, "layer_first", "direct")

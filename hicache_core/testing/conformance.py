@@ -5,7 +5,9 @@ spec and layout, fills host buffers with the same canary bytes and device
 buffers with fresh random bytes, then
 
 1. backs up (all layers, or layer by layer) the same slots through both and
-   requires the host buffers to be byte-identical (stray writes hit canaries);
+   requires the host buffers to be byte-identical (stray writes hit canaries),
+   and every row byte of the reference's backup to sit where the plan's
+   addressing formula puts it (the binding every backend shares is checked too);
 2. loads every device layer id back into *other* device slots (canary-filled)
    through both and requires identical device buffers, with the loaded rows
    equal to the rows originally backed up.
@@ -244,6 +246,42 @@ def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
                                  f"by two row bytes (first at byte {int(twice[0])}); give every row byte its own place")
 
 
+def _component_rows(spec: PoolSpec, dev: dict[str, list[torch.Tensor | None]], name: str, layer: int) -> torch.Tensor:
+    """Device layer ``layer``'s rows of component ``name`` as ``[rows, row_bytes]`` bytes (parts held apart joined)."""
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], -1).contiguous().view(torch.uint8).cpu()
+    comp = spec.component(name)
+    held = dev.get(name)
+    if held is not None and held[layer] is not None:
+        return flat(held[layer])  # type: ignore[arg-type]
+    return torch.cat([flat(dev[p.name][layer]) for p in comp.parts], dim=1)  # type: ignore[arg-type]
+
+
+def _assert_plan_bytes(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch.Tensor,
+                       src: torch.Tensor, layout: str) -> None:
+    """After a backup of device rows ``src`` into host slots ``h``: every row byte sits where the layout's plan puts it,
+    by the documented address formula applied to the plan's own segments (not to the binding every backend shares,
+    so a binding that misplaces bytes consistently for all of them is caught too)."""
+    spec, ps = pool.spec, pool.spec.page_size
+    slots = h.to("cpu", torch.int64)
+    for seg in pool.binding.plan.segments:
+        a = seg.addressing
+        host = pool.host_buffers[seg.buffer].reshape(-1).view(torch.uint8)
+        byte = torch.arange(seg.width, dtype=torch.int64)
+        within = (byte // a.chunk_bytes) * (a.chunk_stride or a.chunk_bytes) + byte % a.chunk_bytes
+        lmap = spec.component_map(seg.component)
+        for layer, slot in zip(lmap.device_layers, lmap.host_slots or ()):
+            rows = _component_rows(spec, dev, seg.component, layer)[src.to("cpu", torch.int64)]
+            want = rows[:, seg.src_offset : seg.src_offset + seg.width]
+            base = a.offset + slot * a.layer + (slots // ps) * a.page + (slots % ps) * a.token
+            got = host[base[:, None] + within[None, :]]
+            if not torch.equal(got, want):
+                bad = int((got != want).any(1).nonzero()[0])
+                raise AssertionError(f"layout {layout!r}: after a backup, host slot {int(slots[bad])} of "
+                                     f"{seg.component!r} (device layer {layer}, bytes {seg.src_offset}.."
+                                     f"{seg.src_offset + seg.width - 1}) is not where the plan's addressing puts it")
+
+
 def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dict[str, list[torch.Tensor | None]],
                  against: str = "the reference") -> None:
     for k in want:
@@ -294,6 +332,7 @@ def check_strategy(
         ref.backup_all_layers(h, src)
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
+    _assert_plan_bytes(ref, dev_ref, h, src, layout)
     for name, t in ref.host_buffers.items():
         if not torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)):
             diff = (pool.host_buffers[name].view(torch.uint8) != t.view(torch.uint8)).nonzero()[:3].tolist()
