@@ -24,6 +24,7 @@ def write_json(path: str, data: Any) -> None:
             json.dump(data, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _mode(path))  # mkstemp makes it private: the permissions open() would have given, or the old file's
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -31,6 +32,16 @@ def write_json(path: str, data: Any) -> None:
         except OSError:
             pass
         raise
+
+
+def _mode(path: str) -> int:
+    """The permission bits of the file at ``path``, or those a new file gets under the process's umask."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def check_writable(path: str) -> str | None:

@@ -161,3 +161,15 @@ def test_json_files_are_replaced_whole_or_not_at_all(tmp_path):
     with pytest.raises(TypeError):
         write_json(str(path), {"a": object()})  # fails midway through serialising: the old file stays whole
     assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in path.parent.iterdir()] == ["f.json"]
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        fresh = tmp_path / "fresh.json"
+        write_json(str(fresh), {})
+        assert fresh.stat().st_mode & 0o777 == 0o644  # as open() would make it, not the temporary file's 0600
+        os.chmod(path, 0o640)
+        write_json(str(path), {"a": 2})
+        assert path.stat().st_mode & 0o777 == 0o640  # a file replaced keeps its permissions
+    finally:
+        os.umask(umask)
