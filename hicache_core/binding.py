@@ -239,7 +239,8 @@ def bind(
         for s in plan.segments
         for piece in _split_by_parts(spec, s, device_buffers)
     )
-    pinned = all(t.is_pinned() for t in hosts.values()) if torch.cuda.is_available() else False
+    # an empty buffer (a component on none of this rank's layers) holds no byte to pin: torch reports it unpinned
+    pinned = all(t.is_pinned() for t in hosts.values() if t.numel()) if torch.cuda.is_available() else False
     return PoolBinding(spec, layout, plan, hosts, segments, pinned)
 
 

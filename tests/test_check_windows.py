@@ -80,6 +80,8 @@ def test_a_write_during_the_check_is_never_taken_as_checked(monkeypatch, lanes, 
 def test_auto_counts_each_call_of_a_pair_once_with_or_without_lanes(monkeypatch, lanes):
     """``auto`` counts the calls of an index pair to tell its first burst from a reuse; a call its lane passes on to
     the normal path (the candidate's lane declined) is counted once, as with lanes off."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU pool's kernel needs Triton's interpreter, fixed when Triton was first imported here")
     monkeypatch.setenv("HICACHE_LANES", lanes)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,

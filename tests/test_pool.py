@@ -504,13 +504,14 @@ def test_inference_mode_indices_are_always_validated() -> None:
 def test_device_components_of_different_row_counts_are_bounded_by_the_shortest(backend: str) -> None:
     """``k`` layers of 32 rows and ``v`` layers of 24 (views of 32-row tensors): device rows 24.. exist for ``k`` only,
     so the pool refuses them, and a strategy handed them anyway (no pool check) writes none of ``v``'s parent rows."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU pool's kernel needs the interpreter)
     spec = PoolSpec.mha(layer_map=LayerMap.unsharded(3), head_num=2, head_dim=4, dtype=torch.float16, page_size=4,
-                        capacity=16)  # k and v rows of one width: kernels move them in one launch group
-    dev = {c: [random_(torch.empty(32, 2, 4, dtype=torch.float16), i + (100 if c == "v" else 0)) for i in range(3)]
-           for c in ("k", "v")}
+                        capacity=16, device=device)  # k and v rows of one width: kernels move them in one launch group
+    dev = {c: [random_(torch.empty(32, 2, 4, dtype=torch.float16), i + (100 if c == "v" else 0)).to(device)
+               for i in range(3)] for c in ("k", "v")}
     parents = dev["v"]
     dev["v"] = [t[:24] for t in parents]
-    pool = HostKVPool(spec, "layer_first", backend, dev, pin_memory=False)
+    pool = HostKVPool(spec, "layer_first", backend, dev, pin_memory=device == "cuda")
     assert pool.binding.device_rows == 24
     with pytest.raises(IndexRangeError, match=r"device_indices must lie in 0\.\.23"):
         pool.load_layer(0, pages(0), torch.arange(24, 28))
@@ -519,5 +520,7 @@ def test_device_components_of_different_row_counts_are_bounded_by_the_shortest(b
         pool.strategy.load(pool.binding, pages(0), torch.arange(24, 28), None)
     except IndexRangeError:
         pass  # a backend that range-checks refuses it whole; a kernel masks each buffer's rows past its own end
+    if device == "cuda":
+        torch.cuda.synchronize()
     for t, b in zip(parents, before_v):  # memory past v's 24 rows (its parent's) is never written
         assert torch.equal(t[24:].view(torch.uint8), b[24:].view(torch.uint8))
