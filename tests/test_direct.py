@@ -1014,6 +1014,34 @@ def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy
     assert batch_schedule(0, eager=False) == []
 
 
+def test_queue_clock_forgets_quiet_streams_past_its_bound_and_answers_the_same():
+    """A caller making a new stream per call does not grow the clock without bound: past MAX_CLOCK_STREAMS, a new
+    stream's entry drops the streams that are idle and quiet past every gap (they answer as never seen), and keeps
+    those still busy or recent."""
+    from hicache_core.backends.memcpy import MAX_CLOCK_STREAMS, QueueClock
+
+    t = [50.0]
+    clock = QueueClock(now=lambda: t[0])
+    busy = 10**6
+    clock.queued(busy, 64_000 * 10**9, since=t[0])  # 1000 s of queued copies: busy long after the rest
+    for s in range(MAX_CLOCK_STREAMS - 1):
+        t[0] += 1.0  # each earlier one quiet by the time the next comes
+        clock.queued(s, 64, since=t[0])
+    recent = MAX_CLOCK_STREAMS - 2
+    assert len(clock._last_end) == MAX_CLOCK_STREAMS
+    t[0] += 50e-6  # the last stream is still recent (within the burst gap) at the next submission
+    answers = {s: (clock.eager(s, 1.0), clock.idle(s), clock.lone(s, t[0])) for s in (0, recent, busy)}
+    clock.queued(10**7, 64, since=t[0])  # a new stream past the bound: the quiet ones go
+    assert set(clock._last_end) == set(clock._until) == {busy, recent, 10**7}
+    assert not clock.idle(busy) and clock.backlog_us(busy, t[0]) > 0
+    assert all((clock.eager(s, 1.0), clock.idle(s), clock.lone(s, t[0])) == answers[s] for s in (recent, busy))
+    fresh = QueueClock(now=lambda: t[0])
+    assert (clock.eager(0, 1.0), clock.idle(0), clock.lone(0, t[0])) == (
+        fresh.eager(0, 1.0), fresh.idle(0), fresh.lone(0, t[0])) == answers[0]
+    clock.queued(0, 64, since=t[0])  # a known stream again: no sweep needed below the bound
+    assert len(clock._last_end) == 4
+
+
 @pytest.mark.parametrize("version", [12080, 13000])
 def test_copy_batch_not_eager_makes_the_fewest_calls(version):
     rt, calls = _fake_runtime(version)

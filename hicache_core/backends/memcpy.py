@@ -34,6 +34,8 @@ BURST_GAP_US = 100.0
 #: the last call's copies: the copy engine cannot have drained more than the host submits meanwhile.
 TIGHT_GAP_US = 20.0
 _NEVER = float("-inf")
+#: Streams a clock holds before it forgets the quiet ones (an entry idle past every gap answers as a stream never seen).
+MAX_CLOCK_STREAMS = 64
 
 
 class QueueClock:
@@ -85,8 +87,20 @@ class QueueClock:
 
     def queued(self, stream: int, nbytes: int, since: float) -> None:
         """``nbytes`` were queued on ``stream`` by a submission that started at ``since`` and ends now."""
+        now = self.now()
+        if stream not in self._last_end and len(self._last_end) >= MAX_CLOCK_STREAMS:
+            self._forget_quiet(now)
         self._until[stream] = max(self._until.get(stream, 0.0), since) + nbytes / DRAIN_BYTES_PER_US * 1e-6
-        self._last_end[stream] = self.now()
+        self._last_end[stream] = now
+
+    def _forget_quiet(self, now: float) -> None:
+        """Drops the streams whose entries no longer change any answer (idle, and quiet for longer than any gap
+        the clock compares): a caller that makes a stream per call does not grow the clock without bound."""
+        quiet = max(BURST_GAP_US, TIGHT_GAP_US) * 1e-6
+        for stream in [s for s, end in self._last_end.items()
+                       if now - end > quiet and self._until.get(s, 0.0) <= now]:
+            self._last_end.pop(stream, None)
+            self._until.pop(stream, None)
 
 
 class BatchCopier:
