@@ -466,7 +466,10 @@ class AutoStrategy:
     def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
         (:func:`~.auto_rules.fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
-        :meth:`pick` would start for it)."""
+        :meth:`pick` would start for it).  The bound holds for a staged route too: it submits the host's page-image
+        blocks (at least ``blocks``) after a relayout, so a host measured too slow for ``blocks`` plain descriptors is
+        too slow for it (:func:`~.auto_rules.fed` judges a staged submission at the calibration's cost only because
+        no measure times it)."""
         link_us = allowed_us(nbytes, cal, to_host, self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
