@@ -118,9 +118,21 @@ class PageAllocator:
         return idx.numel()
 
     def allocated(self, page_ids: torch.Tensor) -> torch.Tensor:
-        """A bool mask: which of ``page_ids`` (CPU int64, in range) are currently allocated."""
+        """A CPU bool mask of ``page_ids``'s shape: which of those pages (ids in ``0..num_pages-1``) are allocated.
+
+        :raises AllocatorArgumentError: ``page_ids`` is not a torch.Tensor of an integer dtype (a bool tensor would
+            select by mask, not by page id) or its values cannot be read (meta tensor).
+        :raises ForeignSlotError: a page id lies outside ``0..num_pages-1`` (a negative one would name a page counted
+            from the end).
+        """
+        ids = _page_values(page_ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_pages):
+            raise ForeignSlotError(
+                f"allocated(page_ids): page ids must lie in 0..{self.num_pages - 1}, got {int(ids.min())}..{int(ids.max())}; "
+                "pass page ids (slot // page_size) of this pool"
+            )
         with self._lock:
-            return self._used[page_ids].clone()
+            return self._used[ids].clone()
 
     def clear(self) -> None:
         """Free everything."""
@@ -143,3 +155,20 @@ def _slot_values(indices: object) -> torch.Tensor:
     if indices.device.type == "meta":
         raise AllocatorArgumentError("free(indices) is a meta tensor, whose values cannot be read; pass the slots alloc returned")
     return indices.reshape(-1).to("cpu", torch.int64)
+
+
+def _page_values(page_ids: object) -> torch.Tensor:
+    """``allocated``'s argument as CPU int64 page ids of its shape, refusing anything that would be truncated or
+    read as something else (a bool tensor would select by mask)."""
+    if not isinstance(page_ids, torch.Tensor):
+        raise AllocatorArgumentError(
+            f"allocated(page_ids) must be a torch.Tensor of integer page ids, got {type(page_ids).__name__}; "
+            "wrap it with torch.as_tensor(..., dtype=torch.int64)"
+        )
+    if page_ids.dtype == torch.bool or page_ids.dtype.is_floating_point or page_ids.dtype.is_complex:
+        raise AllocatorArgumentError(
+            f"allocated(page_ids) must hold integer page ids, got {page_ids.dtype}; pass slot // page_size as int64"
+        )
+    if page_ids.device.type == "meta":
+        raise AllocatorArgumentError("allocated(page_ids) is a meta tensor, whose values cannot be read; pass real page ids")
+    return page_ids.to("cpu", torch.int64)

@@ -28,6 +28,7 @@ import torch
 
 from .jsonfile import check_writable, write_json
 from .logonce import log_once
+from .spec import as_int
 
 __all__ = ["Calibration", "DEFAULT", "ENV_CALIBRATION", "calibration_path", "load_calibration", "measure", "add_parser"]
 
@@ -93,11 +94,38 @@ def _number(entry: dict, key: str, default: float | None = None, *, integer: boo
             raise KeyError(f"{key!r} is missing")
         return default
     value = entry[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key!r} must be a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise ValueError(f"{key!r} must be a finite number, got {_short(value)}")
     if integer and not (isinstance(value, int) or float(value).is_integer()):
         raise ValueError(f"{key!r} must be a whole number of bytes, got {value!r}")
     return int(value) if integer else float(value)
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float (a JSON integer too large for a float is not: ``math.isfinite`` would raise
+    ``OverflowError`` on it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a 400-digit number in a warning says nothing more)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _read_json(path: str) -> Any:
+    """The JSON value of the file at ``path``.
+
+    :raises ValueError: not JSON, not UTF-8, or nested too deeply to parse (``json`` raises ``RecursionError`` there).
+    :raises OSError: the file cannot be opened or read."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except RecursionError:
+            raise ValueError("nested too deeply to parse") from None
 
 
 def load_calibration(device: torch.device) -> Calibration:
@@ -111,8 +139,7 @@ def load_calibration(device: torch.device) -> Calibration:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     fix = "run `hicache calibrate` on this GPU, or fix the file"
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = _read_json(path)
     except FileNotFoundError:
         if named:
             _warn_once(f"hicache: {ENV_CALIBRATION}={path} does not exist; using the shipped calibration ({DEFAULT.gpu}); "
@@ -125,12 +152,12 @@ def load_calibration(device: torch.device) -> Calibration:
         _warn_once(f"hicache: calibration {path} must be a JSON object of GPU name -> entry, got {type(data).__name__}; "
                    f"using the shipped calibration; {fix}")
         return DEFAULT
-    entry = data.get(gpu)
-    if entry is None:
+    if gpu not in data:
         if named or device.type == "cuda":  # (CPU pools of a machine whose file holds its GPUs: no noise)
             _warn_once(f"hicache: calibration {path} has no entry for {gpu!r} (entries: {sorted(data)}); using the "
                        f"shipped calibration ({DEFAULT.gpu}); {fix}")
         return DEFAULT
+    entry = data[gpu]
     try:
         if not isinstance(entry, dict):
             raise TypeError(f"the entry must be an object, got {type(entry).__name__}")
@@ -154,7 +181,19 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
 
     The stream is held by a GPU sleep while the host submits, so the ratio is the copy
     engine's own efficiency; the host's submission time per descriptor is reported apart.
+
+    :raises ValueError: ``total_bytes`` or ``reps`` is not a whole number >= 1, or a block size is not a whole number
+        in ``1..total_bytes`` (checked before anything is allocated).
     """
+    total_bytes = as_int(total_bytes, "measure(total_bytes)", ValueError)
+    reps = as_int(reps, "measure(reps)", ValueError)
+    if total_bytes < 1 or reps < 1:
+        raise ValueError(f"measure(total_bytes={total_bytes}, reps={reps}): both must be >= 1")
+    block_sizes = [as_int(b, "measure(block_sizes) entry", ValueError) for b in block_sizes]
+    bad = [b for b in block_sizes if not 1 <= b <= total_bytes]
+    if bad:
+        raise ValueError(f"measure(block_sizes): {bad[:4]} outside 1..total_bytes={total_bytes}; pass block sizes of at "
+                         "least one byte that fit total_bytes at least once, or a larger total_bytes")
     from .backends.cudart import runtime
     from .bench import _median_ms
 
@@ -223,8 +262,7 @@ def _existing(path: str) -> dict:
 
     :raises ValueError: the file exists but is not a JSON object (it is never overwritten then)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = _read_json(path)
     except (FileNotFoundError, NotADirectoryError):  # none yet (whether one can be written is asked next)
         return {}
     except (OSError, ValueError) as exc:

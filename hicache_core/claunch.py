@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from .envflags import env_on
+from .envflags import check_switch, env_on
 
 __all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "MAX_PARAMS", "module", "c_launch_enabled", "set_c_launch"]
 
@@ -191,6 +191,7 @@ def c_launch_enabled() -> bool:
 def set_c_launch(enabled: bool | None = None) -> bool:
     """Turn the compiled call on or off; ``None`` re-reads ``HICACHE_C_LAUNCH``.  Off takes effect at the next
     launch; on applies to launches packed from then on (those packed while it was off keep ctypes)."""
+    check_switch("set_c_launch", ENV_C_LAUNCH, enabled)
     _ON[0] = _env() if enabled is None else bool(enabled)
     return _ON[0]
 

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .envflags import env_on
+from .envflags import check_switch, env_on
 
 __all__ = ["Launcher", "ENV_FAST_LAUNCH", "ENV_DRIVER_LAUNCH", "fast_launch_enabled", "set_fast_launch",
            "set_driver_launch", "driver_launch_enabled", "launch_key"]
@@ -80,6 +80,7 @@ def driver_launch_enabled() -> bool:
 def set_driver_launch(enabled: bool | None = None) -> bool:
     """Turn the CUDA driver launch on or off for every :class:`Launcher`; ``None`` re-reads
     ``HICACHE_DRIVER_LAUNCH``.  Returns the new state (it applies only where the fast launch does)."""
+    check_switch("set_driver_launch", ENV_DRIVER_LAUNCH, enabled)
     _DRIVER[0] = _driver_env() if enabled is None else bool(enabled)
     return _DRIVER[0]
 
@@ -89,6 +90,7 @@ def set_fast_launch(enabled: bool | None = None) -> bool:
 
     Returns the new state.  The interpreter (``TRITON_INTERPRET=1``) always keeps it off.
     """
+    check_switch("set_fast_launch", ENV_FAST_LAUNCH, enabled)
     _ENABLED[0] = fast_launch_enabled() if enabled is None else (bool(enabled) and fast_launch_enabled())
     return _ENABLED[0]
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .envflags import env_on
+from .envflags import check_switch, env_on
 from .kernel_support import current_device_index, current_stream_handle, index_memos, kernel_indices
 from .launch import _traits
 from .validate import tensor_where
@@ -60,7 +60,11 @@ def replay_enabled() -> bool:
 
 
 def set_replay(enabled: bool | None = None) -> bool:
-    """Turn replays on or off for every pool; ``None`` re-reads ``HICACHE_REPLAY``.  Returns the new state."""
+    """Turn replays on or off for every pool; ``None`` re-reads ``HICACHE_REPLAY``.  Returns the new state.
+
+    :raises TypeError: ``enabled`` is not a bool, an int or ``None`` (a string such as ``"0"`` or ``"off"`` would
+        otherwise be truthy and turn replays on); nothing changes then."""
+    check_switch("set_replay", ENV_REPLAY, enabled)
     _ON[0] = _env() if enabled is None else bool(enabled)
     return _ON[0]
 

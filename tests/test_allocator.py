@@ -11,6 +11,7 @@ import torch
 
 from hicache_core.allocator import PageAllocator
 from hicache_core.errors import (
+    AllocatorArgumentError,
     AllocatorError,
     DoubleFreeError,
     ForeignSlotError,
@@ -228,3 +229,24 @@ def test_concurrent_alloc_free_never_hands_a_slot_out_twice(frequent_thread_swit
     assert not outstanding
     assert alloc.available_size() == capacity
     assert alloc.alloc(capacity).tolist() == list(range(capacity))
+
+
+def test_allocated_reports_pages_by_id(alloc: PageAllocator) -> None:
+    alloc.alloc(8)  # pages 0, 1
+    assert alloc.allocated(torch.tensor([1, 2, 0])).tolist() == [True, False, True]
+    assert alloc.allocated(torch.tensor([[0], [7]], dtype=torch.int32)).tolist() == [[True], [False]]
+    assert alloc.allocated(torch.empty(0, dtype=torch.int64)).tolist() == []
+
+
+@pytest.mark.parametrize("bad,error,why", [
+    (torch.tensor([-1]), ForeignSlotError, r"allocated\(page_ids\): page ids must lie in 0\.\.7, got -1\.\.-1; pass page ids"),
+    (torch.tensor([0, 8]), ForeignSlotError, r"page ids must lie in 0\.\.7, got 0\.\.8"),
+    (torch.tensor([True] * 8), AllocatorArgumentError, r"allocated\(page_ids\) must hold integer page ids, got torch\.bool"),
+    (torch.tensor([0.0]), AllocatorArgumentError, r"must hold integer page ids, got torch\.float32"),
+    ([0, 1], AllocatorArgumentError, r"allocated\(page_ids\) must be a torch\.Tensor of integer page ids, got list"),
+])
+def test_allocated_refuses_what_is_not_a_page_id(alloc: PageAllocator, bad, error, why) -> None:
+    """A negative id would report the last page, a bool tensor select by mask: refused, naming the argument."""
+    alloc.alloc(CAP - PS)  # pages 0..6: page 7 (what -1 would name) is free
+    with pytest.raises(error, match=why):
+        alloc.allocated(bad)

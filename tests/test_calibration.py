@@ -48,6 +48,8 @@ def test_a_good_entry_is_taken(cal_file):
     ({"h2d_min_block": 1.9}, "'h2d_min_block' must be a whole number of bytes, got 1.9"),
     ({"h2d_min_block": "16k"}, "'h2d_min_block' must be a finite number, got '16k'"),
     ({"link_gbps": 0}, "block sizes and link_gbps must be positive"),
+    ({"d2h_min_block": 10**400}, "'d2h_min_block' must be a finite number, got 1000000000000000000000000000000000000000..."),
+    ({"submit_us": -10**400}, "'submit_us' must be a finite number"),
 ])
 def test_a_malformed_entry_falls_back_with_a_warning(cal_file, caplog, change, why):
     _write(cal_file, {**GOOD, **change})
@@ -62,6 +64,7 @@ def test_a_malformed_entry_falls_back_with_a_warning(cal_file, caplog, change, w
     ("[1, 2]", "must be a JSON object of GPU name -> entry, got list"),
     ('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1}}', "has no entry for 'cpu' (entries: ['NVIDIA A100'])"),
     ("{not json", "ignoring unreadable calibration"),
+    ("[" * 100_000, "(nested too deeply to parse)"),
 ])
 def test_a_named_file_that_gives_nothing_for_this_device_is_warned_about(cal_file, caplog, content, why):
     if content is not None:
@@ -70,6 +73,15 @@ def test_a_named_file_that_gives_nothing_for_this_device_is_warned_about(cal_fil
         assert load_calibration(CPU) == DEFAULT
         assert load_calibration(CPU) == DEFAULT  # pools load it one by one: warned once
     assert why in caplog.text and len(caplog.records) == 1
+
+
+def test_a_null_entry_is_malformed_not_missing(cal_file, caplog):
+    """``{"cpu": null}`` has an entry for ``cpu``: the warning says what is wrong with it, not that it is missing."""
+    _write(cal_file, None)
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        assert load_calibration(CPU) == DEFAULT
+    assert "entry 'cpu' is malformed (the entry must be an object, got NoneType)" in caplog.text
+    assert "no entry" not in caplog.text
 
 
 def test_unknown_keys_are_warned_about_and_ignored(cal_file, caplog):
@@ -97,6 +109,32 @@ def test_calibrate_never_overwrites_a_file_it_cannot_read(cal_file, capsys, monk
     assert calibration._cmd(args) == 0
     data = json.loads(cal_file.read_text())
     assert sorted(data) == ["NVIDIA A100", "NVIDIA H200"] and data["NVIDIA H200"]["d2h_min_block"] == 4096
+
+
+def test_calibrate_refuses_a_file_nested_too_deeply_to_read(cal_file, capsys, monkeypatch):
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured before checking the file"))
+    text = "[" * 100_000
+    cal_file.write_text(text)
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 2
+    assert "cannot be read (nested too deeply to parse)" in capsys.readouterr().err and cal_file.read_text() == text
+
+
+@pytest.mark.parametrize("args,why", [
+    (([4096], 0), r"measure\(total_bytes=0, reps=10\): both must be >= 1"),
+    (([4096], 8192, 0), r"measure\(total_bytes=8192, reps=0\): both must be >= 1"),
+    (([4096], 8192.0), r"measure\(total_bytes\) must be an int, got float"),
+    (([0, 4096], 8192), r"measure\(block_sizes\): \[0\] outside 1\.\.total_bytes=8192"),
+    (([4096, 16384], 8192), r"measure\(block_sizes\): \[16384\] outside 1\.\.total_bytes=8192; .* a larger total_bytes"),
+    (([4096.5], 8192), r"measure\(block_sizes\) entry must be an int"),
+])
+def test_measure_refuses_bad_arguments_before_touching_the_gpu(monkeypatch, args, why):
+    """A zero block or count would divide by zero, ``reps=0`` take the median of nothing: refused up front, naming the
+    argument (this runs on CPU: the check comes before the CUDA runtime is asked for)."""
+    from hicache_core.backends import cudart
+
+    monkeypatch.setattr(cudart, "runtime", lambda: pytest.fail("reached the CUDA runtime"))
+    with pytest.raises(ValueError, match=why):
+        calibration.measure(*args)
 
 
 @pytest.mark.parametrize("flag,value", [("--target", "5"), ("--target", "nan"), ("--target", "0"),

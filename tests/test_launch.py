@@ -205,3 +205,22 @@ def test_kernels_decline_rocm_devices(monkeypatch):
     assert ks.kernel_unsupported_reason(spec) is None  # type: ignore[arg-type]
     monkeypatch.setattr(ks.torch.version, "hip", "6.2.0", raising=False)
     assert "ROCm" in (ks.kernel_unsupported_reason(spec) or "")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("setter, env, state", [
+    ("set_fast_launch", "HICACHE_FAST_LAUNCH", "_ENABLED"),
+    ("set_driver_launch", "HICACHE_DRIVER_LAUNCH", "_DRIVER"),
+    ("set_c_launch", "HICACHE_C_LAUNCH", "_ON"),
+])
+@pytest.mark.parametrize("bad", ["0", "off", 0.0, [False]])
+def test_launch_switches_refuse_what_is_not_a_switch(monkeypatch, setter, env, state, bad):
+    """``set_driver_launch("0")`` would be truthy and turn the switch on: refused, naming the argument and the
+    environment variable for text, the state unchanged."""
+    from hicache_core import claunch as claunch_mod
+
+    mod = claunch_mod if setter == "set_c_launch" else launch_mod
+    monkeypatch.setattr(mod, state, ["unchanged"])
+    with pytest.raises(TypeError, match=rf"{setter}\(enabled\) must be True, False or None .*{env}"):
+        getattr(mod, setter)(bad)
+    assert getattr(mod, state) == ["unchanged"]
+    assert getattr(mod, setter)(False) is False

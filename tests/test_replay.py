@@ -236,6 +236,16 @@ def test_replays_only_while_nothing_they_depend_on_changed(monkeypatch):
     assert not _replayed(w, lambda: w.pool.load_layer(layer, hi, di))
 
 
+@pytest.mark.parametrize("bad", ["0", "off", b"", [], 0.0])
+def test_set_replay_refuses_what_is_not_a_switch(monkeypatch, bad):
+    """``set_replay("0")`` would be truthy and turn replays on: refused, naming the argument, the state unchanged."""
+    monkeypatch.setattr(replay_mod, "_ON", [False])
+    with pytest.raises(TypeError, match=r"set_replay\(enabled\) must be True, False or None .*HICACHE_REPLAY"):
+        replay_mod.set_replay(bad)
+    assert replay_mod.replay_enabled() is False
+    assert replay_mod.set_replay(1) is True and replay_mod.set_replay(False) is False
+
+
 def test_indices_of_other_traits_record_their_own_steps(monkeypatch):
     """int32 indices specialise the kernel differently from int64 ones: steps are recorded per traits, never
     shared across them."""
