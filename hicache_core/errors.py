@@ -122,7 +122,7 @@ class IndexLengthMismatchError(TransferArgumentError):
 
 
 class IndexDtypeError(TransferArgumentError, TypeError):
-    """An index tensor is not int32 or int64."""
+    """An index is not a dense int32 or int64 tensor whose memory holds the values it reads as."""
 
 
 class PageMultipleError(TransferArgumentError):

@@ -315,6 +315,17 @@ class HostKVPool:
             parts += [flat[base + off : base + off + n] for off, n in blocks]
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
+    def _overlaps_host(self, flat: torch.Tensor) -> bool:
+        """Whether the contiguous byte tensor ``flat`` shares memory with a host buffer."""
+        lo = flat.data_ptr()
+        hi = lo + flat.numel()
+        for t in self.binding.host_buffers.values():
+            if t.numel():
+                start = t.data_ptr()
+                if lo < start + t.numel() * t.element_size() and start < hi:
+                    return True
+        return False
+
     def set_page(self, page: int, data: torch.Tensor, *, synchronize: bool = False) -> None:
         """Write a flat page (as :meth:`get_page` returns it) back into ``page``.
 
@@ -332,6 +343,8 @@ class HostKVPool:
         if synchronize:
             self._synchronize()
         flat = data.contiguous().view(-1).view(torch.uint8)  # a strided or expanded tensor: its bytes in order
+        if self._overlaps_host(flat):  # a view of host memory: the blocks written first would change what is read
+            flat = flat.clone()
         pos = 0
         for host, stride, blocks in self._page_segments:
             base = page * stride

@@ -97,10 +97,21 @@ def tensor_version(t: torch.Tensor) -> int | None:
 def _basic(name: str, t: object, spec: PoolSpec) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise IndexDtypeError(f"{name} must be a torch.Tensor of int32 or int64, got {type(t).__name__}")
+    if t.layout != torch.strided:  # sparse & co: no values to read in place (copy plans and kernels read memory)
+        raise IndexDtypeError(f"{name} must be a dense (strided) tensor of int32 or int64, got layout {t.layout}; "
+                              "convert it with .to_dense()")
     if t.dim() != 1:
         raise IndexShapeError(f"{name} must be one-dimensional, got shape {tuple(t.shape)}; flatten it")
     if t.dtype not in _INDEX_DTYPES:
         raise IndexDtypeError(f"{name} must be int32 or int64, got {t.dtype}; convert with .long()")
+    # the checks read values as torch shows them; strategies (kernels, copy plans) read the tensor's memory: a lazily
+    # negated view holds the negated values there, a zero tensor has no memory at all
+    if t.is_neg():
+        raise IndexDtypeError(f"{name} is a lazily negated view (is_neg()): its memory holds other values than it "
+                              f"reads as; pass {name}.resolve_neg()")
+    if t._is_zerotensor():
+        raise IndexDtypeError(f"{name} is a zero tensor without memory of its own; pass a materialised tensor "
+                              "(e.g. torch.zeros)")
     if t.device.type != "cpu" and t.device != spec.device:
         raise IndexDeviceError(f"{name} is on {t.device}; pass it on the CPU or on the pool's device {spec.device}")
     return t
@@ -313,7 +324,8 @@ def check_host_buffers_disjoint(host_buffers: Mapping[str, torch.Tensor]) -> Non
     """Wrapped host buffers must not share memory (a round trip would return another buffer's bytes)."""
     spans = []
     for name, t in host_buffers.items():
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel():
+        # a non-contiguous one's bytes are not one span (bind refuses it, naming what is wrong with it)
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() and t.is_contiguous():
             start = t.data_ptr()
             spans.append((start, start + t.numel() * t.element_size(), name))
     spans.sort()
