@@ -26,19 +26,21 @@ OPS: dict[str, Callable[[HostKVPool, Any, Any], Any]] = {
 }
 
 
-def make_spec() -> PoolSpec:
+def make_spec(device: str = "cpu") -> PoolSpec:
     return PoolSpec.mha(layer_map=LayerMap.unsharded(LAYERS), head_num=HEADS, head_dim=HD, v_head_dim=VD,
-                        dtype=torch.float16, page_size=PS, capacity=CAP)
+                        dtype=torch.float16, page_size=PS, capacity=CAP, device=device)
 
 
-def make_device(seed: int = 0) -> dict[str, list[torch.Tensor]]:
+def make_device(seed: int = 0, device: str = "cpu") -> dict[str, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return {"k": [torch.randn(ROWS, HEADS, HD, generator=gen).half() for _ in range(LAYERS)],
-            "v": [torch.randn(ROWS, HEADS, VD, generator=gen).half() for _ in range(LAYERS)]}
+    return {"k": [torch.randn(ROWS, HEADS, HD, generator=gen).half().to(device) for _ in range(LAYERS)],
+            "v": [torch.randn(ROWS, HEADS, VD, generator=gen).half().to(device) for _ in range(LAYERS)]}
 
 
 def make_pool(layout: str, backend: str) -> HostKVPool:
-    p = HostKVPool(make_spec(), layout, backend, make_device(), pin_memory=False)
+    # a CPU pool's kernel needs Triton's interpreter, fixed when Triton was first imported: on a GPU machine, the GPU
+    device = "cuda" if backend == "kernel" and torch.cuda.is_available() else "cpu"
+    p = HostKVPool(make_spec(device), layout, backend, make_device(device=device), pin_memory=device == "cuda")
     gen = torch.Generator().manual_seed(1)
     for t in p.host_buffers.values():
         flat = t.view(-1).view(torch.uint8)
@@ -47,6 +49,8 @@ def make_pool(layout: str, backend: str) -> HostKVPool:
 
 
 def every_byte(p: HostKVPool) -> list[torch.Tensor]:
+    if p.spec.device.type == "cuda":
+        torch.cuda.synchronize(p.spec.device)
     tensors = list(p.host_buffers.values()) + [t for seg in p.binding.segments for t in seg.device_rows]
     return [t.reshape(-1).contiguous().view(torch.uint8).clone() for t in tensors]
 

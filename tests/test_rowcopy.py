@@ -399,20 +399,24 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
 def test_split_parts_fuse_only_where_rope_follows_latent_in_the_same_rows(gap: int) -> None:
     """MLA parts held apart as views of one padded tensor, equal row strides: rope right after latent (``gap`` 0: one
     fused launch may move both), 8 elements after it, or before it (never fused): every backup is the reference's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU pool's kernel needs the interpreter)
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
-                        page_size=4, capacity=16)
+                        page_size=4, capacity=16, device=device)
     gen = torch.Generator().manual_seed(9)
-    bufs = [torch.randn(32, 1, 1200, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    bufs = [torch.randn(32, 1, 1200, generator=gen).to(torch.bfloat16).to(device) for _ in range(2)]
     lat0 = 600 if gap < 0 else 0
     rope0 = 0 if gap < 0 else 512 + gap
     dev = {"latent": [b[:, :, lat0:lat0 + 512] for b in bufs], "rope": [b[:, :, rope0:rope0 + 64] for b in bufs]}
-    pool = HostKVPool(spec, "page_first_kv_split", "kernel", dev, registry=REGISTRY, pin_memory=False)
+    pinned = device == "cuda"
+    pool = HostKVPool(spec, "page_first_kv_split", "kernel", dev, registry=REGISTRY, pin_memory=pinned)
     ref = HostKVPool(spec, "page_first_kv_split", "reference", {k: [t.clone() for t in v] for k, v in dev.items()},
-                     registry=REGISTRY, pin_memory=False)
+                     registry=REGISTRY, pin_memory=pinned)
     h, d = torch.cat([torch.arange(8, 12), torch.arange(0, 4)]), torch.tensor([3, 7, 11, 2, 30, 31, 12, 5])
     for p in (pool, ref):
         for t in p.host_buffers.values():
             t.view(torch.uint8).fill_(0xA5)
         p.backup_all_layers(h, d)
+    if pinned:
+        torch.cuda.synchronize()
     for name, t in ref.host_buffers.items():
         assert torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)), name
