@@ -10,12 +10,12 @@ from these answers alone; kernel strategies may specialise on them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
 from .errors import SpecError
-from .spec import PoolSpec
+from .spec import PoolSpec, as_int
 
 __all__ = ["Addressing", "Segment", "BufferSpec", "HostPlan", "Layout", "strided_host_view", "page_blocks"]
 
@@ -39,6 +39,15 @@ class Addressing:
     token: int
     chunk_bytes: int
     chunk_stride: int = 0
+
+    def __post_init__(self) -> None:
+        # whole numbers (NumPy ints are taken as ints): a float or a bool would reach as_strided and the kernels'
+        # offset tables as something else; strides may be negative (the views check the bytes they reach)
+        for name in ("offset", "layer", "page", "token", "chunk_bytes", "chunk_stride"):
+            object.__setattr__(self, name, as_int(getattr(self, name), f"Addressing {name}"))
+        if self.chunk_bytes < 1:
+            raise SpecError(f"Addressing chunk_bytes={self.chunk_bytes} must be >= 1 (the bytes of one contiguous "
+                            "chunk; a contiguous row has one chunk of the segment's width); fix the layout's plan")
 
     def chunks(self, width: int) -> int:
         return width // self.chunk_bytes
@@ -68,6 +77,28 @@ class Segment:
     width: int
     addressing: Addressing
 
+    def __post_init__(self) -> None:
+        for name in ("buffer", "component"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                what = "BufferSpec" if name == "buffer" else "component"
+                raise SpecError(f"Segment {name} must be a non-empty str (a {what} name), got {type(value).__name__} "
+                                f"{value!r}; fix the layout's plan")
+        if self.part is not None and (not isinstance(self.part, str) or not self.part):
+            raise SpecError(f"Segment part must be a part name or None, got {type(self.part).__name__} {self.part!r}; "
+                            "fix the layout's plan")
+        object.__setattr__(self, "src_offset", as_int(self.src_offset, f"Segment {self.component!r} src_offset"))
+        object.__setattr__(self, "width", as_int(self.width, f"Segment {self.component!r} width"))
+        if self.src_offset < 0:
+            raise SpecError(f"segment of {self.component!r}: src_offset={self.src_offset} must be >= 0 (a byte offset in "
+                            "the component row); fix the layout's plan")
+        if self.width < 1:
+            raise SpecError(f"segment of {self.component!r}: width={self.width} must be >= 1 (the row bytes the segment "
+                            "holds); fix the layout's plan")
+        if not isinstance(self.addressing, Addressing):
+            raise SpecError(f"segment of {self.component!r}: addressing must be an Addressing, got "
+                            f"{type(self.addressing).__name__} {self.addressing!r}")
+
 
 @dataclass(frozen=True)
 class BufferSpec:
@@ -76,6 +107,20 @@ class BufferSpec:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"BufferSpec name must be a non-empty str, got {type(self.name).__name__} {self.name!r}")
+        if isinstance(self.shape, (str, bytes)) or not isinstance(self.shape, Iterable):
+            raise SpecError(f"host buffer {self.name!r}: shape must be a tuple of ints, got "
+                            f"{type(self.shape).__name__} {self.shape!r}; pass e.g. (layers, slots, row_bytes)")
+        shape = tuple(as_int(d, f"host buffer {self.name!r} shape entry") for d in self.shape)
+        if any(d < 0 for d in shape):  # 0 is fine: a component on none of this rank's layers
+            raise SpecError(f"host buffer {self.name!r}: shape {shape} has a negative dimension; fix the layout's plan")
+        object.__setattr__(self, "shape", shape)  # a list compares unequal to the tuple of a tensor's shape
+        if not isinstance(self.dtype, torch.dtype):
+            raise SpecError(f"host buffer {self.name!r}: dtype must be a torch.dtype (e.g. torch.uint8), got "
+                            f"{type(self.dtype).__name__} {self.dtype!r}")
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +136,23 @@ class HostPlan:
 
     buffers: tuple[BufferSpec, ...]
     segments: tuple[Segment, ...]
+
+    def __post_init__(self) -> None:
+        for name, kind in (("buffers", BufferSpec), ("segments", Segment)):
+            value = getattr(self, name)
+            items = tuple(value) if isinstance(value, (tuple, list)) else None
+            if items is None or not all(isinstance(x, kind) for x in items):
+                raise SpecError(f"HostPlan {name} must be a tuple of {kind.__name__}, got {value!r}; fix the layout's "
+                                "plan")
+            object.__setattr__(self, name, items)
+        names = [b.name for b in self.buffers]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # one would silently replace the other when the pool allocates them by name
+            raise SpecError(f"HostPlan plans host buffers {twice} more than once; give each BufferSpec its own name")
+        unplanned = sorted({s.buffer for s in self.segments} - set(names))
+        if unplanned:
+            raise SpecError(f"HostPlan segments live in host buffers {unplanned} that it does not plan (buffers: "
+                            f"{names}); add a BufferSpec for each or fix the segments' buffer names")
 
 
 @runtime_checkable
@@ -117,6 +179,11 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     ``flat`` is the whole host buffer as a flat uint8 tensor.
     """
     a = seg.addressing
+    row = spec.component(seg.component).row_bytes
+    if seg.src_offset < 0 or seg.src_offset + seg.width > row:  # past the row: device rows would be cut short
+        raise SpecError(f"segment of {seg.component!r} in host buffer {seg.buffer!r} holds row bytes "
+                        f"{seg.src_offset}..{seg.src_offset + seg.width - 1}, but the component's rows are {row} B; "
+                        "fix the layout's plan")
     if a.chunk_bytes <= 0 or seg.width % a.chunk_bytes:
         raise SpecError(f"segment of {seg.component!r} in host buffer {seg.buffer!r}: its width ({seg.width} B) is not a "
                         f"positive multiple of its chunk_bytes ({a.chunk_bytes} B); fix the layout's plan")

@@ -32,7 +32,7 @@ import os
 import sys
 import threading
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 import pluggy
@@ -128,16 +128,91 @@ class Resolution:
 
 
 def _csv(value: str | None) -> set[str] | None:
-    if value is None or not value.strip():
-        return None
-    return {x.strip() for x in value.split(",") if x.strip()}
+    """The names of a comma-separated list, or ``None`` when it names none (unset, blank or only commas: a
+    ``HICACHE_PLUGINS=","`` is no allow-list, not one that allows nothing)."""
+    names = {x.strip() for x in (value or "").split(",") if x.strip()}
+    return names or None
 
 
 def _ep_dist(ep: EntryPoint) -> tuple[str, str]:
+    """``(distribution name, version)`` of an entry point; ``("<unknown>", "?")`` where its metadata cannot say (a
+    half-removed install must not stop the other plugins from loading: the name is part of the sort key)."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown>", "?"
-    return dist.metadata["Name"], dist.version
+    try:
+        name, version = dist.metadata["Name"], dist.version
+    except Exception:  # metadata missing or unreadable
+        return "<unknown>", "?"
+    return (name if isinstance(name, str) and name else "<unknown>",
+            version if isinstance(version, str) and version else "?")
+
+
+def _name_problem(value: object) -> str | None:
+    """Why ``value`` cannot be a layout, strategy or io_backend name (``None`` when it can): a non-empty string
+    without whitespace, control characters or commas (names are typed on command lines and in comma lists), and not
+    the layout wildcard ``"*"``."""
+    if not isinstance(value, str) or not value:
+        return f"must be a non-empty str, got {type(value).__name__} {value!r}"
+    if value == ANY_LAYOUT:
+        return f"must not be {ANY_LAYOUT!r} (the wildcard of generic strategies)"
+    if any(c.isspace() or not c.isprintable() or c == "," for c in value):
+        return f"must have no whitespace, control characters or commas, got {value!r}"
+    return None
+
+
+def _check_layout(lay: object) -> None:
+    """Refuse what ``register()`` of ``hicache_register_layouts`` cannot take, naming the fix."""
+    if isinstance(lay, type):
+        raise TypeError(f"register() was given the class {lay.__name__}, not a layout: pass an instance "
+                        f"(register({lay.__name__}()))")
+    if not isinstance(lay, Layout):
+        raise TypeError(f"register() was given {lay!r}: a hicache_core.Layout with a non-empty name "
+                        "(name, description, check, plan)")
+    why = _name_problem(getattr(lay, "name", None))
+    if why:
+        raise TypeError(f"register() was given a layout whose name {why}; give it a name such as 'my_layout'")
+    if not isinstance(lay.description, str):
+        raise TypeError(f"layout {lay.name!r}: description must be a str, got {type(lay.description).__name__}")
+    for method in ("check", "plan"):
+        if not callable(getattr(lay, method)):
+            raise TypeError(f"layout {lay.name!r}: {method} must be a method, got "
+                            f"{type(getattr(lay, method)).__name__}")
+
+
+def _check_strategy(info: object) -> None:
+    """Refuse a :class:`StrategyInfo` whose fields would break lookups of every strategy (a ``sharded=True`` is not
+    iterable, ``layouts="x"`` would register one key per letter, a name of ``None`` does not sort)."""
+    if not isinstance(info, StrategyInfo):
+        raise TypeError(f"register() was given {info!r}: a hicache_core.StrategyInfo")
+    for field_name in ("name", "io_backend"):
+        why = _name_problem(getattr(info, field_name))
+        if why:
+            raise TypeError(f"StrategyInfo {field_name} {why}")
+    if not isinstance(info.layouts, (tuple, list)) or not info.layouts:
+        raise TypeError(f"strategy {info.name!r}: layouts must be a non-empty tuple of layout names (or "
+                        f"({ANY_LAYOUT!r},) for every layout), got {type(info.layouts).__name__} {info.layouts!r}")
+    for lay in info.layouts:
+        why = None if lay == ANY_LAYOUT else _name_problem(lay)
+        if why:
+            raise TypeError(f"strategy {info.name!r}: a layouts entry {why}")
+    if (not isinstance(info.sharded, (tuple, list)) or not info.sharded
+            or not all(isinstance(x, bool) for x in info.sharded)):
+        raise TypeError(f"strategy {info.name!r}: sharded must be a non-empty tuple of bools such as (False, True), "
+                        f"got {type(info.sharded).__name__} {info.sharded!r}")
+    if not callable(info.factory):
+        raise TypeError(f"strategy {info.name!r}: factory must be callable (returning the strategy), got "
+                        f"{type(info.factory).__name__} {info.factory!r}")
+    if not isinstance(info.description, str):
+        raise TypeError(f"strategy {info.name!r}: description must be a str, got {type(info.description).__name__}")
+
+
+def _contract_problem(value: object, what: str) -> str | None:
+    """A ``check()`` / ``supports()`` answer that is neither ``None`` nor a reason string, as a rejection reason."""
+    if value is None or isinstance(value, str):
+        return None
+    return (f"its {what} returned {type(value).__name__} {value!r}; it must return None (supported) or a one-line "
+            "reason (str)")
 
 
 class Registry:
@@ -151,6 +226,8 @@ class Registry:
         self.layouts: dict[str, tuple[Layout, PluginRecord]] = {}
         self.strategies: dict[str, tuple[StrategyInfo, PluginRecord]] = {}
         self._exact: dict[tuple[str, str, bool], str] = {}
+        #: pluggy name -> (plugin object, entry-point name), for the plugins registered in self.pm
+        self._pm_names: dict[str, tuple[Any, str]] = {}
         #: every duplicate registration, in the order found (see :class:`Conflict`)
         self.conflicts: list[Conflict] = []
         self.trace = self.env.get(ENV_TRACE, "").strip().lower() not in ("", *OFF)
@@ -195,11 +272,22 @@ class Registry:
         hook, is recorded as broken and everything it registered is withdrawn.
         """
         self.plugins.append(record)
+        if self.pm.is_registered(plugin):  # one object under two entry-point names (or passed twice)
+            first = next((name for p, name in self._pm_names.values() if p is plugin), "?")
+            self._broken(record, f"it is the same plugin object as entry point {first!r}, already loaded (two entry "
+                         f"points naming one module); remove one of them, or set {ENV_BLOCK}={record.name}", explicit,
+                         append=False)
+            return
         # hook implementations: functions marked with hookimpl.  Unknown: a marked one no hook specifies, or one named
         # hicache_register_* (a misspelt hook); a module may import hicache_core or name other helpers hicache_*
-        funcs = {n: f for n in dir(plugin) if n.startswith("hicache_")
-                 and callable(f := getattr(plugin, n, None)) and not isinstance(f, (type, types.ModuleType))}
-        marked = {n for n, f in funcs.items() if getattr(f, f"{hookspecs.PROJECT}_impl", None) is not None}
+        try:  # an attribute that raises when read is that plugin's bug, not the registry's
+            funcs = {n: f for n in dir(plugin) if n.startswith("hicache_")
+                     and callable(f := getattr(plugin, n, None)) and not isinstance(f, (type, types.ModuleType))}
+            marked = {n for n, f in funcs.items() if getattr(f, f"{hookspecs.PROJECT}_impl", None) is not None}
+        except Exception as exc:
+            self._broken(record, f"its attributes could not be read: {type(exc).__name__}: {exc}", explicit,
+                         append=False)
+            return
         unknown = [n for n in funcs if not hasattr(self.pm.hook, n) and (n in marked or n.startswith("hicache_register_"))]
         if unknown:
             hooks = [n for n in dir(self.pm.hook) if n.startswith("hicache_")]
@@ -216,21 +304,24 @@ class Registry:
         # (a plugin failing half-way leaves no layout, strategy or conflict of its own behind)
         layouts: list[Layout] = []
         infos: list[StrategyInfo] = []
+        # pluggy's name for it is the registry's own (entry-point names may repeat across distributions: two
+        # plugins called alike both load, instead of the second failing on pluggy's name table)
+        pm_name = f"{record.name}#{len(self.plugins)}"
         try:
-            self.pm.register(plugin, name=record.name)
+            self.pm.register(plugin, name=pm_name)
+            self._pm_names[pm_name] = (plugin, record.name)
             self.pm.check_pending()
             self._call(plugin, "hicache_register_layouts", layouts.append)
             self._call(plugin, "hicache_register_strategies", infos.append)
             for lay in layouts:  # checked here, so that entering them below cannot fail half-way
-                if not isinstance(lay, Layout) or not isinstance(getattr(lay, "name", None), str) or not lay.name:
-                    raise TypeError(f"register() was given {lay!r}: a hicache_core.Layout with a non-empty name "
-                                    "(name, description, check, plan)")
-            for info in infos:
-                if not isinstance(info, StrategyInfo):
-                    raise TypeError(f"register() was given {info!r}: a hicache_core.StrategyInfo")
+                _check_layout(lay)
+            for i, info in enumerate(infos):
+                _check_strategy(info)
+                if not isinstance(info.layouts, tuple) or not isinstance(info.sharded, tuple):  # lists: as tuples
+                    infos[i] = replace(info, layouts=tuple(info.layouts), sharded=tuple(info.sharded))
         except Exception as exc:
-            if self.pm.is_registered(plugin):
-                self.pm.unregister(plugin)
+            if self._pm_names.pop(pm_name, None) is not None:
+                self.pm.unregister(name=pm_name)
             self._broken(record, f"registration failed: {type(exc).__name__}: {exc}", explicit, append=False)
             return
         for lay in layouts:
@@ -243,9 +334,12 @@ class Registry:
             if impl.plugin is plugin:
                 _IN_HOOK.depth = getattr(_IN_HOOK, "depth", 0) + 1
                 try:
-                    impl.function(register=register)
+                    returned = impl.function(register=register)
                 finally:
                     _IN_HOOK.depth -= 1
+                if returned is not None:  # e.g. a list of layouts, returned instead of registered: nothing would be
+                    raise TypeError(f"{hook} returned {type(returned).__name__} {returned!r} instead of None; call "
+                                    "register(x) once per layout or strategy (a returned value is not registered)")
 
     def _broken(self, record: PluginRecord, why: str, explicit: bool, *, append: bool = True) -> None:
         record.error = why
@@ -289,8 +383,9 @@ class Registry:
             c.infos += ([first[0]] if first else []) + [info]
             return
         if not info.generic:
-            for layout in info.layouts:
-                for sharded in info.sharded:
+            # each key once: layouts=("a", "a") or sharded=(False, False) is one registration, not a conflict
+            for layout in dict.fromkeys(info.layouts):
+                for sharded in dict.fromkeys(info.sharded):
                     key = (layout, info.io_backend, sharded)
                     if key in self._exact or self._conflict_on("key", _key_name(key)):
                         first_name = self._exact.get(key)
@@ -384,16 +479,19 @@ class Registry:
             raise DuplicateRegistrationError(conflict.message)
         cands = self.candidates(layout, io_backend, key_sharded)
         rejected: list[tuple[str, str]] = []
+        owner = self.layouts[layout][1]
         try:
             reason = lay.check(spec)
+            wrong = _contract_problem(reason, "check()")
+            if wrong:  # True / False / 0 would be read as a reason / as "fits": neither is what the plugin meant
+                reason = f"{wrong} (a bug of plugin {owner.name!r}, {owner.label})"
         except Exception as exc:  # a plugin's bug: a rejection naming it, as a raising supports() is
-            owner = self.layouts[layout][1]
             reason = f"its check() raised {type(exc).__name__}: {exc} (a bug of plugin {owner.name!r}, {owner.label})"
         if reason:
             return None, [(f"layout {layout}", reason)]
         if override is None:
             env_pick = self.env.get(ENV_STRATEGY, "").strip()
-            if env_pick and env_pick not in self.strategies:
+            if env_pick and env_pick not in self.strategies and self._conflict_on("strategy", env_pick) is None:
                 return None, [(env_pick, f"{ENV_STRATEGY}={env_pick!r} names no registered strategy; registered: "
                                          f"{sorted(self.strategies)}. Fix or unset {ENV_STRATEGY}")]
             if env_pick and any(c.name == env_pick for c in cands):
@@ -409,6 +507,10 @@ class Registry:
                 if hasattr(strategy, "use_registry"):  # composite strategies resolve their parts here
                     strategy.use_registry(self)
                 why = strategy.supports(spec, lay)
+                wrong = _contract_problem(why, "supports()")
+                if wrong:
+                    prov = self.strategies[info.name][1]
+                    why = f"{wrong} (a bug of plugin {prov.name!r}, {prov.label})"
             except Exception as exc:  # a broken factory rejects its strategy, not the registry
                 why = f"failed to load: {type(exc).__name__}: {exc}"
                 if errors is not None:

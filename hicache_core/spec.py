@@ -8,7 +8,6 @@ as a DSA indexer key), the page size, the host capacity and a
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -48,6 +47,49 @@ def _dim(value: object, name: str, least: int = 1) -> int:
 def _layer_count(value: object, name: str) -> int:
     """A count of layers: an int >= 0, else :class:`SpecError` naming it."""
     return _dim(value, name, least=0)
+
+
+def _as_bool(value: object, name: str) -> bool:
+    """``value`` as a bool (NumPy bools too), else :class:`SpecError` naming ``name``: a string such as ``"False"``
+    would be truthy, and an int would print as a number in strategy keys."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise SpecError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def _int_tuple(value: object, name: str) -> tuple[int, ...]:
+    """A sequence of ints as a tuple, else :class:`SpecError` naming ``name`` (an int or a string is no sequence)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise SpecError(f"{name} must be a tuple of ints, got {type(value).__name__} {value!r}")
+    return tuple(as_int(x, f"{name} entry") for x in value)
+
+
+def _check_name(value: object, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{what} name must be a non-empty str, got {type(value).__name__} {value!r}")
+
+
+#: Host bytes a pool may span: byte offsets and strides are 64-bit signed everywhere (views, kernels, copies).
+MAX_POOL_BYTES = 2**63 - 1
+
+
+def _extra(extra: object) -> tuple:
+    """``extra`` components as a tuple; a lone :class:`Component` is refused naming the fix (it is not iterable)."""
+    if isinstance(extra, Component) or isinstance(extra, (str, bytes)) or not isinstance(extra, Iterable):
+        raise SpecError(f"extra must be a sequence of Component, got {type(extra).__name__} {extra!r}; "
+                        "pass (component,)")
+    return tuple(extra)
+
+
+def _as_device(value: object) -> torch.device:
+    """``value`` as a torch.device, else :class:`SpecError` naming ``device`` (torch's own error names no argument)."""
+    try:
+        return torch.device(value)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError, ValueError):
+        raise SpecError(f"device must be a torch.device or a device string such as 'cuda:0' or 'cpu', got "
+                        f"{type(value).__name__} {value!r}") from None
 
 
 def _check_dtype(dtype: object, where: str) -> torch.dtype:
@@ -100,7 +142,11 @@ class LayerMap:
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_device_layers", as_int(self.num_device_layers, "LayerMap num_device_layers"))
         object.__setattr__(self, "host_layer_num", as_int(self.host_layer_num, "LayerMap host_layer_num"))
-        layers = tuple(as_int(x, "LayerMap device_layers entry") for x in self.device_layers)
+        object.__setattr__(self, "sharded", _as_bool(self.sharded, "LayerMap sharded"))
+        if self.num_device_layers < 0:
+            raise SpecError(f"LayerMap num_device_layers={self.num_device_layers} must be >= 0 (the length of the "
+                            "per-layer device buffer lists)")
+        layers = _int_tuple(self.device_layers, "LayerMap device_layers")
         object.__setattr__(self, "device_layers", layers)
         if len(set(layers)) != len(layers):
             raise SpecError(f"layer map device_layers has duplicates: {layers}; each device layer maps to one host slot")
@@ -114,7 +160,7 @@ class LayerMap:
                 "pass host_layer_num >= len(device_layers)"
             )
         slots = (tuple(range(len(layers))) if self.host_slots is None
-                 else tuple(as_int(x, "LayerMap host_slots entry") for x in self.host_slots))
+                 else _int_tuple(self.host_slots, "LayerMap host_slots"))
         if len(slots) != len(layers) or len(set(slots)) != len(slots) or any(not 0 <= h < self.host_layer_num for h in slots):
             raise SpecError(
                 f"layer map host_slots {slots} must give each of the {len(layers)} owned layers its own slot in "
@@ -143,8 +189,9 @@ class LayerMap:
         """
         num_layers, draft_layers = _layer_count(num_layers, "num_layers"), _layer_count(draft_layers, "draft_layers")
         start, end = shard_range(num_layers, shards, rank)
+        shards = as_int(shards, "shards")
         owned = tuple(range(start, end)) + tuple(range(num_layers, num_layers + draft_layers))
-        targets = math.ceil(num_layers / shards) if pad_to_largest else end - start
+        targets = -(-num_layers // shards) if pad_to_largest else end - start  # exact: no float rounding
         slots = tuple(range(end - start)) + tuple(range(targets, targets + draft_layers))
         return cls(owned, targets + draft_layers, num_layers + draft_layers, sharded=shards > 1, host_slots=slots)
 
@@ -171,6 +218,7 @@ class Part:
     nbytes: int
 
     def __post_init__(self) -> None:
+        _check_name(self.name, "part")
         object.__setattr__(self, "offset", as_int(self.offset, f"part {self.name!r} offset"))
         object.__setattr__(self, "nbytes", as_int(self.nbytes, f"part {self.name!r} nbytes"))
 
@@ -193,6 +241,7 @@ class Component:
     layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        _check_name(self.name, "component")
         item = torch.empty((), dtype=_check_dtype(self.dtype, f"component {self.name!r}")).element_size()
         object.__setattr__(self, "row_bytes", as_int(self.row_bytes, f"component {self.name!r} row_bytes"))
         if self.row_bytes <= 0 or self.row_bytes % item:
@@ -209,8 +258,10 @@ class Component:
             if isinstance(self.layers, (str, bytes)) or not isinstance(self.layers, Iterable):
                 raise SpecError(f"component {self.name!r}: layers must be a tuple of device layer ids or None, "
                                 f"got {type(self.layers).__name__} {self.layers!r}")
-            object.__setattr__(self, "layers", tuple(as_int(x, f"component {self.name!r} layers entry")
-                                                     for x in self.layers))
+            layers = tuple(as_int(x, f"component {self.name!r} layers entry") for x in self.layers)
+            if len(set(layers)) != len(layers):  # as a layer map's device_layers: each layer once
+                raise SpecError(f"component {self.name!r}: layers {layers} repeat a device layer; list each once")
+            object.__setattr__(self, "layers", layers)
         covered = 0
         for part in self.parts:
             if part.offset != covered or part.nbytes <= 0 or part.nbytes % item:
@@ -248,7 +299,7 @@ class PoolSpec:
     head_num: int = 1
 
     def __post_init__(self) -> None:
-        dev = torch.device(self.device)
+        dev = _as_device(self.device)
         if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
             dev = torch.device("cuda", torch.cuda.current_device())  # tensors report cuda:N
         object.__setattr__(self, "device", dev)
@@ -259,6 +310,12 @@ class PoolSpec:
             )
         object.__setattr__(self, "page_size", as_int(self.page_size, "page_size"))
         object.__setattr__(self, "capacity", as_int(self.capacity, "capacity"))
+        object.__setattr__(self, "head_num", _dim(self.head_num, "head_num"))
+        comps = tuple(self.components) if isinstance(self.components, (tuple, list)) else None
+        if comps is None or not all(isinstance(c, Component) for c in comps):
+            raise SpecError(f"components must be a tuple of Component(name, row_bytes, ...), got "
+                            f"{type(self.components).__name__} {self.components!r}")
+        object.__setattr__(self, "components", comps)
         if self.page_size < 1:
             raise SpecError(f"page_size={self.page_size} must be >= 1")
         if self.capacity < self.page_size or self.capacity % self.page_size:
@@ -277,6 +334,11 @@ class PoolSpec:
                 f"the layer map has no host layer slot for any component (host_layer_num="
                 f"{self.layer_map.host_layer_num}), so every page would be 0 bytes; give it at least one layer"
             )
+        host_bytes = self.capacity * sum(c.row_bytes * self.component_map(c.name).host_layer_num
+                                         for c in self.components)
+        if host_bytes > MAX_POOL_BYTES:
+            raise SpecError(f"the pool would span {host_bytes} host bytes (capacity={self.capacity} x rows x host "
+                            f"layers), more than 64-bit byte offsets address ({MAX_POOL_BYTES}); reduce capacity")
 
     # -- convenience constructors -------------------------------------------
     @classmethod
@@ -298,7 +360,7 @@ class PoolSpec:
         head_num, head_dim = _dim(head_num, "head_num"), _dim(head_dim, "head_dim")
         vd = head_dim if v_head_dim is None else _dim(v_head_dim, "v_head_dim")
         comps = (Component("k", head_num * head_dim * item, dtype), Component("v", head_num * vd * item, dtype))
-        return cls(MHA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device), head_num)
+        return cls(MHA, comps + _extra(extra), layer_map, page_size, capacity, _as_device(device), head_num)
 
     @classmethod
     def mla(
@@ -323,11 +385,14 @@ class PoolSpec:
         kv_lora_rank = _dim(kv_lora_rank, "kv_lora_rank", least=0)
         qk_rope_head_dim = _dim(qk_rope_head_dim, "qk_rope_head_dim", least=0)
         rope = qk_rope_head_dim * item
+        if row_bytes is None and kv_lora_rank + qk_rope_head_dim == 0:
+            raise SpecError("kv_lora_rank=0 and qk_rope_head_dim=0 leave an empty row; pass the model's dimensions "
+                            "(e.g. 512 and 64)")
         row = row_bytes if row_bytes is not None else (kv_lora_rank + qk_rope_head_dim) * item
         split = row_bytes is None and qk_rope_head_dim > 0 and kv_lora_rank > 0
         parts = (Part("latent", 0, row - rope), Part("rope", row - rope, rope)) if split else ()
         comps = (Component("kv", row, dtype, parts),)
-        return cls(MLA, comps + tuple(extra), layer_map, page_size, capacity, torch.device(device))
+        return cls(MLA, comps + _extra(extra), layer_map, page_size, capacity, _as_device(device))
 
     # -- derived ---------------------------------------------------------------
     @property
