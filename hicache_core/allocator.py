@@ -141,34 +141,32 @@ class PageAllocator:
             self._free = torch.arange(self.num_pages, dtype=torch.int64)
 
 
-def _slot_values(indices: object) -> torch.Tensor:
-    """``free``'s argument as flat CPU int64 slot values, refusing anything that would be truncated or guessed."""
-    if not isinstance(indices, torch.Tensor):
+def _int_tensor(value: object, call: str, what: str, how: str, dtype_fix: str) -> torch.Tensor:
+    """``call``'s tensor argument of integer ``what`` (``how``: where they come from), refusing anything that would be
+    truncated, guessed or read as something else (a bool tensor would select by mask); ``dtype_fix``: what to pass
+    instead of a non-integer dtype."""
+    if not isinstance(value, torch.Tensor):
         raise AllocatorArgumentError(
-            f"free(indices) must be a torch.Tensor of integer slots as alloc returned them, got {type(indices).__name__}; "
+            f"{call} must be a torch.Tensor of integer {what}{how}, got {type(value).__name__}; "
             "wrap it with torch.as_tensor(..., dtype=torch.int64)"
         )
-    if indices.dtype == torch.bool or indices.dtype.is_floating_point or indices.dtype.is_complex:
-        raise AllocatorArgumentError(
-            f"free(indices) must hold integer slots, got {indices.dtype}; pass the int64 tensor alloc returned"
-        )
-    if indices.device.type == "meta":
+    if value.dtype == torch.bool or value.dtype.is_floating_point or value.dtype.is_complex:
+        raise AllocatorArgumentError(f"{call} must hold integer {what}, got {value.dtype}; {dtype_fix}")
+    return value
+
+
+def _slot_values(indices: object) -> torch.Tensor:
+    """``free``'s argument as flat CPU int64 slot values."""
+    t = _int_tensor(indices, "free(indices)", "slots", " as alloc returned them",
+                    "pass the int64 tensor alloc returned")
+    if t.device.type == "meta":
         raise AllocatorArgumentError("free(indices) is a meta tensor, whose values cannot be read; pass the slots alloc returned")
-    return indices.reshape(-1).to("cpu", torch.int64)
+    return t.reshape(-1).to("cpu", torch.int64)
 
 
 def _page_values(page_ids: object) -> torch.Tensor:
-    """``allocated``'s argument as CPU int64 page ids of its shape, refusing anything that would be truncated or
-    read as something else (a bool tensor would select by mask)."""
-    if not isinstance(page_ids, torch.Tensor):
-        raise AllocatorArgumentError(
-            f"allocated(page_ids) must be a torch.Tensor of integer page ids, got {type(page_ids).__name__}; "
-            "wrap it with torch.as_tensor(..., dtype=torch.int64)"
-        )
-    if page_ids.dtype == torch.bool or page_ids.dtype.is_floating_point or page_ids.dtype.is_complex:
-        raise AllocatorArgumentError(
-            f"allocated(page_ids) must hold integer page ids, got {page_ids.dtype}; pass slot // page_size as int64"
-        )
-    if page_ids.device.type == "meta":
+    """``allocated``'s argument as CPU int64 page ids of its shape."""
+    t = _int_tensor(page_ids, "allocated(page_ids)", "page ids", "", "pass slot // page_size as int64")
+    if t.device.type == "meta":
         raise AllocatorArgumentError("allocated(page_ids) is a meta tensor, whose values cannot be read; pass real page ids")
-    return page_ids.to("cpu", torch.int64)
+    return t.to("cpu", torch.int64)

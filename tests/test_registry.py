@@ -33,6 +33,7 @@ from hicache_core import (
 from hicache_core import registry as registry_module
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.reference import ReferenceStrategy
+from hicache_core.testing import layouts_plugin
 from hicache_core.testing import strategies_plugin as strategies
 
 BASE = {"HICACHE_PLUGINS": "core,page_head,fake_vendor"}
@@ -43,14 +44,7 @@ def mha(sharded: bool = False, dtype: torch.dtype = torch.float16) -> PoolSpec:
     return PoolSpec.mha(layer_map=lmap, head_num=2, head_dim=8, dtype=dtype, page_size=4, capacity=16)
 
 
-def layouts(*lays: object) -> object:
-    class Plugin:
-        @hookimpl
-        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
-            for lay in lays:
-                register(lay)
-
-    return Plugin()
+layouts = layouts_plugin
 
 
 class Raising:

@@ -3,7 +3,6 @@ spec inputs that used to be accepted, crash every other plugin, or fail later wi
 
 from __future__ import annotations
 
-import logging
 import types
 from dataclasses import replace
 from typing import Callable
@@ -13,11 +12,12 @@ import pytest
 import torch
 
 from hicache_core import (Addressing, BufferSpec, Component, DuplicateRegistrationError, HostPlan, LayerMap, Part,
-                          PluginLoadError, PoolSpec, ResolutionError, Segment, SpecError, StrategyInfo,
+                          PoolSpec, Segment, SpecError, StrategyInfo,
                           create_registry, hookimpl)
 from hicache_core import registry as registry_module
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.pool import HostKVPool
+from hicache_core.testing import layouts_plugin
 from hicache_core.testing import strategies_plugin as strategies
 
 BASE = {"HICACHE_PLUGINS": "core,page_head,fake_vendor"}
@@ -32,14 +32,7 @@ def record(reg, name: str):  # type: ignore[no-untyped-def]
     return next(p for p in reg.plugins if p.name == name)
 
 
-def layouts(*lays: object) -> object:
-    class Plugin:
-        @hookimpl
-        def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
-            for lay in lays:
-                register(lay)
-
-    return Plugin()
+layouts = layouts_plugin
 
 
 class Lay:
