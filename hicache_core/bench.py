@@ -332,15 +332,53 @@ def _indices(spec: PoolSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.
     return ex(hp).cuda(), ex(dp[:pages]).cuda(), ex(dp[pages:]).cuda()
 
 
-def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> None:
-    pool.backup_all_layers(h, s)
-    for layer in pool.spec.layer_map.device_layers:
-        pool.load_layer(layer, h, d)
+def _scramble(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], s: torch.Tensor, d: torch.Tensor,
+              host: bool = True) -> None:
+    """Make a round trip's result unmistakable: the host buffers zeroed (``host``) and every byte of the load
+    target rows ``d`` the complement of the source rows ``s``.  Pools of one grid cell share the device and host
+    buffers, so without this an earlier pool's round trip (``d`` already equal to ``s``, the host already
+    holding ``s``) would let a later strategy that moves nothing pass."""
+    for buf in pool.host_buffers.values() if host else ():
+        buf.zero_()
+    for lst in dev.values():
+        for t in lst:
+            if t is not None:
+                raw = t.view(torch.uint8)
+                raw[d] = raw[s] ^ 0xFF
+
+
+def _compare(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], s: torch.Tensor, d: torch.Tensor,
+             what: str) -> None:
     torch.cuda.synchronize()
     for name, lst in dev.items():
         for i, t in enumerate(lst):
             if t is not None and not torch.equal(t[s].view(torch.uint8), t[d].view(torch.uint8)):
-                raise AssertionError(f"bench data check failed: {pool.strategy_name} {name}[{i}]")
+                raise AssertionError(f"bench data check failed: {pool.strategy_name} {what} {name}[{i}]")
+
+
+def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch.Tensor, s: torch.Tensor,
+           d: torch.Tensor, ops: Iterable[str] = ()) -> None:
+    """Round trip ``s`` -> host ``h`` -> ``d`` bit-exact: ``backup_all_layers`` then ``load_layer`` of every
+    layer, and for the other ``ops`` to be timed (``backup_layer``, ``load_all_layers``) their own round trip,
+    each from scrambled buffers (:func:`_scramble`)."""
+    layers = pool.spec.layer_map.device_layers
+    _scramble(pool, dev, s, d)
+    pool.backup_all_layers(h, s)
+    for layer in layers:
+        pool.load_layer(layer, h, d)
+    _compare(pool, dev, s, d, "backup_all_layers + load_layer")
+    ops = set(ops)
+    if "load_all_layers" in ops:  # from the host the checked backup_all_layers wrote
+        _scramble(pool, dev, s, d, host=False)
+        pool.load_all_layers(h, d)
+        _compare(pool, dev, s, d, "backup_all_layers + load_all_layers")
+    if "backup_layer" in ops:
+        _scramble(pool, dev, s, d)
+        for layer in layers:
+            pool.backup_layer(layer, h, s)
+        for layer in layers:
+            pool.load_layer(layer, h, d)
+        _compare(pool, dev, s, d, "backup_layer + load_layer")
 
 
 def _targets(reg: Registry, spec: PoolSpec, layouts: Iterable[str] | None, backends: Iterable[str]) -> list[tuple[str, str, str]]:
@@ -368,6 +406,13 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
     return [("", None)]
 
 
+def _uneven(tokens: Iterable[int], page_sizes: Iterable[int]) -> str:
+    """What is wrong with a grid whose token counts are not whole pages of every page size ('' when none is)."""
+    sizes = list(page_sizes)
+    bad = [f"{n} tokens at page size {ps}" for n in tokens for ps in sizes if n % ps]
+    return f"not so for {', '.join(bad)} (a pool holds whole pages)" if bad else ""
+
+
 def run_bench(
     *,
     shapes: list[str],
@@ -386,6 +431,9 @@ def run_bench(
     sink: Callable[[BenchRow], None] | None = None,
 ) -> list[BenchRow]:
     """Measure; see the module docstring.  CUDA only."""
+    uneven = _uneven(tokens, page_sizes)
+    if uneven:  # before anything is measured: the grid would stop with a SpecError at the first such cell
+        raise ValueError(f"every token count must be a multiple of every page size; {uneven}")
     if not torch.cuda.is_available():
         raise RuntimeError("hicache bench needs a CUDA device")
     reg = registry or create_registry()
@@ -414,7 +462,7 @@ def run_bench(
                         budget = opts.get("programs") if opts else None
                         pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name,
                                           strategy_options=opts, registry=reg, validate="shapes")
-                        _check(pool, dev, h, s, d)
+                        _check(pool, dev, h, s, d, ops)
                         owned = spec.layer_map.device_layers
                         layer0 = owned[len(owned) // 2]
                         per_layer = spec.bytes_per_token // len(owned) * n
@@ -432,6 +480,10 @@ def run_bench(
                             lone = getattr(pool.strategy, "lone_kernel_loads", 0)
                             ms = _median_ms(fn, reps)
                             lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
+                            # the candidate that served the timed calls, asked before anything else runs (the
+                            # neighbours below can change auto's verdict, e.g. its watch beside the reduction)
+                            served = (_served_by(pool, h, s if to_host else d, lay, to_host)
+                                      + (f" ({lone} lone loads by the kernel)" if lone else ""))
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
                             # host time before the neighbours run: what they leave behind (e.g. auto's watch
@@ -445,9 +497,7 @@ def run_bench(
                                 hbm_slow = None if lone_op else _neighbor_slowdown(fn, reader)
                                 hbm_ratio = nbytes / _ms_beside(fn, reader, calls=1 if lone_op else 3) / 1e6 / base
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
-                                           gbps / base, host_us, slow, variant,
-                                           _served_by(pool, h, s if to_host else d, lay, to_host)
-                                           + (f" ({lone} lone loads by the kernel)" if lone else ""),
+                                           gbps / base, host_us, slow, variant, served,
                                            hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio)
                             rows.append(row)
                             if sink:
@@ -606,7 +656,9 @@ def _cmd(args: argparse.Namespace) -> int:
         except FileNotFoundError as exc:
             print(f"hicache bench --peers: {exc}", file=sys.stderr)
             return 2
-        return int(peers.main(["--out", args.out, *shlex.split(args.peers_args)]) or 0)
+        # --out only when given: the peer benchmark has its own default folder (None there crashed it)
+        out_args = ["--out", args.out] if args.out else []
+        return int(peers.main([*out_args, *shlex.split(args.peers_args)]) or 0)
     if args.plot_only:
         try:
             rows = _plot_rows(args.plot_only)
@@ -622,6 +674,11 @@ def _cmd(args: argparse.Namespace) -> int:
             print(f"hicache bench: cannot create --out {out} ({exc})", file=sys.stderr)
             return 2
         return 0 if plot(rows, os.path.join(out, "bench.png")) else 1
+    uneven = _uneven(args.tokens, args.page_sizes)
+    if uneven:
+        print(f"hicache bench: every --tokens value must be a multiple of every --page-sizes value; {uneven}",
+              file=sys.stderr)
+        return 2
     reg = create_registry()
     layouts = [x.strip() for x in args.layouts.split(",") if x.strip()] or None
     backends = ([x.strip() for x in args.io_backends.split(",") if x.strip()] if args.io_backends is not None

@@ -1,0 +1,165 @@
+"""CPU tests of ``hicache bench``'s harness (hicache_core/bench.py): the data check, argument checks, and the
+order in which a row's fields are gathered.  Nothing here times anything; GPU parts are replaced by fakes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from hicache_core import bench
+from hicache_core.pool import HostKVPool, allocate_host_buffers
+from hicache_core.registry import create_registry
+
+SHAPE = "mha32x8x128-bf16"
+TOKENS, PAGE = 64, 16
+
+
+def _cpu_indices(spec, gen):
+    """:func:`bench._indices` on the CPU (the original moves them to CUDA)."""
+    ps, pages = spec.page_size, spec.num_pages
+    offs = torch.arange(ps)
+    hp = torch.randperm(pages, generator=gen)
+    dp = torch.randperm(2 * pages, generator=gen)
+    ex = lambda p: (p.unsqueeze(1) * ps + offs).reshape(-1)  # noqa: E731
+    return ex(hp), ex(dp[:pages]), ex(dp[pages:])
+
+
+@pytest.fixture
+def cell(monkeypatch):
+    """One grid cell as run_bench builds it, on the CPU: spec, device buffers, indices, shared host buffers."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    reg = create_registry()
+    spec = bench.SHAPES[SHAPE](TOKENS, PAGE, torch.device("cpu"))
+    dev = bench._device_buffers(spec, 2 * TOKENS + PAGE, "separate")
+    h, s, d = _cpu_indices(spec, torch.Generator().manual_seed(0))
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
+
+    def pool():
+        return HostKVPool(spec, "layer_first", "reference", dev, host_buffers=host, registry=reg, validate="shapes")
+    return pool, dev, h, s, d
+
+
+def test_check_catches_a_load_that_moves_nothing_after_an_earlier_pool_of_the_cell(cell):
+    pool, dev, h, s, d = cell
+    bench._check(pool(), dev, h, s, d)  # a good strategy: the load target rows now hold the source rows
+    broken = pool()
+    broken.load_layer = lambda layer, hi, di: None
+    with pytest.raises(AssertionError, match="bench data check failed"):
+        bench._check(broken, dev, h, s, d)
+
+
+def test_check_catches_a_backup_that_moves_nothing_after_an_earlier_pool_of_the_cell(cell):
+    pool, dev, h, s, d = cell
+    bench._check(pool(), dev, h, s, d)  # the shared host buffers now hold the source rows
+    broken = pool()
+    broken.backup_all_layers = lambda hi, si: None
+    with pytest.raises(AssertionError, match="bench data check failed"):
+        bench._check(broken, dev, h, s, d)
+
+
+@pytest.mark.parametrize("op,attr", [("load_all_layers", "load_all_layers"), ("backup_layer", "backup_layer")])
+def test_check_covers_the_other_ops_it_will_time(cell, op, attr):
+    pool, dev, h, s, d = cell
+    broken = pool()
+    setattr(broken, attr, lambda *a: None)
+    bench._check(broken, dev, h, s, d)  # not timed: not checked
+    with pytest.raises(AssertionError, match=f"bench data check failed: .*{op}"):
+        bench._check(broken, dev, h, s, d, ["load_layer", op])
+
+
+def test_check_passes_a_good_strategy_for_every_op(cell):
+    pool, dev, h, s, d = cell
+    for _ in range(2):  # twice on the same buffers, as successive pools of one cell
+        bench._check(pool(), dev, h, s, d, bench.OPS)
+
+
+def test_peers_without_out_lets_the_peer_benchmark_pick_its_folder(monkeypatch):
+    seen = []
+
+    class Fake:
+        @staticmethod
+        def main(argv):
+            seen.append(argv)
+            return 0
+
+    monkeypatch.setattr(bench, "peers_module", lambda: Fake)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--peers", "--peers-args", "--time-budget 60"])
+    assert args.func(args) == 0
+    assert seen == [["--time-budget", "60"]]  # no None in its argv (its --out became None and crashed it)
+
+
+def test_tokens_must_be_whole_pages_before_anything_is_measured(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured a grid with a partial page"))
+    rc = bench.main(["--out", str(tmp_path), "--tokens", "4096,100", "--page-sizes", "16,64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "100 tokens at page size 16, 100 tokens at page size 64" in err
+    assert "4096" not in err.split(";")[1] and not (tmp_path / "bench.json").exists()
+    rc = bench.main(["--out", str(tmp_path), "--tokens", "16", "--page-sizes", "64"])
+    assert rc == 2 and "16 tokens at page size 64" in capsys.readouterr().err
+
+
+def test_run_bench_refuses_partial_pages_up_front():
+    with pytest.raises(ValueError, match="96 tokens at page size 64"):
+        bench.run_bench(shapes=[SHAPE], tokens=[64, 96], page_sizes=[64], programs=[None])
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """run_bench on the CPU: timing, memcpy, neighbours and the served-by probe replaced by recording fakes."""
+    log: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setitem(bench.SHAPES, "cpu-tiny", lambda n, ps, device: bench.SHAPES[SHAPE](n, ps, torch.device("cpu")))
+    monkeypatch.setattr(bench, "_indices", _cpu_indices)
+    monkeypatch.setattr(bench, "allocate_host_buffers", lambda plan, pin_memory: allocate_host_buffers(plan, pin_memory=False))
+    monkeypatch.setattr(bench, "_LinkWarmer", lambda: (lambda: log.append("warm")))
+
+    class Memcpy:
+        def gbps(self, nbytes, to_host, reps):
+            log.append("memcpy")
+            return 50.0
+
+    monkeypatch.setattr(bench, "_Memcpy", Memcpy)
+    monkeypatch.setattr(bench, "_median_ms", lambda fn, reps, **kw: log.append("time") or 2.0)
+    monkeypatch.setattr(bench, "_host_us", lambda fn, reps: log.append("host") or 30.0)
+    monkeypatch.setattr(bench, "_burst_host_us", lambda calls, reps: log.append("host") or 30.0)
+    monkeypatch.setattr(bench, "_gemm_slowdown", lambda fn: log.append("gemm") or 0.01)
+    monkeypatch.setattr(bench, "_hbm_reader", lambda: "reader")
+    monkeypatch.setattr(bench, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
+    monkeypatch.setattr(bench, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
+    monkeypatch.setattr(bench, "_served_by", lambda *a: log.append("served") or "who")
+    return log
+
+
+def test_served_by_is_asked_before_the_neighbours_run(fake_gpu):
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                           layouts=["layer_first"], backends=["reference"], ops=["backup_all_layers", "load_layer"],
+                           reps=4, gemm=True, hbm=True)
+    assert [r.served_by for r in rows] == ["who", "who"]
+    for start in [i for i, x in enumerate(fake_gpu) if x == "time"]:
+        row_log = fake_gpu[start:fake_gpu.index("warm", start) if "warm" in fake_gpu[start:] else None]
+        assert row_log.index("served") < min(row_log.index(x) for x in ("host", "beside"))
+        if "gemm" in row_log:
+            assert row_log.index("served") < min(row_log.index("gemm"), row_log.index("hbm"))
+
+
+def test_row_fields_agree(fake_gpu):
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                           layouts=["layer_first"], backends=["reference"], ops=list(bench.OPS), reps=4, hbm=True)
+    spec = bench.SHAPES[SHAPE](TOKENS, PAGE, torch.device("cpu"))
+    whole = spec.bytes_per_token * TOKENS
+    assert {r.op: r.bytes for r in rows} == {"backup_all_layers": whole, "backup_layer": whole // 32,
+                                             "load_layer": whole // 32, "load_all_layers": whole, "load_burst": whole}
+    for r in rows:
+        assert r.ms == 2.0 and r.gbps == pytest.approx(r.bytes / 2e6) and r.ratio == pytest.approx(r.gbps / 50.0)
+        assert r.memcpy_gbps == 50.0 and r.host_us == 30.0 and r.gemm_slowdown is None
+        if r.op in bench.GEMM_OPS + bench.HBM_LONE_OPS:
+            assert r.hbm_ratio == pytest.approx(r.bytes / 4e6 / 50.0)
+            assert r.hbm_slowdown == (None if r.op in bench.HBM_LONE_OPS else 0.02)
+        else:
+            assert r.hbm_ratio is None and r.hbm_slowdown is None
