@@ -44,7 +44,7 @@ from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
 from . import __version__
-from .registry import ENV_STRATEGY, ENV_TRACE, Registry, create_registry
+from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, Registry, create_registry
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
@@ -61,6 +61,17 @@ NO_LAYOUT = (
     "install a layout plugin from the hicache source tree (e.g. pip install ./plugins/layer_first "
     "./plugins/page_first ./plugins/kv_split)"
 )
+
+
+def no_layout(reg: Registry) -> str:
+    """Why ``reg`` has no layout, and the fix: none installed, or the installed ones left out by
+    ``HICACHE_PLUGINS`` / ``HICACHE_DISABLE_PLUGINS``."""
+    if reg.skipped:
+        return (f"no layout is loaded: {ENV_ALLOW}/{ENV_BLOCK} left out the installed plugins "
+                f"{sorted(set(reg.skipped))}; unset them, or allow the plugins of the layouts you want")
+    return NO_LAYOUT
+
+
 #: Exit code when the reader of the output went away (``hicache plugins | head -1``): 128 + SIGPIPE, as a shell
 #: reports a process that signal ends; never 1 (a failing ``verify`` cell).
 BROKEN_PIPE = 141
@@ -484,7 +495,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                  f"{_n(len(reg.strategies), 'strategy', 'strategies')}; "
                  f"io_backends: {', '.join(reg.io_backends) or '(none)'}")
     if not reg.layouts:
-        lines.append(NO_LAYOUT)
+        lines.append(no_layout(reg))
     print("\n".join(lines))
     return 0
 
@@ -524,7 +535,7 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
         return 0
     if not reg.layouts:
-        print(NO_LAYOUT)
+        print(no_layout(reg))
         return 0
     print(render_matrix(cells, kinds, device))
     return 0
@@ -572,7 +583,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if not reg.layouts:  # nothing to verify proves nothing (as when the filters leave no cell)
         if args.json:
             print(json.dumps({"device": str(device), "rows": []}, indent=1))
-        print(f"hicache verify: {NO_LAYOUT}", file=sys.stderr)
+        print(f"hicache verify: {no_layout(reg)}", file=sys.stderr)
         return 2
     kinds = _kinds(args)
     tokens = args.tokens or VERIFY_TOKENS.get(device.type, VERIFY_TOKENS["cpu"])
@@ -657,7 +668,7 @@ def doctor_lines(reg: Registry) -> list[str]:
                  f"layouts: {', '.join(sorted(reg.layouts)) or '(none)'}; io_backends: {', '.join(reg.io_backends) or '(none)'}")
     lines += [f"  BROKEN {p.name} ({p.label}): {p.error}" for p in reg.plugins if p.error]
     if not reg.layouts:
-        return lines + [NO_LAYOUT]
+        return lines + [no_layout(reg)]
     device = torch.device("cuda" if cuda else "cpu")
     cells = [c for c in matrix_cells(reg, device=device) if c.candidates]
     skipped = [c for c in cells if c.strategy is None]

@@ -228,6 +228,8 @@ class Registry:
         self._exact: dict[tuple[str, str, bool], str] = {}
         #: pluggy name -> (plugin object, entry-point name), for the plugins registered in self.pm
         self._pm_names: dict[str, tuple[Any, str]] = {}
+        #: entry-point names :meth:`load_entry_points` left out by the allow- or block-list
+        self.skipped: list[str] = []
         #: every duplicate registration, in the order found (see :class:`Conflict`)
         self.conflicts: list[Conflict] = []
         self.trace = self.env.get(ENV_TRACE, "").strip().lower() not in ("", *OFF)
@@ -243,6 +245,7 @@ class Registry:
         for ep in eps:
             if ep.name in block or (allow is not None and ep.name not in allow):
                 logger.info("hicache plugin %r skipped by %s/%s", ep.name, ENV_ALLOW, ENV_BLOCK)
+                self.skipped.append(ep.name)
                 continue
             dist, version = _ep_dist(ep)
             record = PluginRecord(ep.name, dist, version)

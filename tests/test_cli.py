@@ -66,20 +66,28 @@ page_head (hicache-test-page-head 0.1.0)
 
 
 def test_plugins_core_alone_says_no_layout(capsys, monkeypatch):
+    """Layouts installed but left out by HICACHE_PLUGINS: the message names the filter and the plugins it left out
+    (not "install a layout plugin"); with none installed, how to install them."""
+    from hicache_core.cli import NO_LAYOUT, no_layout
+    from hicache_core.registry import Registry
+
     monkeypatch.setenv("HICACHE_PLUGINS", "core")
     rc, out, _ = run(capsys, "plugins")
     assert rc == 0
-    assert out.splitlines()[-2:] == [
-        "1 plugin (0 broken), 0 layouts, 3 strategies; io_backends: auto, direct, reference",
-        "no layout is installed: hicache-core alone gives generic backends and no layouts; install a layout plugin "
-        "from the hicache source tree (e.g. pip install ./plugins/layer_first ./plugins/page_first ./plugins/kv_split)",
-    ]
+    summary, why = out.splitlines()[-2:]
+    assert summary == "1 plugin (0 broken), 0 layouts, 3 strategies; io_backends: auto, direct, reference"
+    filtered = "no layout is loaded: HICACHE_PLUGINS/HICACHE_DISABLE_PLUGINS left out the installed plugins ["
+    assert why.startswith(filtered) and "'layer_first'" in why and why.endswith(
+        "; unset them, or allow the plugins of the layouts you want")
     rc, out, _ = run(capsys, "matrix")
-    assert rc == 0 and out.startswith("no layout is installed: hicache-core alone gives generic backends and no layouts")
+    assert rc == 0 and out.startswith(filtered)
     rc, out, err = run(capsys, "verify")  # nothing verified proves nothing: not a success
-    assert rc == 2 and out == "" and err.startswith("hicache verify: no layout is installed")
+    assert rc == 2 and out == "" and err.startswith("hicache verify: " + filtered)
     rc, out, err = run(capsys, "verify", "--json")
-    assert rc == 2 and json.loads(out)["rows"] == [] and "no layout is installed" in err
+    assert rc == 2 and json.loads(out)["rows"] == [] and filtered in err
+    assert no_layout(Registry(env={})) == NO_LAYOUT == (
+        "no layout is installed: hicache-core alone gives generic backends and no layouts; install a layout plugin "
+        "from the hicache source tree (e.g. pip install ./plugins/layer_first ./plugins/page_first ./plugins/kv_split)")
 
 
 def test_explain_describes_a_kernel_for_a_device_this_machine_lacks(capsys, monkeypatch):
