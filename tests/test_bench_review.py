@@ -3,7 +3,6 @@ order in which a row's fields are gathered.  Nothing here times anything; GPU pa
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 import torch
@@ -73,23 +72,6 @@ def test_check_passes_a_good_strategy_for_every_op(cell):
     pool, dev, h, s, d = cell
     for _ in range(2):  # twice on the same buffers, as successive pools of one cell
         bench._check(pool(), dev, h, s, d, bench.OPS)
-
-
-def test_peers_without_out_lets_the_peer_benchmark_pick_its_folder(monkeypatch):
-    seen = []
-
-    class Fake:
-        @staticmethod
-        def main(argv):
-            seen.append(argv)
-            return 0
-
-    monkeypatch.setattr(bench, "peers_module", lambda: Fake)
-    parser = argparse.ArgumentParser()
-    bench.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--peers", "--peers-args", "--time-budget 60"])
-    assert args.func(args) == 0
-    assert seen == [["--time-budget", "60"]]  # no None in its argv (its --out became None and crashed it)
 
 
 def test_tokens_must_be_whole_pages_before_anything_is_measured(monkeypatch, tmp_path, capsys):

@@ -463,3 +463,6 @@ def test_hicache_bench_peers_runs_the_peer_benchmark_with_its_arguments(monkeypa
     args = parser.parse_args(["bench", "--out", str(tmp_path), "--peers", "--peers-args", "--time-budget 60 --cells mla"])
     assert args.func(args) == 0
     assert seen == [["--out", str(tmp_path), "--time-budget", "60", "--cells", "mla"]]
+    seen.clear()  # without --out none is passed: the peer benchmark picks its own folder (a None there crashed it)
+    args = parser.parse_args(["bench", "--peers", "--peers-args", "--time-budget 60"])
+    assert args.func(args) == 0 and seen == [["--time-budget", "60"]]
