@@ -10,20 +10,22 @@ import json
 from collections import defaultdict
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="+")
     ap.add_argument("--backend", default="kernel")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = [r for f in args.files for r in json.load(open(f))["rows"] if r["io_backend"] == args.backend]
-    budgets = sorted({r["programs"] for r in rows if r["programs"] is not None}) or [None]
+    # the strategy's default budget (programs null) first, then the explicit ones
+    budgets = ([None] if any(r["programs"] is None for r in rows) else []) + sorted(
+        {r["programs"] for r in rows if r["programs"] is not None})
     by_op: dict[str, dict[tuple, dict]] = defaultdict(dict)
     for r in rows:
         key = (r["shape"], r["layout"], r["page_size"], r["tokens"])
         by_op[r["op"]].setdefault(key, {})[r["programs"]] = r
     for op, table in by_op.items():
         print(f"\n#### `{op}` ({args.backend}) — ratio to pinned memcpy, host us per call, by SM budget\n")
-        print("| shape | layout | page | tokens | MB/layer | " + " | ".join(f"P={p}" for p in budgets) + " |")
+        print("| shape | layout | page | tokens | MB/layer | " + " | ".join(f"P={'default' if p is None else p}" for p in budgets) + " |")
         print("|---|---|---|---|---|" + "---|" * len(budgets))
         for (shape, layout, ps, n), cells in sorted(table.items()):
             any_row = next(iter(cells.values()))

@@ -145,3 +145,24 @@ def test_row_fields_agree(fake_gpu):
             assert r.hbm_slowdown == (None if r.op in bench.HBM_LONE_OPS else 0.02)
         else:
             assert r.hbm_ratio is None and r.hbm_slowdown is None
+
+
+def test_tables_keep_the_default_budget_beside_explicit_ones(tmp_path, capsys):
+    """benchmarks/tables.py: rows of the strategy's default budget (programs null) get their own column next to
+    explicit budgets (they were dropped whenever a file held both)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "tables.py"
+    spec = importlib.util.spec_from_file_location("hicache_bench_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    row = {"io_backend": "kernel", "shape": "mla61x576-bf16", "layout": "layer_first", "page_size": 64,
+           "tokens": 4096, "op": "load_layer", "bytes": 4_718_592, "host_us": 9.0, "gemm_slowdown": 0.01}
+    rows = [{**row, "programs": None, "ratio": 0.87}, {**row, "programs": 4, "ratio": 0.86}]
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps({"rows": rows}))
+    assert tables.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| P=default | P=4 |" in out and "| 0.87 (9 us, GEMM +1%) | 0.86 (9 us, GEMM +1%) |" in out
