@@ -251,7 +251,7 @@ class Registry:
             record = PluginRecord(ep.name, dist, version)
             try:
                 plugin = ep.load()
-            except Exception as exc:  # a broken plugin must not break the others
+            except (Exception, SystemExit) as exc:  # a broken plugin (one exiting on import too) breaks no other
                 self._broken(record, f"import failed: {type(exc).__name__}: {exc}", explicit=allow is not None)
                 continue
             self.add_plugin(plugin, record, explicit=allow is not None)

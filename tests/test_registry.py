@@ -221,6 +221,8 @@ def test_misspelled_hook_is_reported_and_skipped():
     (Raising(), "registration failed: RuntimeError: hook exploded"),
     (Misspelled(), "implements unknown hooks ['hicache_register_layout'] (did you mean 'hicache_register_layouts' for 'hicache_register_layout'?)"),
     (ImportError("no module named vendor_sdk"), "import failed: ImportError: no module named vendor_sdk"),
+    # a module calling sys.exit() on import (e.g. a missing SDK) must not stop the others loading
+    (SystemExit("vendor SDK missing"), "import failed: SystemExit: vendor SDK missing"),
 ])
 def test_broken_entry_point_skipped_unless_allowed(extra_entry_points, plugin, error):
     extra_entry_points(broken=plugin)
