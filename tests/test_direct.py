@@ -384,6 +384,17 @@ def test_bad_env_raises_config_error(monkeypatch):
         DirectStrategy()
 
 
+def test_a_bad_staged_relayout_variable_fails_the_strategy_load_not_a_transfer(monkeypatch):
+    """``HICACHE_STAGED_RELAYOUT`` is checked with the other settings when the strategy loads (it was read only by the
+    first staged transfer); with staging ``never`` nothing reads it."""
+    monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "sideways")
+    with pytest.raises(ConfigError, match="staged relayout='sideways' \\(or HICACHE_STAGED_RELAYOUT\\)"):
+        DirectStrategy()
+    with pytest.raises(ConfigError, match="HICACHE_STAGED_RELAYOUT"):
+        DirectStrategy(staging="always")
+    assert DirectStrategy(staging="never").staging == "never"
+
+
 @pytest.mark.skipif("layer_first" not in LAYOUTS, reason="needs the layer_first layout plugin")
 def test_auto_decides_once_per_index_pair_and_batch(monkeypatch):
     """Per-layer calls of a batch reuse the first call's decision (no plan built per call); an in-place

@@ -50,6 +50,7 @@ from ..spec import PoolSpec
 from ..strategy import DirectionalStrategy
 from .memcpy import BatchCopier
 from .plans import PlanCache, Submission, coalesce, warn_small_blocks
+from .relayout import relayout_mode
 from .staging import DEFAULT_STAGING_BYTES, StagingBuffers
 
 __all__ = ["DirectStrategy", "coalesce", "ENV_STAGING", "ENV_STAGING_BYTES", "ENV_PITCHED", "STAGING_MODES",
@@ -82,6 +83,8 @@ class DirectStrategy(DirectionalStrategy):
         if mode not in STAGING_MODES:
             raise ConfigError(f"direct staging={mode!r} (or {ENV_STAGING}): use one of {', '.join(STAGING_MODES)}")
         self.staging = mode
+        if mode != "never":  # a bad $HICACHE_STAGED_RELAYOUT fails here, with the other settings, not mid-transfer
+            relayout_mode()
         pmode = pitched if pitched is not None else (os.environ.get(ENV_PITCHED, "auto").strip().lower() or "auto")
         if pmode not in PITCHED_MODES:
             raise ConfigError(f"direct pitched={pmode!r} (or {ENV_PITCHED}): use one of {', '.join(PITCHED_MODES)}")

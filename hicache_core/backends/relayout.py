@@ -44,8 +44,8 @@ from ..launch import Launcher
 if TYPE_CHECKING:
     from .staging import _Image
 
-__all__ = ["RELAYOUT_MODES", "ENV_RELAYOUT", "resolve_relayout", "kernel_unavailable", "KernelRelayout",
-           "kernel_relayout", "block_shape", "TILE_BYTES", "MAX_TILE_ROWS", "MAX_BLOCK_BYTES", "NUM_WARPS"]
+__all__ = ["RELAYOUT_MODES", "ENV_RELAYOUT", "relayout_mode", "resolve_relayout", "kernel_unavailable",
+           "KernelRelayout", "kernel_relayout", "block_shape", "TILE_BYTES", "MAX_TILE_ROWS", "MAX_BLOCK_BYTES", "NUM_WARPS"]
 
 #: ``auto`` (the kernel on CUDA where Triton imports, else torch), ``kernel`` or ``torch``.
 RELAYOUT_MODES = ("auto", "kernel", "torch")
@@ -144,6 +144,16 @@ def kernel_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def relayout_mode(requested: str | None = None) -> str:
+    """The requested relayout mode (default ``$HICACHE_STAGED_RELAYOUT``, else ``auto``), checked.
+
+    :raises ConfigError: not one of :data:`RELAYOUT_MODES`."""
+    mode = requested if requested is not None else (os.environ.get(ENV_RELAYOUT, "").strip().lower() or "auto")
+    if mode not in RELAYOUT_MODES:
+        raise ConfigError(f"staged relayout={mode!r} (or {ENV_RELAYOUT}): use one of {', '.join(RELAYOUT_MODES)}")
+    return mode
+
+
 def resolve_relayout(device: torch.device, requested: str | None = None) -> str:
     """``kernel`` or ``torch``: the relayout a staged route on ``device`` uses.
 
@@ -151,9 +161,7 @@ def resolve_relayout(device: torch.device, requested: str | None = None) -> str:
     takes the kernel on CUDA when Triton imports, else torch; ``kernel`` insists
     (:class:`ConfigError` where it cannot run); ``torch`` keeps two torch ops per entry.
     """
-    mode = requested if requested is not None else (os.environ.get(ENV_RELAYOUT, "").strip().lower() or "auto")
-    if mode not in RELAYOUT_MODES:
-        raise ConfigError(f"staged relayout={mode!r} (or {ENV_RELAYOUT}): use one of {', '.join(RELAYOUT_MODES)}")
+    mode = relayout_mode(requested)
     if mode == "torch" or (mode == "auto" and device.type != "cuda"):
         return "torch"
     why = kernel_unavailable(device)
