@@ -104,7 +104,11 @@ class BenchRow:
     hbm_ratio: float | None = None
 
 
-def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, idle: bool = False,
+#: Untimed calls before a row's timed ones.
+WARMUP = 3
+
+
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: bool = False,
                before: Callable[[], object] | None = None) -> float:
     """Median event-timed milliseconds of ``fn``; ``idle``: each call starts on an idle GPU (a lone call),
     else calls follow each other as soon as the last one's end event is reached.  ``before`` (then a
@@ -483,7 +487,7 @@ def run_bench(
                             # the candidate that served the timed calls, asked before anything else runs (the
                             # neighbours below can change auto's verdict, e.g. its watch beside the reduction)
                             served = (_served_by(pool, h, s if to_host else d, lay, to_host)
-                                      + (f" ({lone} lone loads by the kernel)" if lone else ""))
+                                      + (f" ({lone} lone loads by the kernel in {reps + WARMUP} calls)" if lone else ""))
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
                             # host time before the neighbours run: what they leave behind (e.g. auto's watch

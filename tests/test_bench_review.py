@@ -166,3 +166,25 @@ def test_tables_keep_the_default_budget_beside_explicit_ones(tmp_path, capsys):
     assert tables.main([str(f)]) == 0
     out = capsys.readouterr().out
     assert "| P=default | P=4 |" in out and "| 0.87 (9 us, GEMM +1%) | 0.86 (9 us, GEMM +1%) |" in out
+
+
+def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monkeypatch):
+    """The lone-load count spans the warm-up calls too: the label says over how many calls it was counted."""
+    from hicache_core.backends.reference import ReferenceStrategy
+
+    real_load = ReferenceStrategy.load
+
+    def load(self, *a, **k):
+        self.lone_kernel_loads = getattr(self, "lone_kernel_loads", 0) + 1
+        return real_load(self, *a, **k)
+
+    def median_ms(fn, reps, **kw):
+        for _ in range(reps + bench.WARMUP):
+            fn()
+        return 2.0
+
+    monkeypatch.setattr(ReferenceStrategy, "load", load)
+    monkeypatch.setattr(bench, "_median_ms", median_ms)
+    (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                             layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=4)
+    assert row.served_by == f"who ({4 + bench.WARMUP} lone loads by the kernel in {4 + bench.WARMUP} calls)"
