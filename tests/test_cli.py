@@ -640,6 +640,7 @@ def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "plot", lambda rows, path: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert bench.main(["--out", str(tmp_path), "--hbm", "--ops", "backup_all_layers"]) == 2  # nothing measured
     assert (seen["hbm"], seen["gemm"], seen["ops"]) == (True, False, ["backup_all_layers"])
     assert bench.main(["--out", str(tmp_path), "--gemm"]) == 2
@@ -664,7 +665,10 @@ def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(mon
         assert bench.main(["--out", str(tmp_path), *argv]) == 2
         assert says in capsys.readouterr().err
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
+    # the SM count of the device the run uses (the current one, as the name), not of device 0
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"multi_processor_count": 100 + i}))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     monkeypatch.setattr(bench, "plot", lambda rows, path: False)
     rows = [{"op": "load_layer", "shape": "s", "strategy": "x", "page_size": 1, "tokens": 8, "ratio": 0.5}]
     written = []
@@ -677,6 +681,7 @@ def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(mon
     monkeypatch.setattr(bench, "run_bench", fake_run)
     assert bench.main(["--out", str(tmp_path), "--io-backends", "direct"]) == 0
     assert written == [{"meta": written[0]["meta"], "rows": rows}]
+    assert written[0]["meta"]["sms"] == 101
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]  # no temporary file left beside it
 
 
