@@ -239,8 +239,13 @@ def _neighbor_slowdown(transfer: Callable[[], object], work: Callable[[], object
     def window(busy: bool) -> float:
         torch.cuda.synchronize()
         if busy:
-            _queue(side, transfer, max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2))
+            head = max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2)
+            start = time.perf_counter()
+            _queue(side, transfer, head)
         e0, e1 = _queue(work_stream, work, per_window, timed=True)
+        if busy:  # a transfer whose host time nears its GPU time drains what was queued before the window ends
+            with torch.cuda.stream(side):
+                _keep_busy(transfer, e1.query, head * transfer_ms, transfer_ms, start)
         e1.synchronize()
         side.synchronize()
         return e0.elapsed_time(e1) / per_window
@@ -252,6 +257,21 @@ def _neighbor_slowdown(transfer: Callable[[], object], work: Callable[[], object
         alone.append(window(False))
         busy.append(window(True))
     return statistics.median(busy) / statistics.median(alone) - 1.0
+
+
+def _keep_busy(transfer: Callable[[], object], done: Callable[[], bool], queued_ms: float, transfer_ms: float,
+               start: float, now: Callable[[], float] = time.perf_counter) -> int:
+    """Issue ``transfer`` until ``done()`` (the neighbour's window has ended), whenever the GPU time queued since
+    ``start`` (``queued_ms``, ``transfer_ms`` more per call) no longer leads the host's clock by a call: the
+    transfer stream never runs dry during the window, however slowly the host submits, and a fast host does
+    not pile up transfers past it.  Returns the calls issued."""
+    calls = 0
+    while not done():
+        if queued_ms <= (now() - start) * 1e3 + transfer_ms:
+            transfer()
+            queued_ms += transfer_ms
+            calls += 1
+    return calls
 
 
 def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps: int = 5, calls: int = 3) -> float:

@@ -188,3 +188,33 @@ def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monk
     (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                              layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=4)
     assert row.served_by == f"who ({4 + bench.WARMUP} lone loads by the kernel in {4 + bench.WARMUP} calls)"
+
+
+@pytest.mark.parametrize("host_ms, expect_calls", [(2.0, 5), (0.01, None)])
+def test_keep_busy_keeps_the_transfer_stream_fed_through_the_window(host_ms, expect_calls):
+    """GEMM windows beside a transfer: transfers queued before the window alone drain early where the host's time
+    per call nears the GPU's (one-layer copy-engine loads), leaving part of the window alone.  _keep_busy issues
+    more until the window ends, as fast as the host can when it is slow, and never more than a call ahead of the
+    host's clock when it is fast (simulated clock, in seconds; window ends at 10 ms; 1 ms of GPU time per call)."""
+    clock = [0.0]
+    issued = []
+
+    def transfer():
+        clock[0] += host_ms * 1e-3
+        issued.append(clock[0])
+
+    def done():
+        clock[0] += 0.1e-3  # polling takes host time too
+        return clock[0] >= 10e-3
+
+    head = 2
+    calls = bench._keep_busy(transfer, done, head * 1.0, 1.0, 0.0, now=lambda: clock[0])
+    assert calls == len(issued)
+    queued_ms = head + calls
+    elapsed_ms = clock[0] * 1e3
+    if expect_calls is not None:  # the slow host: a call every time it can (the stream has run dry since 2 ms)
+        assert calls == expect_calls
+    else:  # the fast host: the queue keeps at most a call ahead of the clock, and never falls behind it by a call
+        assert elapsed_ms - 1.0 <= queued_ms <= elapsed_ms + 2.0
+        gaps = [b - a for a, b in zip(issued, issued[1:])]
+        assert all(g >= 0.9e-3 for g in gaps)  # paced by the clock, not piled up
