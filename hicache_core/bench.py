@@ -356,13 +356,12 @@ def _indices(spec: PoolSpec, gen: torch.Generator) -> tuple[torch.Tensor, torch.
     return ex(hp).cuda(), ex(dp[:pages]).cuda(), ex(dp[pages:]).cuda()
 
 
-def _scramble(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], s: torch.Tensor, d: torch.Tensor,
-              host: bool = True) -> None:
-    """Make a round trip's result unmistakable: the host buffers zeroed (``host``) and every byte of the load
-    target rows ``d`` the complement of the source rows ``s``.  Pools of one grid cell share the device and host
-    buffers, so without this an earlier pool's round trip (``d`` already equal to ``s``, the host already
-    holding ``s``) would let a later strategy that moves nothing pass."""
-    for buf in pool.host_buffers.values() if host else ():
+def _scramble(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], s: torch.Tensor, d: torch.Tensor) -> None:
+    """Make a round trip's result unmistakable: the host buffers zeroed and every byte of the load target rows ``d``
+    the complement of the source rows ``s``.  Pools of one grid cell share the device and host buffers, so without
+    this an earlier pool's round trip (``d`` already equal to ``s``, the host already holding ``s``) would let a
+    later strategy that moves nothing pass."""
+    for buf in pool.host_buffers.values():
         buf.zero_()
     for lst in dev.values():
         for t in lst:
@@ -386,23 +385,28 @@ def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch
     layer, and for the other ``ops`` to be timed (``backup_layer``, ``load_all_layers``) their own round trip,
     each from scrambled buffers (:func:`_scramble`)."""
     layers = pool.spec.layer_map.device_layers
-    _scramble(pool, dev, s, d)
-    pool.backup_all_layers(h, s)
-    for layer in layers:
-        pool.load_layer(layer, h, d)
-    _compare(pool, dev, s, d, "backup_all_layers + load_layer")
-    ops = set(ops)
-    if "load_all_layers" in ops:  # from the host the checked backup_all_layers wrote
-        _scramble(pool, dev, s, d, host=False)
-        pool.load_all_layers(h, d)
-        _compare(pool, dev, s, d, "backup_all_layers + load_all_layers")
-    if "backup_layer" in ops:
-        _scramble(pool, dev, s, d)
+
+    def backup_all() -> None:
+        pool.backup_all_layers(h, s)
+
+    def backup_each() -> None:
         for layer in layers:
             pool.backup_layer(layer, h, s)
+
+    def load_each() -> None:
         for layer in layers:
             pool.load_layer(layer, h, d)
-        _compare(pool, dev, s, d, "backup_layer + load_layer")
+
+    trips = [("backup_all_layers", backup_all, "load_layer", load_each)]
+    if "load_all_layers" in ops:
+        trips.append(("backup_all_layers", backup_all, "load_all_layers", lambda: pool.load_all_layers(h, d)))
+    if "backup_layer" in ops:
+        trips.append(("backup_layer", backup_each, "load_layer", load_each))
+    for backup_name, backup, load_name, load in trips:
+        _scramble(pool, dev, s, d)
+        backup()
+        load()
+        _compare(pool, dev, s, d, f"{backup_name} + {load_name}")
 
 
 def _targets(reg: Registry, spec: PoolSpec, layouts: Iterable[str] | None, backends: Iterable[str]) -> list[tuple[str, str, str]]:

@@ -226,8 +226,6 @@ class Registry:
         self.layouts: dict[str, tuple[Layout, PluginRecord]] = {}
         self.strategies: dict[str, tuple[StrategyInfo, PluginRecord]] = {}
         self._exact: dict[tuple[str, str, bool], str] = {}
-        #: pluggy name -> (plugin object, entry-point name), for the plugins registered in self.pm
-        self._pm_names: dict[str, tuple[Any, str]] = {}
         #: entry-point names :meth:`load_entry_points` left out by the allow- or block-list
         self.skipped: list[str] = []
         #: every duplicate registration, in the order found (see :class:`Conflict`)
@@ -276,7 +274,7 @@ class Registry:
         """
         self.plugins.append(record)
         if self.pm.is_registered(plugin):  # one object under two entry-point names (or passed twice)
-            first = next((name for p, name in self._pm_names.values() if p is plugin), "?")
+            first = (self.pm.get_name(plugin) or "?").rsplit("#", 1)[0]  # pluggy's name: entry point#n (below)
             self._broken(record, f"it is the same plugin object as entry point {first!r}, already loaded (two entry "
                          f"points naming one module); remove one of them, or set {ENV_BLOCK}={record.name}", explicit,
                          append=False)
@@ -312,7 +310,6 @@ class Registry:
         pm_name = f"{record.name}#{len(self.plugins)}"
         try:
             self.pm.register(plugin, name=pm_name)
-            self._pm_names[pm_name] = (plugin, record.name)
             self.pm.check_pending()
             self._call(plugin, "hicache_register_layouts", layouts.append)
             self._call(plugin, "hicache_register_strategies", infos.append)
@@ -323,8 +320,8 @@ class Registry:
                 if not isinstance(info.layouts, tuple) or not isinstance(info.sharded, tuple):  # lists: as tuples
                     infos[i] = replace(info, layouts=tuple(info.layouts), sharded=tuple(info.sharded))
         except Exception as exc:
-            if self._pm_names.pop(pm_name, None) is not None:
-                self.pm.unregister(name=pm_name)
+            if self.pm.is_registered(plugin):  # this registration's (an object registered before returned above)
+                self.pm.unregister(plugin)
             self._broken(record, f"registration failed: {type(exc).__name__}: {exc}", explicit, append=False)
             return
         for lay in layouts:
