@@ -58,6 +58,7 @@ from hicache_core.bench import (  # noqa: E402
     _indices,
     _median_ms,
     _Memcpy,
+    _served_by,
     _targets,
 )
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
@@ -202,17 +203,23 @@ class Ours:
                                strategy_options=opts, registry=ctx.reg, validate="shapes")
         self.host_buffers = self.pool.host_buffers
         self.backend = backend
+        # the last call of each direction (backups: True), for ctas: (host indices, device indices, layer, to_host)
+        self._last: dict[bool, tuple[torch.Tensor, torch.Tensor, int | None, bool]] = {}
 
     def ctas(self, op: str) -> int | None:
-        if self.backend == "direct":
-            return 0
-        budget = getattr(self.pool.binding.scratch.get(self.pool.strategy_name), "programs", None)
-        return budget.for_direction(op.startswith("backup")) if hasattr(budget, "for_direction") else budget
+        """The most programs one kernel launch of the op's last call ran (0: the copy engine served it)."""
+        last = self._last.get(op.startswith("backup"))
+        if last is None:
+            return None
+        grid = _served_by(self.pool, *last)[1]
+        return 0 if grid is None and self.backend in ("direct", "auto") else grid
 
     def backup_all_layers(self, h: torch.Tensor, s: torch.Tensor) -> None:
+        self._last[True] = (h, s, None, True)
         self.pool.backup_all_layers(h, s)
 
     def load_layer(self, layer: int, h: torch.Tensor, d: torch.Tensor) -> None:
+        self._last[False] = (h, d, layer, False)
         self.pool.load_layer(layer, h, d)
 
 

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
             for p in budgets:
                 r = cells.get(p)
                 slow = f", GEMM +{r['gemm_slowdown'] * 100:.0f}%" if r and r.get("gemm_slowdown") is not None else ""
-                vals.append(f"{r['ratio']:.2f} ({r['host_us']:.0f} us{slow})" if r else "-")
+                # the default column says what the default launched (explicit columns are that budget, capped by work)
+                grid = f", {r['launched_programs']} programs" if r and p is None and r.get("launched_programs") else ""
+                vals.append(f"{r['ratio']:.2f} ({r['host_us']:.0f} us{slow}{grid})" if r else "-")
             print(f"| {shape} | {layout} | {ps} | {n} | {per_layer:.1f} | " + " | ".join(vals) + " |")
     return 0
 

@@ -102,6 +102,9 @@ class BenchRow:
     hbm_slowdown: float | None = None
     #: ``--hbm``: the op's own ratio to memcpy while that reduction runs without pause beside it
     hbm_ratio: float | None = None
+    #: the most programs one kernel launch of the timed call ran (``programs`` is the budget asked for, ``None`` for
+    #: the strategy's default); ``None`` where the serving strategy launched no row kernel (e.g. the copy engine)
+    launched_programs: int | None = None
 
 
 #: Untimed calls before a row's timed ones.
@@ -153,12 +156,17 @@ def _burst_host_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
     return statistics.median(times)
 
 
-def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None, to_host: bool) -> str:
-    """For ``auto``: the candidate serving this call (and the host's pace it measured); else the pool's strategy."""
+def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None,
+               to_host: bool) -> tuple[str, int | None]:
+    """The strategy serving this call (for ``auto``: its candidate, and the host's pace it measured) and the most
+    programs one of its kernel launches runs (:meth:`~hicache_core.rowcopy.RowKernelStrategy.launch_grid`; ``None``
+    where the serving strategy launches no row kernel of its own, e.g. the copy engine)."""
     pick = getattr(pool.strategy, "pick", None)
+    chosen = pool.strategy if pick is None else pick(pool.binding, h, d, layer, to_host=to_host)
+    grid = getattr(chosen, "launch_grid", None)
+    programs = None if grid is None else grid(pool.binding, int(h.numel()), layer, to_host=to_host)
     if pick is None:
-        return pool.strategy_name
-    chosen = pick(pool.binding, h, d, layer, to_host=to_host)
+        return pool.strategy_name, programs
     name = "direct" if chosen is getattr(pool.strategy, "direct", None) else getattr(pool.strategy, "kernel_name", "kernel")
     seen = []
     for attr, what in (("paces", "planning"), ("warm_paces", "plan reused")):
@@ -166,7 +174,7 @@ def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | 
         desc_us = None if paces is None else paces[to_host].desc_us
         if desc_us is not None:
             seen.append(f"{desc_us:.2f} {what}")
-    return name if not seen else f"{name} (host us per descriptor: {', '.join(seen)})"
+    return (name if not seen else f"{name} (host us per descriptor: {', '.join(seen)})"), programs
 
 
 class _LinkWarmer:
@@ -510,8 +518,8 @@ def run_bench(
                             lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
                             # the candidate that served the timed calls, asked before anything else runs (the
                             # neighbours below can change auto's verdict, e.g. its watch beside the reduction)
-                            served = (_served_by(pool, h, s if to_host else d, lay, to_host)
-                                      + (f" ({lone} lone loads by the kernel in {reps + WARMUP} calls)" if lone else ""))
+                            served, launched = _served_by(pool, h, s if to_host else d, lay, to_host)
+                            served += f" ({lone} lone loads by the kernel in {reps + WARMUP} calls)" if lone else ""
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6
                             # host time before the neighbours run: what they leave behind (e.g. auto's watch
@@ -526,7 +534,7 @@ def run_bench(
                                 hbm_ratio = nbytes / _ms_beside(fn, reader, calls=1 if lone_op else 3) / 1e6 / base
                             row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
                                            gbps / base, host_us, slow, variant, served,
-                                           hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio)
+                                           hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio, launched_programs=launched)
                             rows.append(row)
                             if sink:
                                 sink(row)
@@ -536,7 +544,8 @@ def run_bench(
                                          + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
                                          + (f" hbm-reader {hbm_slow * 100:+.1f}%" if hbm_slow is not None else "")
                                          + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
-                                         + (f" via {row.served_by}" if backend == "auto" else ""))
+                                         + (f" via {row.served_by}" if backend == "auto" else "")
+                                         + (f", {launched} programs" if launched else ""))
                         del pool
                     del host
                 del dev

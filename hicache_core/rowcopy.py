@@ -594,33 +594,42 @@ class RowKernelStrategy(DirectionalStrategy):
         else:
             h, d = transfer_indices(binding, host_indices, device_indices)
         steps: list[Step] | None = [] if b is not None else None  # recorded when every launch took the driver
-        per_layer_load = layer is not None and not to_host
         with on_pool_device(binding.device):
-            for gi, (g, by_dir) in enumerate(zip(prep.groups, prep.launches)):
-                plan = _tma_plan(prep, gi, n) if per_layer_load else None
-                if plan is not None:
-                    steps = self._tma_loads(prep, plan.get(cast(int, layer), ()), h, d, n, steps)
+            for gi in range(len(prep.groups)):
+                route = _route(prep, gi, n, layer, to_host)
+                if route is None:
                     continue
-                ents = g.entries(layer)
-                if ents is None:
+                tma, runs, ents = route
+                if tma is not None:
+                    steps = self._tma_loads(prep, tma, h, d, n, steps)
                     continue
-                n_ents = ents.numel()
-                pages = prep.pages[gi] if prep.pages and not to_host else None
-                runs: tuple[tuple[_Launch, Any, tuple[int, ...], int], ...]
-                if pages is None:
-                    runs = ((by_dir[to_host], prep.launcher, prep.dynamic, n_ents),)
-                else:  # work items: parts of each page of each entry, one launch per host part of the rows
-                    runs = tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages)
-                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": n_ents}
+                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": cast(torch.Tensor, ents).numel()}
                 for lv, launcher, dyn, per_tile in runs:
                     args = _fill(lv.args, lv.slots, call)
-                    items = -(-n // lv.tokens) * per_tile
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                    used = launcher(max(1, min(lv.tuning.programs, items)), args, **kw)
+                    used = launcher(_grid(lv.tuning.programs, n, lv.tokens, per_tile), args, **kw)
                     steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, per_tile, kw)
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
+
+    def launch_grid(self, binding: PoolBinding, n: int, layer: int | None, *, to_host: bool) -> int:
+        """The most programs one launch of a transfer of ``n`` index positions of ``layer`` (``None``: every layer)
+        in this direction runs on this pool: its path's budget (``programs`` option, else the tuning, else
+        ``HICACHE_KERNEL_PROGRAMS``) capped by the call's work; ``0`` where it launches nothing.  For benchmarks:
+        what a GEMM beside the call competes with."""
+        prep: Prepared = binding.scratch[self.name]
+        most = 0
+        for gi in range(len(prep.groups)) if n > 0 else ():
+            route = _route(prep, gi, n, layer, to_host)
+            if route is None:
+                continue
+            tma, runs, _ = route
+            t = prep.tuning.tma_load
+            grids = ([_grid(t.programs, n, lv.tokens, 1) for lv in tma] if tma is not None and t is not None else
+                     [_grid(lv.tuning.programs, n, lv.tokens, per_tile) for lv, _, _, per_tile in runs])
+            most = max([most, *grids])
+        return most
 
     @staticmethod
     def _tma_loads(prep: Prepared, launches: tuple[TmaLaunch, ...], h: torch.Tensor, d: torch.Tensor, n: int,
@@ -634,9 +643,38 @@ class RowKernelStrategy(DirectionalStrategy):
             args = _fill(lv.args, lv.slots, call)
             kw = dict(num_warps=t.num_warps, static_key=lv.key, dynamic=prep.tma_dynamic, maxnreg=t.maxnreg,
                       packs=lv.packs)
-            used = prep.tma_launcher(max(1, min(t.programs, -(-n // lv.tokens))), args, **kw)
+            used = prep.tma_launcher(_grid(t.programs, n, lv.tokens, 1), args, **kw)
             steps = _keep(steps, used, prep.tma_launcher, args, lv.slots, t.programs, lv.tokens, 1, kw)
         return steps
+
+
+def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
+    """The programs a launch runs: its budget, capped by its work items (tiles of ``tokens`` positions of ``n``,
+    ``per_tile`` items each), at least one."""
+    return max(1, min(programs, -(-n // tokens) * per_tile))
+
+
+_Run = tuple["_Launch", Any, tuple[int, ...], int]  # launch, launcher, dynamic positions, work items per tile
+
+
+def _route(prep: Prepared, gi: int, n: int, layer: int | None,
+           to_host: bool) -> tuple[tuple[TmaLaunch, ...] | None, tuple[_Run, ...], torch.Tensor | None] | None:
+    """How group ``gi`` moves a call of ``n`` positions of ``layer`` (``None``: every layer): ``(tma, (), None)``
+    with the group's TMA launches of the layer, ``(None, runs, entries)`` with its row or page launches and the
+    entries they cover, or ``None`` where the group holds no row of the layer.  :meth:`RowKernelStrategy.transfer`
+    launches what this names."""
+    plan = _tma_plan(prep, gi, n) if layer is not None and not to_host else None
+    if plan is not None:
+        return plan.get(cast(int, layer), ()), (), None
+    ents = prep.groups[gi].entries(layer)
+    if ents is None:
+        return None
+    n_ents = ents.numel()
+    pages = prep.pages[gi] if prep.pages and not to_host else None
+    if pages is None:
+        return None, ((prep.launches[gi][to_host], prep.launcher, prep.dynamic, n_ents),), ents
+    # work items: parts of each page of each entry, one launch per host part of the rows
+    return None, tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages), ents
 
 
 def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], t: Tuning) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(bench, "_hbm_reader", lambda: "reader")
     monkeypatch.setattr(bench, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
     monkeypatch.setattr(bench, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
-    monkeypatch.setattr(bench, "_served_by", lambda *a: log.append("served") or "who")
+    monkeypatch.setattr(bench, "_served_by", lambda *a: log.append("served") or ("who", None))
     return log
 
 
@@ -147,6 +147,26 @@ def test_row_fields_agree(fake_gpu):
             assert r.hbm_ratio is None and r.hbm_slowdown is None
 
 
+@pytest.mark.parametrize("backend,opts,want", [("kernel", None, "grid"), ("kernel", {"programs": 2}, 2),
+                                                ("direct", None, None), ("reference", None, None)])
+def test_served_by_names_the_programs_the_call_launched(cell, backend, opts, want):
+    """A row at the default budget records what the default launched (rows stored programs=null), an explicit
+    budget what it launched (capped by work), a strategy with no row kernel None."""
+    pool, dev, h, s, d = cell
+    spec = pool().spec
+    reg = create_registry()
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
+    p = HostKVPool(spec, "layer_first", backend, dev, host_buffers=host, registry=reg, validate="shapes",
+                   strategy_options=opts)
+    for layer, to_host, idx in ((None, True, s), (3, False, d)):
+        name, launched = bench._served_by(p, h, idx, layer, to_host)
+        assert name == p.strategy_name
+        if want == "grid":
+            assert launched == p.strategy.launch_grid(p.binding, h.numel(), layer, to_host=to_host) > 0
+        else:
+            assert launched == want
+
+
 def test_tables_keep_the_default_budget_beside_explicit_ones(tmp_path, capsys):
     """benchmarks/tables.py: rows of the strategy's default budget (programs null) get their own column next to
     explicit budgets (they were dropped whenever a file held both)."""
@@ -166,6 +186,11 @@ def test_tables_keep_the_default_budget_beside_explicit_ones(tmp_path, capsys):
     assert tables.main([str(f)]) == 0
     out = capsys.readouterr().out
     assert "| P=default | P=4 |" in out and "| 0.87 (9 us, GEMM +1%) | 0.86 (9 us, GEMM +1%) |" in out
+    rows[0]["launched_programs"] = 8
+    rows[1]["launched_programs"] = 4
+    f.write_text(json.dumps({"rows": rows}))
+    assert tables.main([str(f)]) == 0
+    assert "| 0.87 (9 us, GEMM +1%, 8 programs) | 0.86 (9 us, GEMM +1%) |" in capsys.readouterr().out
 
 
 def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monkeypatch):

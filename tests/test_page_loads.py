@@ -285,3 +285,30 @@ def test_fast_load_counts_page_loads(layout, pages, want):
     spec = _spec("mla", 4, 6)
     _, pool, *_ = _pools(layout, spec, torch.Generator().manual_seed(17), pages=pages)
     assert pool.strategy.fast_load(pool.binding, 1, 8) is want
+
+
+@pytest.mark.parametrize("layout,kind,opts", [("layer_first", "mla", {}), ("layer_first", "mla", {"programs": 3}),
+                                              ("page_first", "mha", {"pages": False}),
+                                              ("page_first_kv_split", "mla", {"tile_bytes": 64})])
+def test_launch_grid_names_the_grids_a_call_launches(launches, layout, kind, opts):
+    """``launch_grid`` (what benchmarks record beside a row) is the largest grid the call launches, for every op
+    and path: row kernels, page loads, a budget option, grids capped by the call's work; 0 for an empty call."""
+    gen = torch.Generator().manual_seed(5)
+    spec = _spec(kind, 4, 4, layers=2)
+    _, pool, ref, dev, ref_dev = _pools(layout, spec, gen, **opts)
+    strat = pool.strategy
+    for pages in (4, 1):
+        h, d = _cases(spec, gen)["whole-to-runs"]
+        h, d = h[: 4 * pages].to(DEVICE), d[: 4 * pages].to(DEVICE)
+        for layer, to_host, call in ((None, True, lambda: pool.backup_all_layers(h, d)),
+                                     (1, True, lambda: pool.backup_layer(1, h, d)),
+                                     (1, False, lambda: pool.load_layer(1, h, d)),
+                                     (None, False, lambda: pool.load_all_layers(h, d))):
+            launches.clear()
+            call()
+            assert launches, (layer, to_host)
+            grid = strat.launch_grid(pool.binding, h.numel(), layer, to_host=to_host)
+            assert grid == max(g for _, g, _ in launches), (pages, layer, to_host)
+            if "programs" in opts:
+                assert grid <= opts["programs"]
+    assert strat.launch_grid(pool.binding, 0, 1, to_host=False) == 0

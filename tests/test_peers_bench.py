@@ -118,6 +118,30 @@ def test_reference_as_peer_passes(layout, make):
         assert torch.equal(rows.contiguous().view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("backend,strategy,programs", [("kernel", None, None), ("kernel", None, 2),
+                                                        ("direct", None, None), ("reference", "core.reference", None)])
+def test_our_ctas_are_the_programs_the_last_call_launched(backend, strategy, programs):
+    """A hicache row's CTAs: the kernel's largest grid in the op's last call (the default budget included: it read
+    None there), 0 where the copy engine served it, None for a strategy with no row kernel."""
+    spec = _mla()
+    dev = _dev(spec)
+    h, s, d = _idx()
+    reg = create_registry()
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
+    name = strategy or reg.resolve(spec, "layer_first", backend).info.name
+    target = P.Ours(P.Ctx(spec, "layer_first", dev, host, reg), backend, name, programs)
+    assert target.ctas("backup_all_layers") is None  # nothing ran yet
+    target.backup_all_layers(h, s)
+    target.load_layer(1, h, d)
+    for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", 1, False), ("load_burst", 1, False)):
+        got = target.ctas(op)
+        if backend == "kernel":
+            assert got == target.pool.strategy.launch_grid(target.pool.binding, h.numel(), layer, to_host=to_host)
+            assert 0 < got <= (programs or got)
+        else:
+            assert got == (0 if backend == "direct" else None)
+
+
 class _Corrupt:
     """The reference backend, plus one wrong byte: after backups (host) or after the load of layer 2 (device)."""
 
