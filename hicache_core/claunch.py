@@ -267,6 +267,9 @@ def module() -> ModuleType | None:
                 try:
                     _MOD.append(_load())
                 except Exception as exc:  # noqa: BLE001 - any failure keeps the ctypes call
-                    logger.info("compiled launch call unavailable (%s); launches go through ctypes", exc)
+                    logger.info("compiled launch call unavailable (%s); launches go through ctypes (slower on the "
+                                "host).  It needs a C compiler ($CC, cc, gcc or clang), the Python headers and a "
+                                "writable %s (default ~/.cache/hicache); %s=0 stops trying", exc, ENV_CACHE_DIR,
+                                ENV_C_LAUNCH)
                     _MOD.append(None)
     return _MOD[0]

@@ -349,5 +349,8 @@ class DriverKernel:
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False
         if res:
-            raise _error(self.lib, res, "cuLaunchKernel")
+            err = _error(self.lib, res, "cuLaunchKernel")
+            raise DriverLaunchError(f"{err}; HICACHE_DRIVER_LAUNCH=0 launches through Triton's launcher instead (an "
+                                    "error that persists there too, such as an illegal address, came from an earlier "
+                                    "kernel)")
         return True

@@ -54,7 +54,7 @@ def _check_arrays(dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor) -
     by address, so a strided or shorter array would hand it other memory as addresses and sizes."""
     n = dsts.numel()
     for name, t in (("dsts", dsts), ("srcs", srcs), ("sizes", sizes)):
-        if t.dtype is not torch.int64 or t.is_cuda or not t.is_contiguous() or t.numel() != n:
+        if t.dtype is not torch.int64 or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
             raise ValueError(f"copy_batch: {name} must be a contiguous CPU int64 tensor of {n} elements like dsts "
                              f"(call .contiguous() / .to(torch.int64)), got {t.dtype} of {t.numel()} on {t.device}"
                              f"{'' if t.is_contiguous() else ', not contiguous'}")
@@ -123,7 +123,7 @@ class _MemcpyAttributes(ctypes.Structure):
 
 
 def _loaded_cudart_paths() -> list[str]:
-    """Paths of every ``libcudart`` mapped into this process (torch's own first)."""
+    """Paths of every ``libcudart`` mapped into this process, sorted (:func:`_candidate_paths` puts torch's first)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart" in line and "/" in line}
@@ -132,8 +132,19 @@ def _loaded_cudart_paths() -> list[str]:
     return sorted(paths)
 
 
+def _torchs_first(paths: list[str]) -> list[str]:
+    """``paths`` with the runtimes of torch's CUDA major version (``libcudart.so.<major>``, the soname torch links)
+    first, in order: another one mapped into the process (an extension's bundled ``libcudart.so.11.0``, say) may lack
+    the batch call torch's runtime has, and would silently turn every batch into one copy per descriptor."""
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major:
+        return paths
+    own = f"libcudart.so.{major}"
+    return sorted(paths, key=lambda p: not (os.path.basename(p) == own or os.path.basename(p).startswith(own + ".")))
+
+
 def _candidate_paths() -> list[str]:
-    out = _loaded_cudart_paths()
+    out = _torchs_first(_loaded_cudart_paths())
     found = ctypes.util.find_library("cudart")
     if found:
         out.append(found)
@@ -233,7 +244,7 @@ class CudaRuntime:
     def copy_3d_batch(self, ops: torch.Tensor, stream: int, eager: bool = True) -> None:
         """Enqueue the ``cudaMemcpy3DBatchOp`` array ``ops`` (a contiguous CPU int64 ``[n, 14]`` tensor,
         :func:`.pitched.ops_tensor`) on ``stream`` in the calls of :func:`batch_schedule`.  Needs :attr:`has_batch3d`."""
-        if ops.dtype is not torch.int64 or ops.is_cuda or ops.dim() != 2 or ops.shape[1] != OP_WORDS \
+        if ops.dtype is not torch.int64 or ops.device.type != "cpu" or ops.dim() != 2 or ops.shape[1] != OP_WORDS \
                 or not ops.is_contiguous():
             raise ValueError(f"copy_3d_batch: ops must be a contiguous CPU int64 [n, {OP_WORDS}] tensor "
                              f"(pitched.ops_tensor), got {ops.dtype} {tuple(ops.shape)} on {ops.device}"
@@ -305,6 +316,11 @@ def _load() -> None:
             continue
         _runtime = rt
         logger.debug("hicache copy engine: %s (runtime %d, batch=%s)", path, rt.version, rt.has_batch)
+        if not rt.has_batch:  # said once: every copy-engine transfer then costs one runtime call per descriptor
+            logger.info("hicache copy engine: %s is CUDA runtime %d on driver %d, without cudaMemcpyBatchAsync (both "
+                        "need >= 12.8): copies go one cudaMemcpyAsync per descriptor, a slower submission; a torch "
+                        "built for CUDA >= 12.8 and a driver of 12.8 or later batch them", path, rt.version,
+                        rt.driver_version)
         return
     _failure = "no usable libcudart found in this process or next to torch" + (f" ({'; '.join(errors)})" if errors else "")
 
