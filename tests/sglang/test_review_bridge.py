@@ -157,6 +157,26 @@ def test_mha_packed_draft_backup_and_load(hooked):
     settle()
     assert same_bytes(draft.k_buffer[0], want[0]) and same_bytes(draft.v_buffer[0], want[1])
 
+def test_a_draft_call_naming_no_draft_layer_is_sglangs(hooked, caplog):
+    """``is_draft`` with a target layer's id (no packed draft layer): SGLang's pools read the id as a host layer; the
+    bridge left it unmoved, silently.  It is SGLang's call now (on the CPU its missing kernel module shows that SGLang's
+    own code ran), with a warning; a draft id the bridge maps stays the bridge's."""
+    with H.sglang_runtime(hicache_mem_layout="layer_first"):
+        dev = H.make_mha_device_pool(size=64, page_size=4, layer_num=3, head_num=2, head_dim=16)
+        draft = H.make_mha_device_pool(size=64, page_size=4, layer_num=1, head_num=2, head_dim=16)
+        host = H.make_host_pool(dev, mtp_draft_device_pools=(draft,))
+    _random([*dev.k_buffer, *dev.v_buffer, *draft.k_buffer, *draft.v_buffer])
+    h, d1, d2 = slots(host, dev)
+    host.backup_from_device_all_layer(dev, h, d1, "direct")
+    settle()
+    with pytest.raises(NameError, match="transfer_kv"):
+        host.load_to_device_per_layer(draft, h, d2, 1, "direct", is_draft=True)
+    assert "no packed draft layer" in caplog.text
+    host.load_to_device_per_layer(draft, h, d2, 3, "direct", is_draft=True)
+    settle()
+    assert same_bytes(draft.k_buffer[0][d2], host.k_buffer[3][h])
+
+
 
 # --- packed (FP8 DSA) MLA rows -------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, cast
 import torch
 
 from ...errors import TransferArgumentError
+from ...logonce import log_once
 from ...pool import HostKVPool
 from ...registry import Registry, default_registry
 from .adapter import Bridge, bridge_for, pool_kind
@@ -197,7 +198,8 @@ def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: to
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
     layer = bridge.device_layer(int(layer_id), is_draft)
     if layer is None:
-        return None
+        return _unmapped(is_draft, lambda: original(self, device_pool, host_indices, device_indices, layer_id,
+                                                    io_backend, is_draft=is_draft))
     h, d = _indices(bridge, self, host_indices, device_indices)
     return _or_original(lambda: _pool(bridge).load_layer(layer, h, d),
                         lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
@@ -208,9 +210,20 @@ def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_i
                 original: Callable[[], Any]) -> Any:
     layer = bridge.device_layer(int(layer_id), is_draft)
     if layer is None:
-        return None
+        return _unmapped(is_draft, original)
     h, d = _indices(bridge, host, host_indices, device_indices)
     return _or_original(lambda: _pool(bridge).backup_layer(layer, h, d), original)
+
+
+def _unmapped(is_draft: bool, original: Callable[[], Any]) -> Any:
+    """A per-layer call naming no layer the bridge maps: a layer this rank does not own returns without moving
+    (SGLang's pools return early for those too); a draft call naming no packed draft layer is SGLang's to answer
+    (its MLA and MHA pools read the id as a host layer), not silently dropped."""
+    if not is_draft:
+        return None
+    log_once(logger, logging.WARNING, "hicache: a draft transfer named a layer that is no packed draft layer of its "
+             "host pool; SGLang's own code serves it")
+    return original()
 
 
 def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
