@@ -258,11 +258,16 @@ def check_indices(
 
 
 def check_layer(spec: PoolSpec, layer_id: object) -> int:
-    """``layer_id`` as an int in ``0..num_device_layers-1``, else :class:`LayerIdError`."""
+    """``layer_id`` as an int in ``0..num_device_layers-1``, else :class:`LayerIdError`.  Integers such as NumPy's are
+    taken as the allocator takes them (``__index__``); bools, floats, strings and tensors are not (a tensor would
+    be read back from its device: pass ``int(t)``)."""
     n = spec.layer_map.num_device_layers
-    if isinstance(layer_id, bool) or not isinstance(layer_id, int) or not 0 <= layer_id < n:
+    i = layer_id if type(layer_id) is int else None
+    if i is None and not isinstance(layer_id, (bool, torch.Tensor)) and hasattr(type(layer_id), "__index__"):
+        i = operator.index(layer_id)  # type: ignore[arg-type]
+    if i is None or not 0 <= i < n:
         raise LayerIdError(f"layer_id must be an int in 0..{n - 1} (device layer ids), got {layer_id!r}")
-    return layer_id
+    return i
 
 
 def byte_storage(dtype: torch.dtype) -> bool:

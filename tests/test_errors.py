@@ -174,6 +174,29 @@ def test_bad_layer_id(pool: HostKVPool, op: str, layer_id: Any) -> None:
     assert_unchanged(before, pool.host_buffers, _device(pool))
 
 
+@pytest.mark.parametrize("op", ["backup_layer", "load_layer"])
+def test_layer_ids_are_taken_as_the_allocator_takes_ints(pool: HostKVPool, op: str) -> None:
+    """NumPy ints are ints (the allocator took them, the layer check did not): the same bytes as a Python int; tensors
+    are refused (a CUDA one would be read back from the device), as are NumPy bools and ids out of range."""
+    import numpy as np
+
+    bufs = [*pool.host_buffers.values(), *_device(pool)]
+    start = [b.clone() for b in bufs]
+    results = []
+    for layer in (1, np.int64(1)):
+        for b, s0 in zip(bufs, start):
+            b.copy_(s0)
+        getattr(pool, op)(layer, GOOD_H, GOOD_D)
+        results.append([b.contiguous().view(torch.uint8).clone() for b in bufs])  # bytes: random floats hold NaNs
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert not all(torch.equal(a, b.contiguous().view(torch.uint8)) for a, b in zip(results[0], start))  # rows moved
+    before = snapshot(pool.host_buffers, _device(pool))
+    for bad in (torch.tensor(1), np.int64(LAYERS), np.True_):
+        with pytest.raises(LayerIdError, match=r"layer_id must be an int in 0\.\.2"):
+            getattr(pool, op)(bad, GOOD_H, GOOD_D)
+    assert_unchanged(before, pool.host_buffers, _device(pool))
+
+
 def test_good_call_after_bad_ones_still_works(pool: HostKVPool) -> None:
     """The control: the same pool with valid arguments does write (so 'unchanged' above means something)."""
     before = snapshot(pool.host_buffers)
