@@ -266,7 +266,8 @@ def check_layer(spec: PoolSpec, layer_id: object) -> int:
     if i is None and not isinstance(layer_id, (bool, torch.Tensor)) and hasattr(type(layer_id), "__index__"):
         i = operator.index(layer_id)  # type: ignore[arg-type]
     if i is None or not 0 <= i < n:
-        raise LayerIdError(f"layer_id must be an int in 0..{n - 1} (device layer ids), got {layer_id!r}")
+        fix = "; pass int(layer_id) (a tensor would be read back from its device)" if isinstance(layer_id, torch.Tensor) else ""
+        raise LayerIdError(f"layer_id must be an int in 0..{n - 1} (device layer ids), got {layer_id!r}{fix}")
     return i
 
 

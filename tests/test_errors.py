@@ -194,6 +194,8 @@ def test_layer_ids_are_taken_as_the_allocator_takes_ints(pool: HostKVPool, op: s
     for bad in (torch.tensor(1), np.int64(LAYERS), np.True_):
         with pytest.raises(LayerIdError, match=r"layer_id must be an int in 0\.\.2"):
             getattr(pool, op)(bad, GOOD_H, GOOD_D)
+    with pytest.raises(LayerIdError, match=r"pass int\(layer_id\)"):
+        getattr(pool, op)(torch.tensor(1), GOOD_H, GOOD_D)
     assert_unchanged(before, pool.host_buffers, _device(pool))
 
 
