@@ -246,7 +246,7 @@ class KernelRelayout:
     def run(self, staging: torch.Tensor, rows: torch.Tensor, npages: int, chunk_pages: int, *,
             to_image: bool) -> bool:
         """Relay ``rows`` (``npages`` pages) to or from the image at ``staging``; ``False`` (nothing
-        launched) when the staging buffer is not aligned to some group's access word."""
+        launched) when the staging buffer is not aligned to some group's vector of access words (``word * vec`` bytes)."""
         base = staging.data_ptr()
         if any(base % (g.word * g.vec) for g in self.groups):
             return False
