@@ -79,6 +79,17 @@ def _scramble_device(pool: HostKVPool, ref: HostKVPool, seed: int) -> None:
             b.copy_(a)
 
 
+def _round_trip(pool: HostKVPool, ref: HostKVPool, h: torch.Tensor, d: torch.Tensor, seed: int) -> None:
+    """All-layer backup, then (device rows scrambled) all-layer load of the same pairs, each bit-exact against ``ref``."""
+    for p in (pool, ref):
+        p.backup_all_layers(h, d)
+    _assert_host_equal(pool, ref)
+    _scramble_device(pool, ref, seed)
+    for p in (pool, ref):
+        p.load_all_layers(h, d)
+    _assert_dev_equal(pool, ref)
+
+
 # -- pitched copies -------------------------------------------------------------------------------------------------
 
 @needs_layer_first
@@ -117,13 +128,7 @@ def test_two_layers_of_one_allocation_go_as_one_pitched_copy_per_block():
     sub = _all_layer_sub(pool, h, d)
     assert sub.pitched_count > 0 and sub.lens.numel() == 0
     assert all(int(x) == 2 for x in sub.pitched.height)
-    for p in (pool, ref):
-        p.backup_all_layers(h, d)
-    _assert_host_equal(pool, ref)
-    _scramble_device(pool, ref, 24)
-    for p in (pool, ref):
-        p.load_all_layers(h, d)
-    _assert_dev_equal(pool, ref)
+    _round_trip(pool, ref, h, d, 24)
 
 
 # -- address tables --------------------------------------------------------------------------------------------------
@@ -175,13 +180,7 @@ def test_inference_mode_index_tensors_are_never_memoised(side):
     _assert_host_equal(pool, ref)
     with torch.inference_mode():
         t.copy_(_pages([4, 0]) if side == "host" else _pages([10, 5]))
-    for p in (pool, ref):
-        p.backup_all_layers(h, d)
-    _assert_host_equal(pool, ref)
-    _scramble_device(pool, ref, 28)
-    for p in (pool, ref):
-        p.load_all_layers(h, d)
-    _assert_dev_equal(pool, ref)
+    _round_trip(pool, ref, h, d, 28)
 
 
 # -- rows split into chunks ------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ width (a missing or extra argument shifts the stream into another slot)."""
 from __future__ import annotations
 
 import ctypes
-import threading
 import types
 
 import pytest

@@ -93,3 +93,20 @@ def kernel_available(layout: str, sharded: bool) -> str | None:
     if not create_registry().candidates(layout, "kernel", sharded):
         return f"no kernel strategy is registered for ({layout}, kernel, sharded={sharded})"
     return None
+
+
+def refuse_hicache_kernel(monkeypatch) -> None:
+    """hicache's ``kernel`` pools raise ResolutionError when built (standing in for a host without Triton); the
+    bridge's decisions are made again."""
+    from hicache_core.errors import ResolutionError
+    from hicache_core.integrations.sglang import adapter, hooks
+
+    real = adapter.HostKVPool
+
+    def refusing(spec, layout, io_backend, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if io_backend == "kernel":
+            raise ResolutionError("kernel: cannot run here (stood in for a host without Triton)")
+        return real(spec, layout, io_backend, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "HostKVPool", refusing)
+    hooks._decided.clear()

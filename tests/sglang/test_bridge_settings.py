@@ -12,7 +12,7 @@ from hicache_core.integrations.sglang import hooks
 from hicache_core.integrations.sglang.adapter import bridge_for
 from hicache_core.integrations.sglang.buffers import wants_kv_split_takeover
 from hicache_core.integrations.sglang.mode import parse_mode
-from sglang_helpers import same_bytes, settle
+from sglang_helpers import refuse_hicache_kernel, same_bytes, settle
 from test_takeover import entry, write_table
 from test_transfers import make_pools, roundtrip, slots
 
@@ -89,19 +89,8 @@ def test_a_gap_cell_falls_back_to_direct_when_its_strategy_cannot_serve_the_pool
     """A cell SGLang cannot serve (MLA ``page_first_kv_split``) under ``gaps``, called with SGLang's ``kernel``: when the
     kernel strategy is registered but refuses this pool (stood in for by a factory that raises), the core's ``direct``
     serves it, byte for byte, instead of SGLang's certain error."""
-    from hicache_core.errors import ResolutionError
-    from hicache_core.integrations.sglang import adapter
-
     monkeypatch.setenv("HICACHE_SGLANG", "gaps")
-    real = adapter.HostKVPool
-
-    def refusing(spec, layout, io_backend, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if io_backend == "kernel":
-            raise ResolutionError("kernel: cannot run here (stood in for a host without Triton)")
-        return real(spec, layout, io_backend, *args, **kwargs)
-
-    monkeypatch.setattr(adapter, "HostKVPool", refusing)
-    hooks._decided.clear()
+    refuse_hicache_kernel(monkeypatch)
     dev, host = make_pools("mla", "page_first_kv_split")
     h, d1, d2 = slots(host, dev)
     host.backup_from_device_all_layer(dev, h, d1, "kernel")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import sglang_harness as H
-from sglang_helpers import CANARY, fill_canary, host_tensors, same_bytes, settle
+from sglang_helpers import fill_canary, host_tensors, refuse_hicache_kernel, same_bytes, settle
 from test_dsa_indexer import make_indexer
 from test_transfers import make_pools, slots
 
@@ -247,18 +247,7 @@ def test_registered_falls_back_to_direct_only_for_cells_sglang_cannot_serve():
 def test_a_stock_cell_whose_strategy_cannot_be_built_stays_sglangs(hooked, monkeypatch, stock_kernels):
     """Under ``all``, SGLang ``kernel`` calls on a cell SGLang serves (MLA layer_first): where hicache's kernel strategy
     refuses the pool, SGLang's own kernel runs (its CPU NameError shows it), not hicache's unmeasured ``direct``."""
-    from hicache_core.errors import ResolutionError
-    from hicache_core.integrations.sglang import adapter, hooks
-
-    real = adapter.HostKVPool
-
-    def refusing(spec, layout, io_backend, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if io_backend == "kernel":
-            raise ResolutionError("kernel: cannot run here")
-        return real(spec, layout, io_backend, *args, **kwargs)
-
-    monkeypatch.setattr(adapter, "HostKVPool", refusing)
-    hooks._decided.clear()
+    refuse_hicache_kernel(monkeypatch)
     dev, host = make_pools("mla", "layer_first")
     h, d1, _ = slots(host, dev)
     before = host.kv_buffer.clone()
