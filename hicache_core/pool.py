@@ -19,6 +19,7 @@ from .spec import PoolSpec
 from .validate import (
     CheckedPair,
     check_device_buffers,
+    check_host_apart_from_device,
     check_host_buffers_disjoint,
     check_indices,
     check_layer,
@@ -121,6 +122,7 @@ class HostKVPool:
             host_buffers = allocate_host_buffers(plan, pin_memory=pin)
         else:
             check_host_buffers_disjoint(host_buffers)
+            check_host_apart_from_device(host_buffers, device_buffers)
         self.binding: PoolBinding = bind(spec, self.resolution.layout, plan, host_buffers, device_buffers)
         if self.validate != "shapes":  # no memo may skip a check or reuse a copy (see ENV_VALIDATE)
             self.binding.scratch["core.index_memos"] = (IndexMemo(enabled=False), IndexMemo(enabled=False))

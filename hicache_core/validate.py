@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ from .errors import (
 )
 from .spec import PoolSpec
 
-__all__ = ["check_indices", "check_layer", "tensor_version", "tensor_where", "pair_where", "check_device_buffers", "check_host_buffers_disjoint",
+__all__ = ["check_indices", "check_layer", "tensor_version", "tensor_where", "pair_where", "check_device_buffers", "check_host_buffers_disjoint", "check_host_apart_from_device",
            "byte_storage", "parse_programs", "repeated_rows", "index_bounds", "page_starts", "IndexFacts", "CheckedPair"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -345,6 +345,29 @@ def check_host_buffers_disjoint(host_buffers: Mapping[str, torch.Tensor]) -> Non
             )
         if end > reach:
             reach, owner = end, name
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that a tensor's elements lie within (a strided one's gaps included); ``None`` for an
+    empty tensor or one with a negative stride (the binding refuses those)."""
+    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+        return None
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def check_host_apart_from_device(host_buffers: Mapping[str, torch.Tensor],
+                                 device_buffers: Mapping[str, Sequence[torch.Tensor | None]]) -> None:
+    """On a CPU pool, no host buffer may share memory with the device rows (a backup would overwrite rows it has yet
+    to read, a load the host bytes it reads): :class:`HostBufferError` naming both."""
+    dev = [(ext, f"{name}[{i}]") for name, layers in device_buffers.items() for i, t in enumerate(layers)
+           if isinstance(t, torch.Tensor) and t.device.type == "cpu" and (ext := _extent(t)) is not None]
+    for hname, h in host_buffers.items():
+        ext = _extent(h) if isinstance(h, torch.Tensor) and h.device.type == "cpu" else None
+        hit = next((d for (lo, hi), d in dev if ext is not None and lo < ext[1] and ext[0] < hi), None)
+        if hit is not None:
+            raise HostBufferError(f"host buffer {hname!r} shares memory with device_buffers {hit}; the host pool needs "
+                                  "memory of its own: pass separate tensors (or let the pool allocate them)")
 
 
 def parse_programs(value: object, source: str) -> int:

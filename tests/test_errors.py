@@ -338,6 +338,28 @@ def test_bad_host_buffers(target: tuple[str, str], bad: str) -> None:
     assert_unchanged(before, host, dev)
 
 
+def test_host_buffers_sharing_memory_with_device_rows_are_refused(target: tuple[str, str]) -> None:
+    """A CPU pool whose host buffer lies inside a device layer's memory (a round trip would read rows it had just
+    overwritten) is refused, naming both; a device layer right after the host buffer, in the same allocation, is not."""
+    layout, backend = target
+    spec = make_spec()
+    host = _planned_host(spec, layout)
+    dev = make_device(spec)
+    k0 = dev["k"][0]
+    big = torch.empty(host["k"].numel() + k0.numel(), dtype=torch.float16)
+    big.random_(0, 100)
+    dev["k"][0] = big[host["k"].numel():].view(k0.shape)  # apart from the host buffer: accepted
+    host["k"] = big[: host["k"].numel()].view(host["k"].shape)
+    HostKVPool(spec, layout, backend, dev, host_buffers=host)
+    dev["k"][0] = big[host["k"].numel() - 1: host["k"].numel() - 1 + k0.numel()].view(k0.shape)  # one element shared
+    before = snapshot(host, dev)
+    with pytest.raises(HostBufferError, match=r"host buffer 'k' shares memory with device_buffers k\[0\]; .*separate "
+                                              r"tensors") as info:
+        HostKVPool(spec, layout, backend, dev, host_buffers=host)
+    assert type(info.value) is HostBufferError
+    assert_unchanged(before, host, dev)
+
+
 # --- construction: resolution ---------------------------------------------------------
 
 
