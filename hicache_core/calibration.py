@@ -91,7 +91,7 @@ def _number(entry: dict, key: str, default: float | None = None, *, integer: boo
     """``entry[key]`` (``default`` where absent) as a finite number (an integer where ``integer``)."""
     if key not in entry:
         if default is None:
-            raise KeyError(f"{key!r} is missing")
+            raise ValueError(f"{key!r} is missing")  # (a KeyError's str() would quote the message again)
         return default
     value = entry[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
