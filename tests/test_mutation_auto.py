@@ -9,7 +9,7 @@ from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends.auto import AutoStrategy
 from hicache_core.backends.auto_rules import pick_key
 from hicache_core.backends.direct import DirectStrategy
-from hicache_core.backends.pace import MIN_SAMPLES, MODEL_CALL_US, WINDOW, HostPace
+from hicache_core.backends.pace import MODEL_CALL_US, WINDOW, HostPace
 from hicache_core.calibration import DEFAULT
 
 REG = create_registry()
