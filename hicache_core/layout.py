@@ -10,14 +10,14 @@ from these answers alone; kernel strategies may specialise on them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .errors import SpecError
 from .spec import PoolSpec, as_int
 
-__all__ = ["Addressing", "Segment", "BufferSpec", "HostPlan", "Layout", "strided_host_view", "page_blocks"]
+__all__ = ["Addressing", "Segment", "BufferSpec", "HostPlan", "Layout", "strided_host_view", "page_blocks", "strided_reach"]
 
 
 @dataclass(frozen=True)
@@ -191,12 +191,18 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     stride = (a.layer, a.page, a.token, a.chunk_stride or a.chunk_bytes, 1)
     # the lowest and highest byte the segment reaches must lie in its own buffer (as_strided checks only the whole
     # storage, which may hold other buffers after this one)
-    lo = a.offset + sum(min(0, (n - 1) * st) for n, st in zip(shape, stride))
-    hi = a.offset + sum(max(0, (n - 1) * st) for n, st in zip(shape, stride)) + 1
+    lo, hi = (a.offset + r for r in strided_reach(shape, stride))
     if all(shape) and (lo < 0 or hi > flat.numel()):  # an empty view (no host layer of it here) reaches no byte
         raise SpecError(f"segment of {seg.component!r} reaches bytes {lo}..{hi - 1} of host buffer {seg.buffer!r}, "
                         f"which holds {flat.numel()} B; fix the layout's plan")
     return flat.as_strided(shape, stride, flat.storage_offset() + a.offset)
+
+
+def strided_reach(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` a non-empty strided view of ``shape`` and ``stride`` reaches, relative to its first
+    element (``lo <= 0`` where a stride is negative)."""
+    lo = sum(min(0, (n - 1) * st) for n, st in zip(shape, stride))
+    return lo, sum(max(0, (n - 1) * st) for n, st in zip(shape, stride)) + 1
 
 
 def page_blocks(seg: Segment, spec: PoolSpec, host_layers: int) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ from .errors import (
     PageAlignmentError,
     PageMultipleError,
 )
+from .layout import strided_reach
 from .spec import PoolSpec
 
 __all__ = ["check_indices", "check_layer", "tensor_version", "tensor_where", "pair_where", "check_device_buffers", "check_host_buffers_disjoint", "check_host_apart_from_device",
@@ -349,11 +350,11 @@ def check_host_buffers_disjoint(host_buffers: Mapping[str, torch.Tensor]) -> Non
 
 def _extent(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes ``[start, end)`` that a tensor's elements lie within (a strided one's gaps included); ``None`` for an
-    empty tensor or one with a negative stride (the binding refuses those)."""
-    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+    empty tensor."""
+    if t.numel() == 0:
         return None
-    start = t.data_ptr()
-    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+    lo, hi = strided_reach(t.shape, t.stride())
+    return t.data_ptr() + lo * t.element_size(), t.data_ptr() + hi * t.element_size()
 
 
 def check_host_apart_from_device(host_buffers: Mapping[str, torch.Tensor],
