@@ -1,9 +1,15 @@
 """Fixtures for every test under tests/ (the conformance kit in hicache_core/testing is left alone: run it with
-``HICACHE_AUTO_FORWARD`` set to check ``auto`` that way)."""
+``HICACHE_AUTO_FORWARD`` set to check ``auto`` that way), and tests/fakes.py importable from the test modules (the
+suite imports them with ``--import-mode=importlib``, so they cannot import one another)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)

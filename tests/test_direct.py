@@ -14,6 +14,7 @@ from hicache_core.backends.plans import Plan
 from hicache_core.backends.staging import page_image
 from hicache_core.errors import ConfigError, IndexRangeError
 from hicache_core.testing.conformance import CASES, check_strategy
+from fakes import FakeEvent
 
 REG = create_registry()
 LAYOUTS = sorted(REG.layouts)
@@ -1335,26 +1336,12 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
         AutoStrategy(lone="yes")
 
 
-class _Event:
-    """A timing event whose end lands when the test says (``done``), ``ms`` after its start."""
-
-    def __init__(self, log: list, done: list, ms: list) -> None:
-        self.log, self.done, self.ms = log, done, ms
-
-    def record(self, stream: object) -> None:
-        self.log.append(stream)
-
-    def query(self) -> bool:
-        return self.done[0]
-
-    def elapsed_time(self, other: "_Event") -> float:
-        return self.ms[0]
 
 
 def _watch(t: list, ms: list, done: list, log: list) -> Any:
     from hicache_core.backends.forward import ForwardWatch
 
-    return ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i))
+    return ForwardWatch(55.0, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: ("stream", i))
 
 
 def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_until_renewed():
@@ -1411,7 +1398,7 @@ def test_the_forward_watch_turns_timed_lone_loads_into_a_verdict_that_holds_unti
         steps.timed(lambda: None, big, 0)
         ms[0], done[0] = big / (share * 55e6), True
         assert steps.generation == gen, share
-    floor = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: ("stream", i),
+    floor = ForwardWatch(55.0, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: ("stream", i),
                          min_room=2.2)
     for share, room in ((0.8, 1.0), (0.55, 2.2), (0.2, IDLE_SHARE / 0.2), (0.05, 8.0)):  # compute: 1; memory: 2.2-8
         done[0], t[0] = False, t[0] + RENEW_S
@@ -1435,18 +1422,18 @@ def test_the_forward_watch_lends_its_events_to_one_timing_at_a_time_and_reads_th
     assert watch.timed(outer, big, 0) == "outer" and inner == ["inner"] and len(log) == 2  # one pair recorded
     assert watch.timed(lambda: "busy", big, 0) == "busy" and len(log) == 2  # pending: its events are in use
     held = []
-    real = _Event.elapsed_time
+    real = FakeEvent.elapsed_time
 
-    def elapsed(self: _Event, other: _Event) -> float:
+    def elapsed(self: FakeEvent, other: FakeEvent) -> float:
         held.append(watch._pending is not None)  # still claimed while it is read
         return real(self, other)
 
-    _Event.elapsed_time = elapsed  # type: ignore[method-assign]
+    FakeEvent.elapsed_time = elapsed  # type: ignore[method-assign]
     try:
         done[0] = True
         assert watch.due(big) and held == [True] and watch.timings == 1
     finally:
-        _Event.elapsed_time = real  # type: ignore[method-assign]
+        FakeEvent.elapsed_time = real  # type: ignore[method-assign]
     assert watch.timed(lambda: False, big, 0) is False and watch.due(big)  # a declined launch leaves nothing pending
 
 

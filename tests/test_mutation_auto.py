@@ -11,6 +11,7 @@ from hicache_core.backends.auto_rules import pick_key
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.pace import MODEL_CALL_US, WINDOW, HostPace
 from hicache_core.calibration import DEFAULT
+from fakes import FakeEvent, check_moved_generation_drops_the_pick, auto_over
 
 REG = create_registry()
 
@@ -37,18 +38,11 @@ class _Paces:
         self.warm = (HostPace(now=lambda: self.t[0], warm=True), HostPace(now=lambda: self.t[0], warm=True))
 
 
-def _auto(pool: HostKVPool, paces: _Paces | None, **options: object) -> AutoStrategy:
-    auto = AutoStrategy(**options)  # type: ignore[arg-type]
-    auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT  # type: ignore[assignment]
-    auto.paces = paces.paces if paces is not None else None
-    return auto
-
-
 def test_a_kernel_pick_decided_again_at_its_first_reuse_is_then_served_from_the_memo():
     """Only the *first* reuse of a kernel-picked pair decides again; later reuses take the memo."""
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     auto.warm_paces, auto._layers = w.warm, 2
     _fill(w.paces[False], 0.9)
     _fill(w.warm[False], 0.9)  # reused plans slow too: the kernel again
@@ -64,7 +58,7 @@ def test_the_lane_serves_a_memoised_pick_while_both_directions_are_measured(monk
     w = _Paces()
     _fill(w.paces[False], 0.42)
     _fill(w.paces[True], 0.42)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
     ran: list = []
     monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
@@ -75,7 +69,7 @@ def test_the_lane_serves_a_memoised_pick_while_both_directions_are_measured(monk
 def test_an_all_layer_kernel_pick_is_not_held_after_its_one_call_burst():
     """``_held``: an all-layer call is a burst of its own, so after one call its pair is not held to the kernel."""
     pool, h, d = _fp8_pool()
-    auto = _auto(pool, _Paces(), forward="memory")
+    auto = auto_over(pool, _Paces(), forward="memory")
     auto._layers = 4
     on_gpu = (h.to("meta"), d.to("meta"))
     key = pick_key(*on_gpu, None, False)
@@ -94,10 +88,10 @@ def test_a_smallest_block_of_exactly_the_calibrated_size_may_use_the_copy_engine
     pool, h, d = _fp8_pool()  # 64 x 656 = 41984-byte blocks
     w = _Paces()
     _fill(w.paces[False], 0.42)  # a host fast enough for these loads
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     auto.calibration = replace(DEFAULT, h2d_min_block=64 * 656)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     auto.calibration = replace(DEFAULT, h2d_min_block=64 * 656 + 1)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
 
@@ -105,7 +99,7 @@ def test_a_smallest_block_of_exactly_the_calibrated_size_may_use_the_copy_engine
 def test_a_backups_plan_is_not_remembered_as_a_loads():
     """``_load_blocks`` (what ``_refuse_unread`` judges GPU-resident loads by) records one-layer *loads* only."""
     pool, h, d = _fp8_pool(ps=256, pages=16)  # fed at the calibration's costs: both directions plan
-    auto = _auto(pool, _Paces())
+    auto = auto_over(pool, _Paces())
     assert auto.pick(pool.binding, h, d, 1, to_host=True) is auto.direct
     assert auto._load_blocks == {}
     auto.pick(pool.binding, h, d, 1, to_host=False)
@@ -117,7 +111,7 @@ def test_a_call_of_exactly_min_ops_blocks_is_sent_to_measure_the_host():
     the calibration's cost feeds a burst (22 us): with no measure the copy engine serves the call to measure the host
     (the copier samples submissions of MIN_OPS descriptors or more)."""
     pool, h, d = _fp8_pool(ps=64, pages=32)
-    auto = _auto(pool, _Paces())
+    auto = auto_over(pool, _Paces())
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct and auto.pace_probes == 1
 
 
@@ -135,7 +129,7 @@ def test_a_partial_page_counts_as_a_page_of_blocks_in_the_host_index_bound():
     pool = HostKVPool(spec, "page_first_direct", "direct", dev, registry=REG, strategy="core.direct")
     w = _Paces()
     _fill(w.paces[False], 1e4)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     h = torch.arange(ps // 2)
     assert auto._least_blocks(pool.binding, h, 1) == (1, (ps // 2) * 1152)
     assert auto.pick(pool.binding, h, torch.arange(ps // 2), 1, to_host=False) is auto.kernel
@@ -174,18 +168,6 @@ class _Candidate:
         self.served.append((self.name + " backup", layer))
 
 
-class _Event:
-    def __init__(self, log: list, done: list, ms: list) -> None:
-        self.log, self.done, self.ms = log, done, ms
-
-    def record(self, stream: object) -> None:
-        self.log.append(stream)
-
-    def query(self) -> bool:
-        return self.done[0]
-
-    def elapsed_time(self, other: object) -> float:
-        return self.ms[0]
 
 
 def _watched(monkeypatch, t: list, served: list, forward: str = "watch"):  # type: ignore[no-untyped-def]
@@ -208,7 +190,7 @@ def _watched(monkeypatch, t: list, served: list, forward: str = "watch"):  # typ
     monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
     ms, done, log = [0.0], [False], []
     if forward == "watch":
-        auto.watch = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: i,
+        auto.watch = ForwardWatch(55.0, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: i,
                                   min_room=auto.watch.min_room if auto.watch is not None else 1.0)
     return auto, binding, ms, done, log
 
@@ -240,7 +222,7 @@ def test_the_lane_leaves_a_kernel_pairs_first_reuse_to_pick_even_where_the_kerne
     declines that call although the kernel's lane could serve it, and serves the kernel's later calls."""
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     ran: list = []
 
     class Kernel:
@@ -265,7 +247,7 @@ def test_the_lane_declines_once_the_measure_of_reused_plans_aged(monkeypatch):
 
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     auto.warm_paces = w.warm
     _fill(w.paces[False], 0.42)
     _fill(w.warm[False], 0.42)
@@ -345,7 +327,7 @@ def test_the_layout_bound_on_blocks_is_judged_by_the_calls_direction():
     w = _Paces()
     _fill(w.paces[False], 0.1)
     _fill(w.paces[True], 0.1)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert DEFAULT.h2d_min_block <= auto._block_bound(pool.binding, 1) < DEFAULT.d2h_min_block
     h, d = torch.arange(ps * pages), torch.arange(ps * pages)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
@@ -355,7 +337,7 @@ def test_the_layout_bound_on_blocks_is_judged_by_the_calls_direction():
 def _bare_watch(t: list, ms: list, done: list, log: list, link_gbps: float = 55.0):  # type: ignore[no-untyped-def]
     from hicache_core.backends.forward import ForwardWatch
 
-    return ForwardWatch(link_gbps, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: i)
+    return ForwardWatch(link_gbps, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: i)
 
 
 def _land(watch, t: list, ms: list, done: list, nbytes: int, took_ms: float) -> None:  # type: ignore[no-untyped-def]
@@ -394,27 +376,14 @@ def test_a_pick_decided_while_the_watchs_verdict_moved_is_not_kept():
     """As for a measure that moved: a pick decided while another thread saw the watch's verdict change was decided at
     the old room, and is not memoised."""
     pool, h, d = _fp8_pool()
-    auto = _auto(pool, _Paces())
-    step = auto._decide
-
-    def verdict_moves(*args, **kwargs):  # type: ignore[no-untyped-def]
-        pick = step(*args, **kwargs)
-        auto._watch_gen += 1  # what _watch_moved() records when another thread's call sees a new verdict
-        return pick
-
-    auto._decide = verdict_moves  # type: ignore[method-assign]
-    auto.pick(pool.binding, h, d, 1, to_host=False)
-    assert pick_key(h, d, 1, False) not in auto._picks
-    auto._decide = step  # type: ignore[method-assign]
-    auto.pick(pool.binding, h, d, 1, to_host=False)
-    assert pick_key(h, d, 1, False) in auto._picks
+    check_moved_generation_drops_the_pick(auto_over(pool, _Paces()), "_watch_gen", pool.binding, h, d)
 
 
 def test_the_lane_serves_a_probe_pick_while_its_measure_has_no_estimate_yet(monkeypatch):
     """A measure without an estimate has nothing to age: the lane serves the probe's memoised route."""
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct and auto.pace_probes == 1
     assert not w.paces[False].aged()
     ran: list = []
@@ -472,7 +441,7 @@ def test_compute_bound_timings_never_move_the_generation_whatever_the_least_room
     from hicache_core.backends.forward import RENEW_S, ForwardWatch
 
     t, ms, done, log = [10.0], [0.0], [False], []
-    watch = ForwardWatch(55.0, now=lambda: t[0], event=lambda: _Event(log, done, ms), stream=lambda i: i,
+    watch = ForwardWatch(55.0, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: i,
                          min_room=1 / MEMORY_KERNEL_SHARE)
     for _ in range(3):
         t[0] += RENEW_S

@@ -18,6 +18,7 @@ from hicache_core.backends.pace import (MAX_BACKLOG_US, MIN_OPS, MIN_SAMPLES, MO
                                         WINDOW, HostPace)
 from hicache_core.calibration import DEFAULT
 from hicache_core.errors import ConfigError
+from fakes import auto_over, check_moved_generation_drops_the_pick
 
 REG = create_registry()
 
@@ -154,13 +155,6 @@ class _Paces:
         self.warm = (HostPace(now=lambda: self.t[0]), HostPace(now=lambda: self.t[0]))
 
 
-def _auto(pool: HostKVPool, paces: _Paces | None, **options: object) -> AutoStrategy:
-    auto = AutoStrategy(**options)  # type: ignore[arg-type]
-    auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT  # type: ignore[assignment]
-    auto.paces = paces.paces if paces is not None else None
-    return auto
-
-
 def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_it():
     """The calibrated margin gives these loads to the kernel (the idle schedule's 56 us > 49 us); at a measured
     0.42 us per descriptor a burst's submission (33 us) fits the transfer time: the copy engine; at 0.9 us (a slow
@@ -177,7 +171,7 @@ def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_i
     assert worth_measuring(sub, DEFAULT)  # 64 x 0.5 + 6 = 38 us <= 49 us
 
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     _fill(w.paces[False], 0.42)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct
     assert auto._picks[pick_key(h, d, 1, False)] is direct and auto.pace_probes == 0
@@ -185,7 +179,7 @@ def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_i
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
     _fill(w.paces[True], 0.42)  # the other direction's measure does not count for loads
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
-    plain = _auto(pool, None)  # no measures (pace=False, or a CPU pool): the calibration alone
+    plain = auto_over(pool, None)  # no measures (pace=False, or a CPU pool): the calibration alone
     assert plain.pick(pool.binding, h, d, 1, to_host=False) is plain.kernel and plain.pace_probes == 0
 
 
@@ -197,7 +191,7 @@ def test_auto_measures_the_host_where_no_recent_measure_exists():
     direct = pool.strategy
     w = _Paces()
     loads = w.paces[False]
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and auto.pace_probes == 1  # no measure: probe
     _fill(loads, 0.9, count=MIN_SAMPLES)  # the probe's submissions: a slow host
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.pace_probes == 1
@@ -209,7 +203,7 @@ def test_auto_measures_the_host_where_no_recent_measure_exists():
     assert auto.pick(pool.binding, h2, d, 1, to_host=False) is direct and auto.pace_probes == 2  # measured: fed
 
     small, hs, ds = _fp8_pool(ps=16, pages=256)  # 10.5 KB blocks: under the loads' calibrated 16 KB
-    auto = _auto(small, _Paces())
+    auto = auto_over(small, _Paces())
     assert auto.pick(small.binding, hs, ds, 1, to_host=False) is auto.kernel and auto.pace_probes == 0
 
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
@@ -219,7 +213,7 @@ def test_auto_measures_the_host_where_no_recent_measure_exists():
     hm = torch.arange(512).flip(0).repeat_interleave(32) * 32 + torch.arange(32).repeat(512)
     sub = many.strategy.submission(many.binding, hm, torch.arange(32 * 512), 1)  # type: ignore[attr-defined]
     assert not worth_measuring(sub, DEFAULT)  # 512 x 0.5 + 6 = 262 us > 196 us
-    auto = _auto(many, _Paces())
+    auto = auto_over(many, _Paces())
     assert auto.pick(many.binding, hm, torch.arange(32 * 512), 1, to_host=False) is auto.kernel
     assert auto.pace_probes == 0
 
@@ -237,7 +231,7 @@ def test_a_slow_measure_takes_loads_but_never_backups_from_the_copy_engine_and_l
     w = _Paces()
     _fill(w.paces[False], 50.0)
     _fill(w.paces[True], 50.0)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
     assert auto.pick(pool.binding, h, d, 1, to_host=True) is direct
     w.t[0] += 2 * STALE_S  # an old measure: the calibration decides, and a new measure starts only where it refuses
@@ -259,7 +253,7 @@ def test_auto_lane_declines_after_the_pace_moved_so_the_call_decides_again(monke
     pool, h, d = _fp8_pool()
     w = _Paces()
     _fill(w.paces[False], 0.42)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
     ran = []
     monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
@@ -292,7 +286,7 @@ def test_auto_refuses_the_copy_engine_from_the_host_indices_alone_where_no_devic
     fast host, or no measure yet (the copy engine would measure it), needs the plan too."""
     pool, h, d = _fp8_pool()
     plans = pool.binding.scratch["direct.plans"]
-    auto = _auto(pool, None)
+    auto = auto_over(pool, None)
     assert auto._least_blocks(pool.binding, h, 1) == (64, 64 * 64 * 656)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
     assert plans._slots == []  # decided without a plan
@@ -304,22 +298,22 @@ def test_auto_refuses_the_copy_engine_from_the_host_indices_alone_where_no_devic
 
     w = _Paces()
     _fill(w.paces[False], 0.42)
-    fast = _auto(pool, w)
+    fast = auto_over(pool, w)
     assert fast.pick(pool.binding, h, d, 1, to_host=False) is fast.direct and len(plans._slots) == 2
-    unmeasured = _auto(pool, _Paces())
+    unmeasured = auto_over(pool, _Paces())
     h2 = h.clone()
     assert unmeasured.pick(pool.binding, h2, d, 1, to_host=False) is unmeasured.direct  # measures the host
     assert unmeasured.pace_probes == 1 and len(plans._slots) == 3
     w2 = _Paces()
     _fill(w2.paces[False], 0.9)
-    slow = _auto(pool, w2)
+    slow = auto_over(pool, w2)
     assert slow.pick(pool.binding, h.clone(), d, 1, to_host=False) is slow.kernel and len(plans._slots) == 3
 
     if "page_first_direct" in REG.layouts:  # a layer's block never continues into the next page: pages count
         spec = pool.spec
         dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
         pfd = HostKVPool(spec, "page_first_direct", "direct", dev, registry=REG, strategy="core.direct")
-        auto = _auto(pfd, None)
+        auto = auto_over(pfd, None)
         assert auto._least_blocks(pfd.binding, run, 1) == (64, 64 * 64 * 656)
         assert auto.pick(pfd.binding, run, d, 1, to_host=False) is auto.kernel
         assert pfd.binding.scratch["direct.plans"]._slots == []
@@ -372,7 +366,7 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     w = _Paces()
     loads = w.paces[False]
     _fill(loads, 50.0)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     w.t[0] += 2 * STALE_S
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and loads.samples() == []
     _fill(loads, 50.0, count=MIN_SAMPLES)  # the new measure: slow
@@ -397,7 +391,7 @@ def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
     pool, h, d = _fp8_pool(ps=256, pages=16)
     w = _Paces()
     _fill(w.paces[False], 50.0)
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
     ran = []
     monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
@@ -416,7 +410,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
     after batch are not held to the pace of their first burst."""
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     auto.warm_paces = w.warm
     auto._layers = 2
     cold, warm = w.paces[False], w.warm[False]
@@ -442,7 +436,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
 
     # an all-layer call counts as a burst of its own: the second is a reuse
     pages = _Paces()
-    auto = _auto(pool, pages)
+    auto = auto_over(pool, pages)
     auto.warm_paces = pages.warm
     _fill(pages.paces[False], 0.9)
     _fill(pages.warm[False], 0.42)
@@ -450,7 +444,7 @@ def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
 
     # the lane counts as pick() does, and leaves the first reuse of a kernel-picked pair to it
     lw = _Paces()
-    auto = _auto(pool, lw)
+    auto = auto_over(pool, lw)
     auto.warm_paces, auto._layers = lw.warm, 2
     _fill(lw.paces[False], 0.9)
     _fill(lw.warm[False], 0.42)
@@ -485,19 +479,19 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     for forward, slow_pick in (("compute", "kernel"), ("memory", "direct")):
         w = _Paces()
         _fill(w.paces[False], 0.9)
-        auto = _auto(pool, w, forward=forward)
+        auto = auto_over(pool, w, forward=forward)
         assert auto.forward == forward and auto.lone == (forward == "compute")
         assert auto.pick(pool.binding, h, d, 1, to_host=False) is getattr(auto, slow_pick)
         assert auto._may_feed(64, sub.nbytes, DEFAULT, False, w.paces[False]) == (forward == "memory")
         _fill(w.paces[False], 2.5)  # slower still: the kernel in both modes
         assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel
-        unmeasured = _auto(pool, None, forward=forward)  # the calibration alone (no plan needed to refuse it)
+        unmeasured = auto_over(pool, None, forward=forward)  # the calibration alone (no plan needed to refuse it)
         assert unmeasured.pick(pool.binding, h.clone(), d, 1, to_host=False) is getattr(unmeasured, slow_pick)
 
     # the rules that refuse the copy engine before a plan, or start a measure, give loads the same room
     n, nbytes = h.numel(), sub.nbytes
     for forward, refused in (("compute", True), ("memory", False)):
-        auto = _auto(pool, None, forward=forward)
+        auto = auto_over(pool, None, forward=forward)
         auto._load_blocks[n] = (64, nbytes)  # the last plan of a load of n positions
         assert auto._refuse_unread(n, DEFAULT, 0.9) == refused and not auto._refuse_unread(n, DEFAULT, None)
     slow = replace(DEFAULT, submit_us=1.5)  # a burst at 1.5 us per descriptor: 96 us and more, for 49 us at link speed
@@ -546,7 +540,7 @@ def test_auto_decides_its_memoised_picks_again_when_the_watch_changes_its_verdic
     pool, h, d = _fp8_pool()
     w = _Paces()
     _fill(w.paces[False], 0.9)
-    auto = _auto(pool, w, forward="watch")
+    auto = auto_over(pool, w, forward="watch")
     ms = [0.08]
 
     class Event:
@@ -577,7 +571,7 @@ def test_beside_memory_bound_work_a_burst_the_kernel_serves_is_not_moved_mid_bur
     on_gpu = (h.to("meta"), d.to("meta"))  # "off the CPU" as far as the rule can tell
     for forward, kept in (("compute", False), ("memory", True), ("watch", True)):
         w = _Paces()
-        auto = _auto(pool, w, forward=forward)
+        auto = auto_over(pool, w, forward=forward)
         if forward == "watch":
             from hicache_core.backends.forward import ForwardWatch
 
@@ -612,7 +606,7 @@ def test_no_probe_the_copier_would_not_sample():
     pool, h, d = _fp8_pool(pages=MIN_OPS - 1)
     sub = pool.strategy.submission(pool.binding, h, d, 1)  # type: ignore[attr-defined]
     assert sub.count == MIN_OPS - 1 and not worth_measuring(sub, DEFAULT)
-    auto = _auto(pool, _Paces())
+    auto = auto_over(pool, _Paces())
     for _ in range(3):
         auto.pick(pool.binding, h.clone(), d, 1, to_host=False)
     assert auto.pace_probes == 0
@@ -625,7 +619,7 @@ def test_dropping_the_use_counts_drops_the_picks_too(monkeypatch):
 
     monkeypatch.setattr(auto_mod, "_PICKS", 10 * auto_mod._USES)  # the picks' own bound out of the way
     pool, h, d = _fp8_pool()
-    auto = _auto(pool, None)
+    auto = auto_over(pool, None)
     for _ in range(auto_mod._USES):
         auto.pick(pool.binding, h.clone(), d, 1, to_host=False)
     assert len(auto._uses) == auto_mod._USES and auto._picks
@@ -658,7 +652,7 @@ def test_auto_hands_direct_the_start_of_its_call_so_a_new_pairs_planning_is_samp
 
     pool, h, d = _fp8_pool()
     w = _Paces()
-    auto = _auto(pool, w)
+    auto = auto_over(pool, w)
     _fill(w.paces[False], 0.42)  # a fast host: the copy engine serves the loads
     copier = pool.binding.scratch["direct.copier"]
     tick = [0.0]
@@ -761,7 +755,7 @@ def test_a_pick_made_while_another_thread_dropped_the_memo_is_not_kept():
     from hicache_core.backends import auto as auto_mod
 
     pool, h, d = _fp8_pool()
-    auto = _auto(pool, None)
+    auto = auto_over(pool, None)
     decide = auto._decide
 
     def racing(*args, **kwargs):
@@ -775,18 +769,4 @@ def test_a_pick_made_while_another_thread_dropped_the_memo_is_not_kept():
     hh, dd = h.clone(), d.clone()
     assert auto.pick(pool.binding, hh, dd, 1, to_host=False) is auto.kernel
     assert pick_key(hh, dd, 1, False) not in auto._picks
-    w = _Paces()
-    moving = _auto(pool, w)
-    step = moving._decide
-
-    def measure_moves(*args, **kwargs):
-        pick = step(*args, **kwargs)
-        moving._pace_gen += 1  # what _pace_moved() records when another thread's call sees a new generation
-        return pick
-
-    moving._decide = measure_moves  # type: ignore[method-assign]
-    moving.pick(pool.binding, hh, dd, 1, to_host=False)
-    assert pick_key(hh, dd, 1, False) not in moving._picks
-    moving._decide = step  # type: ignore[method-assign]
-    moving.pick(pool.binding, hh, dd, 1, to_host=False)
-    assert pick_key(hh, dd, 1, False) in moving._picks  # decided undisturbed: memoised
+    check_moved_generation_drops_the_pick(auto_over(pool, _Paces()), "_pace_gen", pool.binding, hh, dd)

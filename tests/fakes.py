@@ -1,0 +1,52 @@
+"""Fakes shared by test modules (tests/conftest.py puts this directory on ``sys.path``; the suite imports test
+modules with ``--import-mode=importlib``, so they cannot import one another)."""
+
+from __future__ import annotations
+
+
+class FakeEvent:
+    """A timing event whose end lands when the test says (``done``), ``ms`` after its start."""
+
+    def __init__(self, log: list, done: list, ms: list) -> None:
+        self.log, self.done, self.ms = log, done, ms
+
+    def record(self, stream: object) -> None:
+        self.log.append(stream)
+
+    def query(self) -> bool:
+        return self.done[0]
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return self.ms[0]
+
+
+def check_moved_generation_drops_the_pick(auto, generation: str, binding, h, d) -> None:  # type: ignore[no-untyped-def]
+    """A pick of ``auto`` decided while ``generation`` (``_pace_gen``, ``_watch_gen``) moved, as another thread's call
+    seeing a new measure or verdict moves it, is not memoised; the same pick decided undisturbed is."""
+    from hicache_core.backends.auto_rules import pick_key
+
+    step = auto._decide
+
+    def moving(*args, **kwargs):  # type: ignore[no-untyped-def]
+        pick = step(*args, **kwargs)
+        setattr(auto, generation, getattr(auto, generation) + 1)
+        return pick
+
+    auto._decide = moving
+    auto.pick(binding, h, d, 1, to_host=False)
+    assert pick_key(h, d, 1, False) not in auto._picks
+    auto._decide = step
+    auto.pick(binding, h, d, 1, to_host=False)
+    assert pick_key(h, d, 1, False) in auto._picks
+
+
+def auto_over(pool, paces, **options):  # type: ignore[no-untyped-def]
+    """An ``auto`` strategy choosing between ``pool``'s strategy (as its copy engine) and a stand-in kernel, with the
+    calibration's shipped values and ``paces.paces`` (a test's host paces on a fake clock; ``None``: none)."""
+    from hicache_core.backends.auto import AutoStrategy
+    from hicache_core.calibration import DEFAULT
+
+    auto = AutoStrategy(**options)
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT
+    auto.paces = paces.paces if paces is not None else None
+    return auto
