@@ -201,9 +201,9 @@ def test_packed_fp8_mla_rows_are_moved_whole(hooked, layout):
     (expected,) = [t.view(torch.uint8) for t in fill_canary(host)]
     for layer in range(2):
         if layout == "page_first":
-            expected[h, layer, 0] = dev.kv_buffer[layer][d1, 0]
+            expected[h, layer, 0] = dev.kv_buffer[layer][d1, 0].cpu()
         else:
-            expected[h // ps, layer, h % ps, 0] = dev.kv_buffer[layer][d1, 0]
+            expected[h // ps, layer, h % ps, 0] = dev.kv_buffer[layer][d1, 0].cpu()
     host.backup_from_device_all_layer(dev, h, d1, "direct")
     settle()
     (got,) = host_tensors(host)
