@@ -161,7 +161,17 @@ def _slot_values(indices: object) -> torch.Tensor:
                     "pass the int64 tensor alloc returned")
     if t.device.type == "meta":
         raise AllocatorArgumentError("free(indices) is a meta tensor, whose values cannot be read; pass the slots alloc returned")
-    return t.reshape(-1).to("cpu", torch.int64)
+    return _cpu_int64(t.reshape(-1), "free(indices)", "slots")
+
+
+def _cpu_int64(t: torch.Tensor, call: str, what: str) -> torch.Tensor:
+    """``t``'s values as CPU int64, refusing uint64 values of 2**63 or more (the conversion would wrap them negative
+    and the range error would name values the caller never passed)."""
+    out = t.to("cpu", torch.int64)
+    if t.dtype == torch.uint64 and out.numel() and bool((out < 0).any()):
+        big = int(out[out < 0].max()) + 2**64
+        raise ForeignSlotError(f"{call}: {what} must be below 2**63, got {big}; these {what} do not belong to this pool")
+    return out
 
 
 def _page_values(page_ids: object) -> torch.Tensor:
@@ -169,4 +179,4 @@ def _page_values(page_ids: object) -> torch.Tensor:
     t = _int_tensor(page_ids, "allocated(page_ids)", "page ids", "", "pass slot // page_size as int64")
     if t.device.type == "meta":
         raise AllocatorArgumentError("allocated(page_ids) is a meta tensor, whose values cannot be read; pass real page ids")
-    return t.to("cpu", torch.int64)
+    return _cpu_int64(t, "allocated(page_ids)", "page ids")

@@ -137,6 +137,20 @@ def test_foreign_slots(alloc: PageAllocator, bad: list[int]) -> None:
     assert alloc.available_size() == 0
 
 
+def test_uint64_values_past_int64_are_named_not_wrapped(alloc: PageAllocator) -> None:
+    """uint64 slots or page ids of 2**63 or more are reported as passed (a plain int64 conversion wraps them negative,
+    and the range error then named values the caller never passed); smaller uint64 values are taken."""
+    held = alloc.alloc(CAP)
+    big = torch.tensor([1, 2, 2**64 - 5, 2**63], dtype=torch.uint64)
+    with pytest.raises(ForeignSlotError, match=rf"free\(indices\): slots must be below 2\*\*63, got {2**64 - 5};"):
+        alloc.free(big)
+    with pytest.raises(ForeignSlotError, match=rf"allocated\(page_ids\): page ids must be below 2\*\*63, got {2**63};"):
+        alloc.allocated(torch.tensor([0, 2**63], dtype=torch.uint64))
+    assert alloc.available_size() == 0
+    assert alloc.allocated(torch.tensor([0, 7], dtype=torch.uint64)).tolist() == [True, True]
+    assert alloc.free(held[:PS].to(torch.uint64)) == PS and alloc.available_size() == PS
+
+
 def test_partial_page_free(alloc: PageAllocator) -> None:
     alloc.alloc(8)
     with pytest.raises(PageMultipleError, match=r"free\(indices\): 2 slots is not a multiple of page_size=4"):
