@@ -7,7 +7,7 @@
 #   stress      benchmarks/stress.py (interleaved transfers, SGLang-shaped threads, 100 lifecycles)
 #   focus       the kit for kernel/direct/auto, the copy-engine, row-copy and launch tests, plugins/, tests/gpu, with both
 #               sanitizers over the kernel tests, all at once
-#   full        the whole suite (pytest's testpaths: tests/, plugins/, the kit) in ten concurrent processes,
+#   full        the whole suite (pytest's testpaths: tests/, plugins/, the kit) in eleven concurrent processes,
 #               SGLang's pools included when .whl/ is carried (FULL_T seconds each, default 480)
 #   checks      tests and sanitize at once (correctness only: they may share the GPU)
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
@@ -78,27 +78,29 @@ for step in "$@"; do
       note "full: SGLang site ${SITE:-absent (tests/sglang skip)}"
       T=${FULL_T:-480}
       # a test running past FULL_STALL_S prints every thread's stack; at T pytest gets SIGINT and still prints its
-      # summary and slowest tests; two CPU threads per process (ten processes share the host's cores)
+      # summary and slowest tests; two CPU threads per process (eleven processes share the host's cores)
       PYT="$PYT -o faulthandler_timeout=${FULL_STALL_S:-120} --durations=15"; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-      timeout() { command timeout -s INT -k 30 "$@"; }
-      timeout $T $PYT hicache_core/testing --hicache-io-backend kernel >"$W/full_kit_kernel.log" 2>&1 & p1=$!
-      timeout $T $PYT hicache_core/testing --hicache-io-backend direct --hicache-io-backend auto \
-        --hicache-io-backend fakedma >"$W/full_kit_other.log" 2>&1 & p2=$!
+      to() { timeout -s INT -k 30 "$@"; }
+      to $T $PYT hicache_core/testing --hicache-io-backend kernel >"$W/full_kit_kernel.log" 2>&1 & p1=$!
+      to $T $PYT hicache_core/testing --hicache-io-backend direct >"$W/full_kit_other.log" 2>&1 & p2=$!
+      to $T $PYT hicache_core/testing --hicache-io-backend auto --hicache-io-backend fakedma \
+        >"$W/full_kit_other2.log" 2>&1 & p10=$!
       # the core files in two halves (one process stopped at 43% in 380 s): test_direct.py alone, the rest
-      timeout $T $PYT $(for f in $GPU_CORE; do [ $f = tests/test_direct.py ] || echo $f; done) >"$W/full_tests_core.log" 2>&1 & p3=$!
+      to $T $PYT $(for f in $GPU_CORE; do [ $f = tests/test_direct.py ] || echo $f; done) >"$W/full_tests_core.log" 2>&1 & p3=$!
       # tests/test_direct.py in two halves too (761 tests took > 450 s in one process): the round trips, the rest
-      timeout $T $PYT tests/test_direct.py -k test_round_trip_both_routes >"$W/full_tests_direct.log" 2>&1 & p7=$!
-      timeout $T $PYT tests/test_direct.py -k "not test_round_trip_both_routes" >"$W/full_tests_direct2.log" 2>&1 & p8=$!
+      to $T $PYT tests/test_direct.py -k test_round_trip_both_routes >"$W/full_tests_direct.log" 2>&1 & p7=$!
+      to $T $PYT tests/test_direct.py -k "not test_round_trip_both_routes" >"$W/full_tests_direct2.log" 2>&1 & p8=$!
       # tests/ minus the core files, in two halves (one process took > 360 s): the TMA and replay tests, the rest
       GPU_HEAVY="tests/test_tma.py tests/test_replay.py"
-      timeout $T $PYT $GPU_HEAVY >"$W/full_tests_heavy.log" 2>&1 & p6=$!
+      to $T $PYT tests/test_tma.py >"$W/full_tests_heavy.log" 2>&1 & p6=$!
+      to $T $PYT tests/test_replay.py >"$W/full_tests_heavy2.log" 2>&1 & p11=$!
       # the rest of tests/ in two halves too (2432 tests): SGLang's bridge and test_[a-e]*, then the others
       REST=$(ls tests/test_*.py | grep -vxF "$(echo $GPU_CORE $GPU_HEAVY | tr ' ' '\n')")
-      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} timeout $T $PYT -rs tests/sglang $(echo "$REST" | grep '^tests/test_[a-e]') \
+      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} to $T $PYT -rs tests/sglang $(echo "$REST" | grep '^tests/test_[a-e]') \
         >"$W/full_tests_rest.log" 2>&1 & p4=$!
-      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} timeout $T $PYT -rs tests/plugins $(echo "$REST" | grep -v '^tests/test_[a-e]') >"$W/full_tests_rest2.log" 2>&1 & p9=$!
-      timeout $T $PYT plugins >"$W/full_plugins.log" 2>&1 & p5=$!
-      for part in "kit_kernel $p1" "kit_other $p2" "tests_core $p3" "tests_direct $p7" "tests_direct2 $p8" "tests_heavy $p6" "tests_rest $p4" "tests_rest2 $p9" "plugins $p5"; do
+      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} to $T $PYT -rs tests/plugins $(echo "$REST" | grep -v '^tests/test_[a-e]') >"$W/full_tests_rest2.log" 2>&1 & p9=$!
+      to $T $PYT plugins >"$W/full_plugins.log" 2>&1 & p5=$!
+      for part in "kit_kernel $p1" "kit_other $p2" "kit_other2 $p10" "tests_core $p3" "tests_direct $p7" "tests_direct2 $p8" "tests_heavy $p6" "tests_heavy2 $p11" "tests_rest $p4" "tests_rest2 $p9" "plugins $p5"; do
         set -- $part; wait $2; note "full $1: $(result $?) $(tail -1 "$W/full_$1.log")"; done ;;
     stress) timeout ${STRESS_T:-150} python3 benchmarks/stress.py --out "$OUT/stress.json" >"$W/stress.log" 2>&1
       r=$?; note "stress: $(result $r); $(tail -3 "$W/stress.log" | tr '\n' ' ')" ;;
