@@ -8,7 +8,9 @@
 #   focus       the kit for kernel/direct/auto, the copy-engine, row-copy and launch tests, plugins/, tests/gpu, with both
 #               sanitizers over the kernel tests, all at once
 #   full        the whole suite (pytest's testpaths: tests/, plugins/, the kit) in eleven concurrent processes,
-#               SGLang's pools included when .whl/ is carried (FULL_T seconds each, default 480)
+#               SGLang's pools included when .whl/ is carried (FULL_T seconds each, default 480); FULL_PARTS names
+#               some of them only (kit_kernel kit_direct kit_auto tests_core tests_direct tests_direct2 tests_tma
+#               tests_replay tests_rest tests_rest2 plugins)
 #   checks      tests and sanitize at once (correctness only: they may share the GPU)
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
 #   calibrate   hicache calibrate into $OUT/calibration.json
@@ -78,30 +80,32 @@ for step in "$@"; do
       note "full: SGLang site ${SITE:-absent (tests/sglang skip)}"
       T=${FULL_T:-480}
       # a test running past FULL_STALL_S prints every thread's stack; at T pytest gets SIGINT and still prints its
-      # summary and slowest tests; two CPU threads per process (eleven processes share the host's cores)
+      # summary and slowest tests; two CPU threads per process (up to eleven processes share the host's cores)
       PYT="$PYT -o faulthandler_timeout=${FULL_STALL_S:-120} --durations=15"; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-      to() { timeout -s INT -k 30 "$@"; }
-      to $T $PYT hicache_core/testing --hicache-io-backend kernel >"$W/full_kit_kernel.log" 2>&1 & p1=$!
-      to $T $PYT hicache_core/testing --hicache-io-backend direct >"$W/full_kit_other.log" 2>&1 & p2=$!
-      to $T $PYT hicache_core/testing --hicache-io-backend auto --hicache-io-backend fakedma \
-        >"$W/full_kit_other2.log" 2>&1 & p10=$!
-      # the core files in two halves (one process stopped at 43% in 380 s): test_direct.py alone, the rest
-      to $T $PYT $(for f in $GPU_CORE; do [ $f = tests/test_direct.py ] || echo $f; done) >"$W/full_tests_core.log" 2>&1 & p3=$!
-      # tests/test_direct.py in two halves too (761 tests took > 450 s in one process): the round trips, the rest
-      to $T $PYT tests/test_direct.py -k test_round_trip_both_routes >"$W/full_tests_direct.log" 2>&1 & p7=$!
-      to $T $PYT tests/test_direct.py -k "not test_round_trip_both_routes" >"$W/full_tests_direct2.log" 2>&1 & p8=$!
-      # tests/ minus the core files, in two halves (one process took > 360 s): the TMA and replay tests, the rest
+      PIDS=()
+      part() {  # part NAME PYTEST-ARGS...: one process, run when FULL_PARTS (default: every part) names it
+        local name=$1; shift
+        case " ${FULL_PARTS:-all} " in *" all "*|*" $name "*) ;; *) return;; esac
+        PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} timeout -s INT -k 30 $T $PYT "$@" >"$W/full_$name.log" 2>&1 &
+        PIDS+=("$name $!")
+      }
       GPU_HEAVY="tests/test_tma.py tests/test_replay.py"
-      to $T $PYT tests/test_tma.py >"$W/full_tests_heavy.log" 2>&1 & p6=$!
-      to $T $PYT tests/test_replay.py >"$W/full_tests_heavy2.log" 2>&1 & p11=$!
-      # the rest of tests/ in two halves too (2432 tests): SGLang's bridge and test_[a-e]*, then the others
       REST=$(ls tests/test_*.py | grep -vxF "$(echo $GPU_CORE $GPU_HEAVY | tr ' ' '\n')")
-      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} to $T $PYT -rs tests/sglang $(echo "$REST" | grep '^tests/test_[a-e]') \
-        >"$W/full_tests_rest.log" 2>&1 & p4=$!
-      PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} to $T $PYT -rs tests/plugins $(echo "$REST" | grep -v '^tests/test_[a-e]') >"$W/full_tests_rest2.log" 2>&1 & p9=$!
-      to $T $PYT plugins >"$W/full_plugins.log" 2>&1 & p5=$!
-      for part in "kit_kernel $p1" "kit_other $p2" "kit_other2 $p10" "tests_core $p3" "tests_direct $p7" "tests_direct2 $p8" "tests_heavy $p6" "tests_heavy2 $p11" "tests_rest $p4" "tests_rest2 $p9" "plugins $p5"; do
-        set -- $part; wait $2; note "full $1: $(result $?) $(tail -1 "$W/full_$1.log")"; done ;;
+      part kit_kernel hicache_core/testing --hicache-io-backend kernel
+      part kit_direct hicache_core/testing --hicache-io-backend direct
+      part kit_auto hicache_core/testing --hicache-io-backend auto --hicache-io-backend fakedma
+      # the core files apart from test_direct.py (one process with it stopped at 43% in 380 s)
+      part tests_core $(for f in $GPU_CORE; do [ $f = tests/test_direct.py ] || echo $f; done)
+      # tests/test_direct.py in two halves (761 tests took > 450 s in one process): the round trips, the rest
+      part tests_direct tests/test_direct.py -k test_round_trip_both_routes
+      part tests_direct2 tests/test_direct.py -k "not test_round_trip_both_routes"
+      part tests_tma tests/test_tma.py
+      part tests_replay tests/test_replay.py
+      # the rest of tests/ in two halves (2432 tests): SGLang's bridge and test_[a-e]*, then the others
+      part tests_rest -rs tests/sglang $(echo "$REST" | grep '^tests/test_[a-e]')
+      part tests_rest2 -rs tests/plugins $(echo "$REST" | grep -v '^tests/test_[a-e]')
+      part plugins plugins
+      for p in "${PIDS[@]}"; do set -- $p; wait $2; note "full $1: $(result $?) $(tail -1 "$W/full_$1.log")"; done ;;
     stress) timeout ${STRESS_T:-150} python3 benchmarks/stress.py --out "$OUT/stress.json" >"$W/stress.log" 2>&1
       r=$?; note "stress: $(result $r); $(tail -3 "$W/stress.log" | tr '\n' ' ')" ;;
     sanitize) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!; wait $s1 $s2 ;;
