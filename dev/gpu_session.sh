@@ -80,13 +80,15 @@ for step in "$@"; do
       note "full: SGLang site ${SITE:-absent (tests/sglang skip)}"
       T=${FULL_T:-480}
       # a test running past FULL_STALL_S prints every thread's stack; at T pytest gets SIGINT and still prints its
-      # summary and slowest tests; two CPU threads per process (up to eleven processes share the host's cores)
+      # summary, slowest tests and a JUnit XML of every test's outcome and time; two CPU threads per process (up to
+      # eleven processes share the host's cores)
       PYT="$PYT -o faulthandler_timeout=${FULL_STALL_S:-120} --durations=15"; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
       PIDS=()
       part() {  # part NAME PYTEST-ARGS...: one process, run when FULL_PARTS (default: every part) names it
         local name=$1; shift
         case " ${FULL_PARTS:-all} " in *" all "*|*" $name "*) ;; *) return;; esac
-        PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} timeout -s INT -k 30 $T $PYT "$@" >"$W/full_$name.log" 2>&1 &
+        PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} timeout -s INT -k 30 $T $PYT --junitxml="$W/full_$name.xml" "$@" \
+          >"$W/full_$name.log" 2>&1 &
         PIDS+=("$name $!")
       }
       GPU_HEAVY="tests/test_tma.py tests/test_replay.py"
