@@ -159,7 +159,8 @@ def test_mha_packed_draft_backup_and_load(hooked):
 
 def test_a_draft_call_naming_no_draft_layer_is_sglangs(hooked, caplog):
     """``is_draft`` with a target layer's id (no packed draft layer): SGLang's pools read the id as a host layer; the
-    bridge left it unmoved, silently.  It is SGLang's call now (its missing op shows that SGLang's own code ran), with a warning; a draft id the bridge maps stays the bridge's."""
+    bridge left it unmoved, silently.  It is SGLang's call now (its missing op shows that SGLang's own code ran), with
+    a warning; a draft id the bridge maps stays the bridge's."""
     with H.sglang_runtime(hicache_mem_layout="layer_first"):
         dev = H.make_mha_device_pool(size=64, page_size=4, layer_num=3, head_num=2, head_dim=16)
         draft = H.make_mha_device_pool(size=64, page_size=4, layer_num=1, head_num=2, head_dim=16)
@@ -339,7 +340,7 @@ def test_device_pools_that_do_not_match_the_host_are_left_to_sglang(hooked):
 
 def test_an_indexer_load_into_a_foreign_device_pool_is_left_to_sglang(hooked):
     """The indexer sidecar moves rows of its own device pool (and its drafts'); a call naming another pool is SGLang's
-    (its CPU NameError here), never a load into the host pool's own device pool."""
+    (its missing op shows it), never a load into the host pool's own device pool."""
     dev, kv_host, host = make_indexer("layer_first")
     with H.sglang_runtime(hicache_mem_layout="layer_first"):
         foreign = H.make_layer_split_dsa_device_pool(size=192, page_size=64, layer_num=5, kv_lora_rank=64,
@@ -354,7 +355,7 @@ def test_an_indexer_load_into_a_foreign_device_pool_is_left_to_sglang(hooked):
 
 def test_sglang_attribute_drift_leaves_the_call_to_sglang(hooked, caplog):
     """An attribute the bridge reads and SGLang's own load does not: missing, the bridge logs a WARNING and SGLang's
-    original runs (its CPU NameError), rather than the hook raising."""
+    original runs (its missing op shows it), rather than the hook raising."""
     import logging
 
     dev, host = make_pools("mla", "layer_first")
