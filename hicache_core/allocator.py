@@ -168,7 +168,7 @@ def _cpu_int64(t: torch.Tensor, call: str, what: str) -> torch.Tensor:
     """``t``'s values as CPU int64, refusing uint64 values of 2**63 or more (the conversion would wrap them negative
     and the range error would name values the caller never passed)."""
     out = t.to("cpu", torch.int64)
-    if t.dtype == torch.uint64 and out.numel() and bool((out < 0).any()):
+    if t.dtype == torch.uint64 and bool((out < 0).any()):
         big = int(out[out < 0].max()) + 2**64
         raise ForeignSlotError(f"{call}: {what} must be below 2**63, got {big}; these {what} do not belong to this pool")
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 CANARY = 0xA5
@@ -116,8 +117,6 @@ def sglangs_own_op(name: str):
     """``pytest.raises`` for a call that SGLang's own code serves, ending in its kvcacheio op ``name``.  Proof on either
     machine: on the CPU SGLang leaves the op unbound (``NameError``); on a GPU the tests stand a strict import stub in
     for ``sgl_kernel`` (sglang_harness.prepare), whose call raises a RuntimeError naming the op."""
-    import pytest
-
     if torch.cuda.is_available():
         return pytest.raises(RuntimeError, match=rf"kvcacheio\.{name} is an import stub")
     return pytest.raises(NameError, match=name)
