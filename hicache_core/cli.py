@@ -634,13 +634,18 @@ def _module_version(module: str) -> str | None:
         return f"installed but fails to import: {_first_line(exc)}"
 
 
-def _cudart_paths() -> list[str]:
-    """Paths of the CUDA runtime libraries mapped into this process (Linux)."""
+def _copy_engine_runtime() -> str:
+    """Which CUDA runtime the copy engine binds, whether it batches, and the other runtimes mapped beside it."""
+    from .backends import cudart
+
     try:
-        with open("/proc/self/maps") as f:
-            return sorted({ln.split()[-1] for ln in f if "libcudart" in ln and "/" in ln})
-    except OSError:
-        return []
+        rt = cudart.runtime()
+    except RuntimeError as exc:
+        return f"unavailable ({_first_line(exc)})"
+    how = "batched copies" if rt.has_batch else "one call per copy (no cudaMemcpyBatchAsync)"
+    text = f"CUDA runtime {rt.path} (runtime {rt.version}, driver {rt.driver_version}: {how})"
+    others = [p for p in cudart.loaded_cudart_paths() if p != rt.path]
+    return text + (f"; also mapped, unused: {', '.join(others)}" if others else "")
 
 
 def doctor_lines(reg: Registry) -> list[str]:
@@ -653,9 +658,7 @@ def doctor_lines(reg: Registry) -> list[str]:
         names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
         lines.append(f"CUDA: available, {_n(torch.cuda.device_count(), 'device')} ({', '.join(names)})")
         torch.cuda.init()
-        paths = _cudart_paths()
-        lines.append("copy engine (direct): CUDA runtime " + (", ".join(paths) if paths else
-                                                            "not found among this process's libraries"))
+        lines.append("copy engine (direct): " + _copy_engine_runtime())
     else:
         lines.append("CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)")
         lines.append("copy engine (direct): memmove on CPU pools (no CUDA runtime needed)")

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 from typing import Callable
 
 import pytest
@@ -201,12 +202,33 @@ def test_doctor_on_cuda_does_not_report_the_cpu_interpreter_problem(monkeypatch)
     monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda *a: "Fake GPU")
     monkeypatch.setattr(cli.torch.cuda, "init", lambda: None)
     monkeypatch.setattr(cli, "_interpreter_problem", lambda: "PROBLEM")
-    monkeypatch.setattr(cli, "_cudart_paths", lambda: ["/x/libcudart.so"])
+    from hicache_core.backends import cudart
+
+    rt = types.SimpleNamespace(path="/x/libcudart.so.12", version=12080, driver_version=12090, has_batch=True)
+    monkeypatch.setattr(cudart, "runtime", lambda: rt)
+    monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: ["/o/libcudart.so.11.0", rt.path])
     monkeypatch.setattr(cli, "matrix_cells", lambda reg, device: [])  # (resolving CUDA pools needs a CUDA build)
     lines = cli.doctor_lines(create_registry())
     assert lines[1] == "CUDA: available, 1 device (Fake GPU)"
-    assert lines[2] == "copy engine (direct): CUDA runtime /x/libcudart.so"
+    assert lines[2] == ("copy engine (direct): CUDA runtime /x/libcudart.so.12 (runtime 12080, driver 12090: batched "
+                        "copies); also mapped, unused: /o/libcudart.so.11.0")
     assert lines[-1] == "verify on cuda: 0 of 0 cells will run, 0 will be skipped" and not any(ln.startswith("problem:") for ln in lines)
+
+
+def test_doctor_names_why_the_copy_engine_has_no_runtime_and_when_it_cannot_batch(monkeypatch):
+    from hicache_core.backends import cudart
+
+    def missing():
+        raise RuntimeError("no usable libcudart found in this process or next to torch\nsecond line")
+
+    monkeypatch.setattr(cudart, "runtime", missing)
+    assert cli._copy_engine_runtime() == ("unavailable (RuntimeError: no usable libcudart found in this process or "
+                                          "next to torch)")
+    rt = types.SimpleNamespace(path="/x/libcudart.so.12", version=12080, driver_version=12040, has_batch=False)
+    monkeypatch.setattr(cudart, "runtime", lambda: rt)
+    monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: [rt.path])
+    assert cli._copy_engine_runtime() == ("CUDA runtime /x/libcudart.so.12 (runtime 12080, driver 12040: one call per "
+                                          "copy (no cudaMemcpyBatchAsync))")
 
 
 # -- plugins, logging -------------------------------------------------------------------

@@ -7,6 +7,7 @@ width (a missing or extra argument shifts the stream into another slot)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import types
 
 import pytest
@@ -362,12 +363,43 @@ def test_torchs_runtime_is_tried_before_other_runtimes_mapped_into_the_process(m
     sort first.  Torch's CUDA major (its soname) goes first, so the copy engine binds the runtime torch uses."""
     mapped = ["/opt/ext/bitsandbytes/libcudart.so.11.0", "/usr/local/cuda-13.0/lib64/libcudart.so.13",
               "/venv/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"]
-    monkeypatch.setattr(cudart, "_loaded_cudart_paths", lambda: list(mapped))
+    monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: list(mapped))
     monkeypatch.setattr(cudart.ctypes.util, "find_library", lambda name: None)
     monkeypatch.setattr(cudart.torch.version, "cuda", "12.8", raising=False)
     assert cudart._candidate_paths()[:3] == [mapped[2], mapped[0], mapped[1]]
     monkeypatch.setattr(cudart.torch.version, "cuda", None, raising=False)  # a CPU build: the maps' order
     assert cudart._candidate_paths()[:3] == mapped
+
+
+def test_among_runtimes_of_torchs_major_the_one_the_loader_resolves_goes_first(monkeypatch):
+    """Two runtimes of torch's major mapped at once (a system CUDA and the pip wheel, say): the copy engine binds the
+    one the dynamic loader resolves torch's soname to, not whichever path sorts first."""
+    mapped = ["/usr/local/cuda-12.9/lib64/libcudart.so.12.9.79", "/venv/site-packages/nvidia/cuda_runtime/lib/"
+              "libcudart.so.12", "/opt/ext/libcudart.so.11.0"]
+    monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: list(mapped))
+    monkeypatch.setattr(cudart.ctypes.util, "find_library", lambda name: None)
+    monkeypatch.setattr(cudart.torch.version, "cuda", "12.8", raising=False)
+    asked = []
+    monkeypatch.setattr(cudart, "_loader_path", lambda soname: asked.append(soname) or mapped[1])
+    assert cudart._candidate_paths()[:3] == [mapped[1], mapped[0], mapped[2]] and asked == ["libcudart.so.12"]
+    monkeypatch.setattr(cudart, "_loader_path", lambda soname: None)  # not found: same-major ones by path
+    assert cudart._candidate_paths()[:3] == mapped
+
+
+def test_the_loader_lookup_names_a_loaded_library_and_loads_nothing():
+    """``_loader_path`` asks the loader with RTLD_NOLOAD: the C library (always loaded) comes back as a mapped path;
+    a soname nothing loaded gives None and stays unloaded."""
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if not libc or not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs a Linux C library")
+    path = cudart._loader_path(libc)
+    if path is None:
+        pytest.skip("this C library has no dlinfo")
+    with open("/proc/self/maps") as f:
+        assert path in {line.split()[-1] for line in f if "/" in line}
+    assert cudart._loader_path("libhicache-never-there.so.7") is None
 
 
 def test_a_runtime_without_the_batch_call_is_reported_once(monkeypatch, caplog):

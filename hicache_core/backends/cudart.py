@@ -26,7 +26,7 @@ import torch
 from .pitched import OP_WORDS
 
 __all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls",
-           "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL"]
+           "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL", "loaded_cudart_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-def _loaded_cudart_paths() -> list[str]:
+def loaded_cudart_paths() -> list[str]:
     """Paths of every ``libcudart`` mapped into this process, sorted (:func:`_candidate_paths` puts torch's first)."""
     try:
         with open("/proc/self/maps") as f:
@@ -132,19 +132,52 @@ def _loaded_cudart_paths() -> list[str]:
     return sorted(paths)
 
 
+class _LinkMap(ctypes.Structure):
+    """The head of glibc's ``struct link_map``: the load bias, then the path the loader mapped."""
+
+    _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+
+
+_RTLD_DI_LINKMAP = 2
+
+
+def _loader_path(soname: str) -> Optional[str]:
+    """The path of the library the dynamic loader already resolves ``soname`` to in this process, or ``None``.
+
+    The loader matches a bare soname against the libraries loaded so far, first loaded first: for the runtime's
+    soname that is the copy torch's own libraries were linked against.  Nothing is loaded (``RTLD_NOLOAD``); ``None``
+    where no library of that soname is loaded, or where the C library lacks ``dlinfo`` (not glibc)."""
+    try:
+        lib = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        libc = ctypes.CDLL(None)
+        dlinfo = libc.dlinfo
+    except (OSError, AttributeError):
+        return None
+    dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    dlinfo.restype = ctypes.c_int
+    lm = ctypes.POINTER(_LinkMap)()
+    if dlinfo(lib._handle, _RTLD_DI_LINKMAP, ctypes.byref(lm)) != 0 or not lm or not lm.contents.l_name:
+        return None
+    path = os.fsdecode(lm.contents.l_name)
+    return os.path.realpath(path) if path else None
+
+
 def _torchs_first(paths: list[str]) -> list[str]:
     """``paths`` with the runtimes of torch's CUDA major version (``libcudart.so.<major>``, the soname torch links)
-    first, in order: another one mapped into the process (an extension's bundled ``libcudart.so.11.0``, say) may lack
-    the batch call torch's runtime has, and would silently turn every batch into one copy per descriptor."""
+    first: another one mapped into the process (an extension's bundled ``libcudart.so.11.0``, say) may lack the batch
+    call torch's runtime has, and would silently turn every batch into one copy per descriptor.  Among several of that
+    major, the one the loader resolves torch's soname to (:func:`_loader_path`) goes first, then the rest by path."""
     major = (torch.version.cuda or "").split(".")[0]
     if not major:
         return paths
     own = f"libcudart.so.{major}"
-    return sorted(paths, key=lambda p: not (os.path.basename(p) == own or os.path.basename(p).startswith(own + ".")))
+    resolved = _loader_path(own)
+    return sorted(paths, key=lambda p: (not (os.path.basename(p) == own or os.path.basename(p).startswith(own + ".")),
+                                        os.path.realpath(p) != resolved))
 
 
 def _candidate_paths() -> list[str]:
-    out = _torchs_first(_loaded_cudart_paths())
+    out = _torchs_first(loaded_cudart_paths())
     found = ctypes.util.find_library("cudart")
     if found:
         out.append(found)
