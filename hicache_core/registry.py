@@ -604,7 +604,8 @@ def create_registry(
 
 
 _default: Registry | None = None
-_DEFAULT_LOCK = threading.Lock()
+#: Re-entrant so that a re-entry the guard below missed recurses and fails instead of waiting for itself forever.
+_DEFAULT_LOCK = threading.RLock()
 #: ``depth``: registration hooks running in this thread (:meth:`Registry._call`).
 _IN_HOOK = threading.local()
 
