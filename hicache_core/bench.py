@@ -499,17 +499,7 @@ def run_bench(
                         pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name,
                                           strategy_options=opts, registry=reg, validate="shapes")
                         _check(pool, dev, h, s, d, ops)
-                        owned = spec.layer_map.device_layers
-                        layer0 = owned[len(owned) // 2]
-                        per_layer = spec.bytes_per_token // len(owned) * n
-                        burst = [lambda lay=lay: pool.load_layer(lay, h, d) for lay in owned]
-                        calls: dict[str, tuple[Callable[[], Any], int, bool, int | None]] = {
-                            "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True, None),
-                            "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True, layer0),
-                            "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False, layer0),
-                            "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False, None),
-                            "load_burst": (lambda: [f() for f in burst], spec.bytes_per_token * n, False, layer0),
-                        }
+                        burst, calls = _timed_calls(pool, n, h, s, d)
                         for op in ops:
                             fn, nbytes, to_host, lay = calls[op]
                             warm_link()  # every row from the same state, whatever ran before it
@@ -550,6 +540,24 @@ def run_bench(
                     del host
                 del dev
     return rows
+
+
+def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: torch.Tensor
+                 ) -> tuple[list[Callable[[], Any]], dict[str, tuple[Callable[[], Any], int, bool, int | None]]]:
+    """The burst (one ``load_layer`` per owned layer) and, per op, its call, bytes moved, direction (to host) and the
+    layer it names (``None`` for all-layer ops), over host indices ``h``, source slots ``s`` and device slots ``d``."""
+    spec = pool.spec
+    owned = spec.layer_map.device_layers
+    layer0 = owned[len(owned) // 2]
+    per_layer = spec.bytes_per_token // len(owned) * n
+    burst: list[Callable[[], Any]] = [functools.partial(pool.load_layer, lay, h, d) for lay in owned]
+    return burst, {
+        "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True, None),
+        "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True, layer0),
+        "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False, layer0),
+        "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False, None),
+        "load_burst": (lambda: [f() for f in burst], spec.bytes_per_token * n, False, layer0),
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:

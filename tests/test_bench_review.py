@@ -243,3 +243,35 @@ def test_keep_busy_keeps_the_transfer_stream_fed_through_the_window(host_ms, exp
         assert elapsed_ms - 1.0 <= queued_ms <= elapsed_ms + 2.0
         gaps = [b - a for a, b in zip(issued, issued[1:])]
         assert all(g >= 0.9e-3 for g in gaps)  # paced by the clock, not piled up
+
+
+def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
+    """Each op's call moves what its row reports: the burst loads every owned layer once, backups write the host rows
+    ``h`` from the device rows ``s``, loads write the device rows ``d`` from ``h``; byte counts and layers match."""
+    make, dev, h, s, d = cell
+    pool = make()
+    spec = pool.spec
+    owned = spec.layer_map.device_layers
+    burst, calls = bench._timed_calls(pool, TOKENS, h, s, d)
+    assert len(burst) == len(owned)
+    per_layer = spec.bytes_per_token // len(owned) * TOKENS
+    assert {op: (n, to_host, lay) for op, (_, n, to_host, lay) in calls.items()} == {
+        "backup_all_layers": (spec.bytes_per_token * TOKENS, True, None),
+        "backup_layer": (per_layer, True, owned[len(owned) // 2]),
+        "load_layer": (per_layer, False, owned[len(owned) // 2]),
+        "load_all_layers": (spec.bytes_per_token * TOKENS, False, None),
+        "load_burst": (spec.bytes_per_token * TOKENS, False, owned[len(owned) // 2]),
+    }
+    calls["backup_all_layers"][0]()
+    rest = torch.ones(len(next(iter(dev.values()))[0]), dtype=torch.bool)
+    rest[s], rest[d] = False, False
+    canaries = {}
+    bits = {(name, lay): t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)  # random bf16 has NaNs
+            for name, layers in dev.items() for lay, t in enumerate(layers)}
+    for key, b in bits.items():
+        b[d] = b[s].bitwise_not()  # the load targets differ from the sources everywhere
+        canaries[key] = b[rest].clone()
+    calls["load_burst"][0]()
+    for key, b in bits.items():
+        assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
+    assert int(rest.sum()) > 0
