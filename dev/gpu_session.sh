@@ -34,11 +34,26 @@
 #               per cell (default 6), AB_SHAPES; one line per cell into $OUT/ab.txt
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
+# here, after a call: bash dev/gpu_session.sh --unpack-cache FILES_AT (the .triton-cache/ the next call carries)
+if [ "${1:-}" = --unpack-cache ]; then
+  rm -rf .triton-cache && mkdir -p .triton-cache && tar xzf "$2/triton-cache.tgz" -C .triton-cache && du -sh .triton-cache
+  exit
+fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/hicache-out}; W=/tmp/hicache-work; mkdir -p "$OUT" "$W"
 SUMMARY="$OUT/summary.txt"; : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
-pack() { tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null; }
+# Triton's compiled kernels carry over between calls: a carried .triton-cache/ (git-ignored; unpack the last call's
+# $OUT/triton-cache.tgz into it with `bash dev/gpu_session.sh --unpack-cache DIR`) seeds the cache, and the cache goes
+# back as triton-cache.tgz when it fits the device tool's 16 MiB per file.  Entries are keyed by kernel source, Triton
+# version and target, so a stale one is never used; a fresh machine otherwise compiles every specialisation anew.
+export TRITON_CACHE_DIR=/tmp/hicache-triton-cache; mkdir -p "$TRITON_CACHE_DIR"
+[ -d .triton-cache ] && cp -r .triton-cache/. "$TRITON_CACHE_DIR/"
+pack() {
+  tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null
+  tar czf "$W.cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null \
+    && [ "$(stat -c %s "$W.cache.tgz")" -lt $((16 << 20)) ] && mv "$W.cache.tgz" "$OUT/triton-cache.tgz"
+}
 trap pack EXIT
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_first -e plugins/page_first \
   -e plugins/kv_split -e tests/plugins/page_head -e tests/plugins/fake_vendor >"$W/install.log" 2>&1 \
