@@ -50,3 +50,12 @@ def auto_over(pool, paces, **options):  # type: ignore[no-untyped-def]
     auto.direct, auto.kernel, auto.calibration = pool.strategy, object(), DEFAULT
     auto.paces = paces.paces if paces is not None else None
     return auto
+
+
+def pool_device(backend: str) -> str:
+    """Where a test builds a pool served by ``backend``: a kernel pool on the GPU where there is one (a CPU pool's
+    kernel runs only in Triton's interpreter, which tests/conftest.py turns on only where CUDA is missing), any other
+    pool on the CPU."""
+    import torch
+
+    return "cuda" if backend == "kernel" and torch.cuda.is_available() else "cpu"

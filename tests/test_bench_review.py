@@ -11,6 +11,8 @@ from hicache_core import bench
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+from fakes import pool_device
+
 SHAPE = "mha32x8x128-bf16"
 TOKENS, PAGE = 64, 16
 
@@ -152,10 +154,13 @@ def test_row_fields_agree(fake_gpu):
 def test_served_by_names_the_programs_the_call_launched(cell, backend, opts, want):
     """A row at the default budget records what the default launched (rows stored programs=null), an explicit
     budget what it launched (capped by work), a strategy with no row kernel None."""
-    pool, dev, h, s, d = cell
-    spec = pool().spec
+    _, dev, h, s, d = cell
+    device = torch.device(pool_device(backend))
+    spec = bench.SHAPES[SHAPE](TOKENS, PAGE, device)
+    dev = {name: [t.to(device) for t in layers] for name, layers in dev.items()}
+    h, s, d = h.to(device), s.to(device), d.to(device)
     reg = create_registry()
-    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=device.type == "cuda")
     p = HostKVPool(spec, "layer_first", backend, dev, host_buffers=host, registry=reg, validate="shapes",
                    strategy_options=opts)
     for layer, to_host, idx in ((None, True, s), (3, False, d)):

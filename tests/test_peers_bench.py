@@ -18,12 +18,14 @@ from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 from hicache_core.spec import LayerMap, PoolSpec
 
+from fakes import pool_device
+
 PS, CAP, LAYERS = 4, 16, 3
 
 
-def _mla() -> PoolSpec:
+def _mla(device: str = "cpu") -> PoolSpec:
     return PoolSpec.mla(layer_map=LayerMap.unsharded(LAYERS), kv_lora_rank=8, qk_rope_head_dim=4,
-                        dtype=torch.bfloat16, page_size=PS, capacity=CAP, device="cpu")
+                        dtype=torch.bfloat16, page_size=PS, capacity=CAP, device=device)
 
 
 def _mha() -> PoolSpec:
@@ -34,7 +36,7 @@ def _mha() -> PoolSpec:
 def _dev(spec: PoolSpec, rows: int = 2 * CAP + PS) -> dict[str, list[torch.Tensor | None]]:
     g = torch.Generator().manual_seed(1)
     return {c.name: [torch.randint(0, 256, (rows, c.row_bytes), dtype=torch.uint8, generator=g).view(c.dtype)
-                     for _ in range(LAYERS)] for c in spec.components}
+                     .to(spec.device) for _ in range(LAYERS)] for c in spec.components}
 
 
 def _idx() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,11 +125,11 @@ def test_reference_as_peer_passes(layout, make):
 def test_our_ctas_are_the_programs_the_last_call_launched(backend, strategy, programs):
     """A hicache row's CTAs: the kernel's largest grid in the op's last call (the default budget included: it read
     None there), 0 where the copy engine served it, None for a strategy with no row kernel."""
-    spec = _mla()
+    spec = _mla(pool_device(backend))
     dev = _dev(spec)
-    h, s, d = _idx()
+    h, s, d = (t.to(spec.device) for t in _idx())
     reg = create_registry()
-    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=spec.device.type == "cuda")
     name = strategy or reg.resolve(spec, "layer_first", backend).info.name
     target = P.Ours(P.Ctx(spec, "layer_first", dev, host, reg), backend, name, programs)
     assert target.ctas("backup_all_layers") is None  # nothing ran yet
