@@ -130,7 +130,7 @@ def _read_json(path: str) -> Any:
 
 def load_calibration(device: torch.device) -> Calibration:
     """The calibration for ``device``'s GPU model (``cpu`` for CPU pools): the file's entry if any, else
-    :data:`DEFAULT`.  A file that ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of
+    :data:`DEFAULT`.  Without a file, a GPU other than :data:`DEFAULT`'s is warned about (once).  A file that ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of
     GPU entries, without an entry for this GPU, or with a malformed entry (a value that is not a finite number,
     block sizes that are not whole positive numbers) gives :data:`DEFAULT` with a warning naming the file and the
     fix (once per message); unknown keys are warned about and ignored."""
@@ -144,6 +144,11 @@ def load_calibration(device: torch.device) -> Calibration:
         if named:
             _warn_once(f"hicache: {ENV_CALIBRATION}={path} does not exist; using the shipped calibration ({DEFAULT.gpu}); "
                        f"{fix}")
+        elif device.type == "cuda" and gpu != DEFAULT.gpu:
+            # the shipped numbers are one GPU's and its host's: elsewhere auto's line between the copy engine and the
+            # kernel may sit several points off the better route (docs/performance.md, the H100 run)
+            _warn_once(f"hicache: no calibration for {gpu!r} ({path} does not exist); auto uses the shipped one, "
+                       f"measured on an {DEFAULT.gpu}; run `hicache calibrate` on this GPU")
         return DEFAULT
     except (OSError, ValueError) as exc:
         _warn_once(f"hicache: ignoring unreadable calibration {path} ({exc}); using the shipped calibration; {fix}")

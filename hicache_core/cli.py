@@ -648,6 +648,18 @@ def _copy_engine_runtime() -> str:
     return text + (f"; also mapped, unused: {', '.join(others)}" if others else "")
 
 
+def _calibration_line() -> str:
+    """The calibration ``auto`` reads for the first GPU, and whether it was measured on another model."""
+    from .calibration import calibration_path, load_calibration
+
+    cal = load_calibration(torch.device("cuda", 0))
+    text = f"{cal.gpu}, {cal.source} (file: {calibration_path()})"
+    here = torch.cuda.get_device_name(0)
+    if cal.gpu != here:
+        text += f"; measured on another GPU than this {here}: run `hicache calibrate` here"
+    return text
+
+
 def doctor_lines(reg: Registry) -> list[str]:
     """The environment report of ``hicache doctor``: one fact per line, then the cells this machine skips."""
     cuda = torch.cuda.is_available()
@@ -659,6 +671,7 @@ def doctor_lines(reg: Registry) -> list[str]:
         lines.append(f"CUDA: available, {_n(torch.cuda.device_count(), 'device')} ({', '.join(names)})")
         torch.cuda.init()
         lines.append("copy engine (direct): " + _copy_engine_runtime())
+        lines.append("auto's calibration: " + _calibration_line())
     else:
         lines.append("CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)")
         lines.append("copy engine (direct): memmove on CPU pools (no CUDA runtime needed)")

@@ -211,3 +211,22 @@ def test_json_files_are_replaced_whole_or_not_at_all(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o640  # a file replaced keeps its permissions
     finally:
         os.umask(umask)
+
+
+@pytest.mark.parametrize("gpu,warned", [("NVIDIA H100 80GB HBM3", True), (DEFAULT.gpu, False)])
+def test_a_gpu_without_a_calibration_file_is_told_the_shipped_one_is_another_gpus(tmp_path, monkeypatch, caplog, gpu,
+                                                                                  warned):
+    """No file at the default path: a GPU other than the shipped calibration's is warned about once (auto's line
+    between the copy engine and the kernel was measured elsewhere), the shipped GPU and CPU pools are not."""
+    monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
+    monkeypatch.setattr(calibration.os.path, "expanduser", lambda p: str(tmp_path / "home"))
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda device=None: gpu)
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        assert load_calibration(torch.device("cuda", 0)) == DEFAULT
+        assert load_calibration(torch.device("cuda", 0)) == DEFAULT
+        assert load_calibration(CPU) == DEFAULT
+    text = f"no calibration for {gpu!r} ({tmp_path / 'home'}/.cache/hicache/calibration.json does not exist)"
+    assert caplog.text.count(text) == (1 if warned else 0)
+    assert ("run `hicache calibrate` on this GPU" in caplog.text) == warned
+    assert ("measured on an NVIDIA H200" in caplog.text) == warned

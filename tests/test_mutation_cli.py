@@ -196,7 +196,8 @@ def test_doctor_leaves_out_cells_without_candidates(monkeypatch):
     ]
 
 
-def test_doctor_on_cuda_does_not_report_the_cpu_interpreter_problem(monkeypatch):
+def test_doctor_on_cuda_does_not_report_the_cpu_interpreter_problem(monkeypatch, tmp_path):
+    monkeypatch.setenv("HICACHE_CALIBRATION", str(tmp_path / "none.json"))  # whatever this machine calibrated
     monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda *a: "Fake GPU")
@@ -212,6 +213,8 @@ def test_doctor_on_cuda_does_not_report_the_cpu_interpreter_problem(monkeypatch)
     assert lines[1] == "CUDA: available, 1 device (Fake GPU)"
     assert lines[2] == ("copy engine (direct): CUDA runtime /x/libcudart.so.12 (runtime 12080, driver 12090: batched "
                         "copies); also mapped, unused: /o/libcudart.so.11.0")
+    assert lines[3].startswith("auto's calibration: NVIDIA H200, shipped (H200) (file: ")
+    assert lines[3].endswith("; measured on another GPU than this Fake GPU: run `hicache calibrate` here")
     assert lines[-1] == "verify on cuda: 0 of 0 cells will run, 0 will be skipped" and not any(ln.startswith("problem:") for ln in lines)
 
 
