@@ -36,7 +36,8 @@
 set -uo pipefail
 # here, after a call: bash dev/gpu_session.sh --unpack-cache FILES_AT (the .triton-cache/ the next call carries)
 if [ "${1:-}" = --unpack-cache ]; then
-  rm -rf .triton-cache && mkdir -p .triton-cache && tar xzf "$2/triton-cache.tgz" -C .triton-cache && du -sh .triton-cache
+  rm -rf .triton-cache && mkdir -p .triton-cache && tar xf "$(ls "$2"/triton-cache.t?z | head -1)" -C .triton-cache \
+    && du -sh .triton-cache
   exit
 fi
 export PYTHONUNBUFFERED=1
@@ -44,15 +45,19 @@ OUT=${OUT:-/tmp/hicache-out}; W=/tmp/hicache-work; mkdir -p "$OUT" "$W"
 SUMMARY="$OUT/summary.txt"; : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 # Triton's compiled kernels carry over between calls: a carried .triton-cache/ (git-ignored; unpack the last call's
-# $OUT/triton-cache.tgz into it with `bash dev/gpu_session.sh --unpack-cache DIR`) seeds the cache, and the cache goes
-# back as triton-cache.tgz when it fits the device tool's 16 MiB per file.  Entries are keyed by kernel source, Triton
+# $OUT/triton-cache.txz (or .tgz) into it with `bash dev/gpu_session.sh --unpack-cache DIR`) seeds the cache, and the
+# cache goes back when it fits the device tool's 16 MiB per file.  Entries are keyed by kernel source, Triton
 # version and target, so a stale one is never used; a fresh machine otherwise compiles every specialisation anew.
 export TRITON_CACHE_DIR=/tmp/hicache-triton-cache; mkdir -p "$TRITON_CACHE_DIR"
 [ -d .triton-cache ] && cp -r .triton-cache/. "$TRITON_CACHE_DIR/"
-pack() {
+pack() {  # xz where the machine has it: Triton's IR text compresses several times better than with gzip
   tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null
-  tar czf "$W.cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null \
-    && [ "$(stat -c %s "$W.cache.tgz")" -lt $((16 << 20)) ] && mv "$W.cache.tgz" "$OUT/triton-cache.tgz"
+  local c="$W.cache.tgz" z=z
+  command -v xz >/dev/null && c="$W.cache.txz" && z=J
+  tar c${z}f "$c" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return
+  local size; size=$(stat -c %s "$c")
+  if [ "$size" -lt $((16 << 20)) ]; then mv "$c" "$OUT/triton-cache.${c##*.}"
+  else echo "Triton cache not returned: $size bytes packed, over the 16 MiB a returned file may have" >>"$SUMMARY"; fi
 }
 trap pack EXIT
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_first -e plugins/page_first \
