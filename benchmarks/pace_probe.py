@@ -2,7 +2,7 @@
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
 [--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
-[--hbm]``.
+[--hbm] [--profile DIR]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -17,13 +17,17 @@ side.  The summary gives, per cell, how often ``auto`` was within 3 points of th
 ``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``); ``--hbm``
 runs every burst beside a memory-bound reduction on another stream (``hicache bench --hbm``'s neighbour, queued to
 outlast the burst), against the idle pinned copy.  The summary's ``stalls`` lists, per candidate, the cycles whose
-burst had a call over :data:`STALL_US`.
+burst had a call over :data:`STALL_US`.  ``--profile DIR`` cProfiles each candidate's bursts (their host time grows
+under the profiler, the ratios with it: use it to find where a candidate's host time goes, not to compare ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -121,7 +125,8 @@ def _by(name: str) -> str:
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
-             hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False) -> dict:
+             hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None
+             ) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -143,6 +148,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
     cycles = []
+    profs: dict[str, cProfile.Profile] | None = {} if profile else None
     t_end = time.perf_counter() + seconds
     k = 0
     while time.perf_counter() < t_end:
@@ -155,8 +161,12 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         for name in order:
             st = pools[name].strategy
             probes, lone, decided = (getattr(st, k, 0) for k in ("pace_probes", "lone_kernel_loads", "decisions"))
+            if profs is not None:
+                profs.setdefault(name, cProfile.Profile()).enable()
             ms, host_us = _burst_ms(pools[name], layers, hk, dk,
                                     None if neighbour is None else (neighbour, 2.0 * last_ms))
+            if profs is not None:
+                profs[name].disable()
             last_ms = max(ms, 0.8 * last_ms)  # slow candidates stay covered after fast ones
             row[name] = round(base / ms, 4)
             row[name + "_host_us"] = round(host_us, 1)
@@ -205,7 +215,21 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         watch = pools["auto forward=watch"].strategy.watch  # type: ignore[attr-defined]
         summary["watch_timings"] = None if watch is None else watch.timings
         summary["watch_last_share"] = None if watch is None else watch.last_share
+    if profile and profs:
+        _write_profiles(profs, Path(profile) / f"pace-profile-{shape}-{layout}-{'reuse' if reuse else 'fresh'}.txt")
     return {"summary": summary, "cycles": cycles}
+
+
+def _write_profiles(profs: dict[str, cProfile.Profile], path: Path) -> None:
+    """Each candidate's bursts of the cell, cProfiled: the top functions by own time and by cumulative time (where
+    ``auto``'s calls spend host time that ``direct``'s own do not)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for name, prof in profs.items():
+            for sort in ("tottime", "cumtime"):
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(30)
+                f.write(f"===== {name}, by {sort} =====\n{buf.getvalue()}\n")
 
 
 def main() -> None:
@@ -227,6 +251,8 @@ def main() -> None:
                    help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
     p.add_argument("--warm-stale-s", type=float, default=None,
                    help="the same for measures of reused plans (default: hicache's WARM_STALE_S)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
     from hicache_core.backends import pace  # read when a pool is made: a setting applies to the pools made next
     if args.min_samples is not None:
@@ -239,7 +265,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
-                            args.with_watch, args.with_prefetch)
+                            args.with_watch, args.with_prefetch, args.profile)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

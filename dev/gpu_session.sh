@@ -26,7 +26,8 @@
 #   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU, and the
 #               conformance kit for direct and auto beside them
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
-#               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12)
+#               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12); "--profile /tmp/hicache-work/prof" in
+#               either puts each candidate's cProfile into logs.tgz
 #   trace       benchmarks/pace_trace.py: where auto's host-pace samples come from in bench rows (TRACE_SHAPES, TRACE_ARGS)
 #   watchcost   benchmarks/watch_cost.py: what auto's forward watch adds to a lone load, piece by piece (WC_SHAPES)
 #   ab          A/B of one host-pace setting: benchmarks/pace_probe.py with each value of AB_FLAG (default --stale-s) in

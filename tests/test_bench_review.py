@@ -280,3 +280,24 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
     for key, b in bits.items():
         assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
     assert int(rest.sum()) > 0
+
+
+def test_pace_probe_profiles_are_written_per_candidate_both_ways(tmp_path):
+    """benchmarks/pace_probe.py --profile: one file per cell, each candidate's profile by own and cumulative time."""
+    import cProfile
+
+    from benchmarks import pace_probe
+
+    profs = {}
+    for name in ("direct", "auto"):
+        profs[name] = cProfile.Profile()
+        profs[name].enable()
+        sorted(range(100), key=lambda x: -x)
+        profs[name].disable()
+    path = tmp_path / "deep" / "pace-profile-x-y-reuse.txt"
+    pace_probe._write_profiles(profs, path)
+    text = path.read_text()
+    heads = [line for line in text.splitlines() if line.startswith("=====")]
+    assert heads == ["===== direct, by tottime =====", "===== direct, by cumtime =====",
+                     "===== auto, by tottime =====", "===== auto, by cumtime ====="]
+    assert text.count("<lambda>") >= 4  # the profiled function is listed in each table
