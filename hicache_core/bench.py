@@ -500,6 +500,7 @@ def run_bench(
                                           strategy_options=opts, registry=reg, validate="shapes")
                         _check(pool, dev, h, s, d, ops)
                         burst, calls = _timed_calls(pool, n, h, s, d)
+                        fn: Callable[[], Any] | None = None
                         for op in ops:
                             fn, nbytes, to_host, lay = calls[op]
                             warm_link()  # every row from the same state, whatever ran before it
@@ -536,7 +537,8 @@ def run_bench(
                                          + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
                                          + (f" via {row.served_by}" if backend == "auto" else "")
                                          + (f", {launched} programs" if launched else ""))
-                        del pool
+                        fn = None  # the calls hold the pool (and its buffers): drop them all before the next one
+                        del pool, burst, calls
                     del host
                 del dev
     return rows

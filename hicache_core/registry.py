@@ -604,27 +604,37 @@ def create_registry(
 
 
 _default: Registry | None = None
-#: Re-entrant so that a re-entry the guard below missed recurses and fails instead of waiting for itself forever.
+#: Re-entrant: a re-entry the checks in :func:`default_registry` missed would recurse and fail, not wait for itself.
 _DEFAULT_LOCK = threading.RLock()
 #: ``depth``: registration hooks running in this thread (:meth:`Registry._call`).
 _IN_HOOK = threading.local()
+#: ``on``: this thread is creating the default registry (importing plugins and running their hooks).
+_CREATING = threading.local()
 
 
 def default_registry() -> Registry:
     """The process-wide registry, created on first use.
 
     :raises RegistryError: called from a plugin's registration hook (creating the default registry would run that
-        hook again, and wait for itself); a hook gets what it needs through its ``register`` argument."""
+        hook again, and wait for itself; a hook gets what it needs through its ``register`` argument), or while this
+        thread creates the default registry (a plugin module calling it when imported)."""
     global _default
     if getattr(_IN_HOOK, "depth", 0):
         raise RegistryError("default_registry() was called from a plugin's registration hook; a hook must not use "
                             "a registry: it registers through its register argument")
+    if getattr(_CREATING, "on", False):  # e.g. a plugin module calling it when imported: it would wait for itself
+        raise RegistryError("default_registry() was called while the default registry was being created (by a "
+                            "plugin's import or hook); call it later, from the code that uses a pool")
     reg = _default
     if reg is not None:
         return reg
     with _DEFAULT_LOCK:
         if _default is None:
-            _default = create_registry()
+            _CREATING.on = True
+            try:
+                _default = create_registry()
+            finally:
+                _CREATING.on = False
         return _default
 
 

@@ -23,6 +23,7 @@ from hicache_core import (
     DuplicateRegistrationError,
     LayerMap,
     PluginLoadError,
+    RegistryError,
     PoolSpec,
     ResolutionError,
     StrategyInfo,
@@ -463,6 +464,29 @@ def test_a_hook_calling_default_registry_fails_its_plugin_not_the_process(monkey
     reg = create_registry(env=BASE, plugins=[("reentrant", Reentrant())])  # a registry of its own: the same
     assert "was called from a plugin's registration hook" in (next(p for p in reg.plugins if p.name == "reentrant").error
                                                               or "")
+
+
+def test_default_registry_called_while_it_is_created_fails_that_call_and_makes_one_registry(monkeypatch):
+    """A plugin module that calls ``default_registry()`` when imported (inside the creation's entry-point loading):
+    that call raises, naming the fix, and the process keeps one default registry (it neither waits for itself nor
+    builds a second one that the first then replaces)."""
+    real = registry_module.create_registry
+    seen: list[object] = []
+
+    def creating():
+        try:
+            seen.append(registry_module.default_registry())  # what an importing plugin module would do
+        except RegistryError as exc:
+            seen.append(exc)
+        return real(env=BASE, plugins=[])
+
+    monkeypatch.setattr(registry_module, "create_registry", creating)
+    monkeypatch.setattr(registry_module, "_default", None)
+    reg = registry_module.default_registry()
+    assert len(seen) == 1 and isinstance(seen[0], RegistryError)
+    assert "called while the default registry was being created" in str(seen[0])
+    assert registry_module.default_registry() is reg and registry_module._default is reg
+    assert not getattr(registry_module._CREATING, "on", False)  # a later call (after creation) is fine
 
 
 @pytest.mark.parametrize("value,on", [("1", True), ("yes", True), ("0", False), ("off", False), ("False", False),
