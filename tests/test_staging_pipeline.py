@@ -6,8 +6,9 @@ reads it has run.  A race there corrupts bytes only when the GPU happens to reor
 can pass with a missing wait.  Here streams and events are replaced by a model that records every operation with the
 operations it is ordered after (same stream, or waited for through an event), and the test asserts the order itself:
 every two operations on one half, one of them a write, are ordered; every relayout comes after the work queued before
-the call and before the work queued after it.  The operations also run (on the CPU, in program order), so the bytes
-are compared with the ``reference`` backend too."""
+the call, after the device rows it reads were put on the device, and before the work queued after the call.  The
+operations also run (on the CPU, in program order), so the bytes are checked too: a backup's against the ``reference``
+backend's, a load's against the rows the backup saved, with the rows it must not write unchanged."""
 
 from __future__ import annotations
 
@@ -143,10 +144,11 @@ def _run_modelled(monkeypatch, pool: HostKVPool, h: torch.Tensor, d: torch.Tenso
     route = sub.staged
     assert isinstance(route, StagedRoute) and route.chunks >= 4, "the test needs several chunks per half"
     sim = Sim()
-    monkeypatch.setattr(staging_mod.torch.cuda, "current_stream", lambda device=None: sim.main)
+    monkeypatch.setattr(staging_mod.torch.cuda, "current_stream", lambda device=None: sim.current)
     monkeypatch.setattr(staging_mod.torch.cuda, "stream", lambda s: sim.on(s))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
-    copy, relayout = route._copy, route._relayout
+    copy, relayout, d_dev = route._copy, route._relayout, route._d_dev
+    rows_made: list[Node] = []
     caller = 7  # the caller's stream handle, as the copier gets it
 
     def modelled_copy(copier, p0, p1, base, stream, *, to_host):
@@ -159,7 +161,12 @@ def _run_modelled(monkeypatch, pool: HostKVPool, h: torch.Tensor, d: torch.Tenso
         sim.side.add(Node("side", "gather" if to_image else "scatter", half.data_ptr(), writes_half=to_image))
         relayout(half, rows, npages, to_image=to_image)
 
+    def modelled_d_dev():  # the device rows may be copied to the device here, on the current stream
+        rows_made.append(sim.current.add(Node(sim.current.name, "device rows to the device")))
+        return d_dev()
+
     monkeypatch.setattr(route, "_copy", modelled_copy)
+    monkeypatch.setattr(route, "_d_dev", modelled_d_dev)
     monkeypatch.setattr(route, "_relayout", modelled_relayout)
     earlier = sim.main.add(Node("main", "earlier work"))
     route._run_pipelined(pool.binding.scratch["direct.copier"], Buffers(sim), caller, to_host=to_host)
@@ -168,6 +175,7 @@ def _run_modelled(monkeypatch, pool: HostKVPool, h: torch.Tensor, d: torch.Tenso
         if n.stream == "side" and n.what != "wait":
             assert Sim.before(earlier, n), f"{n.what} is not ordered after the work queued before the call"
             assert Sim.before(n, later), f"{n.what} is not ordered before the work queued after the call"
+            assert rows_made and all(Sim.before(r, n) for r in rows_made), f"{n.what} may read rows not yet there"
     ops = [n for n in sim.nodes if n.half is not None]
     assert len({n.half for n in ops}) == 2  # two halves, each used by several chunks
     for i, a in enumerate(ops):
