@@ -35,29 +35,30 @@
 #               per cell (default 6), AB_SHAPES; one line per cell into $OUT/ab.txt
 # Timing steps (tune, bench) run alone; correctness steps may overlap each other.
 set -uo pipefail
-# here, after a call: bash dev/gpu_session.sh --unpack-cache FILES_AT (the .triton-cache/ the next call carries)
-if [ "${1:-}" = --unpack-cache ]; then
-  rm -rf .triton-cache && mkdir -p .triton-cache && tar xf "$(ls "$2"/triton-cache.t?z | head -1)" -C .triton-cache \
-    && du -sh .triton-cache
+# here, after a call: bash dev/gpu_session.sh --keep-cache FILES_AT (the archive the next call carries in .triton-cache/)
+if [ "${1:-}" = --keep-cache ]; then
+  a=$(ls "${2:?usage: --keep-cache FILES_AT}"/triton-cache.t?z 2>/dev/null | head -1)
+  [ -n "$a" ] || { echo "no triton-cache.txz or .tgz in $2: the cache kept before stays"; exit 1; }
+  rm -rf .triton-cache && mkdir -p .triton-cache && cp "$a" .triton-cache/ && ls -la .triton-cache
   exit
 fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/hicache-out}; W=/tmp/hicache-work; mkdir -p "$OUT" "$W"
 SUMMARY="$OUT/summary.txt"; : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
-# Triton's compiled kernels carry over between calls: a carried .triton-cache/ (git-ignored; unpack the last call's
-# $OUT/triton-cache.txz (or .tgz) into it with `bash dev/gpu_session.sh --unpack-cache DIR`) seeds the cache, and the
-# cache goes back when it fits the device tool's 16 MiB per file.  Entries are keyed by kernel source, Triton
+# Triton's compiled kernels carry over between calls: a carried .triton-cache/ (git-ignored) holding the last call's
+# $OUT/triton-cache.txz (or .tgz; put there by `bash dev/gpu_session.sh --keep-cache DIR`) seeds the cache, and the
+# cache goes back when it fits the device tool's 16 MiB per file (the archive travels, not the cache: it is smaller).  Entries are keyed by kernel source, Triton
 # version and target, so a stale one is never used; a fresh machine otherwise compiles every specialisation anew.
 export TRITON_CACHE_DIR=/tmp/hicache-triton-cache; mkdir -p "$TRITON_CACHE_DIR"
-[ -d .triton-cache ] && cp -r .triton-cache/. "$TRITON_CACHE_DIR/"
+for a in .triton-cache/triton-cache.t?z; do [ -f "$a" ] && tar xf "$a" -C "$TRITON_CACHE_DIR"; done
 pack() {  # xz where the machine has it: Triton's IR text compresses several times better than with gzip
   tar czf "$OUT/logs.tgz" -C "$W" . 2>/dev/null
   local c="$W.cache.tgz" z=z
   command -v xz >/dev/null && c="$W.cache.txz" && z=J
-  tar c${z}f "$c" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return
-  local size; size=$(stat -c %s "$c")
-  if [ "$size" -lt $((16 << 20)) ]; then mv "$c" "$OUT/triton-cache.${c##*.}"
+  XZ_OPT=-T0 tar c${z}f "$c" -C "$TRITON_CACHE_DIR" . 2>/dev/null || return
+  local size; size=$(stat -c %s "$c" 2>/dev/null || echo 0)
+  if [ "$size" -gt 0 ] && [ "$size" -lt $((16 << 20)) ]; then mv "$c" "$OUT/triton-cache.${c##*.}"
   else echo "Triton cache not returned: $size bytes packed, over the 16 MiB a returned file may have" >>"$SUMMARY"; fi
 }
 trap pack EXIT

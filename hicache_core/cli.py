@@ -644,7 +644,8 @@ def _copy_engine_runtime() -> str:
         return f"unavailable ({_first_line(exc)})"
     how = "batched copies" if rt.has_batch else "one call per copy (no cudaMemcpyBatchAsync)"
     text = f"CUDA runtime {rt.path} (runtime {rt.version}, driver {rt.driver_version}: {how})"
-    others = [p for p in cudart.loaded_cudart_paths() if p != rt.path]
+    bound = os.path.realpath(rt.path)  # (a soname or a link next to torch; /proc/self/maps names the file)
+    others = [p for p in cudart.loaded_cudart_paths() if os.path.realpath(p) != bound]
     return text + (f"; also mapped, unused: {', '.join(others)}" if others else "")
 
 

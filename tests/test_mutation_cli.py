@@ -234,6 +234,20 @@ def test_doctor_names_why_the_copy_engine_has_no_runtime_and_when_it_cannot_batc
                                           "copy (no cudaMemcpyBatchAsync))")
 
 
+def test_doctor_does_not_list_the_bound_runtime_as_another_one_through_a_link(monkeypatch, tmp_path):
+    """The runtime may be bound through a link (torch's lib folder) while /proc/self/maps names the file itself."""
+    from hicache_core.backends import cudart
+
+    real = tmp_path / "libcudart.so.12.8.90"
+    real.write_bytes(b"")
+    link = tmp_path / "libcudart.so.12"
+    link.symlink_to(real)
+    rt = types.SimpleNamespace(path=str(link), version=12080, driver_version=12090, has_batch=True)
+    monkeypatch.setattr(cudart, "runtime", lambda: rt)
+    monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: [str(real)])
+    assert cli._copy_engine_runtime() == f"CUDA runtime {link} (runtime 12080, driver 12090: batched copies)"
+
+
 # -- plugins, logging -------------------------------------------------------------------
 def test_plugins_with_no_plugin_loaded_says_so(capsys, monkeypatch):
     from hicache_core.registry import Registry

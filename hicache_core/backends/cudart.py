@@ -141,6 +141,12 @@ class _LinkMap(ctypes.Structure):
 _RTLD_DI_LINKMAP = 2
 
 
+def _ctypes_dlclose(handle: int) -> None:
+    import _ctypes
+
+    _ctypes.dlclose(handle)
+
+
 def _loader_path(soname: str) -> Optional[str]:
     """The path of the library the dynamic loader already resolves ``soname`` to in this process, or ``None``.
 
@@ -156,9 +162,12 @@ def _loader_path(soname: str) -> Optional[str]:
     dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     dlinfo.restype = ctypes.c_int
     lm = ctypes.POINTER(_LinkMap)()
-    if dlinfo(lib._handle, _RTLD_DI_LINKMAP, ctypes.byref(lm)) != 0 or not lm or not lm.contents.l_name:
-        return None
-    path = os.fsdecode(lm.contents.l_name)
+    try:
+        if dlinfo(lib._handle, _RTLD_DI_LINKMAP, ctypes.byref(lm)) != 0 or not lm or not lm.contents.l_name:
+            return None
+        path = os.fsdecode(lm.contents.l_name)
+    finally:
+        _ctypes_dlclose(lib._handle)  # the lookup took a reference to the already loaded library: give it back
     return os.path.realpath(path) if path else None
 
 
