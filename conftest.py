@@ -10,6 +10,12 @@ except ImportError:  # pragma: no cover
     _cuda = False
 if not _cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton fixes its interpreter mode when first imported: import it now, so a test that unsets the variable for a
+    # while (tests/test_review_driver.py's launcher fixture) cannot decide it for every test after it
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - Triton-less runs skip the kernel tests
+        pass
 
 # The compiled launch call (hicache_core/claunch.py) is built by the first test that needs it: into a directory of
 # this session, not the user's cache (a build there would outlive the tests).
