@@ -130,10 +130,11 @@ def _read_json(path: str) -> Any:
 
 def load_calibration(device: torch.device) -> Calibration:
     """The calibration for ``device``'s GPU model (``cpu`` for CPU pools): the file's entry if any, else
-    :data:`DEFAULT`.  Without a file, a GPU other than :data:`DEFAULT`'s is warned about (once).  A file that ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of
-    GPU entries, without an entry for this GPU, or with a malformed entry (a value that is not a finite number,
-    block sizes that are not whole positive numbers) gives :data:`DEFAULT` with a warning naming the file and the
-    fix (once per message); unknown keys are warned about and ignored."""
+    :data:`DEFAULT`.  Without a file, a GPU other than :data:`DEFAULT`'s is warned about (once).  A file that
+    ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of GPU entries, without an entry for
+    this GPU, or with a malformed entry (a value that is not a finite number, block sizes that are not whole positive
+    numbers) gives :data:`DEFAULT` with a warning naming the file and the fix (once per message); unknown keys are
+    warned about and ignored."""
     path = calibration_path()
     named = bool(os.environ.get(ENV_CALIBRATION))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import _ctypes
 import glob
 import logging
 import os
@@ -141,12 +142,6 @@ class _LinkMap(ctypes.Structure):
 _RTLD_DI_LINKMAP = 2
 
 
-def _ctypes_dlclose(handle: int) -> None:
-    import _ctypes
-
-    _ctypes.dlclose(handle)
-
-
 def _loader_path(soname: str) -> Optional[str]:
     """The path of the library the dynamic loader already resolves ``soname`` to in this process, or ``None``.
 
@@ -154,7 +149,7 @@ def _loader_path(soname: str) -> Optional[str]:
     soname that is the copy torch's own libraries were linked against.  Nothing is loaded (``RTLD_NOLOAD``); ``None``
     where no library of that soname is loaded, or where the C library lacks ``dlinfo`` (not glibc)."""
     try:
-        lib = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        lib = ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)
         libc = ctypes.CDLL(None)
         dlinfo = libc.dlinfo
     except (OSError, AttributeError):
@@ -167,7 +162,7 @@ def _loader_path(soname: str) -> Optional[str]:
             return None
         path = os.fsdecode(lm.contents.l_name)
     finally:
-        _ctypes_dlclose(lib._handle)  # the lookup took a reference to the already loaded library: give it back
+        _ctypes.dlclose(lib._handle)  # the lookup took a reference to the already loaded library: give it back
     return os.path.realpath(path) if path else None
 
 
