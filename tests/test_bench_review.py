@@ -280,6 +280,25 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
     for key, b in bits.items():
         assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
     assert int(rest.sum()) > 0
+    # one layer, then all of them: load_layer restores the middle layer alone, load_all_layers every layer
+    middle = calls["load_layer"][3]
+    for b in bits.values():
+        b[d] = b[s].bitwise_not()
+    calls["load_layer"][0]()
+    for (name, lay), b in bits.items():
+        assert torch.equal(b[d], b[s] if lay == middle else b[s].bitwise_not()), (name, lay)
+    calls["load_all_layers"][0]()
+    for key, b in bits.items():
+        assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
+    # a backup of one layer writes that layer's host rows alone: zero the host, back up the middle layer, load all
+    for t in pool.binding.host_buffers.values():
+        t.zero_()
+    calls["backup_layer"][0]()
+    for b in bits.values():
+        b[d] = b[s].bitwise_not()
+    calls["load_all_layers"][0]()
+    for (name, lay), b in bits.items():
+        assert torch.equal(b[d], b[s] if lay == middle else torch.zeros_like(b[s])), (name, lay)
 
 
 def test_pace_probe_profiles_are_written_per_candidate_both_ways(tmp_path):
