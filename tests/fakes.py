@@ -54,8 +54,8 @@ def auto_over(pool, paces, **options):  # type: ignore[no-untyped-def]
 
 def pool_device(backend: str) -> str:
     """Where a test builds a pool served by ``backend``: a kernel pool on the GPU where there is one (a CPU pool's
-    kernel runs only in Triton's interpreter, which tests/conftest.py turns on only where CUDA is missing), any other
-    pool on the CPU."""
+    kernel runs only in Triton's interpreter, which the repository's conftest.py turns on only where CUDA is missing),
+    any other pool on the CPU."""
     import torch
 
     return "cuda" if backend == "kernel" and torch.cuda.is_available() else "cpu"

@@ -11,6 +11,8 @@ import torch
 from hicache_core import HostKVPool, LayerMap, PoolSpec
 from hicache_core.errors import HostBufferError, IndexDtypeError
 
+from fakes import pool_device
+
 PS, PAGES, LAYERS, HEADS, HD, VD = 4, 4, 3, 2, 4, 2
 CAP = PS * PAGES  # 16 host slots
 ROWS = 2 * CAP  # device rows
@@ -38,8 +40,7 @@ def make_device(seed: int = 0, device: str = "cpu") -> dict[str, list[torch.Tens
 
 
 def make_pool(layout: str, backend: str) -> HostKVPool:
-    # a CPU pool's kernel needs Triton's interpreter, fixed when Triton was first imported: on a GPU machine, the GPU
-    device = "cuda" if backend == "kernel" and torch.cuda.is_available() else "cpu"
+    device = pool_device(backend)
     p = HostKVPool(make_spec(device), layout, backend, make_device(device=device), pin_memory=device == "cuda")
     gen = torch.Generator().manual_seed(1)
     for t in p.host_buffers.values():

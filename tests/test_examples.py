@@ -13,6 +13,8 @@ import torch
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.kernel_support import interpreting
 
+from fakes import pool_device
+
 pytestmark = pytest.mark.skipif(
     not any(ep.name == "example" for ep in importlib.metadata.entry_points(group="hicache")),
     reason="examples/hicache_example is not installed (bash dev/bootstrap.sh --test installs it)",
@@ -27,7 +29,7 @@ def test_example_registers_its_layout_and_two_strategies() -> None:
 
 @pytest.mark.parametrize("io_backend", ["example_engine", "kernel"])
 def test_out_of_range_device_resident_indices_touch_nothing(io_backend: str) -> None:
-    device = "cuda" if io_backend == "kernel" and torch.cuda.is_available() else "cpu"
+    device = pool_device(io_backend)
     if device == "cpu" and io_backend == "kernel" and not interpreting():
         pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
     spec = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=1, head_dim=8, dtype=torch.float16, page_size=4,
