@@ -61,6 +61,23 @@ def _count_decisions(strategy: object) -> dict[str, int]:
     return counts
 
 
+def _count_lane(pool: HostKVPool) -> dict[str, int]:
+    """Count the pool's one-layer loads its load lane served (``served``) and those it left to the normal path
+    (``declined``: ``pick()`` then decides or reads its memo, at more host time per call)."""
+    counts = {"served": 0, "declined": 0}
+    lane = pool._lanes[0]  # type: ignore[attr-defined]
+    if lane is None:
+        return counts
+
+    def counted(layer: object, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        ok = lane(layer, host_indices, device_indices)
+        counts["served" if ok else "declined"] += 1
+        return ok
+
+    pool._lanes = (counted, pool._lanes[1])  # type: ignore[attr-defined]
+    return counts
+
+
 class _Neighbour:
     """``--hbm``: reductions queued on their own stream ahead of a burst, enough to outlast it."""
 
@@ -147,6 +164,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
+    lanes = {name: _count_lane(pools[name]) for name in names}
     cycles = []
     profs: dict[str, cProfile.Profile] | None = {} if profile else None
     t_end = time.perf_counter() + seconds
@@ -172,6 +190,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[name + "_host_us"] = round(host_us, 1)
             row[name + "_call_us_median_max"] = [round(statistics.median(CALL_US), 1), round(max(CALL_US), 1)]
             CALL_US.clear()
+            row[name + "_lane_declined"] = lanes[name]["declined"]
+            lanes[name].update(served=0, declined=0)
             if name in counts:  # decisions of this burst, by candidate
                 row[name + "_decisions"] = dict(counts[name])
                 counts[name].update(kernel=0, direct=0)
@@ -202,6 +222,9 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_within_3pts_share": round(sum(g >= -0.03 for g in gaps) / len(gaps), 3),
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
+        # per candidate: the median share of a burst's loads its pool's lane left to the normal path
+        "lane_declined_share": {n: round(statistics.median(c[n + "_lane_declined"] for c in cycles) / len(layers), 3)
+                                for n in names},
         # per candidate: cycles whose burst had a call over STALL_US, and in which cycles (the first ones: warm-up)
         "stalls": {n: [i for i, c in enumerate(cycles) if c[n + "_call_us_median_max"][1] > STALL_US] for n in names},
     }

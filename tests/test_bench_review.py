@@ -320,3 +320,25 @@ def test_pace_probe_profiles_are_written_per_candidate_both_ways(tmp_path):
     assert heads == ["===== direct, by tottime =====", "===== direct, by cumtime =====",
                      "===== auto, by tottime =====", "===== auto, by cumtime ====="]
     assert text.count("<lambda>") >= 4  # the profiled function is listed in each table
+
+
+def test_pace_probe_counts_what_the_load_lane_served_and_left_to_the_normal_path(cell):
+    """benchmarks/pace_probe.py counts, per pool, the one-layer loads its lane served and those it declined; the counted
+    lane passes each call's answer through, and a pool without a load lane counts nothing."""
+    from benchmarks import pace_probe
+
+    pool = cell[0]()
+    answers = iter([False, True])
+    seen = []
+
+    def lane(layer, h, d):  # type: ignore[no-untyped-def]
+        seen.append(layer)
+        return next(answers)
+
+    pool._lanes = (lane, pool._lanes[1])
+    counts = pace_probe._count_lane(pool)
+    h = torch.arange(2, dtype=torch.int64)
+    assert pool._lanes[0](0, h, h) is False and pool._lanes[0](1, h, h) is True
+    assert counts == {"served": 1, "declined": 1} and seen == [0, 1]
+    pool._lanes = (None, None)
+    assert pace_probe._count_lane(pool) == {"served": 0, "declined": 0} and pool._lanes == (None, None)
