@@ -2,7 +2,7 @@
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
 [--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
-[--hbm] [--profile DIR]``.
+[--hbm] [--profile DIR] [--lane-detail]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -58,6 +58,43 @@ def _count_decisions(strategy: object) -> dict[str, int]:
         return pick
 
     strategy._decide = counted  # type: ignore[attr-defined]
+    return counts
+
+
+def _count_inner(pool: HostKVPool) -> dict[str, int]:
+    """For an ``auto`` pool: count its candidates' lane calls and declines within its own load lane
+    (``direct_lane``/``direct_lane_declined``, ``kernel_lane``/``kernel_lane_declined``) and what ``pick()`` returned on
+    the normal path (``picked_direct``/``picked_kernel``).  Rebuilds the pool's lanes with the counting candidates'
+    lanes inside (wrap the result with :func:`_count_lane` after this, not before)."""
+    st = pool.strategy
+    counts = dict.fromkeys(("direct_lane", "direct_lane_declined", "kernel_lane", "kernel_lane_declined",
+                            "picked_direct", "picked_kernel"), 0)
+    for tag in ("direct", "kernel"):
+        cand = getattr(st, tag, None)
+        make = getattr(cand, "lane", None)
+        if not callable(make):
+            continue
+
+        def counting_make(binding: object, to_host: bool, make: object = make, tag: str = tag) -> object:
+            inner = make(binding, to_host)  # type: ignore[operator]
+            if not inner:
+                return inner
+
+            def counted(layer: object, h: torch.Tensor, d: torch.Tensor) -> bool:
+                ok = inner(layer, h, d)
+                counts[tag + "_lane"] += 1
+                counts[tag + "_lane_declined"] += not ok
+                return ok
+            return counted
+        cand.lane = counting_make  # type: ignore[union-attr]  # this pool's candidate object only
+    pick = st.pick
+
+    def counted_pick(*args: object, **kwargs: object) -> object:
+        got = pick(*args, **kwargs)
+        counts["picked_direct" if got is st.direct else "picked_kernel"] += 1
+        return got
+    st.pick = counted_pick
+    pool._lanes = (st.lane(pool.binding, False), st.lane(pool.binding, True))  # type: ignore[attr-defined]
     return counts
 
 
@@ -142,8 +179,8 @@ def _by(name: str) -> str:
 
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
-             hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None
-             ) -> dict:
+             hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None,
+             lane_detail: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -164,6 +201,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
+    inner = {name: _count_inner(pools[name]) for name in names if name.startswith("auto") and lane_detail}
     lanes = {name: _count_lane(pools[name]) for name in names}
     cycles = []
     profs: dict[str, cProfile.Profile] | None = {} if profile else None
@@ -192,6 +230,9 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             CALL_US.clear()
             row[name + "_lane_declined"] = lanes[name]["declined"]
             lanes[name].update(served=0, declined=0)
+            if name in inner:
+                row[name + "_inner"] = dict(inner[name])
+                inner[name].update(dict.fromkeys(inner[name], 0))
             if name in counts:  # decisions of this burst, by candidate
                 row[name + "_decisions"] = dict(counts[name])
                 counts[name].update(kernel=0, direct=0)
@@ -274,6 +315,9 @@ def main() -> None:
                    help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
     p.add_argument("--warm-stale-s", type=float, default=None,
                    help="the same for measures of reused plans (default: hicache's WARM_STALE_S)")
+    p.add_argument("--lane-detail", action="store_true",
+                   help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
+                        "returned on the normal path (the cycle's auto_inner)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
@@ -288,7 +332,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
-                            args.with_watch, args.with_prefetch, args.profile)
+                            args.with_watch, args.with_prefetch, args.profile, args.lane_detail)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))
