@@ -2,7 +2,7 @@
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
 [--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
-[--hbm] [--profile DIR] [--lane-detail]``.
+[--hbm] [--profile DIR] [--lane-detail] [--with-lone-off] [--with-direct-only]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -164,10 +164,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "auto": {"forward": "compute"}, "auto pace=off": {"pace": False, "forward": "compute"},
     "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"},
     "auto prefetch": {"forward": "compute", "prefetch": True},
-    "auto forward=watch prefetch": {"forward": "watch", "prefetch": True}}
+    "auto forward=watch prefetch": {"forward": "watch", "prefetch": True},
+    "auto lone=off": {"forward": "compute", "lone": False}, "auto direct-only": {"forward": "compute"}}
 #: The optional ones: label -> the tag of their summary keys.
 TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch",
-        "auto prefetch": "prefetch", "auto forward=watch prefetch": "watch_prefetch"}
+        "auto prefetch": "prefetch", "auto forward=watch prefetch": "watch_prefetch", "auto lone=off": "lone_off",
+        "auto direct-only": "direct_only"}
 #: A call slower than this many microseconds counts as a stall in the summary (a read of GPU indices behind queued
 #: loads took 20-38 ms on the H200).
 STALL_US = 10_000.0
@@ -180,7 +182,7 @@ def _by(name: str) -> str:
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
              hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None,
-             lane_detail: bool = False) -> dict:
+             lane_detail: bool = False, with_lone_off: bool = False, with_direct_only: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -188,7 +190,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch,
-              "auto prefetch": with_prefetch, "auto forward=watch prefetch": with_prefetch and with_watch}
+              "auto prefetch": with_prefetch, "auto forward=watch prefetch": with_prefetch and with_watch,
+              "auto lone=off": with_lone_off, "auto direct-only": with_direct_only}
     names = ["kernel", "direct", "auto"] + [n for n, on in chosen.items() if on]
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
@@ -198,6 +201,10 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
         pools[name] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes",
                                  strategy_options=opts)
+        if name == "auto direct-only":  # auto's own path with no decision to make: its lane's single-candidate route
+            st = pools[name].strategy
+            st.kernel, st._clocked = None, False  # type: ignore[attr-defined]
+            pools[name]._lanes = (st.lane(pools[name].binding, False), st.lane(pools[name].binding, True))
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
@@ -315,6 +322,9 @@ def main() -> None:
                    help="seconds after which a host-pace measure ages (default: hicache's STALE_S), to compare settings")
     p.add_argument("--warm-stale-s", type=float, default=None,
                    help="the same for measures of reused plans (default: hicache's WARM_STALE_S)")
+    p.add_argument("--with-lone-off", action="store_true", help="also auto with lone=False (no lone-load rule)")
+    p.add_argument("--with-direct-only", action="store_true",
+                   help="also auto whose kernel candidate is removed (its lane then routes every call to direct's)")
     p.add_argument("--lane-detail", action="store_true",
                    help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
                         "returned on the normal path (the cycle's auto_inner)")
@@ -332,7 +342,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
-                            args.with_watch, args.with_prefetch, args.profile, args.lane_detail)
+                            args.with_watch, args.with_prefetch, args.profile, args.lane_detail,
+                            args.with_lone_off, args.with_direct_only)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))
