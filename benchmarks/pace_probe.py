@@ -67,8 +67,8 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
     the normal path (``picked_direct``/``picked_kernel``).  Rebuilds the pool's lanes with the counting candidates'
     lanes inside (wrap the result with :func:`_count_lane` after this, not before)."""
     st = pool.strategy
-    counts = dict.fromkeys(("direct_lane", "direct_lane_declined", "kernel_lane", "kernel_lane_declined",
-                            "picked_direct", "picked_kernel"), 0)
+    counts = dict.fromkeys(("direct_lane", "direct_lane_declined", "direct_lane_ns", "kernel_lane",
+                            "kernel_lane_declined", "kernel_lane_ns", "picked_direct", "picked_kernel"), 0)
     for tag in ("direct", "kernel"):
         cand = getattr(st, tag, None)
         make = getattr(cand, "lane", None)
@@ -81,7 +81,9 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
                 return inner
 
             def counted(layer: object, h: torch.Tensor, d: torch.Tensor) -> bool:
+                t0 = time.perf_counter()
                 ok = inner(layer, h, d)
+                counts[tag + "_lane_ns"] += int((time.perf_counter() - t0) * 1e9)
                 counts[tag + "_lane"] += 1
                 counts[tag + "_lane_declined"] += not ok
                 return ok
@@ -100,14 +102,28 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
 
 def _count_lane(pool: HostKVPool) -> dict[str, int]:
     """Count the pool's one-layer loads its load lane served (``served``) and those it left to the normal path
-    (``declined``: ``pick()`` then decides or reads its memo, at more host time per call)."""
-    counts = {"served": 0, "declined": 0}
+    (``declined``: ``pick()`` then decides or reads its memo, at more host time per call), the lane's time (``ns``),
+    and its copier's submissions (``submits``) and those its clock told to start with small runtime calls
+    (``eager``)."""
+    counts = {"served": 0, "declined": 0, "ns": 0, "eager": 0, "submits": 0}
+    copier = pool.binding.scratch.get("direct.copier")
+    if copier is not None:  # submissions the copier's clock told to start with small runtime calls
+        eager = copier.clock.eager
+
+        def counted_eager(*args: object, **kwargs: object) -> bool:
+            got = eager(*args, **kwargs)
+            counts["eager"] += got
+            counts["submits"] += 1
+            return got
+        copier.clock.eager = counted_eager
     lane = pool._lanes[0]  # type: ignore[attr-defined]
     if lane is None:
         return counts
 
     def counted(layer: object, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        t0 = time.perf_counter()
         ok = lane(layer, host_indices, device_indices)
+        counts["ns"] += int((time.perf_counter() - t0) * 1e9)
         counts["served" if ok else "declined"] += 1
         return ok
 
@@ -235,8 +251,11 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[name + "_host_us"] = round(host_us, 1)
             row[name + "_call_us_median_max"] = [round(statistics.median(CALL_US), 1), round(max(CALL_US), 1)]
             CALL_US.clear()
-            row[name + "_lane_declined"] = lanes[name]["declined"]
-            lanes[name].update(served=0, declined=0)
+            lc = lanes[name]
+            row[name + "_lane_declined"] = lc["declined"]
+            row[name + "_lane_us"] = round(lc["ns"] / 1e3 / max(1, lc["served"] + lc["declined"]), 2)
+            row[name + "_eager"] = [lc["eager"], lc["submits"]]
+            lanes[name].update(dict.fromkeys(lc, 0))
             if name in inner:
                 row[name + "_inner"] = dict(inner[name])
                 inner[name].update(dict.fromkeys(inner[name], 0))
