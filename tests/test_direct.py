@@ -989,10 +989,10 @@ def test_pitched_submission_counts_operations_rows_and_host_time():
 
 def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy():
     """Small calls first on an idle stream; one call per 512 descriptors in a burst (a submission right after
-    the previous one while its copies may still run, or within 20 us) or once the copies queued earlier
+    the previous one while its copies may still run, or within TIGHT_GAP_US, 50 us) or once the copies queued earlier
     (drained no faster than 64 GB/s) outlast the host time of the submission; streams are separate."""
     from hicache_core.backends.cudart import batch_schedule
-    from hicache_core.backends.memcpy import QueueClock
+    from hicache_core.backends.memcpy import TIGHT_GAP_US, QueueClock
 
     t = [100.0]
     clock = QueueClock(now=lambda: t[0])
@@ -1020,7 +1020,9 @@ def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy
     clock.queued(7, 64, since=t[0])  # a tiny submission; the engine drains it at once
     t[0] += 10e-6  # called again right away: a loop of calls, not a wait
     assert not clock.eager(7, 80.0) and clock.eager(7, 80.0, burstable=False)
-    t[0] += 15e-6  # 25 us: past the tight gap with nothing queued
+    t[0] += (TIGHT_GAP_US - 11) * 1e-6  # 1 us short of the tight gap: still a loop of calls
+    assert not clock.eager(7, 80.0)
+    t[0] += 2e-6  # past the tight gap with nothing queued
     assert clock.eager(7, 80.0)
     assert batch_schedule(64, eager=False) == [64] and batch_schedule(1200, eager=False) == [512, 512, 176]
     assert batch_schedule(0, eager=False) == []
