@@ -347,6 +347,8 @@ def main() -> None:
     p.add_argument("--lane-detail", action="store_true",
                    help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
                         "returned on the normal path (the cycle's auto_inner)")
+    p.add_argument("--tight-gap-us", type=float, default=None,
+                   help="the copier clock's TIGHT_GAP_US (default: hicache's), to compare settings")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
@@ -357,6 +359,9 @@ def main() -> None:
         pace.STALE_S = args.stale_s
     if args.warm_stale_s is not None:
         pace.WARM_STALE_S = args.warm_stale_s
+    if args.tight_gap_us is not None:
+        from hicache_core.backends import memcpy  # read per call (QueueClock.eager, .lone)
+        memcpy.TIGHT_GAP_US = args.tight_gap_us
     out = []
     for shape in args.shapes.split(","):
         for layout in args.layouts.split(","):
