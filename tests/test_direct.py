@@ -1028,6 +1028,28 @@ def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy
     assert batch_schedule(0, eager=False) == []
 
 
+def test_queue_clock_keeps_a_host_bound_burst_in_whole_calls_with_a_caller_between_submissions():
+    """The H100 case (docs/performance.md, second H100 run): one-layer loads of 4.7 MB, each submission taking 95 us of
+    host time (longer than the clock's drain estimate of its copies, ~74 us) and ``auto``'s lane around each adding
+    ~30 us between one submission's end and the next one's start.  Every submission after the first stays in one
+    runtime call (at a 20 us tight gap all 60 of them went in small calls); a pause past BURST_GAP_US with the queue
+    drained starts small again."""
+    from hicache_core.backends.memcpy import BURST_GAP_US, QueueClock
+
+    t = [10.0]
+    clock = QueueClock(now=lambda: t[0])
+    eager = []
+    for _ in range(61):
+        since = t[0]
+        eager.append(clock.eager(3, 79.0, burstable=True))
+        t[0] += 95e-6  # the submission's host time
+        clock.queued(3, 4_718_592, since)
+        t[0] += 30e-6  # auto's lane and the caller's loop before the next load
+    assert eager[0] and not any(eager[1:])
+    t[0] += BURST_GAP_US * 1e-6
+    assert clock.eager(3, 79.0, burstable=True)
+
+
 def test_queue_clock_forgets_quiet_streams_past_its_bound_and_answers_the_same():
     """A caller making a new stream per call does not grow the clock without bound: past MAX_CLOCK_STREAMS, a new
     stream's entry drops the streams that are idle and quiet past every gap (they answer as never seen), and keeps
