@@ -128,9 +128,10 @@ def _read_json(path: str) -> Any:
             raise ValueError("nested too deeply to parse") from None
 
 
-def load_calibration(device: torch.device) -> Calibration:
+def load_calibration(device: torch.device, *, warn_other_gpu: bool = True) -> Calibration:
     """The calibration for ``device``'s GPU model (``cpu`` for CPU pools): the file's entry if any, else
-    :data:`DEFAULT`.  Without a file, a GPU other than :data:`DEFAULT`'s is warned about (once).  A file that
+    :data:`DEFAULT`.  Without a file, a GPU other than :data:`DEFAULT`'s is warned about (once), unless
+    ``warn_other_gpu`` is false (a caller that reports it itself: ``hicache doctor``).  A file that
     ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of GPU entries, without an entry for
     this GPU, or with a malformed entry (a value that is not a finite number, block sizes that are not whole positive
     numbers) gives :data:`DEFAULT` with a warning naming the file and the fix (once per message); unknown keys are
@@ -145,7 +146,7 @@ def load_calibration(device: torch.device) -> Calibration:
         if named:
             _warn_once(f"hicache: {ENV_CALIBRATION}={path} does not exist; using the shipped calibration ({DEFAULT.gpu}); "
                        f"{fix}")
-        elif device.type == "cuda" and gpu != DEFAULT.gpu:
+        elif warn_other_gpu and device.type == "cuda" and gpu != DEFAULT.gpu:
             # the shipped numbers are one GPU's and its host's: elsewhere auto's line between the copy engine and the
             # kernel may sit several points off the better route (docs/performance.md, the H100 run)
             _warn_once(f"hicache: no calibration for {gpu!r} ({path} does not exist); auto uses the shipped one, "

@@ -653,7 +653,7 @@ def _calibration_line() -> str:
     """The calibration ``auto`` reads for the first GPU, and whether it was measured on another model."""
     from .calibration import calibration_path, load_calibration
 
-    cal = load_calibration(torch.device("cuda", 0))
+    cal = load_calibration(torch.device("cuda", 0), warn_other_gpu=False)  # the line below says it, once
     text = f"{cal.gpu}, {cal.source} (file: {calibration_path()})"
     here = torch.cuda.get_device_name(0)
     if cal.gpu != here:

@@ -230,3 +230,21 @@ def test_a_gpu_without_a_calibration_file_is_told_the_shipped_one_is_another_gpu
     assert caplog.text.count(text) == (1 if warned else 0)
     assert ("run `hicache calibrate` on this GPU" in caplog.text) == warned
     assert ("measured on an NVIDIA H200" in caplog.text) == warned
+
+
+def test_doctor_reports_another_gpus_calibration_in_its_line_alone(tmp_path, monkeypatch, caplog):
+    """``hicache doctor`` on a GPU without a calibration file says once, in its own line, that the shipped calibration
+    is another GPU's; it does not also log the pools' warning (which a pool made later in the process still gets)."""
+    from hicache_core import cli
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
+    monkeypatch.setattr(calibration.os.path, "expanduser", lambda p: str(tmp_path / "home"))
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda device=None: gpu)
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        line = cli._calibration_line()
+        assert "no calibration for" not in caplog.text
+        assert line.endswith(f"; measured on another GPU than this {gpu}: run `hicache calibrate` here")
+        assert load_calibration(torch.device("cuda", 0)) == DEFAULT  # a pool's load: warned, once
+    assert caplog.text.count(f"no calibration for {gpu!r}") == 1
