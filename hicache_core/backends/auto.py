@@ -16,7 +16,8 @@ One exception, for loads of one layer: when the kernel candidate loads that laye
 only (its optional ``fast_load(binding, layer, n)`` says so: TMA or whole-page loads of the row-copy kernels,
 which reach the link within microseconds at no measurable cost to a GEMM beside them)
 and nothing ``auto`` queued on the stream may still be running nor did its last call end within
-microseconds (a lone load, such as the first layer a forward pass waits for, not one of a loop of calls),
+:data:`~.memcpy.TIGHT_GAP_US` (50 us; a lone load, such as the first layer a forward pass waits for, not one of a loop
+of calls),
 the kernel serves it: it reaches the link within microseconds, where the copy
 engine's lone loads start slower (H200: 0.88-0.91 of memcpy against 0.68-0.90).  The loads that follow while
 it runs (the rest of a burst) go as above, to the copy engine where its blocks are large.
