@@ -62,7 +62,7 @@ def _count_decisions(strategy: object) -> dict[str, int]:
 
 
 def _count_inner(pool: HostKVPool) -> dict[str, int]:
-    """For an ``auto`` pool: count its candidates' lane calls and declines within its own load lane
+    """For an ``auto`` pool: count its candidates' load-lane calls and declines within its own load lane
     (``direct_lane``/``direct_lane_declined``, ``kernel_lane``/``kernel_lane_declined``) and what ``pick()`` returned on
     the normal path (``picked_direct``/``picked_kernel``).  Rebuilds the pool's lanes with the counting candidates'
     lanes inside (wrap the result with :func:`_count_lane` after this, not before)."""
@@ -77,8 +77,8 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
 
         def counting_make(binding: object, to_host: bool, make: object = make, tag: str = tag) -> object:
             inner = make(binding, to_host)  # type: ignore[operator]
-            if not inner:
-                return inner
+            if not inner or to_host:
+                return inner  # backups (the cycle's, through auto) are not counted
 
             def counted(layer: object, h: torch.Tensor, d: torch.Tensor) -> bool:
                 t0 = time.perf_counter()
@@ -240,6 +240,10 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         for name in order:
             st = pools[name].strategy
             probes, lone, decided = (getattr(st, k, 0) for k in ("pace_probes", "lone_kernel_loads", "decisions"))
+            # every counter starts at zero with the burst: the cycle's backup through auto counts in none of them
+            for group in (counts, lanes, inner):
+                if name in group:
+                    group[name].update(dict.fromkeys(group[name], 0))
             if profs is not None:
                 profs.setdefault(name, cProfile.Profile()).enable()
             ms, host_us = _burst_ms(pools[name], layers, hk, dk,
@@ -255,13 +259,10 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[name + "_lane_declined"] = lc["declined"]
             row[name + "_lane_us"] = round(lc["ns"] / 1e3 / max(1, lc["served"] + lc["declined"]), 2)
             row[name + "_eager"] = [lc["eager"], lc["submits"]]
-            lanes[name].update(dict.fromkeys(lc, 0))
             if name in inner:
                 row[name + "_inner"] = dict(inner[name])
-                inner[name].update(dict.fromkeys(inner[name], 0))
             if name in counts:  # decisions of this burst, by candidate
                 row[name + "_decisions"] = dict(counts[name])
-                counts[name].update(kernel=0, direct=0)
             if name == "auto":
                 row["auto_probed"] = auto.pace_probes - probes  # type: ignore[attr-defined]
                 row["auto_lone"] = auto.lone_kernel_loads - lone  # type: ignore[attr-defined]
@@ -270,8 +271,8 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         for name in [n for n in names if n.startswith("auto") and n != "auto pace=off"]:
             st = pools[name].strategy
             pick = st._picks.get(pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
-            row[_by(name)] = ("direct" if pick is st.direct  # type: ignore[attr-defined]
-                              else "kernel" if pick is not None else "lone/none")
+            row[_by(name)] = ("direct" if pick is st.direct or st.kernel is None  # type: ignore[attr-defined]
+                              else "kernel" if pick is not None else "lone/none")  # (direct-only: never memoised)
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)

@@ -347,7 +347,8 @@ def test_pace_probe_counts_what_the_load_lane_served_and_left_to_the_normal_path
 
 def test_pace_probe_lane_detail_counts_inside_an_auto_pools_lane_and_keeps_its_bytes(cell):
     """--lane-detail: an auto pool's lanes are rebuilt with counting candidate lanes inside; the normal path's picks are
-    counted by candidate; loads still move the right bytes, and the counts add up to the calls made."""
+    counted by candidate; loads still move the right bytes, and the counts add up to the calls made.  Backups through
+    the pool (the probe backs up every cycle) reach no load counter; the copier's eager answers are counted."""
     from benchmarks import pace_probe
 
     _, dev, h, s, d = cell
@@ -356,18 +357,25 @@ def test_pace_probe_lane_detail_counts_inside_an_auto_pools_lane_and_keeps_its_b
     host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=False)
     pool = HostKVPool(spec, "layer_first", "auto", dev, host_buffers=host, registry=reg, validate="shapes")
     pool.strategy.kernel = None  # direct alone: its lane serves a pair's later bursts (the kernel has no lane on CPU)
-    pool.backup_all_layers(h, s)
     inner = pace_probe._count_inner(pool)
     outer = pace_probe._count_lane(pool)
+    for _ in range(2):
+        pool.backup_all_layers(h, s)
+    assert inner["direct_lane"] == 0 and outer["served"] + outer["declined"] == 0  # backups: no load counter moved
+    picked = inner["picked_direct"] + inner["picked_kernel"]
     layers = list(spec.layer_map.device_layers)
     for _ in range(2):
         for layer in layers:
             pool.load_layer(layer, h, d)
     assert outer["served"] + outer["declined"] == 2 * len(layers)
     assert outer["served"] > 0 and inner["direct_lane"] + inner["kernel_lane"] > 0  # the lanes ran, through the counters
-    assert inner["picked_direct"] + inner["picked_kernel"] == outer["declined"]  # the normal path picks once a call
+    assert inner["picked_direct"] + inner["picked_kernel"] - picked == outer["declined"]  # the normal path picks once
     assert inner["direct_lane"] + inner["kernel_lane"] <= 2 * len(layers)
     assert inner["direct_lane_declined"] <= inner["direct_lane"]
     assert outer["served"] == (inner["direct_lane"] - inner["direct_lane_declined"]
                                + inner["kernel_lane"] - inner["kernel_lane_declined"])
     bench._check(pool, dev, h, s, d)
+    clock = pool.binding.scratch["direct.copier"].clock
+    before = dict(outer)
+    assert clock.eager(5, 1.0) is True and clock.eager(5, 1.0) is True  # nothing queued on stream 5: eager
+    assert (outer["eager"] - before["eager"], outer["submits"] - before["submits"]) == (2, 2)

@@ -1050,6 +1050,24 @@ def test_queue_clock_keeps_a_host_bound_burst_in_whole_calls_with_a_caller_betwe
     assert clock.eager(3, 79.0, burstable=True)
 
 
+def test_a_load_within_the_tight_gap_of_the_last_calls_end_is_not_lone_even_when_the_queue_drained():
+    """auto's lone-load rule reads the same clock: a host-bound burst (each call's copies drained before the next call,
+    ~30 us of caller between calls, as on the H100 host) stays a burst, so no layer mid-burst is sent to the kernel as
+    a lone load; a load TIGHT_GAP_US (50 us) or more after the last call's end, with the queue drained, is lone."""
+    from hicache_core.backends.memcpy import TIGHT_GAP_US, QueueClock
+
+    t = [5.0]
+    clock = QueueClock(now=lambda: t[0])
+    clock.queued(9, 640_000, since=t[0] - 95e-6)  # 10 us of copies at the drain estimate, submitted in 95 us
+    t[0] += 30e-6
+    assert clock.idle(9) and not clock.lone(9, t[0])  # drained, but 30 us after the call: part of the loop
+    t[0] += (TIGHT_GAP_US - 30 - 2) * 1e-6
+    assert not clock.lone(9, t[0])  # 2 us short of the tight gap: still the loop
+    t[0] += 3e-6
+    assert clock.lone(9, t[0])  # past the tight gap: lone
+    assert TIGHT_GAP_US > 30  # the H100 case above is a burst
+
+
 def test_queue_clock_forgets_quiet_streams_past_its_bound_and_answers_the_same():
     """A caller making a new stream per call does not grow the clock without bound: past MAX_CLOCK_STREAMS, a new
     stream's entry drops the streams that are idle and quiet past every gap (they answer as never seen), and keeps

@@ -34,9 +34,10 @@ BURST_GAP_US = 100.0
 #: the last call's copies: the copy engine cannot have drained more than the host submits meanwhile.
 #: The gap a copier sees includes whatever its caller does between two submissions: ``auto``'s lane
 #: around ``direct``'s.  At 20 us, on a host whose submissions outlast their copies (H100 host,
-#: reused-index MLA bursts, ~95 us per 64-descriptor call), ``auto``'s bursts crossed it: 60 of 62
-#: calls per burst went in four small runtime calls instead of one, ~20 us more host time each, and the
-#: bursts moved 0.71 of memcpy where ``direct``'s own (8 of 61 split) moved 0.90.
+#: reused-index MLA bursts, ~95 us per 64-descriptor call), ``auto``'s bursts crossed it: about 59 of
+#: 61 submissions per burst went in four small runtime calls instead of one, ~20 us more host time
+#: each, and the bursts moved 0.71 of memcpy where ``direct``'s own (8 of 61 split) moved 0.90.
+#: :meth:`QueueClock.lone` reads it too: such a burst's loads are not lone ones either.
 TIGHT_GAP_US = 50.0
 _NEVER = float("-inf")
 #: Streams a clock holds before it forgets the quiet ones (an entry idle past every gap answers as a stream never seen).
