@@ -114,7 +114,10 @@ class HostKVPool:
         self.io_backend = io_backend
         self.resolution: Resolution = reg.resolve(spec, layout, io_backend, override=strategy, options=strategy_options)
         self.validate = validate_level(validate)
-        self._checked: tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple, tuple] | None = None
+        # the last pair each direction checked (index: to_host): a backup between two loads of one batch (an engine's
+        # backup and load threads share the pool) does not make the next load check its indices again
+        self._checked: list[tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple, tuple] | None] = \
+            [None, None]
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
         if host_buffers is None:
@@ -182,7 +185,7 @@ class HostKVPool:
     # -- transfers ---------------------------------------------------------------
     def _check(self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, to_host: bool) -> None:
         """Validate the indices, unless they are the very tensors the previous call in the same
-        direction validated, unchanged.
+        direction validated, unchanged (calls in the other direction between them do not count).
 
         Per-layer calls of one batch pass the same tensors; checking the values
         of CPU indices once per batch instead of once per layer saves most of
@@ -195,7 +198,7 @@ class HostKVPool:
         cause an out-of-bounds access.  The rows a transfer writes (host pages of
         a backup, device rows of a load) must not repeat.
         """
-        last = self._checked  # one snapshot: another thread may replace it
+        last = self._checked[to_host]  # one snapshot: another thread may replace it
         if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)
                 and last[5] == pair_where(host_indices, device_indices)):
@@ -217,8 +220,9 @@ class HostKVPool:
         memo = not full and hv is not None and dv is not None
         # the storages are held with the memo: a .data swap's freed storage cannot give its address to another
         # one while the memo compares addresses
-        self._checked = (host_indices, hv, device_indices, dv, to_host, pair_where(host_indices, device_indices),
-                         (host_indices.untyped_storage(), device_indices.untyped_storage())) if memo else None
+        self._checked[to_host] = (host_indices, hv, device_indices, dv, to_host,
+                                  pair_where(host_indices, device_indices),
+                                  (host_indices.untyped_storage(), device_indices.untyped_storage())) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)
         self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)
 

@@ -243,7 +243,7 @@ def test_full_validation_checks_a_repeat_written_behind_the_version_counter(vali
     pool = HostKVPool(spec, "layer_first", "direct", dev, pin_memory=False, validate=validate)
     h, d = pool.alloc(8), torch.arange(8, 16)
     pool.load_layer(0, h, d)
-    assert pool._checked is None
+    assert pool._checked == [None, None]
     version = d._version
     d.data[0] = 9
     assert d._version == version
@@ -251,6 +251,39 @@ def test_full_validation_checks_a_repeat_written_behind_the_version_counter(vali
     with pytest.raises(DuplicateIndexError, match=r"^device_indices repeat rows \[9\]"):
         pool.load_layer(1, h, d)
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool, dev)))
+
+
+def test_each_direction_keeps_its_own_check_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backup between two loads of one batch (an engine's backup and load threads share a pool) does not make the
+    next load check its indices again, nor a load the next backup; each call still moves the right bytes, and a pair
+    changed in place is checked again in its direction."""
+    import hicache_core.pool as pool_mod
+
+    calls: list[bool] = []
+    real = pool_mod.check_indices
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(kwargs["unique_host"])  # True: a backup's check
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pool_mod, "check_indices", counted)
+    spec = make_spec()
+    dev = make_device(spec)
+    pool = HostKVPool(spec, "layer_first", "reference", dev, pin_memory=False)
+    h, s, d = pool.alloc(8), torch.arange(0, 8), torch.arange(8, 16)
+    pool.backup_all_layers(h, s)
+    pool.load_layer(0, h, d)
+    pool.backup_all_layers(h, s)
+    pool.load_layer(1, h, d)
+    pool.load_layer(2, h, d)
+    assert calls == [True, False]  # one check per direction
+    for layer in range(LAYERS):
+        for name in ("k", "v"):
+            assert torch.equal(as_bytes(dev[name][layer][d]), as_bytes(dev[name][layer][s]))  # (NaN bit patterns too)
+    d.add_(0)  # in place: a new version
+    pool.load_layer(0, h, d)
+    pool.backup_all_layers(h, s)
+    assert calls == [True, False, False]
 
 
 def test_no_checked_pair_outlives_its_call() -> None:

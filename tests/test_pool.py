@@ -493,7 +493,7 @@ def test_inference_mode_indices_are_always_validated() -> None:
     with torch.inference_mode():
         h, d = torch.arange(4, 8), torch.arange(8, 12)
     pool.load_layer(0, h, d)
-    assert pool._checked is None  # no version counter: never memoised
+    assert pool._checked == [None, None]  # no version counter: never memoised
     with torch.inference_mode():
         h[0] = 99
     with pytest.raises(IndexRangeError):
