@@ -61,6 +61,12 @@ def _count_decisions(strategy: object) -> dict[str, int]:
     return counts
 
 
+def _relane(pool: HostKVPool) -> None:
+    """Make the pool's lanes again from its strategy (after a candidate or its lane was replaced)."""
+    st = pool.strategy
+    pool._lanes = (st.lane(pool.binding, False), st.lane(pool.binding, True))  # type: ignore[attr-defined]
+
+
 def _count_inner(pool: HostKVPool) -> dict[str, int]:
     """For an ``auto`` pool: count its candidates' load-lane calls and declines within its own load lane
     (``direct_lane``/``direct_lane_declined``, ``kernel_lane``/``kernel_lane_declined``) and what ``pick()`` returned on
@@ -96,7 +102,7 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
         counts["picked_direct" if got is st.direct else "picked_kernel"] += 1
         return got
     st.pick = counted_pick
-    pool._lanes = (st.lane(pool.binding, False), st.lane(pool.binding, True))  # type: ignore[attr-defined]
+    _relane(pool)
     return counts
 
 
@@ -220,7 +226,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         if name == "auto direct-only":  # auto's own path with no decision to make: its lane's single-candidate route
             st = pools[name].strategy
             st.kernel, st._clocked = None, False  # type: ignore[attr-defined]
-            pools[name]._lanes = (st.lane(pools[name].binding, False), st.lane(pools[name].binding, True))
+            _relane(pools[name])
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
@@ -290,9 +296,11 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
         "auto_within_3pts_share": round(sum(g >= -0.03 for g in gaps) / len(gaps), 3),
         "auto_gap_median": round(statistics.median(gaps), 4),
         "auto_probes": auto.pace_probes,  # type: ignore[attr-defined]
-        # per candidate: the median share of a burst's loads its pool's lane left to the normal path
+        # per candidate: the share of a burst's loads its pool's lane left to the normal path (median, mean)
         "lane_declined_share": {n: round(statistics.median(c[n + "_lane_declined"] for c in cycles) / len(layers), 3)
                                 for n in names},
+        "lane_declined_mean_share": {n: round(statistics.mean(c[n + "_lane_declined"] for c in cycles) / len(layers), 3)
+                                     for n in names},
         # per candidate: cycles whose burst had a call over STALL_US, and in which cycles (the first ones: warm-up)
         "stalls": {n: [i for i, c in enumerate(cycles) if c[n + "_call_us_median_max"][1] > STALL_US] for n in names},
     }
@@ -349,7 +357,8 @@ def main() -> None:
                    help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
                         "returned on the normal path (the cycle's auto_inner)")
     p.add_argument("--tight-gap-us", type=float, default=None,
-                   help="the copier clock's TIGHT_GAP_US (default: hicache's), to compare settings")
+                   help="TIGHT_GAP_US (default: hicache's): the copier clock's burst gap and auto's lone-load gap at once, "
+                        "to compare settings")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
