@@ -116,8 +116,7 @@ class HostKVPool:
         self.validate = validate_level(validate)
         # the last pair each direction checked (index: to_host): a backup between two loads of one batch (an engine's
         # backup and load threads share the pool) does not make the next load check its indices again
-        self._checked: list[tuple[torch.Tensor, int | None, torch.Tensor, int | None, bool, tuple, tuple] | None] = \
-            [None, None]
+        self._checked: list[tuple[torch.Tensor, int | None, torch.Tensor, int | None, tuple, tuple] | None] = [None, None]
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
         if host_buffers is None:
@@ -199,9 +198,9 @@ class HostKVPool:
         a backup, device rows of a load) must not repeat.
         """
         last = self._checked[to_host]  # one snapshot: another thread may replace it
-        if (last is not None and last[0] is host_indices and last[2] is device_indices and last[4] == to_host
+        if (last is not None and last[0] is host_indices and last[2] is device_indices
                 and last[1] == tensor_version(host_indices) and last[3] == tensor_version(device_indices)
-                and last[5] == pair_where(host_indices, device_indices)):
+                and last[4] == pair_where(host_indices, device_indices)):
             return  # nothing was read now: binding.checked is not set, the strategy reads what it needs itself
         full = self.validate != "shapes"
         def values(t: object) -> bool:
@@ -220,8 +219,7 @@ class HostKVPool:
         memo = not full and hv is not None and dv is not None
         # the storages are held with the memo: a .data swap's freed storage cannot give its address to another
         # one while the memo compares addresses
-        self._checked[to_host] = (host_indices, hv, device_indices, dv, to_host,
-                                  pair_where(host_indices, device_indices),
+        self._checked[to_host] = (host_indices, hv, device_indices, dv, pair_where(host_indices, device_indices),
                                   (host_indices.untyped_storage(), device_indices.untyped_storage())) if memo else None
         # for the strategy of this call (a copy plan need not read the values again)
         self.binding.checked = CheckedPair(host_indices, hv, device_indices, dv, facts)
