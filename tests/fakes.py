@@ -29,7 +29,11 @@ def check_moved_generation_drops_the_pick(auto, generation: str, binding, h, d) 
 
     def moving(*args, **kwargs):  # type: ignore[no-untyped-def]
         pick = step(*args, **kwargs)
-        setattr(auto, generation, getattr(auto, generation) + 1)
+        value = getattr(auto, generation)
+        if isinstance(value, list):  # by direction: the loads' (the pick below is a load's)
+            value[0] += 1
+        else:
+            setattr(auto, generation, value + 1)
         return pick
 
     auto._decide = moving

@@ -164,7 +164,9 @@ class AutoStrategy:
         #: former serve for both), and the sum of their generations the memoised picks were decided at.
         self.paces: tuple[HostPace, HostPace] | None = None
         self.warm_paces: tuple[HostPace, HostPace] | None = None
-        self._pace_gen = 0
+        #: By direction (index: ``to_host``): the sum of that direction's measures' generations the memoised picks of
+        #: that direction were decided at (a backup measure that moved decides no load again, nor the reverse).
+        self._pace_gen = [0, 0]
         #: Pick key -> [calls, host indices, device indices]: how often an index pair was used (the tensors are held,
         #: so no other tensor takes their ids while they are counted).
         self._uses: dict[tuple, list[Any]] = {}
@@ -231,7 +233,8 @@ class AutoStrategy:
         Decided once per index pair, direction and kind of call (one layer or all): the per-layer
         calls of a batch reuse the first decision instead of sizing a copy plan each
         (:data:`_PICKS`); an in-place change of an index tensor decides again, and so does every call after the
-        host's measured pace moved (a new :attr:`HostPace.generation <.pace.HostPace.generation>`).  Where the
+        host's measured pace in the call's direction moved (a new :attr:`HostPace.generation
+        <.pace.HostPace.generation>`; the other direction's picks stay).  Where the
         calibrated margin refuses the copy engine but a host at the calibration's per-descriptor cost would feed a
         burst of the call, and no recent measure of the host exists in that direction, the copy engine serves the
         call so that its submissions measure the host (its first few: a new measure then decides again).  Where the layout
@@ -256,7 +259,10 @@ class AutoStrategy:
         paced, watched = self._pace_moved(to_host), self._watch_moved()
         if paced or watched:  # the host's speed moved, a measure aged, or the forward pass changed: decide again
             held = self._held(binding)
+            # a measure decides its own direction's picks: the other direction's stay, unless the verdict moved
+            kept = {} if watched else {k: v for k, v in list(self._picks.items()) if k[6] != to_host}
             self._picks.clear()  # in place: lanes hold this dict
+            self._picks.update(kept)
             self._picks.update(held)
         key = pick_key(host_indices, device_indices, layer, to_host)
         early = self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses
@@ -264,28 +270,28 @@ class AutoStrategy:
         hit = self._picks.get(key) if key is not None else None
         if hit is not None and not (crossed and hit is self.kernel):
             return hit
-        gens = (self._pace_gen, self._watch_gen)
+        gens = (self._pace_gen[to_host], self._watch_gen)
         pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
         # memoised only if nothing another thread did while deciding made it stale: dropped the picks because a
         # measure or the watch moved (this pick read the old one), or dropped the use counts (its tensors with them)
-        if key is not None and (self._pace_gen, self._watch_gen) == gens and key in self._uses:
+        if key is not None and (self._pace_gen[to_host], self._watch_gen) == gens and key in self._uses:
             if len(self._picks) >= _PICKS:
                 self._picks.clear()
             self._picks[key] = pick
         return pick
 
     def _pace_moved(self, to_host: bool) -> bool:
-        """Restart a measure of ``to_host``'s direction that aged (a new one starts with the next calls); whether the
-        measures' generations moved since the memoised picks were decided (then they are decided again)."""
+        """Restart a measure of ``to_host``'s direction that aged (a new one starts with the next calls); whether that
+        direction's measures' generations moved since its memoised picks were decided (then they are decided again)."""
         gen = 0
         for group in (self.paces, self.warm_paces):
             if group is not None:
                 if group[to_host].aged():
                     group[to_host].reset()
-                gen += group[0].generation + group[1].generation
-        if gen == self._pace_gen:
+                gen += group[to_host].generation
+        if gen == self._pace_gen[to_host]:
             return False
-        self._pace_gen = gen
+        self._pace_gen[to_host] = gen
         return True
 
     def _held(self, binding: PoolBinding) -> dict[tuple, Strategy]:
@@ -576,12 +582,12 @@ class AutoStrategy:
         if k_lane is None and d_lane is None:
             return None
         clock, index, picks, clocked, uses = self.clock, self._index, self._picks, self._clocked, self._uses
-        # the measures' generations and this direction's measures, unrolled (an absent group reads as one that never
-        # changes): what pick() checks first, at a few attribute reads per call
+        # this direction's measures, unrolled (an absent group reads as one that never changes): what pick() checks
+        # first, at a few attribute reads per call
         measured = self.paces is not None or self.warm_paces is not None
-        c0, c1 = self.paces if self.paces is not None else (_STILL, _STILL)
-        w0, w1 = self.warm_paces if self.warm_paces is not None else (_STILL, _STILL)
-        here_c, here_w = (c1, w1) if to_host else (c0, w0)
+        here_c = self.paces[to_host] if self.paces is not None else _STILL
+        here_w = self.warm_paces[to_host] if self.warm_paces is not None else _STILL
+        pace_gen, side = self._pace_gen, int(to_host)
         direct, kernel, layers = self.direct, self.kernel, self._layers
         queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
@@ -616,7 +622,7 @@ class AutoStrategy:
             entry = None
             if direct is None or kernel is None:
                 route = only
-            elif measured and (c0.generation + c1.generation + w0.generation + w1.generation != self._pace_gen
+            elif measured and (here_c.generation + here_w.generation != pace_gen[side]
                                or here_c.aged() or here_w.aged()):
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
             elif watch is not None and watch.generation != self._watch_gen:
