@@ -234,6 +234,23 @@ def test_a_backup_check_does_not_stand_for_a_load_of_the_same_tensors(backend: s
     assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool, dev)))
 
 
+@pytest.mark.parametrize("backend", ["reference", "direct"])
+def test_a_load_check_does_not_stand_for_a_backup_of_the_same_tensors(backend: str) -> None:
+    """The reverse: host slots may repeat in a load (read twice) but not in a backup (written twice); the same unchanged
+    tensors checked for a load (each direction keeps its own memo) are checked again for the backup, and nothing
+    moves."""
+    spec = make_spec()
+    dev = make_device(spec)
+    pool = HostKVPool(spec, "layer_first", backend, dev, pin_memory=False)
+    h, d = torch.tensor([4, 5, 6, 7, 4, 5, 6, 7]), torch.arange(8)
+    pool.load_layer(0, h, d)
+    before = snapshot(pool, dev)
+    for backup in (lambda: pool.backup_all_layers(h, d), lambda: pool.backup_layer(0, h, d)):
+        with pytest.raises(DuplicateIndexError, match=r"^host_indices repeat"):
+            backup()
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(pool, dev)))
+
+
 @pytest.mark.parametrize("validate", ["full", "strict"])
 def test_full_validation_checks_a_repeat_written_behind_the_version_counter(validate: str) -> None:
     """``full``/``strict`` memoise no check: device rows made to repeat through ``.data`` (no version bump, no range

@@ -293,6 +293,47 @@ def test_a_measure_of_one_direction_moving_leaves_the_other_directions_picks_and
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == decided + 2
 
 
+def test_dropping_one_directions_picks_never_puts_back_what_another_thread_dropped():
+    """While pick() drops the picks of a direction whose measure moved, another thread's 33rd new pair makes _use forget
+    every counted pair and its picks: none comes back (no pick outlives the count of its tensors, whose ids a new
+    tensor could take)."""
+    from hicache_core.backends import auto as auto_mod
+
+    class Hooked(dict):  # runs the other thread's work at the first removal from the memo
+        hook = None
+
+        def _fire(self) -> None:
+            hook, Hooked.hook = Hooked.hook, None
+            if hook is not None:
+                hook()
+
+        def pop(self, *args):  # type: ignore[no-untyped-def]
+            self._fire()
+            return super().pop(*args)
+
+        def clear(self) -> None:
+            self._fire()
+            super().clear()
+
+    pool, h, d = _fp8_pool()
+    w = _Paces()
+    _fill(w.paces[False], 0.42)
+    _fill(w.paces[True], 0.42)
+    auto = auto_over(pool, w)
+    auto._picks = Hooked()
+    auto.pick(pool.binding, h, d, 1, to_host=False)
+    auto.pick(pool.binding, h, d, None, to_host=True)
+    assert len(auto._picks) == 2
+    _fill(w.paces[False], 0.9)  # the loads' measure moved: the next load drops the loads' picks
+    other = [torch.arange(1) for _ in range(auto_mod._USES + 1)]
+    Hooked.hook = lambda: [auto._use(("pair", i), t, t, None) for i, t in enumerate(other)]
+    h2 = h.clone()
+    auto.pick(pool.binding, h2, d, 1, to_host=False)
+    assert Hooked.hook is None  # the other thread ran
+    assert all(key in auto._uses for key in auto._picks)  # the backup's pick went with its count, and stayed gone
+    assert pick_key(h, d, None, True) not in auto._picks
+
+
 def test_auto_pace_option_and_cpu_pools():
     with pytest.raises(ConfigError, match="pace"):
         AutoStrategy(pace="yes")  # type: ignore[arg-type]

@@ -259,11 +259,12 @@ class AutoStrategy:
         paced, watched = self._pace_moved(to_host), self._watch_moved()
         if paced or watched:  # the host's speed moved, a measure aged, or the forward pass changed: decide again
             held = self._held(binding)
-            # a measure decides its own direction's picks: the other direction's stay, unless the verdict moved
-            kept = {} if watched else {k: v for k, v in list(self._picks.items()) if k[6] != to_host}
-            self._picks.clear()  # in place: lanes hold this dict
-            self._picks.update(kept)
-            self._picks.update(held)
+            # a measure decides its own direction's picks: the other direction's stay, unless the verdict moved.
+            # Dropped in place (lanes hold this dict), never copied back: another thread's drop meanwhile (its own
+            # measure, or _use forgetting the tensors) is not undone
+            for key in list(self._picks):
+                if (watched or key[6] == to_host) and key not in held:
+                    self._picks.pop(key, None)
         key = pick_key(host_indices, device_indices, layer, to_host)
         early = self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses
         reused, crossed = self._use(key, host_indices, device_indices, layer)
