@@ -262,9 +262,9 @@ class AutoStrategy:
             # a measure decides its own direction's picks: the other direction's stay, unless the verdict moved.
             # Dropped in place (lanes hold this dict), never copied back: another thread's drop meanwhile (its own
             # measure, or _use forgetting the tensors) is not undone
-            for key in list(self._picks):
-                if (watched or key[6] == to_host) and key not in held:
-                    self._picks.pop(key, None)
+            for old in list(self._picks):
+                if (watched or old[6] == to_host) and old not in held:
+                    self._picks.pop(old, None)
         key = pick_key(host_indices, device_indices, layer, to_host)
         early = self.prefetch and not to_host and layer is not None and key is not None and key not in self._uses
         reused, crossed = self._use(key, host_indices, device_indices, layer)
