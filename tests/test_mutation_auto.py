@@ -52,18 +52,32 @@ def test_a_kernel_pick_decided_again_at_its_first_reuse_is_then_served_from_the_
 
 
 def test_the_lane_serves_a_memoised_pick_while_both_directions_are_measured(monkeypatch):
-    """The memoised picks are stamped with the generations of every measure (both directions): the lane, which
-    checks them all, keeps serving the memoised route while none moves."""
+    """The picks of each direction are stamped with that direction's measures' generations: the lane keeps serving the
+    memoised route while none moves.  The backups' measure moving (a new generation of the D2H pace) neither drops the
+    memoised load picks nor makes the load lane decline (a declined call takes the pool's normal path: 250-450 us
+    each on the H100 host of docs/performance.md); the backups' pick is decided again.  And the reverse."""
     pool, h, d = _fp8_pool()
     w = _Paces()
     _fill(w.paces[False], 0.42)
     _fill(w.paces[True], 0.42)
     auto = auto_over(pool, w)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
+    auto.pick(pool.binding, h, d, None, to_host=True)
     ran: list = []
     monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
     lane = auto.lane(pool.binding, False)
     assert lane is not None and lane(1, h, d) and len(ran) == 1
+    decided = auto.decisions
+    _fill(w.paces[True], 0.9)  # the backups' measure moved
+    assert lane(1, h, d) and len(ran) == 2  # the load lane still serves
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct and auto.decisions == decided  # memoised
+    auto.pick(pool.binding, h, d, None, to_host=True)
+    assert auto.decisions == decided + 1  # the backup: decided again
+    _fill(w.paces[False], 0.9)  # the loads' measure moved
+    assert not lane(1, h, d) and len(ran) == 2  # declined: load() decides again
+    auto.pick(pool.binding, h, d, None, to_host=True)
+    assert auto.decisions == decided + 1  # the backup's pick stays
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == decided + 2
 
 
 def test_an_all_layer_kernel_pick_is_not_held_after_its_one_call_burst():

@@ -265,34 +265,6 @@ def test_auto_lane_declines_after_the_pace_moved_so_the_call_decides_again(monke
     assert lane(1, h, d) is False and len(ran) == 1  # the kernel's route (a bare object here: no lane)
 
 
-def test_a_measure_of_one_direction_moving_leaves_the_other_directions_picks_and_lane(monkeypatch):
-    """The backups' measure moving (a new generation of the D2H pace) neither drops the memoised load picks nor makes
-    the load lane decline (a declined call takes the pool's normal path: 250-450 us each on the H100 host of
-    docs/performance.md); the backups' pick is decided again.  And the reverse."""
-    pool, h, d = _fp8_pool()
-    w = _Paces()
-    _fill(w.paces[False], 0.42)
-    _fill(w.paces[True], 0.42)
-    auto = auto_over(pool, w)
-    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
-    auto.pick(pool.binding, h, d, None, to_host=True)
-    ran = []
-    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: ran.append(a) or True)
-    lane = auto.lane(pool.binding, False)
-    assert lane is not None and lane(1, h, d) and len(ran) == 1
-    decided = auto.decisions
-    _fill(w.paces[True], 0.9)  # the backups' measure moved
-    assert lane(1, h, d) and len(ran) == 2  # the load lane still serves
-    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct and auto.decisions == decided  # memoised
-    auto.pick(pool.binding, h, d, None, to_host=True)
-    assert auto.decisions == decided + 1  # the backup: decided again
-    _fill(w.paces[False], 0.9)  # the loads' measure moved
-    assert not lane(1, h, d) and len(ran) == 2  # declined: load() decides again
-    auto.pick(pool.binding, h, d, None, to_host=True)
-    assert auto.decisions == decided + 1  # the backup's pick stays
-    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel and auto.decisions == decided + 2
-
-
 def test_dropping_one_directions_picks_never_puts_back_what_another_thread_dropped():
     """While pick() drops the picks of a direction whose measure moved, another thread's 33rd new pair makes _use forget
     every counted pair and its picks: none comes back (no pick outlives the count of its tensors, whose ids a new
