@@ -161,7 +161,7 @@ class AutoStrategy:
         self._fast_memo: dict[tuple[int, int], bool] = {}
         #: The direct candidate's measures of the host by direction (index: ``to_host``; ``None``: not used): of calls
         #: that planned their descriptors (``paces``) and of calls that reused a plan (``warm_paces``; ``None``: the
-        #: former serve for both), and the sum of their generations the memoised picks were decided at.
+        #: former serve for both).
         self.paces: tuple[HostPace, HostPace] | None = None
         self.warm_paces: tuple[HostPace, HostPace] | None = None
         #: By direction (index: ``to_host``): the sum of that direction's measures' generations the memoised picks of
