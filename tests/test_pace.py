@@ -334,7 +334,8 @@ def test_auto_refuses_the_copy_engine_from_the_host_indices_alone_where_no_devic
     run = torch.arange(64 * 64)  # one run of host slots: one block at best
     assert auto._least_blocks(pool.binding, run, 1) == (1, 64 * 64 * 656)
     assert auto.pick(pool.binding, run, d, 1, to_host=False) is auto.direct and len(plans._slots) == 1
-    assert auto._least_blocks(pool.binding, h.to("meta"), 1) is None  # host indices off the CPU: not read
+    # host indices off the CPU: not read, so the bound counts one block for a segment whose blocks may span pages
+    assert auto._least_blocks(pool.binding, h.to("meta"), 1) == (1, 64 * 64 * 656)
     assert auto._least_blocks(pool.binding, h[:100], 1) == (1 + int((h[1:100] - h[:99] != 1).sum()), 100 * 656)
 
     w = _Paces()
@@ -416,13 +417,46 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     plans = pool.binding.scratch["direct.plans"]
     planned = len(plans._slots)
     on_gpu = h.to("meta")  # stands for GPU-resident host indices: never read for a bound
-    assert auto._least_blocks(pool.binding, on_gpu, 1) is None
-    assert auto._refuse_unread(h.numel(), DEFAULT, loads.fresh())
+    assert auto._least_blocks(pool.binding, on_gpu, 1) == (1, 16 * 256 * 656)  # one block at least: no refusal
+    assert auto._refuse_unread(h.numel(), DEFAULT, loads)
     assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and len(plans._slots) == planned
-    assert not auto._refuse_unread(h.numel() // 2, DEFAULT, loads.fresh())  # no plan of that size yet: the plan decides
-    assert not auto._refuse_unread(h.numel(), DEFAULT, None)  # no measure: the plan decides
+    assert not auto._refuse_unread(h.numel() // 2, DEFAULT, loads)  # no plan of that size yet: the plan decides
+    assert not auto._refuse_unread(h.numel(), DEFAULT, None)  # no measure, the calibration feeds the plan
     _fill(loads, 0.5)  # the host fast again: the plan decides
-    assert not auto._refuse_unread(h.numel(), DEFAULT, loads.fresh())
+    assert not auto._refuse_unread(h.numel(), DEFAULT, loads)
+
+
+def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indices():
+    """A calibration whose host is too slow both to feed these loads and to be worth measuring for them (0.84 us per
+    descriptor, as an H100 host's ``hicache calibrate`` wrote): no measure ever starts, so a new batch with
+    GPU-resident host indices is refused from the last plan of as many positions at the calibration's cost, with no
+    plan (no device read); a page-major layout, whose blocks never span pages, is refused from the count alone, with
+    no plan even the first time.  (Before, only a recent measure refused these, and every new batch was planned.)"""
+    pool, h, d = _fp8_pool()
+    slow = replace(DEFAULT, submit_us=0.84)
+    sub = pool.strategy.submission(pool.binding, h, d, 1)
+    assert not fed(sub, slow, to_host=False) and not worth_measuring(sub, slow, to_host=False)
+    auto = auto_over(pool, _Paces())
+    auto.calibration = slow
+    plans = pool.binding.scratch["direct.plans"]
+    planned = len(plans._slots)  # the one sized above
+    assert auto.pick(pool.binding, h.clone(), d, 1, to_host=False) is auto.kernel  # CPU host indices: counted, no plan
+    assert len(plans._slots) == planned and auto.pace_probes == 0
+    on_gpu = h.to("meta")  # stands for GPU-resident host indices: their runs are not counted
+    auto._load_blocks[h.numel()] = (64, 64 * 64 * 656)  # the last plan of a load of as many positions
+    assert auto._refuse_unread(h.numel(), slow, auto.paces[False])
+    assert not auto._refuse_unread(h.numel(), DEFAULT, auto.paces[False])  # the shipped one would start a measure
+    assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and len(plans._slots) == planned
+    assert not auto._refuse_unread(h.numel() // 2, slow, auto.paces[False])  # no plan of that size yet: a plan decides
+    if "page_first_direct" in REG.layouts:  # a layer's block never continues into the next page: pages count
+        spec = pool.spec
+        dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+        pfd = HostKVPool(spec, "page_first_direct", "direct", dev, registry=REG, strategy="core.direct")
+        auto = auto_over(pfd, _Paces())
+        auto.calibration = slow
+        assert auto._least_blocks(pfd.binding, on_gpu, 1) == (64, 64 * 64 * 656)
+        assert auto.pick(pfd.binding, on_gpu, d, 1, to_host=False) is auto.kernel
+        assert pfd.binding.scratch["direct.plans"]._slots == []
 
 
 def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
@@ -534,7 +568,10 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     for forward, refused in (("compute", True), ("memory", False)):
         auto = auto_over(pool, None, forward=forward)
         auto._load_blocks[n] = (64, nbytes)  # the last plan of a load of n positions
-        assert auto._refuse_unread(n, DEFAULT, 0.9) == refused and not auto._refuse_unread(n, DEFAULT, None)
+        measured = HostPace()
+        _fill(measured, 0.9)
+        assert auto._refuse_unread(n, DEFAULT, measured) == refused
+        assert auto._refuse_unread(n, DEFAULT, None) == refused  # no measure to start: the calibration's margin decides
     slow = replace(DEFAULT, submit_us=1.5)  # a burst at 1.5 us per descriptor: 96 us and more, for 49 us at link speed
     assert not worth_measuring(sub, slow, to_host=False)  # too slow a host to feed it beside a GEMM ...
     assert worth_measuring(sub, slow, to_host=False, room=room)  # ... but fast enough beside memory-bound work

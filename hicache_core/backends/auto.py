@@ -385,9 +385,9 @@ class AutoStrategy:
         least = self._least_blocks(binding, host_indices, layer) if layer is not None else None
         if least is not None and not self._may_feed(*least, cal, to_host, pace):
             return self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
-        if layer is not None and least is None and not to_host and self._refuse_unread(host_indices.numel(), cal,
-                                                                                         desc_us):
-            return self.kernel  # GPU-resident indices, a host measured too slow for such loads lately: no device read
+        if layer is not None and not to_host and host_indices.device.type != "cpu" and \
+                self._refuse_unread(host_indices.numel(), cal, pace):
+            return self.kernel  # GPU-resident indices, too many blocks lately for the host: no device read
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
         if layer is not None and not to_host:
             if len(self._load_blocks) >= _PICKS:
@@ -435,14 +435,14 @@ class AutoStrategy:
             parts = memo[key] = tuple(out)
         return parts
 
-    def _least_blocks(self, binding: PoolBinding, host_indices: torch.Tensor, layer: int) -> tuple[int, int] | None:
-        """For a one-layer call: a lower bound on the plain copy blocks ``direct`` would submit, from the host indices
-        alone (no device index is read), and the call's bytes; ``None`` where the host indices are not on the CPU.
+    def _least_blocks(self, binding: PoolBinding, host_indices: torch.Tensor, layer: int) -> tuple[int, int]:
+        """For a one-layer call: a lower bound on the plain copy blocks ``direct`` would submit, and the call's bytes,
+        with no device index read.
 
-        A segment whose blocks stay in their page submits at least its page image's blocks per page touched; one
-        whose blocks may continue into the next page at least one block per run of consecutive host slots."""
-        if host_indices.device.type != "cpu":
-            return None
+        A segment whose blocks stay in their page submits at least its page image's blocks per page touched (the
+        count alone tells how many pages that is at least); one whose blocks may continue into the next page at least
+        one block per run of consecutive host slots where the host indices live on the CPU, else at least one (its
+        values would have to be read back from the GPU, what this bound is there to spare)."""
         n = host_indices.numel()
         pages = -(-n // binding.spec.page_size)
         runs = -1
@@ -450,26 +450,26 @@ class AutoStrategy:
         for _, image_blocks, spans, token_bytes in self._parts(binding, layer):
             if spans:
                 if runs < 0:
-                    runs = 1 + int((host_indices[1:] - host_indices[:-1] != 1).sum()) if n > 1 else n
+                    runs = (1 + int((host_indices[1:] - host_indices[:-1] != 1).sum()) if n > 1 else n) \
+                        if host_indices.device.type == "cpu" else min(n, 1)
                 blocks += runs
             else:
                 blocks += pages * image_blocks
             nbytes += token_bytes * n
         return blocks, nbytes
 
-    def _refuse_unread(self, n: int, cal: Calibration, desc_us: float | None) -> bool:
-        """For a one-layer load of ``n`` positions whose host indices live on the GPU (not read for a bound): whether
-        the last plan of a load of ``n`` positions (its copy blocks and bytes) is too many blocks for the host's recent
-        measure of loads (``desc_us``: :meth:`HostPace.fresh <.pace.HostPace.fresh>`; ``None``: not refused).
+    def _refuse_unread(self, n: int, cal: Calibration, pace: HostPace | None) -> bool:
+        """For a one-layer load of ``n`` positions whose host indices live on the GPU (their bound,
+        :meth:`_least_blocks`, could not count runs): whether the last plan of a load of ``n`` positions (its copy
+        blocks and bytes) is too many blocks for the host (:meth:`_may_feed` at ``pace``, the measure that judges the
+        call: at its recent pace, or without one at the calibration's cost where no measure would start for it).
         Reading the indices back would wait for the work queued before the call, and planning a new batch costs the
-        host hundreds of microseconds (H200: bursts of MLA loads with new GPU-resident indices every batch went 0.87
-        of memcpy by the kernel, 0.54-0.59 through the copy engine)."""
+        host hundreds of microseconds, only to be refused (H200: bursts of MLA loads with new GPU-resident indices
+        every batch went 0.87 of memcpy by the kernel, 0.54-0.59 through the copy engine; H100 with its own
+        calibration, where no measure starts for 656-byte rows: 0.66 of memcpy by ``auto``, a plan each batch, against
+        the kernel's 0.81).  ``False`` where no load of ``n`` positions was planned yet."""
         last = self._load_blocks.get(n)
-        if last is None or desc_us is None:
-            return False
-        blocks, nbytes = last
-        return blocks * desc_us + len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US > \
-            FED_SHARE * allowed_us(nbytes, cal, False, self.room)
+        return last is not None and not self._may_feed(*last, cal, False, pace)
 
     def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
