@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
+from hicache_core.backends import auto as auto_mod
 from hicache_core.backends import memcpy as memcpy_mod
 from hicache_core.backends.auto import ENV_FORWARD, FED_SHARE, MEMORY_KERNEL_SHARE, AutoStrategy
 from hicache_core.backends.auto_rules import fed, pick_key, worth_measuring
@@ -269,8 +270,6 @@ def test_dropping_one_directions_picks_never_puts_back_what_another_thread_dropp
     """While pick() drops the picks of a direction whose measure moved, another thread's 33rd new pair makes _use forget
     every counted pair and its picks: none comes back (no pick outlives the count of its tensors, whose ids a new
     tensor could take)."""
-    from hicache_core.backends import auto as auto_mod
-
     class Hooked(dict):  # runs the other thread's work at the first removal from the memo
         hook = None
 
@@ -457,6 +456,33 @@ def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indi
         assert auto._least_blocks(pfd.binding, on_gpu, 1) == (64, 64 * 64 * 656)
         assert auto.pick(pfd.binding, on_gpu, d, 1, to_host=False) is auto.kernel
         assert pfd.binding.scratch["direct.plans"]._slots == []
+
+
+def test_auto_lane_has_direct_sample_the_host_from_the_lane_start(monkeypatch):
+    """A reused pair's call through ``auto``'s lane to ``direct``'s is sampled from when ``auto``'s lane began (its
+    clock is the copier's), as the normal path samples from the call's start: the host's measured pace of calls
+    through ``auto`` holds ``auto``'s own time per call (H100 host: 6-8 us of 90-100 us calls, which the decision
+    between the routes did not see)."""
+    t = [200.0]
+    copier, _ = _copier(monkeypatch, t, desc_us=0.45)
+    pool, h, d = _fp8_pool(ps=256, pages=16)  # 168 KB blocks: the calibration gives them to the copy engine
+    auto = auto_over(pool, None)
+    assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
+    pool.binding.scratch["direct.copier"] = copier  # its clock: a fake one (the lane reads nothing else of it)
+    seen = []
+    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: seen.append(a) or True)
+    real = auto_mod.pick_key
+
+    def slow_key(*args):  # type: ignore[no-untyped-def]
+        t[0] += 20e-6  # auto's own work before direct's submission
+        return real(*args)
+
+    monkeypatch.setattr(auto_mod, "pick_key", slow_key)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None
+    start = t[0]
+    assert lane(1, h, d) and len(seen) == 1
+    assert seen[0][3] == start and t[0] == pytest.approx(start + 20e-6)
 
 
 def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
@@ -693,7 +719,6 @@ def test_no_probe_the_copier_would_not_sample():
 def test_dropping_the_use_counts_drops_the_picks_too(monkeypatch):
     """The picks are memoised by tensor ids the use counts keep alive: when the counts are dropped (too many pairs),
     so are the picks, so a new tensor at a freed tensor's address never gets an old pair's pick."""
-    import hicache_core.backends.auto as auto_mod
 
     monkeypatch.setattr(auto_mod, "_PICKS", 10 * auto_mod._USES)  # the picks' own bound out of the way
     pool, h, d = _fp8_pool()
@@ -829,8 +854,6 @@ def test_a_pick_made_while_another_thread_dropped_the_memo_is_not_kept():
     memoised for tensors no count holds (a later pair at the same ids would get it without deciding); nor one decided
     from a measure that moved meanwhile."""
     import threading
-
-    from hicache_core.backends import auto as auto_mod
 
     pool, h, d = _fp8_pool()
     auto = auto_over(pool, None)

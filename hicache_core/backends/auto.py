@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
@@ -596,8 +596,14 @@ class AutoStrategy:
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
         watch = self.watch  # with one, lone loads follow its verdict, and those due for timing are timed here too
+        # direct's submissions are sampled from this lane's start, as the normal path samples them from the call's
+        # (_serve): the host's measured pace through auto holds auto's own time per call
+        copier = binding.scratch.get("direct.copier") if isinstance(direct, DirectStrategy) else None
+        began = copier.clock.now if d_lane is not None and isinstance(copier, BatchCopier) else None
+        d_since = cast(Callable[..., bool], d_lane)  # DirectStrategy.lane: takes since
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+            since = began() if began is not None else None
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
                 return False
             n = host_indices.numel()
@@ -635,7 +641,8 @@ class AutoStrategy:
                 if entry is not None and pick is kernel and entry[0] == (1 if layer is None else layers):
                     return False  # the pair's first reuse: pick() decides again at the pace of reused plans
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
-            if route is None or not route(layer, host_indices, device_indices):
+            if route is None or not (d_since(layer, host_indices, device_indices, since) if route is d_lane and
+                                     since is not None else route(layer, host_indices, device_indices)):
                 return False  # the normal path serves (and counts) the call
             if entry is not None:  # counted as pick() counts (_use), once served here
                 entry[0] += 1

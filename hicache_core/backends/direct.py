@@ -143,15 +143,20 @@ class DirectStrategy(DirectionalStrategy):
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the submission a
         transfer of this direction made for these index tensors (the same objects, unchanged) and layer on the
-        current stream, submitted again; ``False`` (nothing submitted) when there is none."""
+        current stream, submitted again; ``False`` (nothing submitted) when there is none.  ``since`` (a time of the
+        copier's clock, ``binding.scratch["direct.copier"].clock``): when the caller's call began, where a strategy
+        wrapping this one (``auto``) spent host time before it, so that the host's measured pace holds that time as
+        it holds a planning call's (default: the lane's own start)."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
         run = self._run
 
         now = copier.clock.now
 
-        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
-            since = now()
+        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                 since: float | None = None) -> bool:
+            if since is None:
+                since = now()
             stream = copier.stream()
             plan = plans.peek(host_indices, device_indices, stream)
             sub = None if plan is None else plan.peek(layer)
