@@ -39,6 +39,7 @@ def test_pace_is_the_median_of_recent_samples_and_moves_its_generation_only_on_r
     assert not pace.stale() and pace.fresh() is None  # a measure under way
     pace.record(64 * 0.4 + MODEL_CALL_US, 64, 1)
     assert pace.desc_us == pytest.approx(0.4) and pace.fresh() == pace.desc_us and pace.generation == 1
+    assert pace.ages_at == t[0] + pace.stale_s  # aged() from then on
     pace.record(64 * 50.0 + MODEL_CALL_US, 64, 1)  # one stalled submission (thread descheduled): the median holds
     _fill(pace, 0.4, count=3)
     assert pace.desc_us == pytest.approx(0.4) and pace.generation == 1
@@ -53,6 +54,7 @@ def test_pace_is_the_median_of_recent_samples_and_moves_its_generation_only_on_r
     assert pace.stale() and pace.aged() and pace.fresh() is None and pace.desc_us is not None
     pace.reset()  # the estimate dropped: a new generation (decisions made from it are made again)
     assert pace.samples() == [] and pace.desc_us is None and pace.generation == 3 and not pace.aged()
+    assert pace.ages_at == float("inf")  # no estimate: never aged
     pace.reset()  # nothing to drop
     assert pace.generation == 3
     _fill(pace, 0.9, count=MIN_SAMPLES)  # a new measure: a new generation even at the old value
@@ -471,18 +473,24 @@ def test_auto_lane_has_direct_sample_the_host_from_the_lane_start(monkeypatch):
     pool.binding.scratch["direct.copier"] = copier  # its clock: a fake one (the lane reads nothing else of it)
     seen = []
     monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: seen.append(a) or True)
-    real = auto_mod.pick_key
 
-    def slow_key(*args):  # type: ignore[no-untyped-def]
-        t[0] += 20e-6  # auto's own work before direct's submission
-        return real(*args)
+    class Slow(dict):
+        def get(self, key, default=None):  # type: ignore[no-untyped-def]
+            t[0] += 20e-6  # auto's own work before direct's submission
+            return super().get(key, default)
 
-    monkeypatch.setattr(auto_mod, "pick_key", slow_key)
+    auto._picks = Slow(auto._picks)
     lane = auto.lane(pool.binding, False)
     assert lane is not None
     start = t[0]
     assert lane(1, h, d) and len(seen) == 1
     assert seen[0][3] == start and t[0] == pytest.approx(start + 20e-6)
+    assert seen[0][4] is None  # an unclocked pool read no stream: direct's lane reads it
+    # clocked (a CUDA pool): the stream auto's lane read is handed over, not read again
+    auto._clocked, auto._fast_memo[(1, h.numel())] = True, False  # not a fast load: no lone-load rule
+    monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None and lane(1, h, d) and seen[1][4] == 0x77
 
 
 def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):

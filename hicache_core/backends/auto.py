@@ -589,6 +589,7 @@ class AutoStrategy:
         here_c = self.paces[to_host] if self.paces is not None else _STILL
         here_w = self.warm_paces[to_host] if self.warm_paces is not None else _STILL
         pace_gen, side = self._pace_gen, int(to_host)
+        pace_now = here_c.now if self.paces is not None else here_w.now  # a copier's measures share its clock
         direct, kernel, layers = self.direct, self.kernel, self._layers
         queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
@@ -604,11 +605,13 @@ class AutoStrategy:
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
             since = began() if began is not None else None
+            stream, handed = 0, None  # the stream, read once where clocked, and handed to direct's lane
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
                 return False
             n = host_indices.numel()
             if clocked:
                 now, stream = now_of(), current_stream_handle(index)
+                handed = stream
                 if lone_loads and layer is not None and lone_at(stream, now) and (
                         fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
                     timing = watch is not None and watch.due(n * layer_bytes)
@@ -630,19 +633,23 @@ class AutoStrategy:
             if direct is None or kernel is None:
                 route = only
             elif measured and (here_c.generation + here_w.generation != pace_gen[side]
-                               or here_c.aged() or here_w.aged()):
+                               or (t := pace_now()) > here_c.ages_at or t > here_w.ages_at):  # aged(), inlined
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
             elif watch is not None and watch.generation != self._watch_gen:
                 return False  # the verdict on the forward pass changed: the normal path decides again
             else:
-                key = pick_key(host_indices, device_indices, layer, to_host)
-                pick = None if key is None else picks.get(key)
+                try:  # pick_key(), inlined
+                    key = (id(host_indices), host_indices._version, id(device_indices), device_indices._version, n,
+                           layer is None, to_host)
+                except RuntimeError:  # a tensor without a version counter: never memoised
+                    return False
+                pick = picks.get(key)
                 entry = None if pick is None else uses.get(key)  # type: ignore[arg-type]
                 if entry is not None and pick is kernel and entry[0] == (1 if layer is None else layers):
                     return False  # the pair's first reuse: pick() decides again at the pace of reused plans
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
-            if route is None or not (d_since(layer, host_indices, device_indices, since) if route is d_lane and
-                                     since is not None else route(layer, host_indices, device_indices)):
+            if route is None or not (d_since(layer, host_indices, device_indices, since, handed) if route is d_lane
+                                     and since is not None else route(layer, host_indices, device_indices)):
                 return False  # the normal path serves (and counts) the call
             if entry is not None:  # counted as pick() counts (_use), once served here
                 entry[0] += 1

@@ -146,7 +146,8 @@ class DirectStrategy(DirectionalStrategy):
         current stream, submitted again; ``False`` (nothing submitted) when there is none.  ``since`` (a time of the
         copier's clock, ``binding.scratch["direct.copier"].clock``): when the caller's call began, where a strategy
         wrapping this one (``auto``) spent host time before it, so that the host's measured pace holds that time as
-        it holds a planning call's (default: the lane's own start)."""
+        it holds a planning call's (default: the lane's own start); ``stream``: the current stream's handle on the
+        pool's device where the caller has read it already (default: read here)."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
         run = self._run
@@ -154,10 +155,11 @@ class DirectStrategy(DirectionalStrategy):
         now = copier.clock.now
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                 since: float | None = None) -> bool:
+                 since: float | None = None, stream: int | None = None) -> bool:
             if since is None:
                 since = now()
-            stream = copier.stream()
+            if stream is None:
+                stream = copier.stream()
             plan = plans.peek(host_indices, device_indices, stream)
             sub = None if plan is None else plan.peek(layer)
             if sub is None or not sub.served[to_host]:

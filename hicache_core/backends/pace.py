@@ -77,6 +77,9 @@ class HostPace:
         self.generation = 0
         self._anchor: float | None = None
         self._stamp = float("-inf")
+        #: When the estimate ages (:meth:`aged` from then on): its last sample's time plus :attr:`stale_s`; infinite
+        #: while there is no estimate.  A plain attribute, for callers that check it on every call.
+        self.ages_at = float("inf")
 
     def reset(self) -> None:
         """Forget the samples (a new measure starts); a new generation where an estimate is dropped (decisions made
@@ -86,6 +89,7 @@ class HostPace:
         self._samples.clear()
         self._since_recompute = 0
         self.desc_us = self._anchor = None
+        self.ages_at = float("inf")
 
     def stale(self) -> bool:
         """Whether the last sample is older than :attr:`stale_s` (or there is none)."""
@@ -108,6 +112,8 @@ class HostPace:
         if self._samples and now - self._stamp > self.stale_s:
             self.reset()
         self._stamp = now
+        if self.desc_us is not None:
+            self.ages_at = now + self.stale_s
         self._samples.append(max(_FLOOR_US, (host_us - calls * MODEL_CALL_US) / ops))
         n = len(self._samples)
         if n < MIN_SAMPLES:
@@ -120,6 +126,7 @@ class HostPace:
         if not ordered:
             return
         self.desc_us = est = ordered[len(ordered) // 2]
+        self.ages_at = now + self.stale_s
         anchor = self._anchor
         if anchor is None or abs(est - anchor) > REDECIDE * anchor:
             self._anchor = est
