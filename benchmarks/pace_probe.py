@@ -86,9 +86,9 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
             if not inner or to_host:
                 return inner  # backups (the cycle's, through auto) are not counted
 
-            def counted(layer: object, h: torch.Tensor, d: torch.Tensor) -> bool:
+            def counted(layer: object, h: torch.Tensor, d: torch.Tensor, *rest: object) -> bool:
                 t0 = time.perf_counter()
-                ok = inner(layer, h, d)
+                ok = inner(layer, h, d, *rest)  # rest: what auto hands direct's lane (its start, the stream)
                 counts[tag + "_lane_ns"] += int((time.perf_counter() - t0) * 1e9)
                 counts[tag + "_lane"] += 1
                 counts[tag + "_lane_declined"] += not ok
