@@ -93,6 +93,7 @@ def _count_inner(pool: HostKVPool) -> dict[str, int]:
                 counts[tag + "_lane"] += 1
                 counts[tag + "_lane_declined"] += not ok
                 return ok
+            setattr(counted, "takes_since", getattr(inner, "takes_since", False))  # what auto hands it, as to inner
             return counted
         cand.lane = counting_make  # type: ignore[union-attr]  # this pool's candidate object only
     pick = st.pick

@@ -54,7 +54,7 @@ def test_pace_is_the_median_of_recent_samples_and_moves_its_generation_only_on_r
     assert pace.stale() and pace.aged() and pace.fresh() is None and pace.desc_us is not None
     pace.reset()  # the estimate dropped: a new generation (decisions made from it are made again)
     assert pace.samples() == [] and pace.desc_us is None and pace.generation == 3 and not pace.aged()
-    assert pace.ages_at == float("inf")  # no estimate: never aged
+    assert pace.ages_at < t[0] and pace.stale()  # still the last sample's: stale, with no estimate to age
     pace.reset()  # nothing to drop
     assert pace.generation == 3
     _fill(pace, 0.9, count=MIN_SAMPLES)  # a new measure: a new generation even at the old value
@@ -414,7 +414,7 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and loads.samples() == []
     _fill(loads, 50.0, count=MIN_SAMPLES)  # the new measure: slow
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.kernel  # decided again for the same batch
-    assert auto._load_blocks[h.numel()] == (16, 16 * 256 * 656)
+    assert auto._load_blocks[h.numel()][:2] == (16, 16 * 256 * 656)
     plans = pool.binding.scratch["direct.plans"]
     planned = len(plans._slots)
     on_gpu = h.to("meta")  # stands for GPU-resident host indices: never read for a bound
@@ -444,11 +444,24 @@ def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indi
     assert auto.pick(pool.binding, h.clone(), d, 1, to_host=False) is auto.kernel  # CPU host indices: counted, no plan
     assert len(plans._slots) == planned and auto.pace_probes == 0
     on_gpu = h.to("meta")  # stands for GPU-resident host indices: their runs are not counted
-    auto._load_blocks[h.numel()] = (64, 64 * 64 * 656)  # the last plan of a load of as many positions
+    auto._load_blocks[h.numel()] = (64, 64 * 64 * 656, auto.clock.now())  # the last plan of as many positions
     assert auto._refuse_unread(h.numel(), slow, auto.paces[False])
     assert not auto._refuse_unread(h.numel(), DEFAULT, auto.paces[False])  # the shipped one would start a measure
     assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and len(plans._slots) == planned
     assert not auto._refuse_unread(h.numel() // 2, slow, auto.paces[False])  # no plan of that size yet: a plan decides
+    t = [auto.clock.now()]
+    auto.clock = QueueClock(now=lambda: t[0])
+    auto._load_blocks[h.numel()] = (64, 64 * 64 * 656, t[0])
+    t[0] += STALE_S * 1.01  # a verdict no plan renewed for a second (a refused call plans nothing): a plan decides
+    assert not auto._refuse_unread(h.numel(), slow, auto.paces[False])
+    assert auto._planned(pool.binding, h, d) and not auto._planned(pool.binding, h.clone(), d)  # a plan exists: no
+    # read to spare, so such a pair is decided from its plan, not refused from another batch's
+    # a lower bound under MIN_OPS blocks: a plan might reach MIN_OPS and start a measure (21 us at link speed: 32
+    # blocks would fit a burst at the calibration's cost, 20 alone do not feed)
+    nbytes = int(21 * DEFAULT.link_gbps * 1e3)
+    assert not auto._may_feed(20, nbytes, DEFAULT, False, None)
+    assert auto._may_feed(20, nbytes, DEFAULT, False, auto.paces[False])
+    assert not auto._may_feed(20, nbytes, DEFAULT, False, auto.paces[False], least=False)  # a plan's own count
     if "page_first_direct" in REG.layouts:  # a layer's block never continues into the next page: pages count
         spec = pool.spec
         dev = {"kv": [torch.zeros(spec.capacity, 1, 656, dtype=torch.uint8) for _ in range(2)]}
@@ -472,7 +485,15 @@ def test_auto_lane_has_direct_sample_the_host_from_the_lane_start(monkeypatch):
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is auto.direct
     pool.binding.scratch["direct.copier"] = copier  # its clock: a fake one (the lane reads nothing else of it)
     seen = []
-    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: seen.append(a) or True)
+
+    def make(self, binding, to_host):  # type: ignore[no-untyped-def]
+        def fake(*args):  # type: ignore[no-untyped-def]
+            seen.append(args)
+            return True
+        fake.takes_since = True  # type: ignore[attr-defined]  # as DirectStrategy's own lane says
+        return fake
+
+    monkeypatch.setattr(DirectStrategy, "lane", make)
 
     class Slow(dict):
         def get(self, key, default=None):  # type: ignore[no-untyped-def]
@@ -490,7 +511,19 @@ def test_auto_lane_has_direct_sample_the_host_from_the_lane_start(monkeypatch):
     auto._clocked, auto._fast_memo[(1, h.numel())] = True, False  # not a fast load: no lone-load rule
     monkeypatch.setattr(auto_mod, "current_stream_handle", lambda index: 0x77)
     lane = auto.lane(pool.binding, False)
-    assert lane is not None and lane(1, h, d) and seen[1][4] == 0x77
+    start = t[0]
+    assert lane is not None and lane(1, h, d) and seen[1][4] == 0x77 and seen[1][3] == start
+    auto.clock = QueueClock(now=copier.clock.now)  # one clock: the reading auto's lane makes anyway is the start
+    lane = auto.lane(pool.binding, False)
+    start = t[0]
+    assert lane is not None and lane(1, h, d) and seen[2][3] == start and seen[2][4] == 0x77
+    # a lane of the plain three-argument kind (a wrapper that does not say it takes more) gets three
+    monkeypatch.setattr(DirectStrategy, "lane", lambda self, binding, to_host: lambda *a: seen.append(a) or True)
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None and lane(1, h, d) and len(seen[3]) == 3
+    monkeypatch.undo()  # DirectStrategy's own lanes say they take the start and the stream
+    real = pool.strategy.lane(pool.binding, False)
+    assert getattr(real, "takes_since", False) is True
 
 
 def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
@@ -601,7 +634,7 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     n, nbytes = h.numel(), sub.nbytes
     for forward, refused in (("compute", True), ("memory", False)):
         auto = auto_over(pool, None, forward=forward)
-        auto._load_blocks[n] = (64, nbytes)  # the last plan of a load of n positions
+        auto._load_blocks[n] = (64, nbytes, auto.clock.now())  # the last plan of a load of n positions
         measured = HostPace()
         _fill(measured, 0.9)
         assert auto._refuse_unread(n, DEFAULT, measured) == refused

@@ -60,7 +60,7 @@ from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
-from .pace import MIN_OPS, MODEL_CALL_US, HostPace
+from .pace import MIN_OPS, MODEL_CALL_US, STALE_S, HostPace
 from .plans import PlanCache
 from .staging import page_image
 
@@ -176,7 +176,7 @@ class AutoStrategy:
         #: Decisions made (calls not served by a memoised pick; for tests and benchmarks).
         self.decisions = 0
         #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
-        self._load_blocks: dict[int, tuple[int, int]] = {}
+        self._load_blocks: dict[int, tuple[int, int, float]] = {}
 
     @property
     def room(self) -> float:
@@ -386,13 +386,14 @@ class AutoStrategy:
         if least is not None and not self._may_feed(*least, cal, to_host, pace):
             return self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
         if layer is not None and not to_host and host_indices.device.type != "cpu" and \
-                self._refuse_unread(host_indices.numel(), cal, pace):
+                self._refuse_unread(host_indices.numel(), cal, pace) and not self._planned(binding, host_indices,
+                                                                                               device_indices):
             return self.kernel  # GPU-resident indices, too many blocks lately for the host: no device read
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
         if layer is not None and not to_host:
             if len(self._load_blocks) >= _PICKS:
                 self._load_blocks.clear()
-            self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes)
+            self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes, self.clock.now())
         if sub.smallest_block < cal.min_block(to_host):
             return self.kernel
         if fed(sub, cal, desc_us, to_host, self.room):
@@ -459,25 +460,35 @@ class AutoStrategy:
         return blocks, nbytes
 
     def _refuse_unread(self, n: int, cal: Calibration, pace: HostPace | None) -> bool:
-        """For a one-layer load of ``n`` positions whose host indices live on the GPU (their bound,
-        :meth:`_least_blocks`, could not count runs): whether the last plan of a load of ``n`` positions (its copy
-        blocks and bytes) is too many blocks for the host (:meth:`_may_feed` at ``pace``, the measure that judges the
-        call: at its recent pace, or without one at the calibration's cost where no measure would start for it).
-        Reading the indices back would wait for the work queued before the call, and planning a new batch costs the
-        host hundreds of microseconds, only to be refused (H200: bursts of MLA loads with new GPU-resident indices
-        every batch went 0.87 of memcpy by the kernel, 0.54-0.59 through the copy engine; H100 with its own
-        calibration, where no measure starts for 656-byte rows: 0.66 of memcpy by ``auto``, a plan each batch, against
-        the kernel's 0.81).  ``False`` where no load of ``n`` positions was planned yet."""
+        """For a one-layer load of ``n`` positions whose host indices live on the GPU: whether the last plan of a load
+        of ``n`` positions (its copy blocks and bytes), made within :data:`~.pace.STALE_S`, is too many blocks for the
+        host (:meth:`_may_feed` at ``pace``, the measure that judges the call: at its recent pace, or without one at
+        the calibration's cost where no measure would start).  Reading the indices back would wait for the work queued
+        before the call, and planning a new batch costs the host hundreds of microseconds, only to be refused (H200:
+        bursts of MLA loads with new GPU-resident indices every batch went 0.87 of memcpy by the kernel, 0.54-0.59
+        through the copy engine; H100 with its own calibration, where no measure starts for 656-byte rows: 0.66 of
+        memcpy by ``auto``, a plan each batch, against the kernel's 0.81).  ``False`` where no load of ``n`` positions
+        was planned within that time: a refused call plans nothing, so an older verdict (another batch's blocks, maybe
+        a host since measured faster) is made again from a plan."""
         last = self._load_blocks.get(n)
-        return last is not None and not self._may_feed(*last, cal, False, pace)
+        if last is None or self.clock.now() - last[2] > STALE_S:
+            return False
+        return not self._may_feed(last[0], last[1], cal, False, pace, least=False)
 
-    def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None) -> bool:
+    def _planned(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
+        """Whether ``direct`` holds a copy plan of this index pair already (deciding it again reads nothing back)."""
+        plans, stream = self._plans(binding)
+        return plans is not None and plans.peek(host_indices, device_indices, stream) is not None
+
+    def _may_feed(self, blocks: int, nbytes: int, cal: Calibration, to_host: bool, pace: HostPace | None,
+                  least: bool = True) -> bool:
         """Whether a plain submission of at least ``blocks`` copy blocks and ``nbytes`` could go to the copy engine
         (:func:`~.auto_rules.fed` at that count at ``pace``, the measure that judges the call, or a measure of the host
         :meth:`pick` would start for it).  The bound holds for a staged route too: it submits the host's page-image
         blocks (at least ``blocks``) after a relayout, so a host measured too slow for ``blocks`` plain descriptors is
         too slow for it (:func:`~.auto_rules.fed` judges a staged submission at the calibration's cost only because
-        no measure times it)."""
+        no measure times it).  ``least``: ``blocks`` is a lower bound (:meth:`_least_blocks`), so a measure may start for
+        a plan of :data:`~.pace.MIN_OPS` blocks where the bound is fewer; else a plan's own count."""
         link_us = allowed_us(nbytes, cal, to_host, self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
@@ -489,9 +500,12 @@ class AutoStrategy:
         if blocks * cal.submit_us + batch_calls(blocks) * cal.call_us <= link_us:
             return True
         # no measure: one may start (pick) where a host at the calibration's cost would feed a burst, in a call the
-        # copier samples (MIN_OPS)
-        return (pace is not None and desc_us is None and blocks >= MIN_OPS
-                and blocks * cal.submit_us + burst_us <= FED_SHARE * link_us)
+        # copier samples (MIN_OPS); a bound below that count stands for a plan that may reach it (least)
+        if pace is None or desc_us is not None:
+            return False
+        m = max(blocks, MIN_OPS) if least else blocks
+        return m >= MIN_OPS and m * cal.submit_us + len(batch_schedule(m, eager=False)) * MODEL_CALL_US <= \
+            FED_SHARE * link_us
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving every slot of such
@@ -599,12 +613,15 @@ class AutoStrategy:
         watch = self.watch  # with one, lone loads follow its verdict, and those due for timing are timed here too
         # direct's submissions are sampled from this lane's start, as the normal path samples them from the call's
         # (_serve): the host's measured pace through auto holds auto's own time per call
-        copier = binding.scratch.get("direct.copier") if isinstance(direct, DirectStrategy) else None
-        began = copier.clock.now if d_lane is not None and isinstance(copier, BatchCopier) else None
-        d_since = cast(Callable[..., bool], d_lane)  # DirectStrategy.lane: takes since
+        # (a lane that says it takes them: DirectStrategy's, not a wrapper of the plain three-argument kind)
+        copier = binding.scratch.get("direct.copier")
+        began = copier.clock.now if getattr(d_lane, "takes_since", False) and isinstance(copier, BatchCopier) \
+            else None
+        same = began is not None and began is now_of  # one clock: auto's own reading of it serves as the start
+        d_since = cast(Callable[..., bool], d_lane)
 
         def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
-            since = began() if began is not None else None
+            since = began() if began is not None and not (clocked and same) else None
             stream, handed = 0, None  # the stream, read once where clocked, and handed to direct's lane
             if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
                 return False
@@ -612,6 +629,8 @@ class AutoStrategy:
             if clocked:
                 now, stream = now_of(), current_stream_handle(index)
                 handed = stream
+                if same:
+                    since = now
                 if lone_loads and layer is not None and lone_at(stream, now) and (
                         fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
                     timing = watch is not None and watch.due(n * layer_bytes)
@@ -632,8 +651,9 @@ class AutoStrategy:
             entry = None
             if direct is None or kernel is None:
                 route = only
-            elif measured and (here_c.generation + here_w.generation != pace_gen[side]
-                               or (t := pace_now()) > here_c.ages_at or t > here_w.ages_at):  # aged(), inlined
+            elif measured and (here_c.generation + here_w.generation != pace_gen[side]  # aged(), inlined:
+                               or ((t := pace_now()) > here_c.ages_at and here_c.desc_us is not None)
+                               or (t > here_w.ages_at and here_w.desc_us is not None)):
                 return False  # the host's speed moved, or its measure aged: the normal path decides again
             elif watch is not None and watch.generation != self._watch_gen:
                 return False  # the verdict on the forward pass changed: the normal path decides again

@@ -146,7 +146,8 @@ class DirectStrategy(DirectionalStrategy):
         current stream, submitted again; ``False`` (nothing submitted) when there is none.  ``since`` (a time of the
         copier's clock, ``binding.scratch["direct.copier"].clock``): when the caller's call began, where a strategy
         wrapping this one (``auto``) spent host time before it, so that the host's measured pace holds that time as
-        it holds a planning call's (default: the lane's own start); ``stream``: the current stream's handle on the
+        it holds a planning call's (default: the lane's own start; the lane's ``takes_since`` attribute says it
+        takes these two, so that a wrapper of the plain three-argument kind is called without them); ``stream``: the current stream's handle on the
         pool's device where the caller has read it already (default: read here)."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
@@ -167,6 +168,7 @@ class DirectStrategy(DirectionalStrategy):
             run(binding, copier, sub, stream, to_host, since, warm=True)
             return True
 
+        setattr(lane, "takes_since", True)  # what a caller checks before passing since and stream (auto's lane)
         return lane
 
     @staticmethod

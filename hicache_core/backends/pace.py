@@ -76,10 +76,11 @@ class HostPace:
         self.desc_us: float | None = None
         self.generation = 0
         self._anchor: float | None = None
-        self._stamp = float("-inf")
-        #: When the estimate ages (:meth:`aged` from then on): its last sample's time plus :attr:`stale_s`; infinite
-        #: while there is no estimate.  A plain attribute, for callers that check it on every call.
-        self.ages_at = float("inf")
+        #: When this measure goes :meth:`stale` (and an estimate :meth:`aged`): its last sample's time plus
+        #: :attr:`stale_s` (minus infinity before any sample).  Written by :meth:`record` alone, so another thread's
+        #: :meth:`reset` never leaves it out of step; a plain attribute, for callers that check it on every call
+        #: (``aged()`` is ``desc_us is not None and now > ages_at``).
+        self.ages_at = float("-inf")
 
     def reset(self) -> None:
         """Forget the samples (a new measure starts); a new generation where an estimate is dropped (decisions made
@@ -89,19 +90,18 @@ class HostPace:
         self._samples.clear()
         self._since_recompute = 0
         self.desc_us = self._anchor = None
-        self.ages_at = float("inf")
 
     def stale(self) -> bool:
         """Whether the last sample is older than :attr:`stale_s` (or there is none)."""
-        return self.now() - self._stamp > self.stale_s
+        return self.now() > self.ages_at
 
     def aged(self) -> bool:
         """Whether there is an estimate and it is :meth:`stale` (:meth:`reset` it to measure afresh)."""
-        return self.desc_us is not None and self.now() - self._stamp > self.stale_s
+        return self.desc_us is not None and self.now() > self.ages_at
 
     def fresh(self) -> float | None:
         """:attr:`desc_us` if its last sample is at most :attr:`stale_s` old, else ``None``."""
-        return self.desc_us if self.now() - self._stamp <= self.stale_s else None
+        return self.desc_us if self.now() <= self.ages_at else None
 
     def record(self, host_us: float, ops: int, calls: int) -> None:
         """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time.
@@ -109,11 +109,9 @@ class HostPace:
         A sample that comes after the measure went :meth:`stale` starts a new one (:meth:`reset`): samples older than
         :attr:`stale_s` never make an estimate, also where there were too few of them to make one then."""
         now = self.now()
-        if self._samples and now - self._stamp > self.stale_s:
+        if self._samples and now > self.ages_at:
             self.reset()
-        self._stamp = now
-        if self.desc_us is not None:
-            self.ages_at = now + self.stale_s
+        self.ages_at = now + self.stale_s
         self._samples.append(max(_FLOOR_US, (host_us - calls * MODEL_CALL_US) / ops))
         n = len(self._samples)
         if n < MIN_SAMPLES:
@@ -126,7 +124,6 @@ class HostPace:
         if not ordered:
             return
         self.desc_us = est = ordered[len(ordered) // 2]
-        self.ages_at = now + self.stale_s
         anchor = self._anchor
         if anchor is None or abs(est - anchor) > REDECIDE * anchor:
             self._anchor = est
