@@ -175,7 +175,8 @@ class AutoStrategy:
         self.pace_probes = 0
         #: Decisions made (calls not served by a memoised pick; for tests and benchmarks).
         self.decisions = 0
-        #: Positions -> (copy blocks, bytes) of the last one-layer load planned for that many positions.
+        #: Positions -> (copy blocks, bytes, when: the clock's time) of the last one-layer load planned for that many
+        #: positions.
         self._load_blocks: dict[int, tuple[int, int, float]] = {}
 
     @property
@@ -487,8 +488,8 @@ class AutoStrategy:
         :meth:`pick` would start for it).  The bound holds for a staged route too: it submits the host's page-image
         blocks (at least ``blocks``) after a relayout, so a host measured too slow for ``blocks`` plain descriptors is
         too slow for it (:func:`~.auto_rules.fed` judges a staged submission at the calibration's cost only because
-        no measure times it).  ``least``: ``blocks`` is a lower bound (:meth:`_least_blocks`), so a measure may start for
-        a plan of :data:`~.pace.MIN_OPS` blocks where the bound is fewer; else a plan's own count."""
+        no measure times it).  ``least``: ``blocks`` is a lower bound (:meth:`_least_blocks`), so a measure may start
+        for a plan of :data:`~.pace.MIN_OPS` blocks where the bound is fewer; else a plan's own count."""
         link_us = allowed_us(nbytes, cal, to_host, self.room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US

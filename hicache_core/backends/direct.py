@@ -143,12 +143,14 @@ class DirectStrategy(DirectionalStrategy):
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the submission a
         transfer of this direction made for these index tensors (the same objects, unchanged) and layer on the
-        current stream, submitted again; ``False`` (nothing submitted) when there is none.  ``since`` (a time of the
-        copier's clock, ``binding.scratch["direct.copier"].clock``): when the caller's call began, where a strategy
-        wrapping this one (``auto``) spent host time before it, so that the host's measured pace holds that time as
-        it holds a planning call's (default: the lane's own start; the lane's ``takes_since`` attribute says it
-        takes these two, so that a wrapper of the plain three-argument kind is called without them); ``stream``: the current stream's handle on the
-        pool's device where the caller has read it already (default: read here)."""
+        current stream, submitted again; ``False`` (nothing submitted) when there is none.
+
+        Two more arguments, which the lane's ``takes_since`` attribute announces (a wrapper of the plain
+        three-argument kind is called without them): ``since``, a time of the copier's clock
+        (``binding.scratch["direct.copier"].clock``) when the caller's call began, where a strategy wrapping this one
+        (``auto``) spent host time before it, so that the host's measured pace holds that time as it holds a planning
+        call's (default: the lane's own start); ``stream``, the current stream's handle on the pool's device where the
+        caller has read it already (default: read here)."""
         plans: PlanCache = binding.scratch["direct.plans"]
         copier: BatchCopier = binding.scratch["direct.copier"]
         run = self._run
