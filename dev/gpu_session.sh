@@ -13,7 +13,9 @@
 #               tests_replay tests_rest tests_rest2 plugins)
 #   checks      tests and sanitize at once (correctness only: they may share the GPU)
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
-#   calibrate   hicache calibrate into $OUT/calibration.json
+#   calibrate   hicache calibrate into $OUT/calibration.json; the later steps of the call use it (HICACHE_CALIBRATION),
+#               unless KEEP_CALIBRATION=1
+#   lone        benchmarks/lone_probe.py: single loads through the kernel and auto, call by call (LONE_CELLS, LONE_REPS)
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
 #   tma         TMA loads: tests/test_tma.py and the kernel tests (TMA automatic), then load_layer/load_burst of the
 #               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
@@ -169,7 +171,13 @@ for step in "$@"; do
     ir) OUT=$W/ir timeout ${IR_T:-120} python3 dev/tma_ir.py ${IR_LAYOUTS:-} >"$W/tma_ir.log" 2>&1
       note "tma ir: $(result $?)"; grep -v "^ " "$W/tma_ir.log" ;;
     calibrate) HICACHE_CALIBRATION=$OUT/calibration.json timeout 120 hicache calibrate >"$W/calibrate.log" 2>&1
-      note "calibrate: $(result $?)"; tail -16 "$W/calibrate.log" ;;
+      r=$?; note "calibrate: $(result $r)"; tail -16 "$W/calibrate.log"
+      # the later steps of this call run with it (auto reads it), as this GPU's users would after `hicache calibrate`
+      if [ $r = 0 ] && [ -z "${KEEP_CALIBRATION:-}" ]; then export HICACHE_CALIBRATION=$OUT/calibration.json
+        note "  later steps use this calibration (KEEP_CALIBRATION=1: the one they would have used)"; fi ;;
+    lone) timeout ${LONE_T:-150} python3 benchmarks/lone_probe.py --out "$OUT/lone.json" --reps ${LONE_REPS:-30} \
+        ${LONE_CELLS:+--cells $LONE_CELLS} >"$W/lone.log" 2>&1
+      note "lone probe: $(result $?)"; cat "$W/lone.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS
       for lay in ${NCU_LAYOUTS:-layer_first page_first page_first_kv_split}; do
         timeout ${NCU_T:-60} ncu --target-processes all -k regex:KERNEL --launch-skip 4 --launch-count 2 \
