@@ -458,7 +458,8 @@ def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indi
     # read to spare, so such a pair is decided from its plan, not refused from another batch's
     # a lower bound under MIN_OPS blocks: a plan might reach MIN_OPS and start a measure (21 us at link speed: 32
     # blocks would fit a burst at the calibration's cost, 20 alone do not feed)
-    nbytes = int(21 * DEFAULT.link_gbps * 1e3)
+    nbytes = 1_155_000  # 21 us at the shipped calibration's 55 GB/s
+    assert DEFAULT.link_gbps == 55.0
     assert not auto._may_feed(20, nbytes, DEFAULT, False, None)
     assert auto._may_feed(20, nbytes, DEFAULT, False, auto.paces[False])
     assert not auto._may_feed(20, nbytes, DEFAULT, False, auto.paces[False], least=False)  # a plan's own count
