@@ -544,6 +544,12 @@ def test_a_memoised_pick_is_made_again_once_its_measure_aged(monkeypatch):
     assert w.paces[False].aged() and not lane(1, h, d)
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy and not w.paces[False].aged()
     assert lane(1, h, d) and len(ran) == 1  # the new pick's route
+    # a measure under way (samples, no estimate yet) that went stale has nothing to age: the lane keeps serving, as
+    # aged() says (the lane reads ages_at and desc_us instead of calling it)
+    _fill(w.paces[False], 0.4, count=MIN_SAMPLES - 1)
+    w.t[0] += 2 * STALE_S
+    assert w.paces[False].desc_us is None and w.paces[False].stale() and not w.paces[False].aged()
+    assert lane(1, h, d) and len(ran) == 2
 
 
 def test_a_reused_index_pair_is_judged_at_the_pace_of_reused_plans(monkeypatch):
