@@ -8,7 +8,7 @@ The peers harness times ``load_layer`` as lone calls (each after the last one's 
 from the GPU's idle start (the event before the call) and on the host up to the call's return, and for ``auto`` counts
 per call what served it: its lane (``lane``: served, ``declined``: the pool's normal path), the lone-load rule
 (``lone``), a decision (``decided``), and the clock's view (``idle``, the gap since its last booking).  Three calls back
-to back come first (the harness's warm-up), as in the harness.
+to back come first, as the harness's warm-up.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.pace_probe import _count_lane  # noqa: E402
 from hicache_core.bench import _check, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
@@ -39,14 +40,7 @@ def run_cell(shape: str, layout: str, reps: int) -> dict:
         pools[backend] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes")
         _check(pools[backend], dev, h, s, d)
     auto = pools["auto"].strategy
-    served = {"served": 0, "declined": 0}
-    lane = pools["auto"]._lanes[0]  # type: ignore[attr-defined]
-    if lane is not None:
-        def counted(layer: object, hi: torch.Tensor, di: torch.Tensor) -> bool:
-            ok = lane(layer, hi, di)
-            served["served" if ok else "declined"] += 1
-            return ok
-        pools["auto"]._lanes = (counted, pools["auto"]._lanes[1])  # type: ignore[attr-defined]
+    served = _count_lane(pools["auto"])  # the calls its load lane served or left to the normal path
     out: dict = {"shape": shape, "layout": layout}
     for name, pool in pools.items():
         for _ in range(3):  # the harness's warm-up: back to back
