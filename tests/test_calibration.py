@@ -101,8 +101,8 @@ def test_calibrate_never_overwrites_a_file_it_cannot_read(cal_file, capsys, monk
         assert calibration._cmd(args) == 2
         assert cal_file.read_text() == text
         assert f"calibration file {cal_file}" in capsys.readouterr().err
-    rows = [{"to_host": t, "block": 4096, "gbps": 50.0, "memcpy_gbps": 52.0, "ratio": 0.96,
-             "submit_us_per_block": 0.5} for t in (True, False)]
+    rows = calibration.rated([{"to_host": t, "block": 4096, "gbps": 50.0, "submit_us_per_block": 0.5}
+                              for t in (True, False)], {True: 52.0, False: 52.0})
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: rows)
     monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     cal_file.write_text('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1}}')
@@ -148,8 +148,39 @@ def test_calibrate_refuses_out_of_range_options(flag, value, capsys):
 
 
 def _rows(ratio_d2h: float, ratio_h2d: float) -> list[dict]:
-    return [{"to_host": t, "block": b, "gbps": 50.0 * r, "memcpy_gbps": 52.0, "ratio": r * (b / 65536) ** 0.1,
-             "submit_us_per_block": 0.5} for t, r in ((True, ratio_d2h), (False, ratio_h2d)) for b in (4096, 65536)]
+    """What ``measure`` returns where a pinned memcpy reaches 52 GB/s both ways and 64 KiB blocks ``ratio_*`` of it."""
+    raw = [{"to_host": t, "block": b, "gbps": 52.0 * r * (b / 65536) ** 0.1, "submit_us_per_block": 0.5}
+           for t, r in ((True, ratio_d2h), (False, ratio_h2d)) for b in (4096, 65536)]
+    return calibration.rated(raw, {True: 52.0, False: 52.0})
+
+
+#: ``hicache calibrate`` on an H100 host (2026-12-05): one pinned D2H memcpy of 64 MB timed at 38.9 GB/s while
+#: batched copies of 256 KiB blocks reached 54.2 (H2D: 54.7 and 53.8), GB/s per block size
+H100_D2H = {4096: 32.1, 8192: 46.6, 16384: 46.5, 32768: 52.8, 65536: 53.8, 131072: 53.8, 262144: 54.2}
+H100_H2D = {4096: 33.7, 8192: 47.8, 16384: 47.7, 32768: 53.5, 65536: 53.8, 131072: 53.8, 262144: 53.8}
+
+
+def test_a_memcpy_slower_than_the_batched_copies_does_not_set_the_thresholds_or_the_link(cal_file, capsys,
+                                                                                          monkeypatch):
+    """Ratios are to the faster of the memcpy and the best batched copy of each direction: a slow memcpy (a passing
+    disturbance, or a host where one copy is slower) once gave 8 KiB D2H blocks a ratio of 1.2 and a link of 46.8
+    GB/s, the mean of 38.9 and 54.7; now the thresholds are where the blocks reach 0.92 of the link, and it says why."""
+    raw = [{"to_host": t, "block": b, "gbps": g, "submit_us_per_block": 0.4}
+           for t, table in ((True, H100_D2H), (False, H100_H2D)) for b, g in table.items()]
+    rows = calibration.rated(raw, {True: 38.9, False: 54.7})
+    assert max(r["ratio"] for r in rows) == 1.0 and all(r["ratio"] <= 1.0 for r in rows)
+    assert {r["link_gbps"] for r in rows if r["to_host"]} == {54.2}
+    assert {r["link_gbps"] for r in rows if not r["to_host"]} == {54.7}
+    assert {r["memcpy_gbps"] for r in rows if r["to_host"]} == {38.9}  # kept as measured
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: rows)
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 0
+    out = capsys.readouterr().out
+    assert "D2H: one pinned memcpy reached 38.9 GB/s, batched copies 54.2: ratios and the link's speed are taken " \
+        "from the faster" in out and "H2D: one pinned memcpy" not in out
+    entry = json.loads(cal_file.read_text())["NVIDIA H100 80GB HBM3"]
+    assert (entry["d2h_min_block"], entry["h2d_min_block"]) == (32768, 32768)
+    assert entry["link_gbps"] == pytest.approx((54.2 + 54.7) / 2)
 
 
 def test_calibrate_writes_nothing_when_no_block_reaches_the_target(cal_file, capsys, monkeypatch):
