@@ -277,19 +277,23 @@ def test_auto_rule_margins():
     from hicache_core.backends.auto_rules import allowed_us, burst_us, fed
 
     sub = _plain(100)  # 100 KB: 100 us at link speed; bursts of <= 512 descriptors are one runtime call
-    assert allowed_us(sub.nbytes, _cal(0.5), True, 2.0) == pytest.approx(100.0)  # backups: no room
+    assert allowed_us(sub.nbytes, _cal(0.5), True, 2.0) == pytest.approx(120.0)  # backups: BACKUP_ROOM, not room
     assert allowed_us(sub.nbytes, _cal(0.5), False, 2.0) == pytest.approx(200.0)
     assert burst_us(sub, 0.5) == pytest.approx(100 * 0.5 + 6.0)  # one call (an idle schedule would make five)
     # a measured pace: a burst may take FED_SHARE (1.1) of the link time; loads at a slower pace go to the kernel
     assert fed(sub, _cal(0.5), 1.0, to_host=False)  # 106 us <= 110 us
     assert not fed(sub, _cal(0.5), 1.05, to_host=False)  # 111 us
     assert fed(sub, _cal(0.5), 2.0, to_host=False, room=2.0)  # 206 us <= 220 us
-    # the calibration (idle schedule, five calls of 100): no share beyond the link time
-    assert fed(_plain(100), _cal(0.7))  # 70 + 30 = 100 us
-    assert not fed(_plain(100), _cal(0.75))  # 105 us
+    # the calibration (idle schedule, five calls of 100): no share beyond the link time for loads
+    assert fed(_plain(100), _cal(0.7), to_host=False)  # 70 + 30 = 100 us
+    assert not fed(_plain(100), _cal(0.75), to_host=False)  # 105 us
+    # backups: 1.2x the link time, at the calibration's cost and (times FED_SHARE) at a measured pace
+    assert fed(_plain(100), _cal(0.9))  # 90 + 30 = 120 us
+    assert not fed(_plain(100), _cal(0.95))  # 125 us
+    assert fed(sub, _cal(0.95), 1.25) and not fed(sub, _cal(0.95), 1.3)  # 131 us <= 132 us < 136 us
     # pitched copies are never judged at a measured pace (it counts plain descriptors only)
-    mixed = _plain(100, pitched_rows=2)  # 102 KB; calibrated 75 + 30 + 3 + 6 = 114 us
-    assert not fed(mixed, _cal(0.75)) and not fed(mixed, _cal(0.75), 0.01) and not fed(mixed, _cal(0.75), 0.01, False)
+    mixed = _plain(100, pitched_rows=2)  # 102 KB; calibrated 85 + 30 + 3 + 6 = 124 us, over 1.2 x 102 us
+    assert not fed(mixed, _cal(0.85)) and not fed(mixed, _cal(0.85), 0.01) and not fed(mixed, _cal(0.85), 0.01, False)
 
 
 def test_auto_worth_measuring_bounds():
@@ -300,7 +304,7 @@ def test_auto_worth_measuring_bounds():
     assert worth_measuring(_plain(MIN_OPS, big), _cal(0.5))  # exactly as many as the copier samples
     assert not worth_measuring(_plain(MIN_OPS - 1, big), _cal(0.5))
     assert not worth_measuring(_plain(MIN_OPS, big, pitched_rows=2), _cal(0.5))  # pitched: never sampled per descriptor
-    # 100 x 2 us + 6 = 206 us: over 1.1 x 100 us for backups, within 1.1 x 200 us for loads given room 2
+    # 100 x 2 us + 6 = 206 us: over 1.1 x 120 us for backups, within 1.1 x 200 us for loads given room 2
     assert not worth_measuring(_plain(100), _cal(2.0), to_host=True, room=2.0)
     assert worth_measuring(_plain(100), _cal(2.0), to_host=False, room=2.0)
     assert not worth_measuring(_plain(100), _cal(2.0), to_host=False, room=1.0)

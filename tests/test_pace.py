@@ -649,7 +649,7 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     slow = replace(DEFAULT, submit_us=1.5)  # a burst at 1.5 us per descriptor: 96 us and more, for 49 us at link speed
     assert not worth_measuring(sub, slow, to_host=False)  # too slow a host to feed it beside a GEMM ...
     assert worth_measuring(sub, slow, to_host=False, room=room)  # ... but fast enough beside memory-bound work
-    assert not worth_measuring(sub, slow, to_host=True, room=room)  # backups: no room
+    assert not worth_measuring(sub, slow, to_host=True, room=room)  # backups: not the loads' room (BACKUP_ROOM alone)
 
     assert AutoStrategy(forward="memory", lone=True).lone and AutoStrategy(forward=" Memory ").forward == "memory"
     with pytest.raises(ConfigError, match="^auto's forward option is 'decode': use one of compute, memory"):

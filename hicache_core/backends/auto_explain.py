@@ -14,7 +14,7 @@ from ..calibration import DEFAULT, Calibration, load_calibration
 from ..layout import Layout
 from ..spec import PoolSpec
 from . import pace as _pace
-from .auto_rules import FED_SHARE, MEMORY_KERNEL_SHARE, fed
+from .auto_rules import BACKUP_ROOM, FED_SHARE, MEMORY_KERNEL_SHARE, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
 from .staging import LAUNCH_US
@@ -35,7 +35,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         f"auto: the copy engine serves a call when its smallest copy block is >= {cal.d2h_min_block} B (backups) / "
         f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
         f"~{cal.call_us:.0f} us per runtime call, "
-        f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s; "
+        f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s (backups: "
+        f"{BACKUP_ROOM:g}x it, as a host-bound backup still keeps pace with the kernel's); "
         f"otherwise {auto.kernel_name or 'the kernel (none available here)'}",
         f"auto: calibration {cal.gpu} ({cal.source})",
     ]

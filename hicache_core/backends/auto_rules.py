@@ -15,8 +15,8 @@ from .cudart import batch_schedule
 from .pace import MIN_OPS, MODEL_CALL_US
 from .plans import Submission
 
-__all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "FORWARD_MODES", "ENV_FORWARD",
-           "MEMORY_KERNEL_SHARE"]
+__all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "BACKUP_ROOM", "FORWARD_MODES",
+           "ENV_FORWARD", "MEMORY_KERNEL_SHARE"]
 
 
 def pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -49,10 +49,20 @@ ENV_FORWARD = "HICACHE_AUTO_FORWARD"
 MEMORY_KERNEL_SHARE = 0.45
 
 
+#: Factor by which a backup's host submission may exceed its transfer time at link speed and still go to the copy
+#: engine.  Copies start with the first runtime call, so a host-bound backup moves at the host's pace: at 1.2x the link
+#: time it still reaches ~0.83 of it, what the kernels' backups of small pages reach (576- and 656-byte rows, 64-token
+#: pages: 0.77-0.80 of memcpy on an H100, 0.76-0.86 on the H200) while they slow a GEMM beside them by +11% to +19%.
+#: H100, fp8 656 B ``layer_first``, 4096 tokens, all layers: ``direct`` 0.911 of memcpy at +0.3% GEMM with its host
+#: submitting for 1.14x the link time, where ``auto`` had given the backup to the kernel (0.799 at +16.8%).
+BACKUP_ROOM = 1.2
+
+
 def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float) -> float:
-    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times ``room`` for loads (the
-    factor by which the forward pass beside them slows the kernel's loads; 1 with ``forward="compute"``)."""
-    return nbytes / (cal.link_gbps * 1e3) * (1.0 if to_host else room)
+    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times :data:`BACKUP_ROOM` for
+    backups, times ``room`` for loads (the factor by which the forward pass beside them slows the kernel's loads; 1
+    with ``forward="compute"``)."""
+    return nbytes / (cal.link_gbps * 1e3) * (BACKUP_ROOM if to_host else room)
 
 
 def burst_us(sub: Submission, desc_us: float) -> float:
@@ -63,8 +73,9 @@ def burst_us(sub: Submission, desc_us: float) -> float:
 
 def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
          room: float = 1.0) -> bool:
-    """Whether the host submits ``sub`` within its transfer time at link speed (loads: times ``room``, the factor
-    by which the kernel's loads are slowed by the forward pass beside them; 1 with ``forward="compute"``).
+    """Whether the host submits ``sub`` within its transfer time at link speed (:func:`allowed_us`; backups: times
+    :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are slowed by the forward pass
+    beside them, 1 with ``forward="compute"``).
 
     Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
     microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
