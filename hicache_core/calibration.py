@@ -71,7 +71,8 @@ class Calibration:
 #: at 9 KB and 0.99 at 36 KB.  Submitting costs ~0.5 us per descriptor (``hicache calibrate``; a
 #: 61-layer MLA backup of 3904 descriptors took 1.8-2.1 ms of host time in bench runs) plus ~6 us per
 #: runtime call (benchmarks/ce_probe.py: 6.7 us for a call of 1-4 descriptors, 34.5 us for 64), so
-#: ``auto`` also requires the estimated host time of a call to fit in its transfer time at link speed.
+#: ``auto`` also requires the estimated host time of a call to fit in its transfer time at link speed (backups: 1.2x
+#: it, ``auto_rules.BACKUP_ROOM``).
 DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=16 * 1024, source="shipped (H200)",
                       submit_us=0.5, link_gbps=55.0, call_us=6.0)
 

@@ -279,3 +279,29 @@ def test_doctor_reports_another_gpus_calibration_in_its_line_alone(tmp_path, mon
         assert line.endswith(f"; measured on another GPU than this {gpu}: run `hicache calibrate` here")
         assert load_calibration(torch.device("cuda", 0)) == DEFAULT  # a pool's load: warned, once
     assert caplog.text.count(f"no calibration for {gpu!r}") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_measure_keeps_the_faster_memcpy_timing_and_rates_blocks_against_the_link(monkeypatch):
+    """On a GPU: ``measure`` times the memcpy of each direction before and after its blocks and keeps the faster (each
+    direction's first timing made 4x slower here, as a passing disturbance would); every ratio is ``gbps`` over the
+    faster of that memcpy and the direction's best batched copy, so none exceeds 1."""
+    from hicache_core import bench
+
+    real, timed = bench._median_ms, []
+
+    def disturbed(fn, reps, warmup=bench.WARMUP, **kw):
+        ms = real(fn, reps, warmup=warmup, **kw)
+        timed.append(ms)
+        return ms * 4 if len(timed) in (1, 3) else ms
+
+    monkeypatch.setattr(bench, "_median_ms", disturbed)
+    total = 8 << 20
+    rows = calibration.measure([4096, 65536], total, reps=3)
+    assert len(timed) == 4 and [(r["to_host"], r["block"]) for r in rows] == \
+        [(True, 4096), (True, 65536), (False, 4096), (False, 65536)]
+    for to_host, (before, after) in ((True, timed[0:2]), (False, timed[2:4])):
+        mine = [r for r in rows if r["to_host"] == to_host]
+        assert {r["memcpy_gbps"] for r in mine} == {max(total / (4 * before), total / after) / 1e6}
+        assert {r["link_gbps"] for r in mine} == {max([mine[0]["memcpy_gbps"]] + [r["gbps"] for r in mine])}
+        assert all(r["ratio"] == r["gbps"] / r["link_gbps"] <= 1.0 for r in mine)

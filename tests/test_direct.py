@@ -544,9 +544,11 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert auto[0].startswith("auto: the copy engine serves a call when its smallest copy block is >= 32768 B (backups)")
     assert "~0.50 us per descriptor, ~6 us per runtime call" in auto[0]
     assert auto[0].endswith("otherwise the kernel (none available here)")
+    assert "fits its transfer time at 55.0 GB/s (backups: 1.2x it: " in auto[0]
     assert auto[2].startswith("auto: on a GPU pool, the host's measured pace (the median of its recent copy-engine calls, "
                               "from 7 on; a measure stops counting 1 s after its last call, 0.25 s for calls that reuse a "
                               "plan) decides too: a burst's submission at that pace must take <= 110% of the transfer time")
+    assert "(loads: that alone decides; backups: <= 132%, and it can only add the copy engine)" in auto[2]
     assert auto[2].endswith("new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                             "burst at that of calls that reuse a plan")
     assert auto[3] == ("auto: backup_all_layers of all 64 slots -> direct (blocks of 73728 B and up, 73728 B on "

@@ -308,6 +308,22 @@ def test_auto_worth_measuring_bounds():
     assert not worth_measuring(_plain(100), _cal(2.0), to_host=True, room=2.0)
     assert worth_measuring(_plain(100), _cal(2.0), to_host=False, room=2.0)
     assert not worth_measuring(_plain(100), _cal(2.0), to_host=False, room=1.0)
+    # 100 x 1.2 us + 6 = 126 us: within 1.1 x 1.2 x 100 us for backups (once, not twice), over 1.1 x 100 us for loads
+    assert worth_measuring(_plain(100), _cal(1.2)) and not worth_measuring(_plain(100), _cal(1.2), to_host=False)
+    assert not worth_measuring(_plain(100), _cal(1.4))  # 146 us: over 132 us (1.2 applied twice would allow 158 us)
+
+
+def test_auto_may_feed_gives_backups_the_backup_room_once():
+    """``auto``'s bound before a plan (:meth:`AutoStrategy._may_feed`) judges a backup at ``BACKUP_ROOM`` times its
+    transfer time, once, and a load at its transfer time, from the calibration alone (no measure)."""
+    from hicache_core.backends.auto import AutoStrategy
+
+    auto = AutoStrategy()
+    # 100 descriptors of 1000 B: 100 us at 1 GB/s; the calibration's idle schedule makes five runtime calls (30 us)
+    assert auto._may_feed(100, 100_000, _cal(0.9), True, None)  # 90 + 30 = 120 us <= 1.2 x 100 us
+    assert not auto._may_feed(100, 100_000, _cal(0.95), True, None)  # 125 us: not 1.2 x 1.2 x 100 us either
+    assert auto._may_feed(100, 100_000, _cal(0.7), False, None)  # 100 us: a load fits its transfer time
+    assert not auto._may_feed(100, 100_000, _cal(0.75), False, None)  # 105 us
 
 
 def test_pick_key_tells_directions_and_layer_selections_apart():

@@ -8,7 +8,7 @@ asks ``direct`` which copy blocks it would submit for these indices and layer
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
 feed it: the estimated host time of the call (per descriptor, per runtime call,
 and per relayout launch of a staged route) must fit in the call's transfer time
-at link speed, at the calibration's costs with a margin, or, where the pool has
+at link speed (backups: :data:`~.auto_rules.BACKUP_ROOM` times it), at the calibration's costs with a margin, or, where the pool has
 measured its host (:mod:`.pace`), at the host's current pace.  Then the copy engine serves the call (no SM held, so the forward pass
 keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 

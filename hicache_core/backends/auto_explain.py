@@ -36,7 +36,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
         f"~{cal.call_us:.0f} us per runtime call, "
         f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s (backups: "
-        f"{BACKUP_ROOM:g}x it, as a host-bound backup still keeps pace with the kernel's); "
+        f"{BACKUP_ROOM:g}x it: a host-bound backup moves at about the host's pace, and leaves the GEMMs their SMs); "
         f"otherwise {auto.kernel_name or 'the kernel (none available here)'}",
         f"auto: calibration {cal.gpu} ({cal.source})",
     ]
@@ -45,7 +45,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
                      f"{_pace.MIN_SAMPLES} on; a measure stops counting {_pace.STALE_S:g} s after its last call, "
                      f"{_pace.WARM_STALE_S:g} s for calls that reuse a plan) decides "
                      f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
-                     "that alone decides; backups: it can only add the copy engine); where none is measured and a "
+                     f"that alone decides; backups: <= {FED_SHARE * BACKUP_ROOM:.0%}, and it can only add the copy "
+                     "engine); where none is measured and a "
                      "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
                      "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                      "burst at that of calls that reuse a plan")

@@ -50,11 +50,13 @@ MEMORY_KERNEL_SHARE = 0.45
 
 
 #: Factor by which a backup's host submission may exceed its transfer time at link speed and still go to the copy
-#: engine.  Copies start with the first runtime call, so a host-bound backup moves at the host's pace: at 1.2x the link
-#: time it still reaches ~0.83 of it, what the kernels' backups of small pages reach (576- and 656-byte rows, 64-token
-#: pages: 0.77-0.80 of memcpy on an H100, 0.76-0.86 on the H200) while they slow a GEMM beside them by +11% to +19%.
-#: H100, fp8 656 B ``layer_first``, 4096 tokens, all layers: ``direct`` 0.911 of memcpy at +0.3% GEMM with its host
-#: submitting for 1.14x the link time, where ``auto`` had given the backup to the kernel (0.799 at +16.8%).
+#: engine: a choice of the forward pass over the backup's speed.  Copies start with the first runtime call, so a
+#: host-bound backup moves at about the host's pace, while the kernels' backups slow a GEMM beside them by +11% to +19%
+#: on small pages (576- and 656-byte rows, 64-token pages).  H100, fp8 656 B ``layer_first``, 4096 tokens, all layers,
+#: two hosts of the same calibrated cost (0.90 us per descriptor): on one, ``direct`` reached 0.911 of memcpy at +0.3%
+#: GEMM with its host submitting for 1.14x the link time, where the kernel reached 0.799 at +16.8%; on the other,
+#: ``direct`` 0.747 at 1.22x (``auto`` through it 0.700, at +0.6%) against the kernel's 0.879 at +11.6%.
+#: At 1.0 a backup must fit within its transfer time, as loads do (docs/performance.md, fourth H100 run).
 BACKUP_ROOM = 1.2
 
 
@@ -99,8 +101,8 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
 
 def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
-    may unlock the copy engine for it): plain descriptors whose burst submission fits the transfer time (loads: times
-    ``room``, as in :func:`fed`), and enough of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a
+    may unlock the copy engine for it): plain descriptors whose burst submission fits :data:`FED_SHARE` of the time
+    :func:`allowed_us` gives (backups: :data:`BACKUP_ROOM` times the transfer time; loads: ``room`` times it), and enough of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a
     probe it never samples would be repeated forever)."""
     if sub.staged is not None or sub.pitched is not None or sub.count < MIN_OPS:
         return False
