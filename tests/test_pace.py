@@ -187,6 +187,32 @@ def test_a_measured_fast_host_unlocks_the_copy_engine_where_the_margin_refuses_i
     assert plain.pick(pool.binding, h, d, 1, to_host=False) is plain.kernel and plain.pace_probes == 0
 
 
+def test_backup_room_is_an_option_of_auto_and_decides_a_backup_the_link_time_alone_refuses(monkeypatch):
+    """One layer's backup of the fp8 pool: 56 us of calibrated submission for 49 us at link speed.  The default room
+    (1.2x) gives it to the copy engine, ``backup_room=1.0`` to the kernel (no measure to start: a host at the
+    calibration's cost would not feed it either); loads are untouched.  The option, or ``HICACHE_AUTO_BACKUP_ROOM``
+    where it is not passed, must be a positive finite number: anything else raises, naming where it came from."""
+    from hicache_core.backends.auto_rules import BACKUP_ROOM, ENV_BACKUP_ROOM
+
+    monkeypatch.delenv(ENV_BACKUP_ROOM, raising=False)
+    pool, h, d = _fp8_pool()
+    roomy, strict = auto_over(pool, None), auto_over(pool, None, backup_room=1.0)
+    assert (roomy.backup_room, strict.backup_room) == (BACKUP_ROOM, 1.0)
+    assert roomy.pick(pool.binding, h, d, 1, to_host=True) is pool.strategy
+    assert strict.pick(pool.binding, h, d, 1, to_host=True) is strict.kernel and strict.pace_probes == 0
+    assert roomy.pick(pool.binding, h, d, 1, to_host=False) is roomy.kernel  # loads: their own rule
+    monkeypatch.setenv(ENV_BACKUP_ROOM, " 1.0 ")
+    assert AutoStrategy().backup_room == 1.0 and AutoStrategy(backup_room=2).backup_room == 2.0  # the option wins
+    for bad in ("fast", "0", "-1", "nan", "inf"):
+        monkeypatch.setenv(ENV_BACKUP_ROOM, bad)
+        with pytest.raises(ConfigError, match=f"^{ENV_BACKUP_ROOM} is .*: use a positive number"):
+            AutoStrategy()
+    monkeypatch.delenv(ENV_BACKUP_ROOM)
+    for bad in (0, -1.0, float("nan"), True, "1.2", None.__class__):
+        with pytest.raises(ConfigError, match="^auto's backup_room option is .*: use a positive number"):
+            AutoStrategy(backup_room=bad)
+
+
 def test_auto_measures_the_host_where_no_recent_measure_exists():
     """Without a recent measure in the call's direction, a call the calibrated host would feed in a burst goes to
     the copy engine, whose submissions measure the host; the new measure decides again.  Calls a host at the

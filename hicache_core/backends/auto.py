@@ -54,8 +54,8 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
-from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, allowed_us, fed, pick_key,
-                         worth_measuring)
+from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, allowed_us, backup_room_option,
+                         fed, pick_key, worth_measuring)
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .forward import ForwardWatch
@@ -115,12 +115,15 @@ class AutoStrategy:
         decided load, before that load is queued (:meth:`~.plans.PlanCache.read_early`), so that a copy plan made
         later in the burst waits for that read only, not for the loads queued since; costs a small device copy and
         a host copy per new pair.  Off by default (not yet measured on a GPU).
+    :param backup_room: how many times its transfer time at link speed a backup's submission may take and still go
+        to the copy engine (default: ``$HICACHE_AUTO_BACKUP_ROOM`` or :data:`~.auto_rules.BACKUP_ROOM`, 1.2: the
+        forward pass first; 1.0: the backup's speed first, where a host-bound copy engine falls behind the kernel).
     :param kernel_options: other keywords (e.g. ``programs``) go to the kernel strategy's factory.
     """
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
                  lone: bool | None = None, pace: bool = True, forward: str | None = None, prefetch: bool = False,
-                 **kernel_options: Any) -> None:
+                 backup_room: float | None = None, **kernel_options: Any) -> None:
         raw, where = (forward, "auto's forward option") if forward is not None else \
             (os.environ.get(ENV_FORWARD, ""), ENV_FORWARD)
         mode = str(raw).strip().lower() or "compute"
@@ -129,6 +132,8 @@ class AutoStrategy:
                               "beside the loads is bound by)")
         #: What the forward pass beside the loads is bound by (``compute`` or ``memory``), or ``watch``.
         self.forward = mode
+        #: How many times its transfer time a backup's submission may take and still go to the copy engine.
+        self.backup_room = backup_room_option(backup_room)
         if lone is None:
             lone = mode != "memory"
         for name, value in (("lone", lone), ("pace", pace), ("prefetch", prefetch)):
@@ -397,9 +402,9 @@ class AutoStrategy:
             self._load_blocks[host_indices.numel()] = (sub.count, sub.nbytes, self.clock.now())
         if sub.smallest_block < cal.min_block(to_host):
             return self.kernel
-        if fed(sub, cal, desc_us, to_host, self.room):
+        if fed(sub, cal, desc_us, to_host, self.room, self.backup_room):
             return self.direct
-        if pace is not None and desc_us is None and worth_measuring(sub, cal, to_host, self.room):
+        if pace is not None and desc_us is None and worth_measuring(sub, cal, to_host, self.room, self.backup_room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
         return self.kernel
@@ -490,7 +495,7 @@ class AutoStrategy:
         too slow for it (:func:`~.auto_rules.fed` judges a staged submission at the calibration's cost only because
         no measure times it).  ``least``: ``blocks`` is a lower bound (:meth:`_least_blocks`), so a measure may start
         for a plan of :data:`~.pace.MIN_OPS` blocks where the bound is fewer; else a plan's own count."""
-        link_us = allowed_us(nbytes, cal, to_host, self.room)
+        link_us = allowed_us(nbytes, cal, to_host, self.room, self.backup_room)
         desc_us = pace.fresh() if pace is not None else None
         burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
         if desc_us is not None:

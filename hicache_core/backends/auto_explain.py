@@ -14,7 +14,7 @@ from ..calibration import DEFAULT, Calibration, load_calibration
 from ..layout import Layout
 from ..spec import PoolSpec
 from . import pace as _pace
-from .auto_rules import BACKUP_ROOM, FED_SHARE, MEMORY_KERNEL_SHARE, fed
+from .auto_rules import FED_SHARE, MEMORY_KERNEL_SHARE, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
 from .staging import LAUNCH_US
@@ -36,7 +36,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
         f"~{cal.call_us:.0f} us per runtime call, "
         f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s (backups: "
-        f"{BACKUP_ROOM:g}x it: a host-bound backup moves at about the host's pace, and leaves the GEMMs their SMs); "
+        f"{auto.backup_room:g}x it: a host-bound backup moves at about the host's pace, and leaves the GEMMs their SMs); "
         f"otherwise {auto.kernel_name or 'the kernel (none available here)'}",
         f"auto: calibration {cal.gpu} ({cal.source})",
     ]
@@ -45,7 +45,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
                      f"{_pace.MIN_SAMPLES} on; a measure stops counting {_pace.STALE_S:g} s after its last call, "
                      f"{_pace.WARM_STALE_S:g} s for calls that reuse a plan) decides "
                      f"too: a burst's submission at that pace must take <= {FED_SHARE:.0%} of the transfer time (loads: "
-                     f"that alone decides; backups: <= {FED_SHARE * BACKUP_ROOM:.0%}, and it can only add the copy "
+                     f"that alone decides; backups: <= {FED_SHARE * auto.backup_room:.0%}, and it can only add the copy "
                      "engine); where none is measured and a "
                      "host at the calibrated cost would keep up, the copy engine serves a call to measure it; "
                      "new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
@@ -93,7 +93,7 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
     out = []
     for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
         sub = direct.submission(pool.binding, idx, idx, layer)
-        feeds = fed(sub, cal, to_host=to_host, room=auto.room)
+        feeds = fed(sub, cal, to_host=to_host, room=auto.room, backup_room=auto.backup_room)
         big = sub.smallest_block >= cal.min_block(to_host)
         kernel = auto.kernel_name or "kernel"
         if auto.direct is None and auto.kernel is not None:  # no copy engine here (no batch copy API): the kernel

@@ -6,17 +6,20 @@ copy engine a submission within its transfer time (:func:`fed`), at the calibrat
 
 from __future__ import annotations
 
+import math
+import os
 from typing import cast
 
 import torch
 
 from ..calibration import Calibration
+from ..errors import ConfigError
 from .cudart import batch_schedule
 from .pace import MIN_OPS, MODEL_CALL_US
 from .plans import Submission
 
 __all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "BACKUP_ROOM", "FORWARD_MODES",
-           "ENV_FORWARD", "MEMORY_KERNEL_SHARE"]
+           "ENV_FORWARD", "ENV_BACKUP_ROOM", "MEMORY_KERNEL_SHARE", "backup_room_option"]
 
 
 def pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -56,15 +59,40 @@ MEMORY_KERNEL_SHARE = 0.45
 #: two hosts of the same calibrated cost (0.90 us per descriptor): on one, ``direct`` reached 0.911 of memcpy at +0.3%
 #: GEMM with its host submitting for 1.14x the link time, where the kernel reached 0.799 at +16.8%; on the other,
 #: ``direct`` 0.747 at 1.22x (``auto`` through it 0.700, at +0.6%) against the kernel's 0.879 at +11.6%.
-#: At 1.0 a backup must fit within its transfer time, as loads do (docs/performance.md, fourth H100 run).
+#: At 1.0 a backup must fit within its transfer time, as loads do (docs/performance.md, fourth H100 run).  ``auto``'s
+#: ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets it per pool.
 BACKUP_ROOM = 1.2
+#: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (pools the SGLang bridge makes).
+ENV_BACKUP_ROOM = "HICACHE_AUTO_BACKUP_ROOM"
 
 
-def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float) -> float:
-    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times :data:`BACKUP_ROOM` for
-    backups, times ``room`` for loads (the factor by which the forward pass beside them slows the kernel's loads; 1
-    with ``forward="compute"``)."""
-    return nbytes / (cal.link_gbps * 1e3) * (BACKUP_ROOM if to_host else room)
+def backup_room_option(value: object) -> float:
+    """``auto``'s ``backup_room`` option (``None``: :data:`ENV_BACKUP_ROOM` if set, else :data:`BACKUP_ROOM`) as a
+    positive finite float.
+
+    :raises ConfigError: not a positive finite number, naming the option or the variable and the fix."""
+    where = "auto's backup_room option"
+    if value is None:
+        raw = os.environ.get(ENV_BACKUP_ROOM, "").strip()
+        if not raw:
+            return BACKUP_ROOM
+        where, value = ENV_BACKUP_ROOM, raw
+        try:
+            value = float(raw)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where} is {value!r}: use a positive number, the times its transfer time at link speed a "
+                          f"backup's submission may take and still go to the copy engine (default {BACKUP_ROOM:g}; 1.0: "
+                          "as loads, the backup's speed first)")
+    return float(value)
+
+
+def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float, backup_room: float = BACKUP_ROOM) -> float:
+    """The time a submission of ``nbytes`` may take: their transfer time at link speed, times ``backup_room`` for
+    backups (:data:`BACKUP_ROOM` unless ``auto``'s option says otherwise), times ``room`` for loads (the factor by which
+    the forward pass beside them slows the kernel's loads; 1 with ``forward="compute"``)."""
+    return nbytes / (cal.link_gbps * 1e3) * (backup_room if to_host else room)
 
 
 def burst_us(sub: Submission, desc_us: float) -> float:
@@ -74,7 +102,7 @@ def burst_us(sub: Submission, desc_us: float) -> float:
 
 
 def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
-         room: float = 1.0) -> bool:
+         room: float = 1.0, backup_room: float = BACKUP_ROOM) -> bool:
     """Whether the host submits ``sub`` within its transfer time at link speed (:func:`allowed_us`; backups: times
     :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are slowed by the forward pass
     beside them, 1 with ``forward="compute"``).
@@ -90,7 +118,7 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
     margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
     speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
     slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
-    link_us = allowed_us(sub.nbytes, cal, to_host, room)
+    link_us = allowed_us(sub.nbytes, cal, to_host, room, backup_room)
     measured = desc_us is not None and sub.staged is None and sub.pitched is None
     if measured and burst_us(sub, cast(float, desc_us)) <= FED_SHARE * link_us:
         return True
@@ -99,11 +127,12 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
     return sub.host_us(cal.submit_us, cal.call_us) <= link_us
 
 
-def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0) -> bool:
+def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, room: float = 1.0,
+                    backup_room: float = BACKUP_ROOM) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
     may unlock the copy engine for it): plain descriptors whose burst submission fits :data:`FED_SHARE` of the time
     :func:`allowed_us` gives (backups: :data:`BACKUP_ROOM` times the transfer time; loads: ``room`` times it), and enough of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a
     probe it never samples would be repeated forever)."""
     if sub.staged is not None or sub.pitched is not None or sub.count < MIN_OPS:
         return False
-    return burst_us(sub, cal.submit_us) <= FED_SHARE * allowed_us(sub.nbytes, cal, to_host, room)
+    return burst_us(sub, cal.submit_us) <= FED_SHARE * allowed_us(sub.nbytes, cal, to_host, room, backup_room)
