@@ -46,8 +46,7 @@ class Calibration:
     :param d2h_min_block: smallest copy block (bytes) with which backups use the copy engine.
     :param h2d_min_block: same for loads.
     :param source: where the numbers come from (a date and command, or ``shipped``).
-    :param submit_us: host time to submit one copy-engine descriptor, microseconds (``hicache calibrate``: the median
-        over its rows of the larger of the submission timed with the stream held and with the copies running).
+    :param submit_us: host time to submit one copy-engine descriptor, microseconds.
     :param link_gbps: the host link's GB/s (the pace the host must keep up with): ``hicache calibrate`` takes, per
         direction, the faster of a pinned memcpy and its best batched copy, and writes the median over the rows.
     :param call_us: host time of one batched-copy runtime call besides its descriptors, microseconds
@@ -190,9 +189,7 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     """Copy-engine ratio to the link's speed for random blocks of each size, both directions.
 
     The stream is held by a GPU sleep while the host submits, so the ratio is the copy
-    engine's own efficiency; the host's submission time per descriptor is reported apart, both so
-    (``submit_us_per_block``) and with the copies starting under it (``submit_running_us_per_block``), as in a
-    transfer: on H100 hosts an all-layer backup's submission cost up to 1.4x the held measure.
+    engine's own efficiency; the host's submission time per descriptor is reported apart.
     The link's speed in a direction (each row's ``link_gbps``) is the faster of one pinned contiguous
     ``copy_`` (``memcpy_gbps``, timed before and after the blocks, the better kept) and the best batched
     copy: a memcpy slowed by a passing disturbance, or slower than batched copies on some hosts (an H100
@@ -247,16 +244,8 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
                 b.synchronize()
                 times.append(a.elapsed_time(b))
             gbps = n * block / statistics.median(times[1:]) / 1e6
-            running = []  # the same submission with the copies starting under it, as a transfer's own
-            for _ in range(reps + 1):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                rt.copy_batch(dsts, srcs, lens, stream)
-                running.append((time.perf_counter() - t0) * 1e6 / n)
-            torch.cuda.synchronize()
             out.append({"to_host": to_host, "block": block, "gbps": gbps,
-                        "submit_us_per_block": statistics.median(submits[1:]),
-                        "submit_running_us_per_block": statistics.median(running[1:])})
+                        "submit_us_per_block": statistics.median(submits[1:])})
         memcpy[to_host] = max(memcpy[to_host], base())
     return rated(out, memcpy)
 
@@ -267,13 +256,6 @@ def rated(rows: list[dict[str, Any]], memcpy: dict[bool, float]) -> list[dict[st
     link = {t: max([m] + [float(r["gbps"]) for r in rows if bool(r["to_host"]) == t]) for t, m in memcpy.items()}
     return [{**r, "memcpy_gbps": memcpy[bool(r["to_host"])], "link_gbps": link[bool(r["to_host"])],
              "ratio": float(r["gbps"]) / link[bool(r["to_host"])]} for r in rows]
-
-
-def submit_cost(row: dict[str, Any]) -> float:
-    """A measured row's host cost per descriptor as a transfer pays it: the larger of the submission timed with the
-    stream held and with the copies running (a row without the latter: the former)."""
-    held = float(row["submit_us_per_block"])
-    return max(held, float(row.get("submit_running_us_per_block", held)))
 
 
 def _threshold(rows: list[dict[str, float]], to_host: bool, target: float) -> int | None:
@@ -336,8 +318,7 @@ def _cmd(args: argparse.Namespace) -> int:
     rows = measure(blocks, args.total_mb * 1_000_000)
     for r in rows:
         print(f"{'D2H' if r['to_host'] else 'H2D'} {int(r['block']) >> 10:4d} KiB blocks: {r['gbps']:6.1f} GB/s "
-              f"ratio {r['ratio']:.3f}  submit {r['submit_us_per_block']:.2f} us/block "
-              f"({submit_cost(r):.2f} with copies running)")
+              f"ratio {r['ratio']:.3f}  submit {r['submit_us_per_block']:.2f} us/block")
     told: set[bool] = set()
     for r in rows:  # a memcpy below the batched copies: the ratios are to the faster (measure()), said once a direction
         to_host = bool(r["to_host"])
@@ -358,7 +339,7 @@ def _cmd(args: argparse.Namespace) -> int:
               "idle GPU, or pass a lower --target", file=sys.stderr)
         return 1
     cal = Calibration(gpu, d2h, h2d, f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
-                      statistics.median(submit_cost(r) for r in rows),
+                      statistics.median(r["submit_us_per_block"] for r in rows),
                       statistics.median(r["link_gbps"] for r in rows))
     data[gpu] = {**{k: v for k, v in asdict(cal).items() if k != "gpu"}, "measurements": rows}
     try:

@@ -165,7 +165,7 @@ def test_a_memcpy_slower_than_the_batched_copies_does_not_set_the_thresholds_or_
     """Ratios are to the faster of the memcpy and the best batched copy of each direction: a slow memcpy (a passing
     disturbance, or a host where one copy is slower) once gave 8 KiB D2H blocks a ratio of 1.2 and a link of 46.8
     GB/s, the mean of 38.9 and 54.7; now the thresholds are where the blocks reach 0.92 of the link, and it says why."""
-    raw = [{"to_host": t, "block": b, "gbps": g, "submit_us_per_block": 0.4, "submit_running_us_per_block": 0.55}
+    raw = [{"to_host": t, "block": b, "gbps": g, "submit_us_per_block": 0.4}
            for t, table in ((True, H100_D2H), (False, H100_H2D)) for b, g in table.items()]
     rows = calibration.rated(raw, {True: 38.9, False: 54.7})
     assert max(r["ratio"] for r in rows) == 1.0 and all(r["ratio"] <= 1.0 for r in rows)
@@ -181,8 +181,6 @@ def test_a_memcpy_slower_than_the_batched_copies_does_not_set_the_thresholds_or_
     entry = json.loads(cal_file.read_text())["NVIDIA H100 80GB HBM3"]
     assert (entry["d2h_min_block"], entry["h2d_min_block"]) == (32768, 32768)
     assert entry["link_gbps"] == pytest.approx((54.2 + 54.7) / 2)
-    assert entry["submit_us"] == 0.55  # with the copies running, as a transfer submits (the held 0.4 understates it)
-    assert "submit 0.40 us/block (0.55 with copies running)" in out
 
 
 def test_calibrate_writes_nothing_when_no_block_reaches_the_target(cal_file, capsys, monkeypatch):
@@ -302,7 +300,6 @@ def test_measure_keeps_the_faster_memcpy_timing_and_rates_blocks_against_the_lin
     rows = calibration.measure([4096, 65536], total, reps=3)
     assert len(timed) == 4 and [(r["to_host"], r["block"]) for r in rows] == \
         [(True, 4096), (True, 65536), (False, 4096), (False, 65536)]
-    assert all(r["submit_running_us_per_block"] > 0 and r["submit_us_per_block"] > 0 for r in rows)
     for to_host, (before, after) in ((True, timed[0:2]), (False, timed[2:4])):
         mine = [r for r in rows if r["to_host"] == to_host]
         assert {r["memcpy_gbps"] for r in mine} == {max(total / (4 * before), total / after) / 1e6}
