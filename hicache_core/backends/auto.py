@@ -8,8 +8,8 @@ asks ``direct`` which copy blocks it would submit for these indices and layer
 of the direction (:mod:`hicache_core.calibration`), and whether the host can
 feed it: the estimated host time of the call (per descriptor, per runtime call,
 and per relayout launch of a staged route) must fit in the call's transfer time
-at link speed (backups: :data:`~.auto_rules.BACKUP_ROOM` times it), at the calibration's costs with a margin, or, where the pool has
-measured its host (:mod:`.pace`), at the host's current pace.  Then the copy engine serves the call (no SM held, so the forward pass
+at link speed (backups: ``backup_room`` times it, 1.2 by default), at the calibration's
+costs with a margin, or, where the pool has measured its host (:mod:`.pace`), at the host's current pace.  Then the copy engine serves the call (no SM held, so the forward pass
 keeps the GPU); otherwise the kernel does.  With only one candidate available, that one serves.
 
 One exception, for loads of one layer: when the kernel candidate loads that layer through its fast load paths

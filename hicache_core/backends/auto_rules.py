@@ -55,12 +55,11 @@ MEMORY_KERNEL_SHARE = 0.45
 #: Factor by which a backup's host submission may exceed its transfer time at link speed and still go to the copy
 #: engine: a choice of the forward pass over the backup's speed.  Copies start with the first runtime call, so a
 #: host-bound backup moves at about the host's pace, while the kernels' backups slow a GEMM beside them by +11% to +19%
-#: on small pages (576- and 656-byte rows, 64-token pages).  H100, fp8 656 B ``layer_first``, 4096 tokens, all layers,
-#: two hosts of the same calibrated cost (0.90 us per descriptor): on one, ``direct`` reached 0.911 of memcpy at +0.3%
-#: GEMM with its host submitting for 1.14x the link time, where the kernel reached 0.799 at +16.8%; on the other,
-#: ``direct`` 0.747 at 1.22x (``auto`` through it 0.700, at +0.6%) against the kernel's 0.879 at +11.6%.
-#: At 1.0 a backup must fit within its transfer time, as loads do (docs/performance.md, fourth H100 run).  ``auto``'s
-#: ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets it per pool.
+#: on small pages (576- and 656-byte rows, 64-token pages).  H100 hosts, fp8 656 B ``layer_first``, 4096 tokens, all
+#: layers: where this room moved the backup to the copy engine, it ran at +0.0-1.0% GEMM, faster than the kernel on two
+#: hosts (0.911 against 0.799, 0.938 against 0.909, the kernel at +17-20%) and slower on another (0.700 against 0.879,
+#: its host submitting for 1.22x the link time); docs/performance.md, fourth H100 run.  At 1.0 a backup must fit within
+#: its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets it per pool.
 BACKUP_ROOM = 1.2
 #: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (pools the SGLang bridge makes).
 ENV_BACKUP_ROOM = "HICACHE_AUTO_BACKUP_ROOM"
@@ -104,7 +103,7 @@ def burst_us(sub: Submission, desc_us: float) -> float:
 def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
          room: float = 1.0, backup_room: float = BACKUP_ROOM) -> bool:
     """Whether the host submits ``sub`` within its transfer time at link speed (:func:`allowed_us`; backups: times
-    :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are slowed by the forward pass
+    ``backup_room``, default :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are slowed by the forward pass
     beside them, 1 with ``forward="compute"``).
 
     Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
@@ -131,8 +130,9 @@ def worth_measuring(sub: Submission, cal: Calibration, to_host: bool = True, roo
                     backup_room: float = BACKUP_ROOM) -> bool:
     """Whether a host at the calibration's per-descriptor cost would feed ``sub`` in a burst (so measuring the host
     may unlock the copy engine for it): plain descriptors whose burst submission fits :data:`FED_SHARE` of the time
-    :func:`allowed_us` gives (backups: :data:`BACKUP_ROOM` times the transfer time; loads: ``room`` times it), and enough of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a
-    probe it never samples would be repeated forever)."""
+    :func:`allowed_us` gives (backups: ``backup_room`` times the transfer time; loads: ``room`` times it), and enough
+    of them that the copier samples the call (:data:`~.pace.MIN_OPS`: a probe it never samples would be repeated
+    forever)."""
     if sub.staged is not None or sub.pitched is not None or sub.count < MIN_OPS:
         return False
     return burst_us(sub, cal.submit_us) <= FED_SHARE * allowed_us(sub.nbytes, cal, to_host, room, backup_room)
