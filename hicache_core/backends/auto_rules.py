@@ -55,13 +55,15 @@ MEMORY_KERNEL_SHARE = 0.45
 #: Factor by which a backup's host submission may exceed its transfer time at link speed and still go to the copy
 #: engine: a choice of the forward pass over the backup's speed.  Copies start with the first runtime call, so a
 #: host-bound backup moves at about the host's pace, while the kernels' backups slow a GEMM beside them by +11% to +19%
-#: on small pages (576- and 656-byte rows, 64-token pages).  H100 hosts, fp8 656 B ``layer_first``, 4096 tokens, all
-#: layers: where this room moved the backup to the copy engine, it ran at +0.0-1.0% GEMM, faster than the kernel on two
-#: hosts (0.911 against 0.799, 0.938 against 0.909, the kernel at +17-20%) and slower on another (0.700 against 0.879,
-#: its host submitting for 1.22x the link time); docs/performance.md, fourth H100 run.  At 1.0 a backup must fit within
-#: its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets it per pool.
+#: on small pages (576- and 656-byte rows, 64-token pages).  H100 hosts, fp8 656 B rows in a layer-major layout, 4096
+#: tokens, all layers: where this room moved the backup to the copy engine, it ran at +0.0-1.0% GEMM, faster than the
+#: kernel on two hosts (0.911 against 0.799, 0.938 against 0.909, the kernel at +17-20%) and slower on another (0.700
+#: against 0.879, its host submitting for 1.22x the link time); docs/performance.md, fourth H100 run.  At 1.0 a backup
+#: must fit within its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets
+#: it per pool.
 BACKUP_ROOM = 1.2
-#: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (pools the SGLang bridge makes).
+#: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (e.g. to pools the SGLang
+#: bridge makes).
 ENV_BACKUP_ROOM = "HICACHE_AUTO_BACKUP_ROOM"
 
 
@@ -103,8 +105,8 @@ def burst_us(sub: Submission, desc_us: float) -> float:
 def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,
          room: float = 1.0, backup_room: float = BACKUP_ROOM) -> bool:
     """Whether the host submits ``sub`` within its transfer time at link speed (:func:`allowed_us`; backups: times
-    ``backup_room``, default :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are slowed by the forward pass
-    beside them, 1 with ``forward="compute"``).
+    ``backup_room``, default :data:`BACKUP_ROOM`; loads: times ``room``, the factor by which the kernel's loads are
+    slowed by the forward pass beside them, 1 with ``forward="compute"``).
 
     Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
     microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
