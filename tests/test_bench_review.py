@@ -1,5 +1,6 @@
 """CPU tests of ``hicache bench``'s harness (hicache_core/bench.py): the data check, argument checks, and the
-order in which a row's fields are gathered.  Nothing here times anything; GPU parts are replaced by fakes."""
+order in which a row's fields are gathered.  Nothing here times anything; GPU parts are replaced by fakes (but for one
+GPU test, skipped on the CPU, which times real copies and asserts only how the harness combines the timings)."""
 
 from __future__ import annotations
 
@@ -379,3 +380,23 @@ def test_pace_probe_lane_detail_counts_inside_an_auto_pools_lane_and_keeps_its_b
     before = dict(outer)
     assert clock.eager(5, 1.0) is True and clock.eager(5, 1.0) is True  # nothing queued on stream 5: eager
     assert (outer["eager"] - before["eager"], outer["submits"] - before["submits"]) == (2, 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_memcpy_reference_is_the_best_of_its_tries_and_cached(monkeypatch):
+    """On a GPU: the memcpy every ratio of a cell divides by is the fastest of ``_Memcpy.TRIES`` medians (the first
+    made 4x slower here, as a passing disturbance would), measured once per size and direction."""
+    real, timed = bench._median_ms, []
+
+    def disturbed(fn, reps, *args, **kw):
+        ms = real(fn, reps, *args, **kw)
+        timed.append(ms)
+        return ms * 4 if len(timed) == 1 else ms
+
+    monkeypatch.setattr(bench, "_median_ms", disturbed)
+    memcpy, nbytes = bench._Memcpy(), 4 << 20
+    first = memcpy.gbps(nbytes, True, 3)
+    assert len(timed) == bench._Memcpy.TRIES and first == nbytes / min(4 * timed[0], *timed[1:]) / 1e6
+    assert memcpy.gbps(nbytes, True, 3) == first and len(timed) == bench._Memcpy.TRIES  # cached
+    memcpy.gbps(nbytes, False, 3)
+    assert len(timed) == 2 * bench._Memcpy.TRIES  # the other direction is its own measure
