@@ -47,6 +47,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 from benchmarks import peer_lmcache, peer_sglang  # noqa: E402
 from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  # noqa: E402
 from hicache_core.backends.auto import FORWARD_MODES  # noqa: E402
+from hicache_core.backends.auto_rules import BACKUP_ROOM  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
     SHAPES,
     _device_buffers,
@@ -230,8 +231,8 @@ def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout
         if backend == "auto":
             for fwd in args.auto_forward:
                 variant = f"{backend} {name}" + ("" if fwd == "compute" else f" forward={fwd}")
-                out.append(TargetSpec("hicache", variant,
-                                      lambda c, b=backend, n=name, f=fwd: Ours(c, b, n, None, {"forward": f})))
+                pin = {"forward": fwd, "backup_room": BACKUP_ROOM}  # the default room, whatever the environment sets
+                out.append(TargetSpec("hicache", variant, lambda c, b=backend, n=name, o=pin: Ours(c, b, n, None, o)))
             continue
         for p in args.programs if backend == "kernel" else [0]:
             variant = f"{backend} {name}" + (f" P={p}" if p else " default" if backend == "kernel" else "")

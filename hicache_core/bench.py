@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .backends.auto_rules import BACKUP_ROOM
 from .jsonfile import check_writable, write_json
 from .pool import HostKVPool, allocate_host_buffers
 from .registry import Registry, create_registry
@@ -441,9 +442,10 @@ def _configs(backend: str, programs: list[int | None], direct_variants: list[str
         return [(v if v == "unpitched" else f"staging={v}", DIRECT_VARIANTS[v]) for v in direct_variants]
     if backend == "auto":  # the default; the block-size rule alone for lone loads; the calibration alone for host speed;
         # a forward pass bound by memory beside the loads (the others pinned to the default's, whatever the environment)
-        compute = {"forward": "compute"}
+        room: dict[str, Any] = {"backup_room": BACKUP_ROOM}
+        compute = {"forward": "compute", **room}
         return [("", compute), ("lone=off", {"lone": False, **compute}), ("pace=off", {"pace": False, **compute}),
-                ("forward=memory", {"forward": "memory"}), ("forward=watch", {"forward": "watch"})]
+                ("forward=memory", {"forward": "memory", **room}), ("forward=watch", {"forward": "watch", **room})]
     return [("", None)]
 
 

@@ -14,5 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 @pytest.fixture(autouse=True)
 def _auto_forward_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``auto``'s decisions under test assume its default forward pass, whatever the calling shell sets."""
+    """``auto``'s decisions under test assume its default forward pass and backup room, whatever the calling shell
+    sets."""
     monkeypatch.delenv("HICACHE_AUTO_FORWARD", raising=False)
+    monkeypatch.delenv("HICACHE_AUTO_BACKUP_ROOM", raising=False)

@@ -544,7 +544,7 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert auto[0].startswith("auto: the copy engine serves a call when its smallest copy block is >= 32768 B (backups)")
     assert "~0.50 us per descriptor, ~6 us per runtime call" in auto[0]
     assert auto[0].endswith("otherwise the kernel (none available here)")
-    assert "fits its transfer time at 55.0 GB/s (backups: 1.2x it: " in auto[0]
+    assert "fits its transfer time at 55.0 GB/s (backups: 1.2x it, auto's backup_room: " in auto[0]
     assert auto[2].startswith("auto: on a GPU pool, the host's measured pace (the median of its recent copy-engine calls, "
                               "from 7 on; a measure stops counting 1 s after its last call, 0.25 s for calls that reuse a "
                               "plan) decides too: a burst's submission at that pace must take <= 110% of the transfer time")
@@ -555,6 +555,11 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
                        "average, over 4 copy-engine operations, staged; large enough, host cannot keep up)")
     assert auto[4] == ("auto: load_layer of all 64 slots -> direct (blocks of 1152 B and up, 1152 B on average, over "
                        "64 copy-engine operations; too small, host cannot keep up)")
+    monkeypatch.setenv("HICACHE_AUTO_BACKUP_ROOM", "1")  # backups fit their transfer time, as loads do: said so
+    assert cli.main(["explain", "--layout", "page_first", "--io-backend", "auto", "--kind", "mla"]) == 0
+    strict = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto: ")]
+    assert "fits its transfer time at 55.0 GB/s; otherwise" in strict[0] and "backups: 1" not in strict[0]
+    assert "backups: <= 110%, and it can only add the copy engine" in strict[2]
 
 
 def test_staging_buffers_grow_without_deadlock_and_serialise_runs_per_stream():

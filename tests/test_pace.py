@@ -198,17 +198,43 @@ def test_backup_room_is_an_option_of_auto_and_decides_a_backup_the_link_time_alo
     pool, h, d = _fp8_pool()
     roomy, strict = auto_over(pool, None), auto_over(pool, None, backup_room=1.0)
     assert (roomy.backup_room, strict.backup_room) == (BACKUP_ROOM, 1.0)
+    # each rule takes the pool's room: the bound before a plan, and the plan's own
+    least = roomy._least_blocks(pool.binding, h, 1)
+    assert roomy._may_feed(*least, DEFAULT, True, None) and not strict._may_feed(*least, DEFAULT, True, None)
+    sub = pool.strategy.submission(pool.binding, h, d, 1)
+    assert fed(sub, DEFAULT, backup_room=roomy.backup_room) and not fed(sub, DEFAULT, backup_room=strict.backup_room)
     assert roomy.pick(pool.binding, h, d, 1, to_host=True) is pool.strategy
     assert strict.pick(pool.binding, h, d, 1, to_host=True) is strict.kernel and strict.pace_probes == 0
     assert roomy.pick(pool.binding, h, d, 1, to_host=False) is roomy.kernel  # loads: their own rule
+
+    # all layers (no bound before the plan): the plan's rule alone decides, at a host cost between the two rooms ...
+    between = replace(DEFAULT, submit_us=0.65)
+    every = pool.strategy.submission(pool.binding, h, d, None)
+    assert fed(every, between) and not fed(every, between, backup_room=1.0)
+    for auto, pick in ((auto_over(pool, None), "direct"), (auto_over(pool, None, backup_room=1.0), "kernel")):
+        auto.calibration = between
+        assert auto.pick(pool.binding, h, d, None, to_host=True) is (pool.strategy if pick == "direct" else auto.kernel)
+    # ... and where neither room feeds it, whether a measure starts (paces kept, none measured yet)
+    slower = replace(DEFAULT, submit_us=0.85)
+    assert not fed(every, slower) and worth_measuring(every, slower) and not worth_measuring(every, slower,
+                                                                                          backup_room=1.0)
+    for room, probes in ((None, 1), (1.0, 0)):
+        auto = auto_over(pool, _Paces(), **({} if room is None else {"backup_room": room}))
+        auto.calibration = slower
+        auto.pick(pool.binding, h, d, None, to_host=True)
+        assert auto.pace_probes == probes
+
     monkeypatch.setenv(ENV_BACKUP_ROOM, " 1.0 ")
     assert AutoStrategy().backup_room == 1.0 and AutoStrategy(backup_room=2).backup_room == 2.0  # the option wins
-    for bad in ("fast", "0", "-1", "nan", "inf"):
+    for bad in ("fast", "0", " -1", "nan", "1e400"):
         monkeypatch.setenv(ENV_BACKUP_ROOM, bad)
-        with pytest.raises(ConfigError, match=f"^{ENV_BACKUP_ROOM} is .*: use a positive number"):
-            AutoStrategy()
+        with pytest.raises(ConfigError, match=f"^{ENV_BACKUP_ROOM} is {bad!r}: use a positive number"):
+            AutoStrategy()  # the value as written, not as parsed
     monkeypatch.delenv(ENV_BACKUP_ROOM)
-    for bad in (0, -1.0, float("nan"), True, "1.2", None.__class__):
+    from fractions import Fraction
+
+    assert AutoStrategy(backup_room=Fraction(6, 5)).backup_room == 1.2  # any real number
+    for bad in (0, -1.0, float("nan"), True, "1.2", 10**400, None.__class__):
         with pytest.raises(ConfigError, match="^auto's backup_room option is .*: use a positive number"):
             AutoStrategy(backup_room=bad)
 

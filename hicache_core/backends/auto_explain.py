@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 __all__ = ["describe"]
 
 
+def _backup_room(auto: AutoStrategy) -> str:
+    """What ``auto``'s ``backup_room`` adds to the rule's line (nothing at 1: backups then fit as loads do)."""
+    if auto.backup_room == 1.0:
+        return ""
+    return (f" (backups: {auto.backup_room:g}x it, auto's backup_room"
+            + (": a host-bound backup moves at about the host's pace, and leaves the GEMMs their SMs)"
+               if auto.backup_room > 1.0 else ")"))
+
+
 def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
     """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
     every slot of such a pool (estimated on a CPU copy of the pool: block sizes do not depend on
@@ -35,8 +44,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         f"auto: the copy engine serves a call when its smallest copy block is >= {cal.d2h_min_block} B (backups) / "
         f"{cal.h2d_min_block} B (loads) and its estimated host time (~{cal.submit_us:.2f} us per descriptor, "
         f"~{cal.call_us:.0f} us per runtime call, "
-        f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s (backups: "
-        f"{auto.backup_room:g}x it: a host-bound backup moves at about the host's pace, and leaves the GEMMs their SMs); "
+        f"~{LAUNCH_US:.0f} us per relayout launch) fits its transfer time at {cal.link_gbps:.1f} GB/s{_backup_room(auto)}; "
         f"otherwise {auto.kernel_name or 'the kernel (none available here)'}",
         f"auto: calibration {cal.gpu} ({cal.source})",
     ]

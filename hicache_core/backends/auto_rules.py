@@ -7,6 +7,7 @@ copy engine a submission within its transfer time (:func:`fed`), at the calibrat
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import cast
 
@@ -72,21 +73,26 @@ def backup_room_option(value: object) -> float:
     positive finite float.
 
     :raises ConfigError: not a positive finite number, naming the option or the variable and the fix."""
-    where = "auto's backup_room option"
+    where, shown, number = "auto's backup_room option", value, None
     if value is None:
-        raw = os.environ.get(ENV_BACKUP_ROOM, "").strip()
-        if not raw:
+        raw = os.environ.get(ENV_BACKUP_ROOM, "")
+        if not raw.strip():
             return BACKUP_ROOM
-        where, value = ENV_BACKUP_ROOM, raw
+        where, shown = ENV_BACKUP_ROOM, raw
         try:
-            value = float(raw)
+            number = float(raw)
         except ValueError:
             pass
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{where} is {value!r}: use a positive number, the times its transfer time at link speed a "
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            pass
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise ConfigError(f"{where} is {shown!r}: use a positive number, the times its transfer time at link speed a "
                           f"backup's submission may take and still go to the copy engine (default {BACKUP_ROOM:g}; 1.0: "
-                          "as loads, the backup's speed first)")
-    return float(value)
+                          "it must fit its transfer time, as a load must)")
+    return number
 
 
 def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float, backup_room: float = BACKUP_ROOM) -> float:
