@@ -24,6 +24,9 @@
 #   launchfloor benchmarks/launch_floor.py: one launch's host time by route (driver alone, compiled call, ctypes, Triton)
 #   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
 #   tmasan      compute-sanitizer memcheck and racecheck (concurrently) over tests/test_tma.py -k TMA_SAN_K
+#   sanall      both sanitizers over every test file that launches a transfer kernel (the plugins' kernel tests, row
+#               copies, relayout, page loads, TMA, replays, launches) and a slice of the kit: one process per tool and
+#               part, all at once (SANALL_T seconds each, default 420); a line per tool and part
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU, and the
 #               conformance kit for direct and auto beside them
@@ -140,6 +143,24 @@ for step in "$@"; do
           --error-exitcode 99 $PYT tests/test_tma.py -k "${TMA_SAN_K:-not round_trip}" >"$W/tmasan_$tool.log" 2>&1 &
       done; wait
       for tool in memcheck racecheck; do note "tmasan $tool: $(tail -1 "$W/tmasan_$tool.log"); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/tmasan_$tool.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"; done ;;
+    sanall) SP=()  # NAME=FILES: every file whose tests launch a kernel, split so that no process runs long
+      for p in "plugins=plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py" \
+               "rowcopy=tests/test_rowcopy.py" "relayout=tests/test_relayout.py" "pages=tests/test_page_loads.py tests/test_launch.py" \
+               "tma=tests/test_tma.py" "replay=tests/test_replay.py"; do
+        for tool in memcheck racecheck; do
+          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANALL_T:-420} "$SAN" --tool $tool --target-processes all \
+            --error-exitcode 99 $PYT ${p#*=} >"$W/sanall_${p%%=*}_$tool.log" 2>&1 & SP+=("${p%%=*}_$tool $!")
+        done
+      done
+      for tool in memcheck racecheck; do
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANALL_T:-420} "$SAN" --tool $tool --target-processes all \
+          --error-exitcode 99 $PYT --pyargs hicache_core.testing --hicache-io-backend kernel \
+          --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided >"$W/sanall_kit_$tool.log" 2>&1 &
+        SP+=("kit_$tool $!")
+      done
+      for p in "${SP[@]}"; do set -- $p; wait $2; r=$?
+        note "sanall $1: $(result $r) $(grep -E 'passed|failed|error' "$W/sanall_$1.log" | tail -1); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/sanall_$1.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+      done ;;
     checks) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
       run_tests; wait $s1 $s2 ;;
     focus) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
