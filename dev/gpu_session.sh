@@ -26,7 +26,8 @@
 #   tmasan      compute-sanitizer memcheck and racecheck (concurrently) over tests/test_tma.py -k TMA_SAN_K
 #   sanall      both sanitizers over every test file that launches a transfer kernel (the plugins' kernel tests, row
 #               copies, relayout, page loads, TMA, replays, launches) and a slice of the kit: one process per tool and
-#               part, all at once (SANALL_T seconds each, default 420); a line per tool and part
+#               part, all at once (SANALL_T seconds each, default 420; SANALL_PARTS names some parts only, SANALL_TOOLS
+#               one tool); a line per tool and part
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU, and the
 #               conformance kit for direct and auto beside them
@@ -146,20 +147,18 @@ for step in "$@"; do
     sanall) SP=()  # NAME=FILES: every file whose tests launch a kernel, split so that no process runs long
       for p in "plugins=plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py" \
                "rowcopy=tests/test_rowcopy.py" "relayout=tests/test_relayout.py" "pages=tests/test_page_loads.py tests/test_launch.py" \
-               "tma=tests/test_tma.py" "replay=tests/test_replay.py"; do
-        for tool in memcheck racecheck; do
+               "tma=tests/test_tma.py" "replay=tests/test_replay.py -k=gpu_replayed_bursts" \
+               "replay2=tests/test_replay.py -k=(replayed_launches_equal)or(resolution_takes)or(data_swap)" \
+               "replay3=tests/test_replay.py -k=not(gpu_replayed_bursts)and(not(replayed_launches_equal))and(not(resolution_takes))and(not(data_swap))" \
+               "kit=--pyargs hicache_core.testing --hicache-io-backend kernel --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided"; do
+        case " ${SANALL_PARTS:-all} " in *" all "*|*" ${p%%=*} "*) ;; *) continue;; esac
+        for tool in ${SANALL_TOOLS:-memcheck racecheck}; do
           PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANALL_T:-420} "$SAN" --tool $tool --target-processes all \
             --error-exitcode 99 $PYT ${p#*=} >"$W/sanall_${p%%=*}_$tool.log" 2>&1 & SP+=("${p%%=*}_$tool $!")
         done
       done
-      for tool in memcheck racecheck; do
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANALL_T:-420} "$SAN" --tool $tool --target-processes all \
-          --error-exitcode 99 $PYT --pyargs hicache_core.testing --hicache-io-backend kernel \
-          --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided >"$W/sanall_kit_$tool.log" 2>&1 &
-        SP+=("kit_$tool $!")
-      done
       for p in "${SP[@]}"; do set -- $p; wait $2; r=$?
-        note "sanall $1: $(result $r) $(grep -E 'passed|failed|error' "$W/sanall_$1.log" | tail -1); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/sanall_$1.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+        note "sanall $1: $(result $r) $(grep -E '[0-9]+ (passed|failed)' "$W/sanall_$1.log" | tail -1); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/sanall_$1.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
       done ;;
     checks) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
       run_tests; wait $s1 $s2 ;;
