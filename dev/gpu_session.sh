@@ -15,7 +15,8 @@
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
 #   calibrate   hicache calibrate into $OUT/calibration.json; the later steps of the call use it (HICACHE_CALIBRATION),
 #               unless KEEP_CALIBRATION=1
-#   lone        benchmarks/lone_probe.py: single loads through the kernel and auto, call by call (LONE_CELLS, LONE_REPS)
+#   lone        benchmarks/lone_probe.py: single loads through the kernel and auto, call by call (LONE_CELLS, LONE_REPS,
+#               LONE_ARGS: --tight times them as the peers harness does)
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
 #   tma         TMA loads: tests/test_tma.py and the kernel tests (TMA automatic), then load_layer/load_burst of the
 #               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
@@ -195,7 +196,7 @@ for step in "$@"; do
       # the later steps of this call run with it (auto reads it), as this GPU's users would after `hicache calibrate`
       if [ $r = 0 ] && [ -z "${KEEP_CALIBRATION:-}" ]; then export HICACHE_CALIBRATION=$OUT/calibration.json
         note "  later steps use this calibration (KEEP_CALIBRATION=1: the one they would have used)"; fi ;;
-    lone) timeout ${LONE_T:-150} python3 benchmarks/lone_probe.py --out "$OUT/lone.json" --reps ${LONE_REPS:-30} \
+    lone) timeout ${LONE_T:-150} python3 benchmarks/lone_probe.py --out "$OUT/lone.json" --reps ${LONE_REPS:-30} ${LONE_ARGS:-} \
         ${LONE_CELLS:+--cells $LONE_CELLS} >"$W/lone.log" 2>&1
       note "lone probe: $(result $?)"; cat "$W/lone.log" ;;
     ncu) opts='{}'; [ -n "${NCU_OPTIONS:-}" ] && opts=$NCU_OPTIONS
