@@ -360,6 +360,9 @@ def main() -> None:
     p.add_argument("--tight-gap-us", type=float, default=None,
                    help="TIGHT_GAP_US (default: hicache's): the copier clock's burst gap and auto's lone-load gap at once, "
                         "to compare settings")
+    p.add_argument("--fed-share", type=float, default=None,
+                   help="FED_SHARE (default: hicache's): the share of a transfer's time at link speed that a burst's "
+                        "measured submission may take and still go to the copy engine, to compare settings")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
@@ -370,6 +373,11 @@ def main() -> None:
         pace.STALE_S = args.stale_s
     if args.warm_stale_s is not None:
         pace.WARM_STALE_S = args.warm_stale_s
+    if args.fed_share is not None:
+        if not args.fed_share > 0:
+            p.error("--fed-share must be > 0")
+        from hicache_core.backends import auto, auto_rules  # both read it per call: auto.py holds its own name
+        auto_rules.FED_SHARE = auto.FED_SHARE = args.fed_share  # type: ignore[misc]
     if args.tight_gap_us is not None:
         from hicache_core.backends import memcpy  # read per call (QueueClock.eager, .lone)
         memcpy.TIGHT_GAP_US = args.tight_gap_us

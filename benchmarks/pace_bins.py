@@ -1,0 +1,160 @@
+"""Where ``auto``'s host-pace rule sits against the outcomes of a ``benchmarks/pace_probe.py --reuse`` run.
+
+Usage: ``python benchmarks/pace_bins.py PACE.json [--link-gbps G] [--follow 7] [--bin 0.05] [--json OUT]``
+(CPU; reads the probe's JSON, runs nothing on a GPU).
+
+Per cell of the probe it prints:
+
+- ``direct``'s ratio to memcpy by its own host time per layer (4 us buckets), beside the kernel's median: the host
+  time at which the copy engine stops beating the kernel on that host;
+- after each cycle in which ``auto`` measured the host again (``auto_probed``), the estimate it then held for
+  reused plans (``h2d_us_reused``, microseconds per descriptor) in bins of ``--bin``, and the medians of ``direct``,
+  the kernel and ``auto`` over the next ``--follow`` cycles: which estimates preceded cycles where the copy engine
+  was the faster route;
+- with ``--link-gbps`` (the calibration's ``link_gbps``), the largest estimate :func:`~hicache_core.backends.
+  auto_rules.fed` lets a reused-index burst of one layer take to the copy engine: ``FED_SHARE`` times the layer's
+  time at link speed, less the runtime calls' modelled cost, per descriptor.
+
+A probe's estimate comes from the first :data:`~hicache_core.backends.pace.MIN_SAMPLES` calls of a burst after the
+host idled between bursts, and an estimate that sends the burst to the kernel gets no more samples until it ages:
+the bins show whether such first estimates stand for the host's pace in the cycles that follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: Width of the buckets of ``direct``'s own host time per layer, microseconds.
+HOST_BUCKET_US = 4.0
+#: The probe's workload (``hicache_core.bench._workload``'s defaults): tokens and page size.
+TOKENS, PAGE_SIZE = 4096, 64
+
+
+def layer_geometry(shape: str, layout: str) -> tuple[int, int]:
+    """Bytes of one layer's load and descriptors of one plain copy-engine submission of it, for ``shape`` (a
+    :data:`hicache_core.bench.SHAPES` name) at the probe's workload, counted as one per page and host segment of the
+    layout's plan (pages in random order: no two are contiguous)."""
+    import torch
+
+    from hicache_core.bench import SHAPES
+    from hicache_core.registry import create_registry
+
+    spec = SHAPES[shape](TOKENS, PAGE_SIZE, torch.device("cpu"))
+    layers = max(1, len(spec.layer_map.device_layers))
+    nbytes = spec.bytes_per_token // layers * TOKENS
+    plan = create_registry().layout(layout).plan(spec)
+    return nbytes, TOKENS // PAGE_SIZE * max(1, len(plan.segments))
+
+
+def estimate_limit(nbytes: int, descs: int, link_gbps: float) -> float:
+    """The largest per-descriptor estimate with which :func:`~hicache_core.backends.auto_rules.fed` sends a burst's
+    one-layer load of ``nbytes`` in ``descs`` descriptors to the copy engine (``forward="compute"``)."""
+    from hicache_core.backends.auto_rules import FED_SHARE
+    from hicache_core.backends.cudart import batch_schedule
+    from hicache_core.backends.pace import MODEL_CALL_US
+
+    link_us = nbytes / (link_gbps * 1e3)
+    return (FED_SHARE * link_us - len(batch_schedule(descs, eager=False)) * MODEL_CALL_US) / descs
+
+
+def host_buckets(cycles: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``direct``'s ratio by its own host time per layer, one row per :data:`HOST_BUCKET_US` bucket."""
+    by: dict[float, list[float]] = {}
+    for c in cycles:
+        lo = c["direct_host_us"] // HOST_BUCKET_US * HOST_BUCKET_US
+        by.setdefault(lo, []).append(c["direct"])
+    return [{"host_us_from": lo, "cycles": len(v), "direct": round(statistics.median(v), 4)}
+            for lo, v in sorted(by.items())]
+
+
+def estimate_bins(cycles: list[dict[str, Any]], follow: int, width: float) -> list[dict[str, Any]]:
+    """After each cycle in which ``auto`` probed the host: its estimate for reused plans (read in the next cycle's
+    row, the state the next burst starts from) binned by ``width``, and the medians of the three routes over the
+    ``follow`` cycles after the probe."""
+    by: dict[int, list[tuple[float, float, float, str]]] = {}
+    for i, c in enumerate(cycles):
+        nxt = cycles[i + 1:i + 1 + follow]
+        if not c.get("auto_probed") or len(nxt) < follow or nxt[0].get("h2d_us_reused") is None:
+            continue
+        after = [(x["direct"], x["kernel"], x["auto"]) for x in nxt]
+        by.setdefault(int(nxt[0]["h2d_us_reused"] / width), []).append(
+            (statistics.median(a[0] for a in after), statistics.median(a[1] for a in after),
+             statistics.median(a[2] for a in after), nxt[0].get("auto_by", "?")))
+    rows = []
+    for k, v in sorted(by.items()):
+        rows.append({"estimate_from": round(k * width, 4), "estimate_to": round((k + 1) * width, 4),
+                     "probes": len(v), "direct": round(statistics.median(x[0] for x in v), 4),
+                     "kernel": round(statistics.median(x[1] for x in v), 4),
+                     "auto": round(statistics.median(x[2] for x in v), 4),
+                     "auto_by_direct": sum(x[3] == "direct" for x in v)})
+    return rows
+
+
+def report(cells: list[dict[str, Any]], follow: int, width: float,
+           link_gbps: float | None) -> list[dict[str, Any]]:
+    """One entry per reused-index cell of a pace probe's JSON (``{"summary", "cycles"}`` each); cells run with new
+    indices every batch are left out (their estimate is the planning calls', ``h2d_us``)."""
+    out = []
+    for cell in cells:
+        s, cycles = cell["summary"], cell["cycles"]
+        if not s.get("reuse") or not cycles:
+            continue
+        entry: dict[str, Any] = {"shape": s["shape"], "layout": s["layout"], "cycles": len(cycles),
+                                 "kernel": round(statistics.median(c["kernel"] for c in cycles), 4),
+                                 "by_direct_host_time": host_buckets(cycles),
+                                 "by_estimate": estimate_bins(cycles, follow, width)}
+        if link_gbps is not None:
+            nbytes, descs = layer_geometry(s["shape"], s["layout"])
+            entry.update(layer_bytes=nbytes, descriptors=descs,
+                         layer_us_at_link=round(nbytes / (link_gbps * 1e3), 2),
+                         estimate_limit=round(estimate_limit(nbytes, descs, link_gbps), 4))
+        out.append(entry)
+    return out
+
+
+def _print(entry: dict[str, Any]) -> None:
+    print(f"{entry['shape']} {entry['layout']}: {entry['cycles']} cycles, kernel {entry['kernel']:.3f}")
+    if "estimate_limit" in entry:
+        print(f"  a layer: {entry['layer_bytes']} B in {entry['descriptors']} descriptors, "
+              f"{entry['layer_us_at_link']} us at link speed; auto's limit {entry['estimate_limit']:.3f} us/descriptor")
+    print("  direct by its host time per layer:")
+    for r in entry["by_direct_host_time"]:
+        print(f"    {r['host_us_from']:5.0f}+ us  {r['cycles']:4d} cycles  direct {r['direct']:.3f}")
+    print("  after a probe, by auto's estimate for reused plans (us/descriptor):")
+    for r in entry["by_estimate"]:
+        print(f"    {r['estimate_from']:.2f}-{r['estimate_to']:.2f}  {r['probes']:3d} probes  direct {r['direct']:.3f}"
+              f"  kernel {r['kernel']:.3f}  auto {r['auto']:.3f}  (auto on direct after {r['auto_by_direct']})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("pace_json", help="a benchmarks/pace_probe.py --reuse result")
+    p.add_argument("--link-gbps", type=float, default=None, help="the calibration's link_gbps (prints auto's limit)")
+    p.add_argument("--follow", type=int, default=7, help="cycles after a probe that its estimate is judged by")
+    p.add_argument("--bin", type=float, default=0.05, help="width of the estimate's bins, us per descriptor")
+    p.add_argument("--json", default=None, help="also write the report here")
+    args = p.parse_args(argv)
+    if args.follow < 1 or args.bin <= 0:
+        p.error("--follow must be >= 1 and --bin > 0")
+    with open(args.pace_json) as f:
+        entries = report(json.load(f), args.follow, args.bin, args.link_gbps)
+    if not entries:
+        print(f"{args.pace_json}: no reused-index cell (run pace_probe.py with --reuse)", file=sys.stderr)
+        return 1
+    for e in entries:
+        _print(e)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(entries, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""benchmarks/pace_bins.py: the report it makes of a pace probe's reused-index cycles (CPU, synthetic cycles)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import pace_bins as B
+from hicache_core.backends import auto_rules, pace
+
+
+def _cycle(direct: float, kernel: float, auto: float, host_us: float, probed: int = 0, est: float | None = None,
+           by: str = "kernel") -> dict:
+    return {"direct": direct, "kernel": kernel, "auto": auto, "direct_host_us": host_us, "auto_probed": probed,
+            "h2d_us_reused": est, "auto_by": by}
+
+
+def _cell(cycles: list[dict], reuse: bool = True) -> dict:
+    return {"summary": {"shape": "mla61x656-fp8", "layout": "layer_first", "reuse": reuse}, "cycles": cycles}
+
+
+def test_direct_is_bucketed_by_its_own_host_time() -> None:
+    cycles = [_cycle(0.91, 0.85, 0.85, 49.0), _cycle(0.89, 0.85, 0.85, 51.9), _cycle(0.60, 0.85, 0.85, 80.5)]
+    assert B.host_buckets(cycles) == [{"host_us_from": 48.0, "cycles": 2, "direct": 0.9},
+                                      {"host_us_from": 80.0, "cycles": 1, "direct": 0.6}]
+
+
+def test_an_estimate_is_judged_by_the_cycles_after_its_probe() -> None:
+    # a probe in cycle 0 leaves 0.82 us/descriptor (read in cycle 1's row); cycles 1-2 follow it.  A probe in cycle
+    # 3 leaves 1.31; its two cycles follow.  The probe of cycle 6 has too few cycles after it: left out.
+    cycles = [_cycle(0.90, 0.85, 0.85, 50, probed=1),
+              _cycle(0.91, 0.84, 0.84, 50, est=0.82), _cycle(0.89, 0.86, 0.84, 50, est=0.82),
+              _cycle(0.60, 0.85, 0.85, 90, probed=1),
+              _cycle(0.55, 0.85, 0.85, 90, est=1.31), _cycle(0.57, 0.85, 0.85, 90, est=1.31),
+              _cycle(0.90, 0.85, 0.85, 50, probed=1), _cycle(0.90, 0.85, 0.85, 50, est=0.6)]
+    rows = B.estimate_bins(cycles, follow=2, width=0.05)
+    assert [(r["estimate_from"], r["probes"], r["direct"], r["kernel"], r["auto_by_direct"]) for r in rows] == [
+        (0.8, 1, 0.9, 0.85, 0), (1.3, 1, 0.56, 0.85, 0)]
+
+
+def test_the_limit_is_the_one_fed_applies() -> None:
+    """At the printed limit a measured reused-plan burst of one layer goes to the copy engine, just above it not."""
+    nbytes, descs = B.layer_geometry("mla61x656-fp8", "layer_first")
+    assert (nbytes, descs) == (4096 * 656, 64)
+    limit = B.estimate_limit(nbytes, descs, 55.0)
+    link_us = nbytes / 55.0e3
+    assert descs * limit + pace.MODEL_CALL_US == pytest.approx(auto_rules.FED_SHARE * link_us)
+    assert 0.5 < limit < 1.0
+
+
+def test_main_reports_reused_cells_only_and_refuses_a_run_without_them(tmp_path, capsys) -> None:
+    cycles = [_cycle(0.90, 0.85, 0.85, 50, probed=1), _cycle(0.91, 0.84, 0.84, 50, est=0.82, by="direct")]
+    path = tmp_path / "pace.json"
+    path.write_text(json.dumps([_cell(cycles), _cell(cycles, reuse=False)]))
+    out = tmp_path / "bins.json"
+    assert B.main([str(path), "--follow", "1", "--link-gbps", "55", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report) == 1 and report[0]["by_estimate"][0]["auto_by_direct"] == 1
+    assert "auto's limit" in capsys.readouterr().out
+    path.write_text(json.dumps([_cell(cycles, reuse=False)]))
+    assert B.main([str(path)]) == 1
+    assert "--reuse" in capsys.readouterr().err
