@@ -145,10 +145,13 @@ for step in "$@"; do
           --error-exitcode 99 $PYT tests/test_tma.py -k "${TMA_SAN_K:-not round_trip}" >"$W/tmasan_$tool.log" 2>&1 &
       done; wait
       for tool in memcheck racecheck; do note "tmasan $tool: $(tail -1 "$W/tmasan_$tool.log"); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/tmasan_$tool.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"; done ;;
-    sanall) SP=()  # NAME=FILES: every file whose tests launch a kernel, split so that no process runs long
+    sanall) [ -n "$SAN" ] || { note "sanall: SKIPPED (no compute-sanitizer)"; continue; }
+      SP=()  # NAME=FILES: every file whose tests launch a kernel, split so that no process runs long (racecheck takes
+      # ~40 s per replayed GPU burst test: their eight run in two parts)
       for p in "plugins=plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py" \
                "rowcopy=tests/test_rowcopy.py" "relayout=tests/test_relayout.py" "pages=tests/test_page_loads.py tests/test_launch.py" \
-               "tma=tests/test_tma.py" "replay=tests/test_replay.py -k=gpu_replayed_bursts" \
+               "tma=tests/test_tma.py" "replay=tests/test_replay.py -k=(gpu_replayed_bursts)and(cuda)" \
+               "replay4=tests/test_replay.py -k=(gpu_replayed_bursts)and(not(cuda))" \
                "replay2=tests/test_replay.py -k=(replayed_launches_equal)or(resolution_takes)or(data_swap)" \
                "replay3=tests/test_replay.py -k=not(gpu_replayed_bursts)and(not(replayed_launches_equal))and(not(resolution_takes))and(not(data_swap))" \
                "kit=--pyargs hicache_core.testing --hicache-io-backend kernel --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided"; do
