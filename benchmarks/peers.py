@@ -206,13 +206,17 @@ class Ours:
         self.backend = backend
         # the last call of each direction (backups: True), for ctas: (host indices, device indices, layer, to_host)
         self._last: dict[bool, tuple[torch.Tensor, torch.Tensor, int | None, bool]] = {}
+        # auto's count of loads its lone-load rule gave the kernel, and whether the last load was one of them
+        self._lone_of: Any = self.pool.strategy if hasattr(self.pool.strategy, "lone_kernel_loads") else None
+        self._last_lone = False
 
     def ctas(self, op: str) -> int | None:
         """The most programs one kernel launch of the op's last call ran (0: the copy engine served it)."""
-        last = self._last.get(op.startswith("backup"))
+        backup = op.startswith("backup")
+        last = self._last.get(backup)
         if last is None:
             return None
-        grid = _served_by(self.pool, *last)[1]
+        grid = _served_by(self.pool, *last, lone=not backup and self._last_lone)[1]
         return 0 if grid is None and self.backend in ("direct", "auto") else grid
 
     def backup_all_layers(self, h: torch.Tensor, s: torch.Tensor) -> None:
@@ -221,7 +225,13 @@ class Ours:
 
     def load_layer(self, layer: int, h: torch.Tensor, d: torch.Tensor) -> None:
         self._last[False] = (h, d, layer, False)
+        counter = self._lone_of
+        if counter is None:
+            self.pool.load_layer(layer, h, d)
+            return
+        before = counter.lone_kernel_loads
         self.pool.load_layer(layer, h, d)
+        self._last_lone = counter.lone_kernel_loads != before
 
 
 def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout: str) -> list[TargetSpec]:

@@ -158,12 +158,16 @@ def _burst_host_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
 
 
 def _served_by(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, layer: int | None,
-               to_host: bool) -> tuple[str, int | None]:
+               to_host: bool, lone: bool = False) -> tuple[str, int | None]:
     """The strategy serving this call (for ``auto``: its candidate, and the host's pace it measured) and the most
     programs one of its kernel launches runs (:meth:`~hicache_core.rowcopy.RowKernelStrategy.launch_grid`; ``None``
-    where the serving strategy launches no row kernel of its own, e.g. the copy engine)."""
+    where the serving strategy launches no row kernel of its own, e.g. the copy engine).  ``lone``: the calls went
+    by ``auto``'s lone-load rule (its ``lone_kernel_loads`` counted them), which serves them with its kernel
+    candidate whatever ``pick()`` memoised for the pair: that candidate is named."""
     pick = getattr(pool.strategy, "pick", None)
-    chosen = pool.strategy if pick is None else pick(pool.binding, h, d, layer, to_host=to_host)
+    kernel = getattr(pool.strategy, "kernel", None) if lone and pick is not None else None
+    chosen = kernel if kernel is not None else pool.strategy if pick is None else \
+        pick(pool.binding, h, d, layer, to_host=to_host)
     grid = getattr(chosen, "launch_grid", None)
     programs = None if grid is None else grid(pool.binding, int(h.numel()), layer, to_host=to_host)
     if pick is None:
@@ -516,7 +520,8 @@ def run_bench(
                             lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
                             # the candidate that served the timed calls, asked before anything else runs (the
                             # neighbours below can change auto's verdict, e.g. its watch beside the reduction)
-                            served, launched = _served_by(pool, h, s if to_host else d, lay, to_host)
+                            served, launched = _served_by(pool, h, s if to_host else d, lay, to_host,
+                                                          lone=2 * lone > reps + WARMUP)
                             served += f" ({lone} lone loads by the kernel in {reps + WARMUP} calls)" if lone else ""
                             base = memcpy.gbps(nbytes, to_host, reps)
                             gbps = nbytes / ms / 1e6

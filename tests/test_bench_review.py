@@ -4,6 +4,7 @@ GPU test, skipped on the CPU, which times real copies and asserts only how the h
 
 from __future__ import annotations
 
+import types
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(bench, "_hbm_reader", lambda: "reader")
     monkeypatch.setattr(bench, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
     monkeypatch.setattr(bench, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
-    monkeypatch.setattr(bench, "_served_by", lambda *a: log.append("served") or ("who", None))
+    monkeypatch.setattr(bench, "_served_by", lambda *a, **k: log.append("served") or ("who", None))
     return log
 
 
@@ -171,6 +172,21 @@ def test_served_by_names_the_programs_the_call_launched(cell, backend, opts, wan
             assert launched == p.strategy.launch_grid(p.binding, h.numel(), layer, to_host=to_host) > 0
         else:
             assert launched == want
+
+
+def test_served_by_names_auto_s_kernel_for_lone_loads():
+    """Loads auto's lone-load rule gave its kernel are named for that candidate and its grid, not for the pair's
+    memoised pick (the copy engine here); a strategy without candidates is named as before."""
+    kernel = types.SimpleNamespace(launch_grid=lambda binding, n, layer, to_host: 4)
+    direct = types.SimpleNamespace()
+    auto = types.SimpleNamespace(pick=lambda *a, **k: direct, kernel=kernel, direct=direct, kernel_name="lf.kernel",
+                                 paces=None, warm_paces=None)
+    pool = types.SimpleNamespace(strategy=auto, binding=None, strategy_name="core.auto")
+    h = torch.arange(8)
+    assert bench._served_by(pool, h, h, 3, False) == ("direct", None)
+    assert bench._served_by(pool, h, h, 3, False, lone=True) == ("lf.kernel", 4)
+    plain = types.SimpleNamespace(strategy=types.SimpleNamespace(kernel=kernel), binding=None, strategy_name="x")
+    assert bench._served_by(plain, h, h, 3, False, lone=True) == ("x", None)
 
 
 def test_tables_keep_the_default_budget_beside_explicit_ones(tmp_path, capsys):

@@ -144,6 +144,32 @@ def test_our_ctas_are_the_programs_the_last_call_launched(backend, strategy, pro
             assert got == (0 if backend == "direct" else None)
 
 
+def test_our_ctas_name_the_kernel_for_a_load_auto_gave_it_as_a_lone_load(monkeypatch):
+    """auto's lone-load rule serves a single load with its kernel whatever pick() memoised for the pair (here the
+    copy engine): the row's CTAs are the kernel's grid for such a load, the pick's (0: the copy engine) otherwise."""
+    spec = _mla(pool_device("auto"))
+    dev = _dev(spec)
+    h, s, d = (t.to(spec.device) for t in _idx())
+    reg = create_registry()
+    host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=spec.device.type == "cuda")
+    target = P.Ours(P.Ctx(spec, "layer_first", dev, host, reg), "auto", "core.auto", None)
+    auto = target.pool.strategy
+    monkeypatch.setattr(auto, "pick", lambda *a, **k: auto.direct)
+    load = target.pool.load_layer
+
+    def lone_load(layer, hi, di):  # what the lone-load rule counts on a CUDA pool
+        load(layer, hi, di)
+        auto.lone_kernel_loads += 1
+    target.load_layer(1, h, d)
+    assert target.ctas("load_layer") == 0
+    monkeypatch.setattr(target.pool, "load_layer", lone_load)
+    target.load_layer(1, h, d)
+    grid = auto.kernel.launch_grid(target.pool.binding, h.numel(), 1, to_host=False)
+    assert target.ctas("load_layer") == grid > 0
+    target.backup_all_layers(h, s)
+    assert target.ctas("backup_all_layers") == 0  # backups never go by the lone-load rule
+
+
 class _Corrupt:
     """The reference backend, plus one wrong byte: after backups (host) or after the load of layer 2 (device)."""
 
