@@ -1103,6 +1103,41 @@ def test_queue_clock_forgets_quiet_streams_past_its_bound_and_answers_the_same()
     assert len(clock._last_end) == 4
 
 
+def test_queue_clock_sweep_survives_a_stream_added_while_it_runs():
+    """Another thread's queued() may add a stream while _forget_quiet sweeps (a thread switch can come between any
+    two bytecodes of a loop written in Python): the sweep reads a snapshot, never the live dict.  The switch is made
+    here by a trace hook at the sweep's first quiet-check."""
+    import inspect
+    import sys
+
+    from hicache_core.backends import memcpy
+    from hicache_core.backends.memcpy import MAX_CLOCK_STREAMS, QueueClock
+
+    t = [50.0]
+    clock = QueueClock(now=lambda: t[0])
+    for s in range(MAX_CLOCK_STREAMS):
+        t[0] += 1.0
+        clock.queued(s, 64, since=t[0])
+    src, first = inspect.getsourcelines(memcpy.QueueClock._forget_quiet)
+    line = first + next(i for i, text in enumerate(src) if "now - end > quiet" in text)
+    added = []
+
+    def trace(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "line" and frame.f_lineno == line and frame.f_code.co_filename == memcpy.__file__ and not added:
+            added.append(10**8)
+            clock._last_end[10**8] = t[0]  # the other thread's new stream, mid-sweep
+        return trace
+
+    t[0] += 1.0
+    sys.settrace(trace)
+    try:
+        clock.queued(10**7, 64, since=t[0])  # past the bound: the sweep runs
+    finally:
+        sys.settrace(None)
+    assert added, "the trace hook never ran inside the sweep"
+    assert 10**7 in clock._last_end and 10**8 in clock._last_end and 0 not in clock._last_end
+
+
 @pytest.mark.parametrize("version", [12080, 13000])
 def test_copy_batch_not_eager_makes_the_fewest_calls(version):
     rt, calls = _fake_runtime(version)

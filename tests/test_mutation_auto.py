@@ -301,6 +301,26 @@ def test_a_backup_books_the_loads_stream_so_the_next_load_is_not_lone(monkeypatc
     assert served[-1] == ("kernel", 1)
 
 
+def test_a_backup_books_its_start_on_the_clock_as_the_lane_does(monkeypatch):
+    """The normal path books a backup from the call's start (the lane books from its own start): its submission's
+    host time does not push the clock's estimate of the queue's end later."""
+    from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US
+
+    t, served = [100.0], []
+    auto, binding, *_ = _watched(monkeypatch, t, served, forward="compute")
+    h = d = torch.arange(4096)
+    submit = auto.direct.backup
+
+    def slow_backup(b, hh, dd, layer):  # type: ignore[no-untyped-def]
+        submit(b, hh, dd, layer)
+        t[0] += 2e-3  # 2 ms of host time submitting it
+    monkeypatch.setattr(auto.direct, "backup", slow_backup)
+    start = t[0]
+    auto.backup(binding, h, d, None)
+    assert abs(auto.clock._until[0x77] - (start + 4096 * 4 * 1152 / DRAIN_BYTES_PER_US * 1e-6)) < 1e-9
+    assert abs(auto.clock._last_end[0x77] - (start + 2e-3)) < 1e-9  # the call's end: the gap to the next call
+
+
 def test_a_measure_counts_until_exactly_its_stale_time():
     from hicache_core.backends.pace import STALE_S
 

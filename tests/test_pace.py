@@ -972,3 +972,54 @@ def test_a_pick_made_while_another_thread_dropped_the_memo_is_not_kept():
     assert auto.pick(pool.binding, hh, dd, 1, to_host=False) is auto.kernel
     assert pick_key(hh, dd, 1, False) not in auto._picks
     check_moved_generation_drops_the_pick(auto_over(pool, _Paces()), "_pace_gen", pool.binding, hh, dd)
+
+
+@pytest.mark.parametrize("validate,warm", [("shapes", True), ("full", False), ("strict", False)])
+def test_a_pool_that_plans_every_call_judges_reused_pairs_at_the_planning_pace(validate, warm):
+    """On ``validate="full"``/``"strict"`` pools no plan outlives its call, so no call reuses one: auto reads the
+    planning calls' measure only (the reused plans' measure would never get a sample)."""
+    from types import SimpleNamespace
+
+    from hicache_core.backends.auto import host_measures
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=8, qk_rope_head_dim=8, dtype=torch.bfloat16,
+                        page_size=4, capacity=32)
+    dev = {"kv": [torch.zeros(32, 1, 16, dtype=torch.bfloat16) for _ in range(2)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate=validate)
+    copier = SimpleNamespace(paces=(HostPace(), HostPace()), warm_paces=(HostPace(warm=True), HostPace(warm=True)))
+    paces, warm_paces = host_measures(pool.binding, copier)  # type: ignore[arg-type]
+    assert paces is copier.paces
+    assert warm_paces is (copier.warm_paces if warm else None)
+    assert host_measures(pool.binding, None) == (None, None)
+
+
+def test_a_reused_pair_leaves_the_copy_engine_when_every_call_plans_and_the_host_is_slow():
+    """A ``validate="full"`` pool: every ``direct`` call plans again and feeds the planning measure.  A reused pair
+    goes to the copy engine to measure the host (a probe), then to the kernel once that measure finds the host too
+    slow; judged at the reused plans' measure, which never forms there, it stayed on the copy engine."""
+    from types import SimpleNamespace
+
+    from hicache_core.backends.auto import host_measures
+    t = [50.0]
+    clock = lambda: t[0]  # noqa: E731
+    copier = SimpleNamespace(paces=(HostPace(now=clock), HostPace(now=clock)),
+                             warm_paces=(HostPace(now=clock, warm=True), HostPace(now=clock, warm=True)))
+    ps, pages = 64, 64
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
+                        page_size=ps, capacity=ps * pages, row_bytes=656)
+    dev = {"kv": [torch.zeros(ps * pages, 1, 656, dtype=torch.uint8) for _ in range(2)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate="full")
+    h = torch.arange(pages).flip(0).repeat_interleave(ps) * ps + torch.arange(ps).repeat(pages)
+    d = torch.arange(ps * pages)
+    auto = auto_over(pool, None)
+    auto.paces, auto.warm_paces = host_measures(pool.binding, copier)
+    auto._layers = 2
+    routes = []
+    for i in range(40):
+        p = auto.pick(pool.binding, h, d, i % 2, to_host=False)
+        routes.append("D" if p is auto.direct else "K")
+        if p is auto.direct:  # a host at 5 us per descriptor: far too slow for a 64-descriptor layer
+            copier.paces[False].record(64 * 5.0 + MODEL_CALL_US, 64, 1)
+        t[0] += 0.001
+    assert auto.pace_probes >= 1 and routes[0] == "D"
+    assert copier.paces[False].desc_us == pytest.approx(5.0)
+    assert set(routes[-20:]) == {"K"}

@@ -49,7 +49,7 @@ import torch
 from ..binding import PoolBinding
 from ..calibration import DEFAULT, Calibration, load_calibration
 from ..errors import ConfigError, HicacheError
-from ..kernel_support import current_device_index, current_stream_handle
+from ..kernel_support import current_device_index, current_stream_handle, index_memos
 from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
@@ -98,6 +98,19 @@ _USES = 32
 #: Stands for an absent measure in :meth:`AutoStrategy.lane` (never sampled: generation 0, never aged).
 _STILL = HostPace()
 
+
+
+def host_measures(binding: PoolBinding, copier: BatchCopier | None) -> tuple[tuple[HostPace, HostPace] | None,
+                                                                             tuple[HostPace, HostPace] | None]:
+    """The copier's measures of the host that ``auto`` reads on ``binding``: of calls that planned their descriptors
+    and of calls that reused a plan (``None``: not measured; see :attr:`AutoStrategy.paces`).  Where the pool makes a
+    plan per call (``validate="full"``/``"strict"``: its index memos are off, so no plan outlives its call) no call
+    reuses a plan and the second measure never gets a sample: the planning calls' measure then judges every pair
+    (a reused pair judged at a measure that never forms would stay on the copy engine, the route of its probe,
+    however slow the host)."""
+    if copier is None:
+        return None, None
+    return copier.paces, (copier.warm_paces if index_memos(binding)[0].enabled else None)
 
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
@@ -166,7 +179,7 @@ class AutoStrategy:
         self._fast_memo: dict[tuple[int, int], bool] = {}
         #: The direct candidate's measures of the host by direction (index: ``to_host``; ``None``: not used): of calls
         #: that planned their descriptors (``paces``) and of calls that reused a plan (``warm_paces``; ``None``: the
-        #: former serve for both).
+        #: former serve for both, as on a pool that plans every call: :func:`host_measures`).
         self.paces: tuple[HostPace, HostPace] | None = None
         self.warm_paces: tuple[HostPace, HostPace] | None = None
         #: By direction (index: ``to_host``): the sum of that direction's measures' generations the memoised picks of
@@ -226,8 +239,7 @@ class AutoStrategy:
         copier = binding.scratch.get("direct.copier") if self.direct is not None else None
         if not (self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)):
             copier = None  # nothing measured: the calibration alone decides
-        self.paces = copier.paces if copier is not None else None
-        self.warm_paces = copier.warm_paces if copier is not None else None
+        self.paces, self.warm_paces = host_measures(binding, copier)
         self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
@@ -551,9 +563,12 @@ class AutoStrategy:
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
+        if not self._clocked:
+            self._serve(binding, host_indices, device_indices, layer, True)
+            return
+        now = self.clock.now()  # the call's start, as the lane books it: its copies start with its first runtime call
         self._serve(binding, host_indices, device_indices, layer, True)
-        if self._clocked:  # a backup on the loads' stream delays them too
-            self._book(current_stream_handle(self._index), host_indices.numel(), layer, self.clock.now())
+        self._book(current_stream_handle(self._index), host_indices.numel(), layer, now)  # it delays the loads too
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:

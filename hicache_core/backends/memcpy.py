@@ -103,7 +103,9 @@ class QueueClock:
         """Drops the streams whose entries no longer change any answer (idle, and quiet for longer than any gap
         the clock compares): a caller that makes a stream per call does not grow the clock without bound."""
         quiet = max(BURST_GAP_US, TIGHT_GAP_US) * 1e-6
-        for stream in [s for s, end in self._last_end.items()
+        # a snapshot taken in one C call: another thread's queued() may add a stream meanwhile, and iterating the
+        # live dict in Python bytecode would then raise "dictionary changed size during iteration"
+        for stream in [s for s, end in list(self._last_end.items())
                        if now - end > quiet and self._until.get(s, 0.0) <= now]:
             self._last_end.pop(stream, None)
             self._until.pop(stream, None)

@@ -106,8 +106,10 @@ class HostPace:
     def record(self, host_us: float, ops: int, calls: int) -> None:
         """A submission of ``ops`` descriptors in ``calls`` runtime calls took ``host_us`` of host time.
 
-        A sample that comes after the measure went :meth:`stale` starts a new one (:meth:`reset`): samples older than
-        :attr:`stale_s` never make an estimate, also where there were too few of them to make one then."""
+        A sample that comes after the measure went :meth:`stale` (more than :attr:`stale_s` after the previous
+        sample) starts a new one (:meth:`reset`): the samples before such a gap never make an estimate, also where
+        there were too few of them to make one then.  Only the gap between samples counts: samples that come closer
+        together than :attr:`stale_s` stay in the window however old the first of them is."""
         now = self.now()
         if self._samples and now > self.ages_at:
             self.reset()
