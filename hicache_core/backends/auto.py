@@ -67,7 +67,7 @@ from .staging import page_image
 if TYPE_CHECKING:
     from ..registry import Registry
 
-__all__ = ["AutoStrategy", "FORWARD_MODES", "ENV_FORWARD", "MEMORY_KERNEL_SHARE", "FED_SHARE"]
+__all__ = ["AutoStrategy", "FORWARD_MODES", "ENV_FORWARD", "MEMORY_KERNEL_SHARE", "FED_SHARE", "host_measures"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,6 @@ _USES = 32
 _STILL = HostPace()
 
 
-
 def host_measures(binding: PoolBinding, copier: BatchCopier | None) -> tuple[tuple[HostPace, HostPace] | None,
                                                                              tuple[HostPace, HostPace] | None]:
     """The copier's measures of the host that ``auto`` reads on ``binding``: of calls that planned their descriptors
@@ -111,6 +110,7 @@ def host_measures(binding: PoolBinding, copier: BatchCopier | None) -> tuple[tup
     if copier is None:
         return None, None
     return copier.paces, (copier.warm_paces if index_memos(binding)[0].enabled else None)
+
 
 class AutoStrategy:
     """Picks ``direct`` or the layout's ``kernel`` per call (see the module docstring).
