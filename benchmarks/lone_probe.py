@@ -36,17 +36,26 @@ from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
 
-def run_tight(shape: str, layout: str, reps: int) -> dict:
-    """The harness's timing of ``load_layer`` (see the module docstring): per pool the median GPU time, and for
-    ``auto`` what served the loop's calls, counted around the loop."""
+def _pools(shape: str, layout: str, backends: tuple[str, ...]) -> tuple[dict, int, torch.Tensor, torch.Tensor]:
+    """One checked pool per backend over one workload (4096 tokens, page 64), the middle layer, and the load's host
+    and device indices (one pair, reused, as the harness does)."""
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     mid = list(spec.layer_map.device_layers)[len(spec.layer_map.device_layers) // 2]
-    out: dict = {"shape": shape, "layout": layout, "mode": "tight"}
-    for backend in ("kernel", "auto", "direct"):
+    pools = {}
+    for backend in backends:
         host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
-        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes")
-        _check(pool, dev, h, s, d)
+        pools[backend] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes")
+        _check(pools[backend], dev, h, s, d)
+    return pools, mid, h, d
+
+
+def run_tight(shape: str, layout: str, reps: int) -> dict:
+    """The harness's timing of ``load_layer`` (see the module docstring): per pool the median GPU time, and for
+    ``auto`` what served the loop's calls, counted around the loop."""
+    pools, mid, h, d = _pools(shape, layout, ("kernel", "auto", "direct"))
+    out: dict = {"shape": shape, "layout": layout, "mode": "tight"}
+    for backend, pool in pools.items():
         served = _count_lane(pool) if backend == "auto" else None
         strategy = pool.strategy
         for _ in range(3):  # the harness's warm-up: back to back
@@ -70,14 +79,7 @@ def run_tight(shape: str, layout: str, reps: int) -> dict:
 
 
 def run_cell(shape: str, layout: str, reps: int) -> dict:
-    reg = create_registry()
-    spec, dev, h, s, d = _workload(shape)
-    mid = list(spec.layer_map.device_layers)[len(spec.layer_map.device_layers) // 2]
-    pools = {}
-    for backend in ("kernel", "auto"):
-        host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
-        pools[backend] = HostKVPool(spec, layout, backend, dev, host_buffers=host, registry=reg, validate="shapes")
-        _check(pools[backend], dev, h, s, d)
+    pools, mid, h, d = _pools(shape, layout, ("kernel", "auto"))
     auto = pools["auto"].strategy
     served = _count_lane(pools["auto"])  # the calls its load lane served or left to the normal path
     out: dict = {"shape": shape, "layout": layout}
