@@ -563,12 +563,11 @@ class AutoStrategy:
 
     def backup(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                layer: int | None) -> None:
-        if not self._clocked:
-            self._serve(binding, host_indices, device_indices, layer, True)
-            return
-        now = self.clock.now()  # the call's start, as the lane books it: its copies start with its first runtime call
-        self._serve(binding, host_indices, device_indices, layer, True)
-        self._book(current_stream_handle(self._index), host_indices.numel(), layer, now)  # it delays the loads too
+        clocked = self._clocked
+        now = self.clock.now() if clocked else 0.0  # the call's start, as the lane books it: copies start with its
+        self._serve(binding, host_indices, device_indices, layer, True)  # first runtime call
+        if clocked:  # a backup on the loads' stream delays them too
+            self._book(current_stream_handle(self._index), host_indices.numel(), layer, now)
 
     def load(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
              layer: int | None) -> None:
