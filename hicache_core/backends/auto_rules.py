@@ -115,7 +115,8 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
     slowed by the forward pass beside them, 1 with ``forward="compute"``).
 
     Where the pool has measured its host in this direction lately (``desc_us``: :class:`~.pace.HostPace`,
-    microseconds per descriptor of whole ``direct`` calls, a new batch's planning included) and ``sub`` is plain
+    microseconds per descriptor of whole ``direct`` calls, a new batch's planning included, waits on the GPU left out:
+    :class:`~.pace.WaitLog`) and ``sub`` is plain
     descriptors, a burst's submission at that pace must take at most :data:`FED_SHARE` of the transfer time.  For
     loads that measure decides alone: the kernels' loads cost a model's GEMM next to nothing, so the faster route
     wins (H200, MLA 1152-byte rows with new GPU-resident indices every batch: the copy engine's bursts 0.54-0.59 of

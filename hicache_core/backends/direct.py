@@ -21,7 +21,8 @@ is converted element by element.  Everything derived from one pair of index
 tensors is memoised per pool (:class:`~.plans.PlanCache`), so the per-layer
 calls of a load burst cost one memo lookup and one runtime call each.  Host
 indices are read on the CPU (device-resident ones therefore wait, once per new
-pair, for the work queued before the call).  Device indices on the pool's GPU
+pair, for the work queued before the call; the host's measured pace leaves
+that wait out, :class:`~.pace.WaitLog`).  Device indices on the pool's GPU
 are read back only when a plain route needs them (or ``auto`` staging needs the
 plain runs to decide): a staged route indexes with them on the device (its
 relayout kernel masks rows outside the device buffers,
@@ -111,7 +112,8 @@ class DirectStrategy(DirectionalStrategy):
         copier = BatchCopier(binding.device)
         binding.scratch["direct.copier"] = copier
         binding.scratch["direct.plans"] = PlanCache(binding, self.staging, self.staging_bytes,
-                                                    self.pitched == "auto" and copier.pitched_support())
+                                                    self.pitched == "auto" and copier.pitched_support(),
+                                                    waits=copier.waits)
         binding.scratch["direct.staging"] = StagingBuffers(binding.device)
 
     def submission(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,

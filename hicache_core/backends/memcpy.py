@@ -12,7 +12,7 @@ import torch
 from ..kernel_support import current_device_index, current_stream_handle
 from .cudart import MAX_PER_CALL as _ONE_CALL
 from .cudart import BatchSubmitError, batch_schedule, runtime, runtime_unavailable_reason
-from .pace import MAX_BACKLOG_US, MIN_OPS, HostPace
+from .pace import MAX_BACKLOG_US, MIN_OPS, HostPace, WaitLog
 from .pitched import Pitched, expand
 
 __all__ = ["BatchCopier", "QueueClock", "DRAIN_BYTES_PER_US", "CALL_US", "DESC_US", "PITCHED_DESC_US", "BURST_GAP_US",
@@ -133,6 +133,8 @@ class BatchCopier:
         #: ``auto`` reads them.
         self.paces = (HostPace(), HostPace())
         self.warm_paces = (HostPace(warm=True), HostPace(warm=True))
+        #: Waits on the GPU within callers' calls (a plan reading GPU-resident indices back), left out of the samples.
+        self.waits = WaitLog(lambda: self.clock.now())
         self._pitched_refused = False
         self._legacy_mark: tuple[torch.cuda.Event, torch.cuda.Stream] | None = None
 
@@ -164,7 +166,8 @@ class BatchCopier:
         (``nbytes``: their total, when the caller knows it).  ``to_host``: the direction, whose
         :attr:`paces` entry (:attr:`warm_paces` where ``warm``: the caller reused its descriptors, no planning
         in the call) samples the host time from ``since`` (the clock's time when the caller's call began;
-        default: now) to the end of the submission (``None``: not sampled)."""
+        default: now) to the end of the submission, less the time the caller's thread waited on the GPU meanwhile
+        (:attr:`waits`; ``None``: not sampled)."""
         n = int(dsts.numel())
         if n == 0:
             return
@@ -185,7 +188,8 @@ class BatchCopier:
         eager = self._submit(s, n, DESC_US, nbytes, lambda s, eager: rt.copy_batch(dsts, srcs, lens, s, eager))
         if measured:
             pace = (self.warm_paces if warm else self.paces)[to_host]
-            pace.record((self.clock.now() - t0) * 1e6, n, len(batch_schedule(n, eager)))
+            waited = self.waits.take(t0)
+            pace.record((self.clock.now() - t0 - waited) * 1e6, n, len(batch_schedule(n, eager)))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:

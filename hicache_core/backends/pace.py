@@ -12,17 +12,23 @@ measure older than :data:`STALE_S` (:data:`WARM_STALE_S` for calls that reused a
 
 Only submissions that measure the host are sampled: CUDA ones of at least :data:`MIN_OPS`
 descriptors that start with little copy work queued before them (:data:`MAX_BACKLOG_US`; behind a
-deep queue the runtime call may wait for room in the stream's queue, which measures the engine).
+deep queue the runtime call may wait for room in the stream's queue, which measures the engine).  Time the call
+spent blocked on the GPU is left out of its sample (:class:`WaitLog`): reading GPU-resident indices back waits for
+the work queued on the stream before the call (a forward pass's, milliseconds), which no copy of the call could
+overtake and which says nothing of how fast the host submits.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, TypeVar
 
 __all__ = ["HostPace", "WINDOW", "MIN_SAMPLES", "MIN_OPS", "MAX_BACKLOG_US", "REDECIDE", "MODEL_CALL_US", "STALE_S",
-           "WARM_STALE_S"]
+           "WARM_STALE_S", "WaitLog"]
+
+_T = TypeVar("_T")
 
 #: Samples kept, the most recent; the estimate is their median, so a few stalled submissions (the thread
 #: descheduled mid-call) do not move it.
@@ -134,3 +140,48 @@ class HostPace:
     def samples(self) -> list[float]:
         """The samples kept (microseconds per descriptor), oldest first."""
         return list(self._samples)
+
+
+#: Waits a :class:`WaitLog` keeps per thread until a sample takes them (a call reads a GPU tensor back at most a few
+#: times; waits of calls that were never sampled are dropped from the oldest).
+_WAITS_KEPT = 8
+
+
+class WaitLog:
+    """Host time spent blocked on the GPU within a copier's calls, per thread, kept apart from the host's own work.
+
+    A plan that reads GPU-resident indices back (:class:`~.plans.Plan`) waits for the work queued on the stream
+    before the call; :meth:`timed` runs such a wait and logs when it began and how long it took.  The copier's
+    sample of the call (:meth:`~.memcpy.BatchCopier.copy`) takes off the waits logged in its thread since the call
+    began (:meth:`take`).  Per thread: a pool's backup and load threads each see their own waits only.
+
+    :param now: the copier's clock (seconds), the one its callers' call starts are read from.
+    """
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self._local = threading.local()
+
+    def _log(self) -> deque[tuple[float, float]]:
+        log = getattr(self._local, "log", None)
+        if log is None:
+            log = self._local.log = deque(maxlen=_WAITS_KEPT)
+        return log
+
+    def timed(self, wait: Callable[[], _T]) -> _T:
+        """``wait()``, logged as a wait of this thread (also when it raises)."""
+        began = self.now()
+        try:
+            return wait()
+        finally:
+            self._log().append((began, self.now() - began))
+
+    def take(self, since: float) -> float:
+        """Seconds this thread waited from ``since`` on (waits that began then or later); forgets every wait logged
+        so far in this thread, those before ``since`` too (a call that was not sampled)."""
+        log = self._log()
+        if not log:
+            return 0.0
+        waited = sum(length for began, length in list(log) if began >= since)
+        log.clear()
+        return waited

@@ -27,6 +27,7 @@ from ..kernel_support import index_memos
 from ..validate import IndexFacts, index_bounds, page_starts, pair_where, tensor_version, tensor_where
 from .common import as_long
 from .memcpy import CALL_US, DESC_US
+from .pace import WaitLog
 from .pitched import MAX_PITCH, MIN_HEIGHT, PITCHED_OP_US, Pitched, group_bases, ops_tensor
 
 if TYPE_CHECKING:
@@ -358,12 +359,16 @@ class EarlyRead:
 
 
 class Plan:
-    """Descriptor arrays for one pair of index tensors, per layer selection."""
+    """Descriptor arrays for one pair of index tensors, per layer selection.
+
+    ``waits``: where reading GPU-resident indices back waits for the work queued before the call, that wait is
+    logged there (the copier's :class:`~.pace.WaitLog`), so that the host's measured pace leaves it out."""
 
     def __init__(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  staging: str, staging_bytes: int, pitched: bool = False, early: EarlyRead | None = None,
-                 stream: int = 0) -> None:
+                 stream: int = 0, waits: WaitLog | None = None) -> None:
         self.binding = binding
+        self._waits = waits
         self.pitched = pitched
         on_dev = isinstance(device_indices, torch.Tensor) and device_indices.device == binding.device
         # device-resident indices are read back (which waits for the work queued before this call)
@@ -386,9 +391,9 @@ class Plan:
             self._d_early = self._d_dev.to("cpu", non_blocking=True)
         # its own copy (as the device indices below): what the plan builds later, table by table, must come from
         # the values checked now, even if the caller rewrites its tensor behind torch's version counter
-        self.h = as_long(host_indices, "cpu", copy=True)  # waits for the stream where they live on the device
+        self.h = self._to_host(host_indices, copy=True)  # waits for the stream where they live on the device
         # device indices off the pool's device (on the CPU): their own copy too, before the facts are asked
-        d_off = None if defer or self._d_dev is not None else as_long(device_indices, "cpu", copy=True)
+        d_off = None if defer or self._d_dev is not None else self._to_host(device_indices, copy=True)
         # what the pool's check in this call read of these very tensors (their ranges, page runs): not read again.
         # Asked after the copies above: a write landing before them moves a version counter and voids the facts, so
         # facts only ever describe the values copied
@@ -413,8 +418,15 @@ class Plan:
         self._plain_shapes: set[tuple] = set()
         self._lock = threading.Lock()
 
+    def _to_host(self, t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+        """``t`` as ``int64`` on the CPU (its own copy where ``copy``).  Where ``t`` lives on a GPU, the read waits for
+        the work queued on that device's current stream: that wait runs first, logged apart (``waits``)."""
+        if t.is_cuda and self._waits is not None:
+            self._waits.timed(torch.cuda.current_stream(t.device).synchronize)
+        return as_long(t, "cpu", copy=copy)
+
     def _read_d(self, device_indices: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        d = as_long(device_indices, "cpu", copy=copy)
+        d = self._to_host(device_indices, copy=copy)
         if d.numel() and (self._facts is None or not self._facts.device_read) and not _within(d, self._rows):
             raise IndexRangeError(
                 f"direct: device_indices must lie in 0..{self._rows - 1}; nothing was copied"
@@ -428,7 +440,8 @@ class Plan:
         if self._d is None:
             assert self._d_dev is not None
             if self._early is not None:  # waits for the early read's event only
-                return self._read_d(self._early.values())
+                early = self._early
+                return self._read_d(early.values() if self._waits is None else self._waits.timed(early.values))
             # the early copy landed before the host indices were read (one stream, queued first)
             return self._read_d(self._d_early if self._d_early is not None else self._d_dev)
         return self._d
@@ -639,14 +652,18 @@ class Plan:
 
 
 class PlanCache:
-    """The last :data:`MEMO_SLOTS` plans of one pool, keyed by index tensors, versions and stream."""
+    """The last :data:`MEMO_SLOTS` plans of one pool, keyed by index tensors, versions and stream.
 
-    def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int, pitched: bool = False) -> None:
+    ``waits``: the copier's :class:`~.pace.WaitLog`, where the plans made here log their waits on the GPU."""
+
+    def __init__(self, binding: PoolBinding, staging: str, staging_bytes: int, pitched: bool = False,
+                 waits: WaitLog | None = None) -> None:
         # a proxy, also in the plans made here: the cache lives in the binding's scratch, and a strong reference
         # back would keep a dropped pool's buffers alive until the garbage collector runs
         self.binding = cast(PoolBinding, weakref.proxy(binding))
         self.staging, self.staging_bytes = staging, staging_bytes
         self.pitched = pitched
+        self.waits = waits
         #: Whether plans outlive their call: not on a pool that checks and copies every call afresh (``validate=
         #: "full"``/``"strict"``: its index memos are off), where a write torch does not count (NumPy, ``.data``)
         #: would leave a memoised plan moving the old rows.  There a plan serves the call that made it only (``auto``
@@ -687,7 +704,7 @@ class PlanCache:
         where = pair_where(host_indices, device_indices)
         early = self.early_of(device_indices, stream) if self._early else None
         plan = Plan(self.binding, host_indices, device_indices, self.staging, self.staging_bytes, self.pitched,
-                    early=early, stream=stream)
+                    early=early, stream=stream, waits=self.waits)
         if early is not None and plan._early is early:
             with self._lock:  # taken: the plan holds it now
                 self._early = [e for e in self._early if e is not early]
