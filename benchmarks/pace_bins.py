@@ -13,7 +13,13 @@ Per cell of the probe it prints:
   was the faster route;
 - with ``--link-gbps`` (the calibration's ``link_gbps``), the largest estimate :func:`~hicache_core.backends.
   auto_rules.fed` lets a reused-index burst of one layer take to the copy engine: ``FED_SHARE`` times the layer's
-  time at link speed, less the runtime calls' modelled cost, per descriptor.
+  time at link speed, less the runtime calls' modelled cost, per descriptor;
+- with ``--link-gbps``, per share of ``--shares`` (candidate values of ``FED_SHARE``), what that rule would have made
+  of the probes' estimates, counterfactually: after each probe the route it picks at that share (``direct`` where the
+  estimate is within the share's limit, else the kernel), scored by that route's median over the next ``--follow``
+  cycles (both routes ran in every cycle, in their own pools), against the better of the two.  Where the estimate
+  picks ``direct``, ``auto`` would have measured the host again and might have moved within those cycles: a bound on
+  what the threshold alone can win, not a replay.
 
 A probe's estimate comes from the first :data:`~hicache_core.backends.pace.MIN_SAMPLES` calls of a burst after the
 host idled between bursts, and an estimate that sends the burst to the kernel gets no more samples until it ages:
@@ -53,40 +59,53 @@ def layer_geometry(shape: str, layout: str) -> tuple[int, int]:
     return nbytes, TOKENS // PAGE_SIZE * max(1, len(plan.segments))
 
 
-def estimate_limit(nbytes: int, descs: int, link_gbps: float) -> float:
+def estimate_limit(nbytes: int, descs: int, link_gbps: float, share: float | None = None) -> float:
     """The largest per-descriptor estimate with which :func:`~hicache_core.backends.auto_rules.fed` sends a burst's
-    one-layer load of ``nbytes`` in ``descs`` descriptors to the copy engine (``forward="compute"``)."""
+    one-layer load of ``nbytes`` in ``descs`` descriptors to the copy engine (``forward="compute"``), at ``share``
+    in place of ``FED_SHARE`` where given."""
     from hicache_core.backends.auto_rules import FED_SHARE
     from hicache_core.backends.cudart import batch_schedule
     from hicache_core.backends.pace import MODEL_CALL_US
 
     link_us = nbytes / (link_gbps * 1e3)
-    return (FED_SHARE * link_us - len(batch_schedule(descs, eager=False)) * MODEL_CALL_US) / descs
+    return ((FED_SHARE if share is None else share) * link_us
+            - len(batch_schedule(descs, eager=False)) * MODEL_CALL_US) / descs
 
 
 def host_buckets(cycles: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``direct``'s ratio by its own host time per layer, one row per :data:`HOST_BUCKET_US` bucket."""
+    """``direct``'s ratio by its own host time per layer, one row per :data:`HOST_BUCKET_US` bucket (cycles of probes
+    that did not record that time, before 2026-12-01's ``b`` run, are left out)."""
     by: dict[float, list[float]] = {}
     for c in cycles:
+        if c.get("direct_host_us") is None:
+            continue
         lo = c["direct_host_us"] // HOST_BUCKET_US * HOST_BUCKET_US
         by.setdefault(lo, []).append(c["direct"])
     return [{"host_us_from": lo, "cycles": len(v), "direct": round(statistics.median(v), 4)}
             for lo, v in sorted(by.items())]
 
 
-def estimate_bins(cycles: list[dict[str, Any]], follow: int, width: float) -> list[dict[str, Any]]:
-    """After each cycle in which ``auto`` probed the host: its estimate for reused plans (read in the next cycle's
-    row, the state the next burst starts from) binned by ``width``, and the medians of the three routes over the
-    ``follow`` cycles after the probe."""
-    by: dict[int, list[tuple[float, float, float, str]]] = {}
+def probes(cycles: list[dict[str, Any]], follow: int) -> list[tuple[float, float, float, float, str]]:
+    """After each cycle in which ``auto`` probed the host and ``follow`` cycles followed: its estimate for reused
+    plans (read in the next cycle's row, the state the next burst starts from), the medians of ``direct``, the kernel
+    and ``auto`` over those cycles, and the route ``auto`` took in the first of them."""
+    out = []
     for i, c in enumerate(cycles):
         nxt = cycles[i + 1:i + 1 + follow]
         if not c.get("auto_probed") or len(nxt) < follow or nxt[0].get("h2d_us_reused") is None:
             continue
-        after = [(x["direct"], x["kernel"], x["auto"]) for x in nxt]
-        by.setdefault(int(nxt[0]["h2d_us_reused"] / width), []).append(
-            (statistics.median(a[0] for a in after), statistics.median(a[1] for a in after),
-             statistics.median(a[2] for a in after), nxt[0].get("auto_by", "?")))
+        out.append((float(nxt[0]["h2d_us_reused"]), statistics.median(x["direct"] for x in nxt),
+                    statistics.median(x["kernel"] for x in nxt), statistics.median(x["auto"] for x in nxt),
+                    nxt[0].get("auto_by", "?")))
+    return out
+
+
+def estimate_bins(cycles: list[dict[str, Any]], follow: int, width: float) -> list[dict[str, Any]]:
+    """:func:`probes`' estimates binned by ``width``, with the medians of the three routes over the cycles after
+    them."""
+    by: dict[int, list[tuple[float, float, float, str]]] = {}
+    for est, direct, kernel, auto, auto_by in probes(cycles, follow):
+        by.setdefault(int(est / width), []).append((direct, kernel, auto, auto_by))
     rows = []
     for k, v in sorted(by.items()):
         rows.append({"estimate_from": round(k * width, 4), "estimate_to": round((k + 1) * width, 4),
@@ -97,8 +116,30 @@ def estimate_bins(cycles: list[dict[str, Any]], follow: int, width: float) -> li
     return rows
 
 
+def share_sweep(cycles: list[dict[str, Any]], follow: int, nbytes: int, descs: int, link_gbps: float,
+                shares: list[float]) -> list[dict[str, Any]]:
+    """Per share: its limit (:func:`estimate_limit`) and, over :func:`probes`, the mean of the route that limit picks
+    (``direct`` at an estimate within it, else the kernel) less the better of the two, in points of memcpy, and the
+    probes it leaves within 3 points of the better; the first row (``share`` ``None``) is what ``auto`` measured."""
+    found = probes(cycles, follow)
+    if not found:
+        return []
+    best = [max(direct, kernel) for _, direct, kernel, _, _ in found]
+
+    def row(share: float | None, limit: float | None, got: list[float]) -> dict[str, Any]:
+        gaps = [(g - b) * 100 for g, b in zip(got, best)]
+        return {"share": share, "limit": None if limit is None else round(limit, 4), "probes": len(found),
+                "gap_points": round(statistics.mean(gaps), 2), "within_3": sum(x >= -3.0 for x in gaps)}
+
+    rows = [row(None, None, [auto for _, _, _, auto, _ in found])]
+    for share in shares:
+        limit = estimate_limit(nbytes, descs, link_gbps, share)
+        rows.append(row(share, limit, [direct if est <= limit else kernel for est, direct, kernel, _, _ in found]))
+    return rows
+
+
 def report(cells: list[dict[str, Any]], follow: int, width: float,
-           link_gbps: float | None) -> list[dict[str, Any]]:
+           link_gbps: float | None, shares: list[float] | None = None) -> list[dict[str, Any]]:
     """One entry per reused-index cell of a pace probe's JSON (``{"summary", "cycles"}`` each); cells run with new
     indices every batch are left out (their estimate is the planning calls', ``h2d_us``)."""
     out = []
@@ -114,7 +155,8 @@ def report(cells: list[dict[str, Any]], follow: int, width: float,
             nbytes, descs = layer_geometry(s["shape"], s["layout"])
             entry.update(layer_bytes=nbytes, descriptors=descs,
                          layer_us_at_link=round(nbytes / (link_gbps * 1e3), 2),
-                         estimate_limit=round(estimate_limit(nbytes, descs, link_gbps), 4))
+                         estimate_limit=round(estimate_limit(nbytes, descs, link_gbps), 4),
+                         by_share=share_sweep(cycles, follow, nbytes, descs, link_gbps, shares or []))
         out.append(entry)
     return out
 
@@ -131,6 +173,12 @@ def _print(entry: dict[str, Any]) -> None:
     for r in entry["by_estimate"]:
         print(f"    {r['estimate_from']:.2f}-{r['estimate_to']:.2f}  {r['probes']:3d} probes  direct {r['direct']:.3f}"
               f"  kernel {r['kernel']:.3f}  auto {r['auto']:.3f}  (auto on direct after {r['auto_by_direct']})")
+    if len(entry.get("by_share", [])) > 1:
+        print("  counterfactual, the route each probe's estimate picks at a share (points of memcpy against the better"
+              " route):")
+        for r in entry["by_share"]:
+            name = "auto as run" if r["share"] is None else f"share {r['share']:.2f} (limit {r['limit']:.3f})"
+            print(f"    {name:28s} {r['gap_points']:+6.2f}  within 3 points after {r['within_3']} of {r['probes']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,12 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gbps", type=float, default=None, help="the calibration's link_gbps (prints auto's limit)")
     p.add_argument("--follow", type=int, default=7, help="cycles after a probe that its estimate is judged by")
     p.add_argument("--bin", type=float, default=0.05, help="width of the estimate's bins, us per descriptor")
+    p.add_argument("--shares", default="1.0,1.1,1.2,1.3,1.4,1.5",
+                   help="comma-separated candidate FED_SHARE values for the counterfactual (with --link-gbps)")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
     if args.follow < 1 or args.bin <= 0:
         p.error("--follow must be >= 1 and --bin > 0")
+    try:
+        shares = [float(x) for x in args.shares.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--shares {args.shares!r}: give comma-separated numbers, e.g. 1.1,1.3")
+    if any(not x > 0 for x in shares):
+        p.error(f"--shares {args.shares!r}: every share must be a positive number")
     with open(args.pace_json) as f:
-        entries = report(json.load(f), args.follow, args.bin, args.link_gbps)
+        entries = report(json.load(f), args.follow, args.bin, args.link_gbps, shares)
     if not entries:
         print(f"{args.pace_json}: no reused-index cell (run pace_probe.py with --reuse)", file=sys.stderr)
         return 1

@@ -22,6 +22,9 @@ def _cell(cycles: list[dict], reuse: bool = True) -> dict:
 
 def test_direct_is_bucketed_by_its_own_host_time() -> None:
     cycles = [_cycle(0.91, 0.85, 0.85, 49.0), _cycle(0.89, 0.85, 0.85, 51.9), _cycle(0.60, 0.85, 0.85, 80.5)]
+    older = _cycle(0.70, 0.85, 0.85, 0.0)
+    del older["direct_host_us"]  # an older probe's cycle: no host time recorded, left out
+    cycles.append(older)
     assert B.host_buckets(cycles) == [{"host_us_from": 48.0, "cycles": 2, "direct": 0.9},
                                       {"host_us_from": 80.0, "cycles": 1, "direct": 0.6}]
 
@@ -61,3 +64,36 @@ def test_main_reports_reused_cells_only_and_refuses_a_run_without_them(tmp_path,
     path.write_text(json.dumps([_cell(cycles, reuse=False)]))
     assert B.main([str(path)]) == 1
     assert "--reuse" in capsys.readouterr().err
+
+
+def test_the_share_sweep_scores_the_route_each_estimate_picks_against_the_better_one() -> None:
+    # two probes: one reads 0.80 us/descriptor (direct 0.90 ahead of the kernel's 0.85 after it), one 1.30 (the
+    # kernel ahead: direct 0.56); auto went to the kernel after both (0.84, 0.85)
+    cycles = [_cycle(0.90, 0.85, 0.85, 50, probed=1),
+              _cycle(0.91, 0.84, 0.84, 50, est=0.80), _cycle(0.89, 0.86, 0.84, 50, est=0.80),
+              _cycle(0.60, 0.85, 0.85, 90, probed=1),
+              _cycle(0.55, 0.85, 0.85, 90, est=1.30), _cycle(0.57, 0.85, 0.85, 90, est=1.30)]
+    nbytes, descs = B.layer_geometry("mla61x656-fp8", "layer_first")
+    low, high = (B.estimate_limit(nbytes, descs, 55.0, s) for s in (1.0, 1.3))
+    assert low < 0.80 < high < 1.30  # the shares put the first probe's estimate on either side of the limit
+    rows = B.share_sweep(cycles, 2, nbytes, descs, 55.0, [1.0, 1.3])
+    assert [r["share"] for r in rows] == [None, 1.0, 1.3] and all(r["probes"] == 2 for r in rows)
+    # as run: 0.84 against 0.90, 0.85 against 0.85; at 1.0 both on the kernel: 0.85 against 0.90 and 0.85; at 1.3 the
+    # first on direct (0.90, the better) and the second on the kernel
+    assert [r["gap_points"] for r in rows] == [-3.0, -2.5, 0.0]
+    assert [r["within_3"] for r in rows] == [1, 1, 2]
+    assert rows[2]["limit"] == pytest.approx(high, abs=1e-4) and rows[0]["limit"] is None
+    assert B.share_sweep(cycles[:1], 2, nbytes, descs, 55.0, [1.0]) == []  # no probe with its cycles after it
+
+
+def test_main_prints_the_sweep_and_refuses_bad_shares(tmp_path, capsys) -> None:
+    cycles = [_cycle(0.90, 0.85, 0.85, 50, probed=1), _cycle(0.91, 0.84, 0.84, 50, est=0.82)]
+    path = tmp_path / "pace.json"
+    path.write_text(json.dumps([_cell(cycles)]))
+    assert B.main([str(path), "--follow", "1", "--link-gbps", "55", "--shares", "1.1,1.3"]) == 0
+    out = capsys.readouterr().out
+    assert "counterfactual" in out and "share 1.30" in out and "auto as run" in out
+    for bad in ("1.1,x", "1.1,0", "-1"):
+        with pytest.raises(SystemExit):
+            B.main([str(path), "--link-gbps", "55", "--shares", bad])
+        assert "--shares" in capsys.readouterr().err
