@@ -398,6 +398,37 @@ def test_pace_probe_lane_detail_counts_inside_an_auto_pools_lane_and_keeps_its_b
     assert (outer["eager"] - before["eager"], outer["submits"] - before["submits"]) == (2, 2)
 
 
+def test_pace_probe_lane_detail_puts_the_same_counting_layer_in_every_pools_lane(cell):
+    """--lane-detail: a pool that is not auto's gets one counting layer around its own load lane, the one auto's
+    candidates' lanes get inside auto's (so no pool alone pays its host time); it passes each answer and what auto
+    would hand on through, and counts calls, declines and time; a pool without a load lane is left alone."""
+    from benchmarks import pace_probe
+
+    pool = cell[0]()
+    answers = iter([False, True])
+    seen = []
+
+    def lane(layer, h, d, *rest):  # type: ignore[no-untyped-def]
+        seen.append((layer, rest))
+        return next(answers)
+
+    setattr(lane, "takes_since", True)
+    pool._lanes = (lane, pool._lanes[1])
+    own = pace_probe._count_own(pool)
+    outer = pace_probe._count_lane(pool)
+    h = torch.arange(2, dtype=torch.int64)
+    assert pool._lanes[0](0, h, h) is False and pool._lanes[0](1, h, h) is True
+    assert (own["own_lane"], own["own_lane_declined"]) == (2, 1) and own["own_lane_ns"] > 0
+    assert (outer["served"], outer["declined"]) == (1, 1) and seen == [(0, ()), (1, ())]
+    counted = pace_probe._counting(lane, {"x_lane": 0, "x_lane_declined": 0, "x_lane_ns": 0}, "x")
+    answers = iter([True])
+    assert counted(2, h, h, 7.0, 0x55) is True and seen[-1] == (2, (7.0, 0x55))  # auto's since and stream pass on
+    assert getattr(counted, "takes_since") is True
+    pool._lanes = (None, None)
+    assert pace_probe._count_own(pool) == dict.fromkeys(("own_lane", "own_lane_declined", "own_lane_ns"), 0)
+    assert pool._lanes == (None, None)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_memcpy_reference_is_the_best_of_its_tries_and_cached(monkeypatch):
     """On a GPU (for the pinned and device buffers): the memcpy every ratio of a cell divides by is the fastest of
