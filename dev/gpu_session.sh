@@ -78,16 +78,20 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/layer_f
 PYT="python3 -m pytest -q -p no:cacheprovider --hicache-device cuda"
 result() { case $1 in 0) echo PASSED;; 124|137) echo TIMEOUT;; 5) echo "NO TESTS";; *) echo "FAILED rc=$1";; esac; }
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+san() {  # timeout, tool, then the command: the command under compute-sanitizer, as every sanitizer step runs it
+  local t=$1 tool=$2; shift 2
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$t" "$SAN" --tool "$tool" --target-processes all --error-exitcode 99 "$@"
+}
+san_summary() { grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$@" | sort | uniq -c | tr -s ' ' | tr '\n' ';'; }
 KERNEL_TESTS="plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py tests/test_rowcopy.py tests/test_relayout.py"
 sanitize_one() {  # tool: the kernel tests (-k SAN_K) then a slice of the kit, both under the sanitizer
   local tool=$1 log="$W/sanitizer_$1.log"
   [ -n "$SAN" ] || { note "$tool: SKIPPED (no compute-sanitizer)"; return; }
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool "$tool" --target-processes all --error-exitcode 99 \
-    $PYT -x $KERNEL_TESTS -k "${SAN_K:-not slow}" >"$log" 2>&1; local r1=$?
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool "$tool" --target-processes all --error-exitcode 99 \
-    $PYT -x --pyargs hicache_core.testing --hicache-io-backend kernel --hicache-io-backend direct \
-    --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided >>"$log" 2>&1; local r2=$?
-  note "$tool: kernel tests $(result $r1), kit slice $(result $r2); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+  san ${SAN_T:-200} "$tool" $PYT -x $KERNEL_TESTS -k "${SAN_K:-not slow}" >"$log" 2>&1; local r1=$?
+  san ${SAN_T:-200} "$tool" $PYT -x --pyargs hicache_core.testing --hicache-io-backend kernel \
+    --hicache-io-backend direct --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided >>"$log" 2>&1
+  local r2=$?
+  note "$tool: kernel tests $(result $r1), kit slice $(result $r2); $(san_summary "$log")"
 }
 run_tests() {  # the whole GPU suite in three concurrent pytest processes
   $PYT hicache_core/testing >"$W/tests_kit.log" 2>&1 & local a=$!
@@ -141,10 +145,11 @@ for step in "$@"; do
       r=$?; note "stress: $(result $r); $(tail -3 "$W/stress.log" | tr '\n' ' ')" ;;
     sanitize) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!; wait $s1 $s2 ;;
     tmasan) for tool in memcheck racecheck; do  # both at once, over tests/test_tma.py -k TMA_SAN_K
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SAN_T:-200} "$SAN" --tool $tool --target-processes all \
-          --error-exitcode 99 $PYT tests/test_tma.py -k "${TMA_SAN_K:-not round_trip}" >"$W/tmasan_$tool.log" 2>&1 &
+        san ${SAN_T:-200} $tool $PYT tests/test_tma.py -k "${TMA_SAN_K:-not round_trip}" >"$W/tmasan_$tool.log" 2>&1 &
       done; wait
-      for tool in memcheck racecheck; do note "tmasan $tool: $(tail -1 "$W/tmasan_$tool.log"); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/tmasan_$tool.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"; done ;;
+      for tool in memcheck racecheck; do
+        note "tmasan $tool: $(tail -1 "$W/tmasan_$tool.log"); $(san_summary "$W/tmasan_$tool.log")"
+      done ;;
     sanall) [ -n "$SAN" ] || { note "sanall: SKIPPED (no compute-sanitizer)"; continue; }
       SP=()  # NAME=FILES: every file whose tests launch a kernel, split so that no process runs long (racecheck takes
       # ~40 s per replayed GPU burst test: their eight run in two parts)
@@ -157,12 +162,11 @@ for step in "$@"; do
                "kit=--pyargs hicache_core.testing --hicache-io-backend kernel --hicache-case mha-fp16-ps1 --hicache-case mla576-bf16-ps16-strided"; do
         case " ${SANALL_PARTS:-all} " in *" all "*|*" ${p%%=*} "*) ;; *) continue;; esac
         for tool in ${SANALL_TOOLS:-memcheck racecheck}; do
-          PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout ${SANALL_T:-420} "$SAN" --tool $tool --target-processes all \
-            --error-exitcode 99 $PYT ${p#*=} >"$W/sanall_${p%%=*}_$tool.log" 2>&1 & SP+=("${p%%=*}_$tool $!")
+          san ${SANALL_T:-420} $tool $PYT ${p#*=} >"$W/sanall_${p%%=*}_$tool.log" 2>&1 & SP+=("${p%%=*}_$tool $!")
         done
       done
       for p in "${SP[@]}"; do set -- $p; wait $2; r=$?
-        note "sanall $1: $(result $r) $(grep -E '[0-9]+ (passed|failed)' "$W/sanall_$1.log" | tail -1); $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$W/sanall_$1.log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')"
+        note "sanall $1: $(result $r) $(grep -E '[0-9]+ (passed|failed)' "$W/sanall_$1.log" | tail -1); $(san_summary "$W/sanall_$1.log")"
       done ;;
     checks) sanitize_one memcheck & s1=$!; sanitize_one racecheck & s2=$!
       run_tests; wait $s1 $s2 ;;

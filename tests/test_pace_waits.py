@@ -87,10 +87,10 @@ def test_the_copier_takes_the_calls_waits_on_the_gpu_off_its_sample(monkeypatch)
     assert copier.paces[False].samples()[-1] == pytest.approx(0.45 + 32 / 64)  # not taken off a later call
 
 
-def _pool(device: str = "cpu") -> HostKVPool:
+def _pool() -> HostKVPool:
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
                         page_size=16, capacity=64, row_bytes=656)
-    dev = {"kv": [torch.zeros(64, 1, 656, dtype=torch.uint8, device=device) for _ in range(2)]}
+    dev = {"kv": [torch.zeros(64, 1, 656, dtype=torch.uint8) for _ in range(2)]}
     return HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
 
 
@@ -138,10 +138,12 @@ def test_on_the_gpu_a_new_pairs_read_back_is_logged_and_taken_by_the_calls_sampl
     the device indices waits once, through the copier's wait log, and the call's sample takes that wait; the bytes
     land as the reference backend writes them, canaries untouched."""
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.uint8,
-                        page_size=16, capacity=1024, row_bytes=656)
+                        page_size=16, capacity=1024, row_bytes=656, device="cuda")
     g = torch.Generator().manual_seed(7)
     dev = {"kv": [torch.randint(0, 256, (1024, 1, 656), dtype=torch.uint8, generator=g).cuda() for _ in range(2)]}
-    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
+    # plain descriptors, which the copier samples (a pitched or staged route is not sampled)
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct",
+                      strategy_options={"pitched": "never", "staging": "never"})
     ref = HostKVPool(spec, "layer_first", "reference", dev, registry=REG, strategy="core.reference", pin_memory=False)
     for p in (pool, ref):
         for buf in p.host_buffers.values():
