@@ -61,6 +61,7 @@ from .direct import DirectStrategy
 from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MIN_OPS, MODEL_CALL_US, STALE_S, HostPace
+from .reprobe import Reprobe
 from .plans import PlanCache
 from .staging import page_image
 
@@ -128,6 +129,10 @@ class AutoStrategy:
         decided load, before that load is queued (:meth:`~.plans.PlanCache.read_early`), so that a copy plan made
         later in the burst waits for that read only, not for the loads queued since; costs a small device copy and
         a host copy per new pair.  Off by default (measured on an H100 host: no effect, no stalls to remove).
+    :param reprobe: where a burst of one-layer loads with reused indices goes to the kernel because the host was
+        measured too slow for the copy engine, watch the kernel's own calls and measure the host again as soon as they
+        show it sped up, instead of when that measure ages (:mod:`.reprobe`).  Off by default: not yet measured on
+        a GPU.
     :param backup_room: how many times its transfer time at link speed a backup's submission may take and still go
         to the copy engine (default: ``$HICACHE_AUTO_BACKUP_ROOM`` or :data:`~.auto_rules.BACKUP_ROOM`, 1.2: the
         forward pass first; 1.0: the backup's speed first, where a host-bound copy engine falls behind the kernel).
@@ -136,7 +141,7 @@ class AutoStrategy:
 
     def __init__(self, staging: str | None = None, staging_bytes: int | None = None, pitched: str | None = None,
                  lone: bool | None = None, pace: bool = True, forward: str | None = None, prefetch: bool = False,
-                 backup_room: float | None = None, **kernel_options: Any) -> None:
+                 backup_room: float | None = None, reprobe: bool = False, **kernel_options: Any) -> None:
         raw, where = (forward, "auto's forward option") if forward is not None else \
             (os.environ.get(ENV_FORWARD, ""), ENV_FORWARD)
         mode = str(raw).strip().lower() or "compute"
@@ -149,7 +154,7 @@ class AutoStrategy:
         self.backup_room = backup_room_option(backup_room)
         if lone is None:
             lone = mode != "memory"
-        for name, value in (("lone", lone), ("pace", pace), ("prefetch", prefetch)):
+        for name, value in (("lone", lone), ("pace", pace), ("prefetch", prefetch), ("reprobe", reprobe)):
             if not isinstance(value, bool):
                 raise ConfigError(f"auto's {name} option must be True or False, got {value!r}")
         if mode == "watch" and not lone:
@@ -157,7 +162,9 @@ class AutoStrategy:
         #: With ``forward="watch"`` on a pool that keeps the lone-load rule: the verdict from timed lone loads.
         self.watch: ForwardWatch | None = None
         self._watch_gen = 0
-        self.lone, self.use_pace, self.prefetch = lone, pace, prefetch
+        self.lone, self.use_pace, self.prefetch, self.reprobe = lone, pace, prefetch, reprobe
+        #: With ``reprobe``, on a pool that measures the host: the watch on the kernel route's calls.
+        self.reprobes: Reprobe | None = None
         #: Early reads started for new index pairs (``prefetch``; for tests and benchmarks).
         self.early_reads = 0
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
@@ -240,6 +247,7 @@ class AutoStrategy:
         if not (self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)):
             copier = None  # nothing measured: the calibration alone decides
         self.paces, self.warm_paces = host_measures(binding, copier)
+        self.reprobes = Reprobe(now=self.clock.now) if self.reprobe and self.warm_paces is not None else None
         self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
@@ -290,6 +298,8 @@ class AutoStrategy:
         if hit is not None and not (crossed and hit is self.kernel):
             return hit
         gens = (self._pace_gen[to_host], self._watch_gen)
+        if self.reprobes is not None and not to_host:
+            self.reprobes.disarm()  # a load decided again: armed anew below only where a slow host gives it the kernel
         pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
         # memoised only if nothing another thread did while deciding made it stale: dropped the picks because a
         # measure or the watch moved (this pick read the old one), or dropped the use counts (its tensors with them)
@@ -394,6 +404,9 @@ class AutoStrategy:
         paces = self.warm_paces if reused and self.warm_paces is not None else self.paces
         pace = paces[to_host] if paces is not None else None
         desc_us = pace.fresh() if pace is not None else None
+        # reprobe: the measure to watch where it refuses the copy engine a reused pair's one-layer load (_slow)
+        watch = pace if (self.reprobes is not None and desc_us is not None and paces is self.warm_paces
+                         and layer is not None and not to_host) else None
         cal = self.calibration
         assert cal is not None
         if self._block_bound(binding, layer) < cal.min_block(to_host):
@@ -402,11 +415,11 @@ class AutoStrategy:
             self._read_early(binding, host_indices, device_indices)
         least = self._least_blocks(binding, host_indices, layer) if layer is not None else None
         if least is not None and not self._may_feed(*least, cal, to_host, pace):
-            return self.kernel  # too many blocks for the host whatever the device indices: no plan, no device read
+            return self._slow(watch)  # too many blocks for the host whatever the device indices: no plan, no read
         if layer is not None and not to_host and host_indices.device.type != "cpu" and \
                 self._refuse_unread(host_indices.numel(), cal, pace) and not self._planned(binding, host_indices,
                                                                                                device_indices):
-            return self.kernel  # GPU-resident indices, too many blocks lately for the host: no device read
+            return self._slow(watch)  # GPU-resident indices, too many blocks lately for the host: no device read
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
         if layer is not None and not to_host:
             if len(self._load_blocks) >= _PICKS:
@@ -419,7 +432,17 @@ class AutoStrategy:
         if pace is not None and desc_us is None and worth_measuring(sub, cal, to_host, self.room, self.backup_room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
-        return self.kernel
+        return self._slow(watch)
+
+    def _slow(self, watch: HostPace | None) -> Strategy:
+        """The kernel, for a call the host's pace refused the copy engine; where that was ``watch`` (``reprobe``: a
+        fresh measure of reused plans, for a one-layer load), the kernel's calls are watched for a faster host
+        (:class:`~.reprobe.Reprobe`).  Where the copy engine could not win at any pace, measuring again after a
+        re-probe costs a decision: one with no measure probes only where a host at the calibration's cost would
+        feed the call (:func:`~.auto_rules.worth_measuring`)."""
+        if watch is not None and self.reprobes is not None:
+            self.reprobes.arm(watch)
+        return cast(Strategy, self.kernel)  # _decide runs with both candidates
 
     def _block_bound(self, binding: PoolBinding, layer: int | None) -> float:
         """An upper bound on the *smallest* copy block of any call on ``layer`` (``None``: all layers).
@@ -630,6 +653,7 @@ class AutoStrategy:
         direct, kernel, layers = self.direct, self.kernel, self._layers
         queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
+        rp = self.reprobes if not to_host else None  # reprobe: the kernel route's one-layer loads time the host
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
@@ -692,8 +716,13 @@ class AutoStrategy:
                 if entry is not None and pick is kernel and entry[0] == (1 if layer is None else layers):
                     return False  # the pair's first reuse: pick() decides again at the pace of reused plans
                 route = d_lane if pick is direct else k_lane if pick is kernel else None
-            if route is None or not (d_since(layer, host_indices, device_indices, since, handed) if route is d_lane
-                                     and since is not None else route(layer, host_indices, device_indices)):
+            if rp is not None and route is not None and route is k_lane and layer is not None:
+                t0 = now if clocked else now_of()  # (clocked: read at the lane's start)
+                if not route(layer, host_indices, device_indices):
+                    return False  # the normal path serves (and counts) the call
+                rp.record((now_of() - t0) * 1e6)
+            elif route is None or not (d_since(layer, host_indices, device_indices, since, handed) if route is d_lane
+                                       and since is not None else route(layer, host_indices, device_indices)):
                 return False  # the normal path serves (and counts) the call
             if entry is not None:  # counted as pick() counts (_use), once served here
                 entry[0] += 1

@@ -17,6 +17,7 @@ from . import pace as _pace
 from .auto_rules import FED_SHARE, MEMORY_KERNEL_SHARE, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
+from .reprobe import DROP
 from .staging import LAUNCH_US
 
 if TYPE_CHECKING:
@@ -76,6 +77,10 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
     if auto.prefetch:
         lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
                      "first decided load, so a copy plan made later in the burst waits for that read only")
+    if auto.reprobe:
+        lines.append("auto: reprobe: where a burst of one-layer loads with reused indices goes to the kernel because the "
+                     "host was measured too slow, the kernel's own calls are timed, and the host is measured again "
+                     f"once they run {DROP:.0%} faster than just after that decision")
     if auto.lone and getattr(auto.kernel, "fast_load", None) is not None:
         lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                      f"{auto.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
