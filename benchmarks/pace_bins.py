@@ -7,6 +7,11 @@ Per cell of the probe it prints:
 
 - ``direct``'s ratio to memcpy by its own host time per layer (4 us buckets), beside the kernel's median: the host
   time at which the copy engine stops beating the kernel on that host;
+- by the kernel pool's own host time per layer (1 us buckets): ``direct``'s host time and both routes' ratios in the
+  same cycles, i.e. how well the kernel route's calls tell the host's speed (what ``auto``'s ``reprobe`` option reads),
+  and, per factor of ``--kernel-factors``, a counterfactual route per burst: ``direct`` where the previous burst's
+  kernel host time was within that factor of its least in the run, else the kernel (an upper bound for any rule that
+  reads the kernel's calls: it switches at once and pays no probe);
 - after each cycle in which ``auto`` measured the host again (``auto_probed``), the estimate it then held for
   reused plans (``h2d_us_reused``, microseconds per descriptor) in bins of ``--bin``, and the medians of ``direct``,
   the kernel and ``auto`` over the next ``--follow`` cycles: which estimates preceded cycles where the copy engine
@@ -33,7 +38,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +62,43 @@ def layer_geometry(shape: str, layout: str) -> tuple[int, int]:
     nbytes = spec.bytes_per_token // layers * TOKENS
     plan = create_registry().layout(layout).plan(spec)
     return nbytes, TOKENS // PAGE_SIZE * max(1, len(plan.segments))
+
+
+def kernel_buckets(cycles: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per 1 us bucket of the kernel pool's host time per layer: the cycles, and the medians of ``direct``'s host time
+    per layer and of both routes' ratios in them (cycles without those host times are left out)."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for c in cycles:
+        if c.get("kernel_host_us") is None or c.get("direct_host_us") is None:
+            continue
+        by.setdefault(int(c["kernel_host_us"]), []).append(c)
+    return [{"kernel_host_us_from": k, "cycles": len(v),
+             "direct_host_us": round(statistics.median(c["direct_host_us"] for c in v), 1),
+             "direct": round(statistics.median(c["direct"] for c in v), 4),
+             "kernel": round(statistics.median(c["kernel"] for c in v), 4)} for k, v in sorted(by.items())]
+
+
+def kernel_rule(cycles: list[dict[str, Any]], factors: list[float]) -> list[dict[str, Any]]:
+    """Per factor: bursts from the second on, routed by the previous burst's kernel host time (``direct`` within
+    ``factor`` times its least, else the kernel), scored against the better route of each burst: mean and median
+    gap in points of memcpy and the share within 3 points; the first row (``factor`` ``None``) is ``auto`` as run."""
+    rows = [c for c in cycles if c.get("kernel_host_us") is not None]
+    if len(rows) < 2:
+        return []
+    least = min(c["kernel_host_us"] for c in rows)
+    best = [max(c["direct"], c["kernel"]) for c in rows[1:]]
+
+    def row(factor: float | None, got: list[float]) -> dict[str, Any]:
+        gaps = [(g - b) * 100 for g, b in zip(got, best)]
+        return {"factor": factor, "bursts": len(gaps), "gap_mean": round(statistics.mean(gaps), 2),
+                "gap_median": round(statistics.median(gaps), 2),
+                "within_3": round(sum(x >= -3.0 for x in gaps) / len(gaps), 3)}
+
+    out = [row(None, [c["auto"] for c in rows[1:]])]
+    for f in factors:
+        out.append(row(f, [c["direct"] if prev["kernel_host_us"] <= f * least else c["kernel"]
+                           for prev, c in zip(rows, rows[1:])]))
+    return out
 
 
 def estimate_limit(nbytes: int, descs: int, link_gbps: float, share: float | None = None) -> float:
@@ -139,7 +181,8 @@ def share_sweep(cycles: list[dict[str, Any]], follow: int, nbytes: int, descs: i
 
 
 def report(cells: list[dict[str, Any]], follow: int, width: float,
-           link_gbps: float | None, shares: list[float] | None = None) -> list[dict[str, Any]]:
+           link_gbps: float | None, shares: list[float] | None = None,
+           kernel_factors: list[float] | None = None) -> list[dict[str, Any]]:
     """One entry per reused-index cell of a pace probe's JSON (``{"summary", "cycles"}`` each); cells run with new
     indices every batch are left out (their estimate is the planning calls', ``h2d_us``)."""
     out = []
@@ -150,6 +193,8 @@ def report(cells: list[dict[str, Any]], follow: int, width: float,
         entry: dict[str, Any] = {"shape": s["shape"], "layout": s["layout"], "cycles": len(cycles),
                                  "kernel": round(statistics.median(c["kernel"] for c in cycles), 4),
                                  "by_direct_host_time": host_buckets(cycles),
+                                 "by_kernel_host_time": kernel_buckets(cycles),
+                                 "by_kernel_rule": kernel_rule(cycles, kernel_factors or []),
                                  "by_estimate": estimate_bins(cycles, follow, width)}
         if link_gbps is not None:
             nbytes, descs = layer_geometry(s["shape"], s["layout"])
@@ -169,16 +214,43 @@ def _print(entry: dict[str, Any]) -> None:
     print("  direct by its host time per layer:")
     for r in entry["by_direct_host_time"]:
         print(f"    {r['host_us_from']:5.0f}+ us  {r['cycles']:4d} cycles  direct {r['direct']:.3f}")
+    if entry.get("by_kernel_host_time"):
+        print("  by the kernel pool's host time per layer:")
+        for r in entry["by_kernel_host_time"]:
+            print(f"    {r['kernel_host_us_from']:3d}+ us  {r['cycles']:4d} cycles  direct's host time "
+                  f"{r['direct_host_us']:5.1f} us  direct {r['direct']:.3f}  kernel {r['kernel']:.3f}")
+    _counterfactual("each burst routed by the previous one's kernel host time", entry.get("by_kernel_rule", []),
+                    lambda r: f"direct within {r['factor']:.2f}x the least",
+                    lambda r: f"mean {r['gap_mean']:+6.2f}  median {r['gap_median']:+6.2f}  within 3 points "
+                              f"{r['within_3']:.0%} of {r['bursts']}")
     print("  after a probe, by auto's estimate for reused plans (us/descriptor):")
     for r in entry["by_estimate"]:
         print(f"    {r['estimate_from']:.2f}-{r['estimate_to']:.2f}  {r['probes']:3d} probes  direct {r['direct']:.3f}"
               f"  kernel {r['kernel']:.3f}  auto {r['auto']:.3f}  (auto on direct after {r['auto_by_direct']})")
-    if len(entry.get("by_share", [])) > 1:
-        print("  counterfactual, the route each probe's estimate picks at a share (points of memcpy against the better"
-              " route):")
-        for r in entry["by_share"]:
-            name = "auto as run" if r["share"] is None else f"share {r['share']:.2f} (limit {r['limit']:.3f})"
-            print(f"    {name:28s} {r['gap_points']:+6.2f}  within 3 points after {r['within_3']} of {r['probes']}")
+    _counterfactual("the route each probe's estimate picks at a share", entry.get("by_share", []),
+                    lambda r: f"share {r['share']:.2f} (limit {r['limit']:.3f})",
+                    lambda r: f"{r['gap_points']:+6.2f}  within 3 points after {r['within_3']} of {r['probes']}")
+
+
+def _counterfactual(title: str, rows: list[dict[str, Any]], name: Callable[[dict[str, Any]], str],
+                    figures: Callable[[dict[str, Any]], str]) -> None:
+    """Print a counterfactual's rows (the first: ``auto`` as run), when it has any beside that one."""
+    if len(rows) < 2:
+        return
+    print(f"  counterfactual, {title} (points of memcpy against the better route):")
+    for i, r in enumerate(rows):
+        print(f"    {'auto as run' if i == 0 else name(r):30s} {figures(r)}")
+
+
+def _positive(p: argparse.ArgumentParser, flag: str, raw: str) -> list[float]:
+    """``raw`` as comma-separated positive numbers, else ``p`` exits naming ``flag``."""
+    try:
+        values = [float(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"{flag} {raw!r}: give comma-separated numbers, e.g. 1.1,1.3")
+    if any(not x > 0 for x in values):
+        p.error(f"{flag} {raw!r}: every value must be a positive number")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,18 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bin", type=float, default=0.05, help="width of the estimate's bins, us per descriptor")
     p.add_argument("--shares", default="1.0,1.1,1.2,1.3,1.4,1.5",
                    help="comma-separated candidate FED_SHARE values for the counterfactual (with --link-gbps)")
+    p.add_argument("--kernel-factors", default="1.2,1.3,1.4",
+                   help="comma-separated factors of the least kernel host time for the kernel-rule counterfactual")
     p.add_argument("--json", default=None, help="also write the report here")
     args = p.parse_args(argv)
     if args.follow < 1 or args.bin <= 0:
         p.error("--follow must be >= 1 and --bin > 0")
-    try:
-        shares = [float(x) for x in args.shares.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--shares {args.shares!r}: give comma-separated numbers, e.g. 1.1,1.3")
-    if any(not x > 0 for x in shares):
-        p.error(f"--shares {args.shares!r}: every share must be a positive number")
+    shares, factors = (_positive(p, flag, raw) for flag, raw in (("--shares", args.shares),
+                                                                ("--kernel-factors", args.kernel_factors)))
     with open(args.pace_json) as f:
-        entries = report(json.load(f), args.follow, args.bin, args.link_gbps, shares)
+        entries = report(json.load(f), args.follow, args.bin, args.link_gbps, shares, factors)
     if not entries:
         print(f"{args.pace_json}: no reused-index cell (run pace_probe.py with --reuse)", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
 [--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
-[--hbm] [--profile DIR] [--lane-detail] [--with-lone-off] [--with-direct-only]``.
+[--hbm] [--profile DIR] [--lane-detail] [--with-lone-off] [--with-direct-only] [--with-reprobe]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -14,7 +14,8 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 ``auto``'s burst and the host pace it measured, so the host's drift and ``auto``'s tracking of it show side by
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
 ``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``,
-``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``); ``--hbm``
+``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``),
+``--with-reprobe`` ``auto`` with ``reprobe=True`` (its re-probes per cycle: ``reprobes``); ``--hbm``
 runs every burst beside a memory-bound reduction on another stream (``hicache bench --hbm``'s neighbour, queued to
 outlast the burst), against the idle pinned copy.  The summary's ``stalls`` lists, per candidate, the cycles whose
 burst had a call over :data:`STALL_US`.  ``--profile DIR`` cProfiles each candidate's bursts (their host time grows
@@ -208,11 +209,12 @@ VARIANTS: dict[str, dict[str, object]] = {
     "auto forward=memory": {"forward": "memory"}, "auto forward=watch": {"forward": "watch"},
     "auto prefetch": {"forward": "compute", "prefetch": True},
     "auto forward=watch prefetch": {"forward": "watch", "prefetch": True},
-    "auto lone=off": {"forward": "compute", "lone": False}, "auto direct-only": {"forward": "compute"}}
+    "auto lone=off": {"forward": "compute", "lone": False}, "auto direct-only": {"forward": "compute"},
+    "auto reprobe": {"forward": "compute", "reprobe": True}}
 #: The optional ones: label -> the tag of their summary keys.
 TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch",
         "auto prefetch": "prefetch", "auto forward=watch prefetch": "watch_prefetch", "auto lone=off": "lone_off",
-        "auto direct-only": "direct_only"}
+        "auto direct-only": "direct_only", "auto reprobe": "reprobe"}
 #: A call slower than this many microseconds counts as a stall in the summary (a read of GPU indices behind queued
 #: loads took 20-38 ms on the H200).
 STALL_US = 10_000.0
@@ -225,7 +227,8 @@ def _by(name: str) -> str:
 
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
              hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None,
-             lane_detail: bool = False, with_lone_off: bool = False, with_direct_only: bool = False) -> dict:
+             lane_detail: bool = False, with_lone_off: bool = False, with_direct_only: bool = False,
+             with_reprobe: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -234,7 +237,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch,
               "auto prefetch": with_prefetch, "auto forward=watch prefetch": with_prefetch and with_watch,
-              "auto lone=off": with_lone_off, "auto direct-only": with_direct_only}
+              "auto lone=off": with_lone_off, "auto direct-only": with_direct_only, "auto reprobe": with_reprobe}
     names = ["kernel", "direct", "auto"] + [n for n, on in chosen.items() if on]
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
@@ -303,6 +306,9 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             pick = st._picks.get(pick_key(hk, dk, layers[-1], False))  # type: ignore[attr-defined]
             row[_by(name)] = ("direct" if pick is st.direct or st.kernel is None  # type: ignore[attr-defined]
                               else "kernel" if pick is not None else "lone/none")  # (direct-only: never memoised)
+        if with_reprobe:  # re-probes so far of auto reprobe's pool
+            rp = pools["auto reprobe"].strategy.reprobes  # type: ignore[attr-defined]
+            row["reprobes"] = None if rp is None else rp.triggers
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)
             row["h2d_us" + tag] = None if paces is None or paces[0].desc_us is None else round(paces[0].desc_us, 3)
@@ -377,6 +383,9 @@ def main() -> None:
     p.add_argument("--with-lone-off", action="store_true", help="also auto with lone=False (no lone-load rule)")
     p.add_argument("--with-direct-only", action="store_true",
                    help="also auto whose kernel candidate is removed (its lane then routes every call to direct's)")
+    p.add_argument("--with-reprobe", action="store_true",
+                   help="also auto with reprobe=True (a burst held on the kernel by a slow host is measured again once "
+                        "the kernel's calls speed up)")
     p.add_argument("--lane-detail", action="store_true",
                    help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
                         "returned on the normal path (the cycle's auto_inner); the other pools' lanes get the same "
@@ -410,7 +419,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
                             args.with_watch, args.with_prefetch, args.profile, args.lane_detail,
-                            args.with_lone_off, args.with_direct_only)
+                            args.with_lone_off, args.with_direct_only, args.with_reprobe)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -447,3 +447,17 @@ def test_the_memcpy_reference_is_the_best_of_its_tries_and_cached(monkeypatch):
     assert memcpy.gbps(nbytes, True, 3) == first and len(timed) == bench._Memcpy.TRIES  # cached
     memcpy.gbps(nbytes, False, 3)
     assert len(timed) == 2 * bench._Memcpy.TRIES  # the other direction is its own measure
+
+
+def test_every_pace_probe_variant_is_a_valid_auto_and_every_optional_one_has_a_tag():
+    """benchmarks/pace_probe.py's candidates: each label's options make an ``auto`` (a bad option would fail on the
+    GPU, after the machine started), and each optional label has its summary tag."""
+    from benchmarks import pace_probe
+
+    from hicache_core.backends.auto import AutoStrategy
+
+    for label, options in pace_probe.VARIANTS.items():
+        AutoStrategy(**options)  # type: ignore[arg-type]
+        assert label == "auto" or label in pace_probe.TAGS, label
+    assert set(pace_probe.TAGS) <= set(pace_probe.VARIANTS)
+    assert pace_probe.VARIANTS["auto reprobe"].get("reprobe") is True

@@ -97,3 +97,35 @@ def test_main_prints_the_sweep_and_refuses_bad_shares(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit):
             B.main([str(path), "--link-gbps", "55", "--shares", bad])
         assert "--shares" in capsys.readouterr().err
+
+
+def test_the_kernel_pools_host_time_buckets_show_the_hosts_state_beside_directs() -> None:
+    cycles = [_cycle(0.91, 0.85, 0.85, 50.0), _cycle(0.90, 0.84, 0.85, 52.0), _cycle(0.55, 0.85, 0.85, 90.0)]
+    for c, k in zip(cycles, (12.4, 12.9, 17.2)):
+        c["kernel_host_us"] = k
+    older = _cycle(0.70, 0.85, 0.85, 60.0)  # no kernel host time recorded: left out
+    assert B.kernel_buckets(cycles + [older]) == [
+        {"kernel_host_us_from": 12, "cycles": 2, "direct_host_us": 51.0, "direct": 0.905, "kernel": 0.845},
+        {"kernel_host_us_from": 17, "cycles": 1, "direct_host_us": 90.0, "direct": 0.55, "kernel": 0.85}]
+
+
+def test_the_kernel_rule_routes_each_burst_by_the_previous_bursts_kernel_host_time(capsys, tmp_path) -> None:
+    # a fast burst (kernel 10 us/layer), a slow one (15), a fast one: at 1.2x the least (12 us) the second burst goes
+    # to direct (the first was fast: direct 0.55 there, a 30-point miss) and the third to the kernel (0.85 against
+    # direct's 0.90: 5 points)
+    cycles = [_cycle(0.90, 0.85, 0.85, 50.0), _cycle(0.55, 0.85, 0.85, 90.0), _cycle(0.90, 0.85, 0.88, 50.0)]
+    for c, k in zip(cycles, (10.0, 15.0, 10.0)):
+        c["kernel_host_us"] = k
+    rows = B.kernel_rule(cycles, [1.2, 2.0])
+    assert [r["factor"] for r in rows] == [None, 1.2, 2.0] and all(r["bursts"] == 2 for r in rows)
+    # as run: 0 and -2; at 1.2x: -30 and -5; at 2.0x both bursts after a kernel time within 20 us: direct, -30 and 0
+    assert [r["gap_mean"] for r in rows] == [-1.0, -17.5, -15.0]
+    assert [r["within_3"] for r in rows] == [1.0, 0.0, 0.5]
+    assert rows[2]["gap_median"] == -15.0 and B.kernel_rule(cycles[:1], [1.2]) == []
+    path = tmp_path / "pace.json"
+    path.write_text(json.dumps([_cell(cycles)]))
+    assert B.main([str(path), "--kernel-factors", "1.2"]) == 0
+    assert "previous one's kernel host time" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        B.main([str(path), "--kernel-factors", "0"])
+    assert "--kernel-factors" in capsys.readouterr().err
