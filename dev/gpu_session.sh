@@ -30,8 +30,8 @@
 #               part, all at once (SANALL_T seconds each, default 420; SANALL_PARTS names some parts only, SANALL_TOOLS
 #               one tool); a line per tool and part
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
-#   pacetests   tests/test_pace.py and tests/test_direct.py (the copy engine and auto's decisions) on the GPU, and the
-#               conformance kit for direct and auto beside them
+#   pacetests   tests/test_pace.py, test_pace_waits.py, test_reprobe.py and test_direct.py (the copy engine and auto's
+#               decisions) on the GPU, and the conformance kit for direct and auto beside them
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
 #               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12); "--profile /tmp/hicache-work/prof" in
 #               either puts each candidate's cProfile into logs.tgz
@@ -214,7 +214,8 @@ for step in "$@"; do
         note "ncu $lay: $(result $?)"; done ;;
     pacetests) timeout ${TESTS_T:-300} $PYT hicache_core/testing --hicache-io-backend direct --hicache-io-backend auto \
         >"$W/pace_kit.log" 2>&1 & a=$!
-      timeout ${TESTS_T:-300} $PYT tests/test_pace.py tests/test_direct.py >"$W/pace_tests.log" 2>&1; r=$?
+      timeout ${TESTS_T:-300} $PYT tests/test_pace.py tests/test_pace_waits.py tests/test_reprobe.py tests/test_direct.py \
+        >"$W/pace_tests.log" 2>&1; r=$?
       wait $a; ra=$?
       note "pace tests: $(result $r) $(tail -1 "$W/pace_tests.log")"; note "kit direct+auto: $(result $ra) $(tail -1 "$W/pace_kit.log")" ;;
     pace) for mode in fresh reuse; do
