@@ -132,6 +132,36 @@ def test_a_plan_waits_for_the_stream_apart_before_reading_gpu_resident_values(mo
     assert synced == [torch.device("cuda", 0)] and log.take(-1.0) == 0.0
 
 
+def test_a_plans_deferred_reads_of_device_indices_are_logged_as_waits(monkeypatch):
+    """The reads a plan defers until a route needs the device indices' values wait for the GPU too: from its device
+    copy (the stream's queued work) or from an early read (its event); both go through the wait log.  A cache's plans
+    get its log."""
+    t = [0.0]
+    log = WaitLog(lambda: t[0])
+    pool = _pool()
+    cache = plans_mod.PlanCache(pool.binding, "never", 1, waits=log)
+    h, d = torch.arange(16), torch.arange(16)
+    assert cache.get(h, d, 0)._waits is log
+
+    class _Stream:
+        def synchronize(self) -> None:
+            t[0] += 0.004
+
+    monkeypatch.setattr(plans_mod.torch.cuda, "current_stream", lambda device: _Stream())
+    monkeypatch.setattr(plans_mod, "as_long", lambda x, device, copy=False: torch.arange(4))
+    plan = Plan(pool.binding, h, d, "never", 1, waits=log)
+    plan._d, plan._d_dev, plan._d_early = None, _GpuLike(), None  # type: ignore[assignment]  # as on a CUDA pool
+    assert torch.equal(plan.d, torch.arange(4)) and log.take(-1.0) == pytest.approx(0.004)
+
+    class _Early:
+        def values(self) -> torch.Tensor:  # waits for the early read's event
+            t[0] += 0.002
+            return torch.arange(4)
+
+    plan._d, plan._early = None, _Early()  # type: ignore[assignment]
+    assert torch.equal(plan.d, torch.arange(4)) and log.take(-1.0) == pytest.approx(0.002)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_a_new_pairs_read_back_is_logged_and_taken_by_the_calls_sample(monkeypatch):
     """CUDA pool, CPU host indices, GPU-resident device indices, the stream busy before the call: the plan's read of
@@ -166,11 +196,13 @@ def test_on_the_gpu_a_new_pairs_read_back_is_logged_and_taken_by_the_calls_sampl
     pages = torch.randperm(64, generator=g)[:40]
     h = (pages.unsqueeze(1) * 16 + torch.arange(16)).reshape(-1)  # CPU-resident, pages in random order: 80 blocks
     d = torch.arange(640, device="cuda")  # GPU-resident, as an engine hands them over
-    torch.cuda._sleep(20_000_000)  # work queued before the call: the read back waits for it
+    torch.cuda._sleep(100_000_000)  # ~50-70 ms of work queued before the call: the read back waits for it
     pool.backup_all_layers(h, d)
     torch.cuda.synchronize()
-    assert len(timed) == 1 and len(taken) == 1 and taken[0] > 0.0
-    assert len(copier.paces[True].samples()) == 1
+    assert len(timed) == 1 and len(taken) == 1
+    assert taken[0] >= 0.005  # the wait for the queued work went through the log (ms, not a sync of an idle stream)
+    samples = copier.paces[True].samples()
+    assert len(samples) == 1 and samples[0] * 80 * 1e-6 < taken[0] / 2  # at most 80 descriptors: the wait is not in
     ref.backup_all_layers(h, d)
     torch.cuda.synchronize()
     for name, buf in pool.host_buffers.items():

@@ -158,3 +158,60 @@ def test_reprobe_is_an_option_of_auto_and_explain_names_it():
         lines = auto.describe(pool.spec, pool.binding.layout)
         assert any("reprobe" in line for line in lines) is on
     assert MIN_SAMPLES <= WINDOW  # the reference comes from a full window, after an estimate exists
+
+
+class _Staged:
+    """A staged submission standing for ``sub``: the copy engine's route after a relayout, which ``fed`` judges at the
+    calibration's costs alone (here far too slow), whatever the measure says."""
+
+    def __init__(self, sub):  # type: ignore[no-untyped-def]
+        self._sub, self.staged, self.pitched = sub, object(), None
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._sub, name)
+
+    def host_us(self, submit_us: float, call_us: float = 0.0) -> float:
+        return 1e9
+
+
+def test_a_kernel_pick_no_measure_made_arms_nothing(monkeypatch):
+    """Only a refusal by the measure arms the watch: not a staged plan the calibration refuses while the host is
+    measured fast, nor backups or all-layer loads judged at a slow measure of reused plans."""
+    from dataclasses import replace
+
+    from hicache_core.calibration import DEFAULT
+
+    auto, pool, h, d, t, kernel = _auto()
+    rp, b = auto.reprobes, pool.binding
+    assert rp is not None
+    real = auto.direct.submission  # type: ignore[union-attr]
+    monkeypatch.setattr(auto.direct, "submission", lambda *a: _Staged(real(*a)))
+    _fill(auto.paces[False], 0.001)  # type: ignore[index]  # a fast host: plain descriptors would go to the copy engine
+    _fill(auto.warm_paces[False], 0.001)  # type: ignore[index]
+    assert [auto.pick(b, h, d, layer, to_host=False) is kernel for layer in (1, 0, 1)] == [True] * 3
+    assert rp.target is None
+    monkeypatch.undo()
+
+    auto, pool, h, d, t, kernel = _auto()
+    rp, b = auto.reprobes, pool.binding
+    assert rp is not None
+    auto.calibration = replace(DEFAULT, submit_us=100.0)  # the calibration alone refuses every call here
+    for to_host in (True, False):
+        _fill(auto.paces[to_host], 5.0)  # type: ignore[index]  # too slow even with a backup's room
+        _fill(auto.warm_paces[to_host], 5.0)  # type: ignore[index]
+        # an all-layer call's second is a reuse, judged at the slow measure of reused plans: the kernel, not watched
+        assert [auto.pick(b, h, d, None, to_host=to_host) is kernel for _ in range(2)] == [True, True]
+        assert rp.target is None, to_host
+    # armed by a one-layer load burst, the kernel's backups and all-layer loads through the lanes are not timed
+    for layer in (1, 0, 1):
+        auto.pick(b, h, d, layer, to_host=False)
+    assert rp.target is auto.warm_paces[False]  # type: ignore[index]
+    # one-layer backups of the pair, beyond its first burst (the lane leaves that burst's end to pick())
+    assert [auto.pick(b, h, d, layer, to_host=True) is kernel for layer in (1, 0, 1)] == [True] * 3
+    assert rp.target is auto.warm_paces[False]  # type: ignore[index]  # backups neither arm nor disarm it
+    backup, load = auto.lane(b, True), auto.lane(b, False)
+    assert backup is not None and load is not None
+    for _ in range(WINDOW):
+        assert backup(None, h, d) and backup(1, h, d) and load(None, h, d)
+    assert rp.kernel.samples() == [] and kernel.served == 3 * WINDOW
+    assert load(1, h, d) and len(rp.kernel.samples()) == 1  # a one-layer load is

@@ -131,8 +131,9 @@ class AutoStrategy:
         a host copy per new pair.  Off by default (measured on an H100 host: no effect, no stalls to remove).
     :param reprobe: where a burst of one-layer loads with reused indices goes to the kernel because the host was
         measured too slow for the copy engine, watch the kernel's own calls and measure the host again as soon as they
-        show it sped up, instead of when that measure ages (:mod:`.reprobe`).  Off by default: not yet measured on
-        a GPU.
+        show it sped up, instead of when that measure ages (:mod:`.reprobe`).  The kernel's calls are timed in the
+        pool's lane only (none with ``HICACHE_LANES=0``, nor for a kernel without a lane: there the measure ages as
+        without the option).  Off by default: not yet measured on a GPU.
     :param backup_room: how many times its transfer time at link speed a backup's submission may take and still go
         to the copy engine (default: ``$HICACHE_AUTO_BACKUP_ROOM`` or :data:`~.auto_rules.BACKUP_ROOM`, 1.2: the
         forward pass first; 1.0: the backup's speed first, where a host-bound copy engine falls behind the kernel).
@@ -432,7 +433,8 @@ class AutoStrategy:
         if pace is not None and desc_us is None and worth_measuring(sub, cal, to_host, self.room, self.backup_room):
             self.pace_probes += 1  # the copy engine serves it to measure the host
             return self.direct
-        return self._slow(watch)
+        # a staged or pitched plan is judged at the calibration's costs alone (auto_rules.fed): no measure refused it
+        return self._slow(watch if sub.staged is None and sub.pitched is None else None)
 
     def _slow(self, watch: HostPace | None) -> Strategy:
         """The kernel, for a call the host's pace refused the copy engine; where that was ``watch`` (``reprobe``: a
