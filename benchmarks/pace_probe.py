@@ -15,7 +15,7 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
 ``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``,
 ``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``),
-``--with-reprobe`` ``auto`` with ``reprobe=True`` (its re-probes per cycle: ``reprobes``); ``--hbm``
+``--with-reprobe`` ``auto`` with ``reprobe=True`` (its re-probes so far, per cycle: ``reprobes``); ``--hbm``
 runs every burst beside a memory-bound reduction on another stream (``hicache bench --hbm``'s neighbour, queued to
 outlast the burst), against the idle pinned copy.  The summary's ``stalls`` lists, per candidate, the cycles whose
 burst had a call over :data:`STALL_US`.  ``--profile DIR`` cProfiles each candidate's bursts (their host time grows
@@ -307,7 +307,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[_by(name)] = ("direct" if pick is st.direct or st.kernel is None  # type: ignore[attr-defined]
                               else "kernel" if pick is not None else "lone/none")  # (direct-only: never memoised)
         if with_reprobe:  # re-probes so far of auto reprobe's pool
-            rp = pools["auto reprobe"].strategy.reprobes  # type: ignore[attr-defined]
+            rp = pools["auto reprobe"].strategy.reprobe_watch  # type: ignore[attr-defined]
             row["reprobes"] = None if rp is None else rp.triggers
         for attr, tag in (("paces", ""), ("warm_paces", "_reused")):
             paces = getattr(auto, attr)

@@ -93,7 +93,7 @@ def _auto(reprobe: bool = True) -> tuple[AutoStrategy, HostKVPool, torch.Tensor,
     auto.clock = QueueClock(now=lambda: t[0])
     kernel = _Kernel(t)
     auto.kernel = kernel  # type: ignore[assignment]
-    auto.reprobes = Reprobe(now=lambda: t[0]) if reprobe else None
+    auto.reprobe_watch = Reprobe(now=lambda: t[0]) if reprobe else None
     _fill(auto.paces[False], 0.9)  # type: ignore[index]  # planning calls: too slow for these loads
     _fill(auto.warm_paces[False], 0.9)  # and reused plans too
     return auto, pool, h, torch.arange(64 * 64), t, kernel
@@ -101,7 +101,7 @@ def _auto(reprobe: bool = True) -> tuple[AutoStrategy, HostKVPool, torch.Tensor,
 
 def test_a_burst_held_on_the_kernel_by_a_slow_host_is_measured_again_once_the_kernels_calls_speed_up():
     auto, pool, h, d, t, kernel = _auto()
-    rp = auto.reprobes
+    rp = auto.reprobe_watch
     assert rp is not None
     b = pool.binding
     assert [auto.pick(b, h, d, layer, to_host=False) is kernel for layer in (1, 0)] == [True, True]
@@ -125,7 +125,7 @@ def test_a_burst_held_on_the_kernel_by_a_slow_host_is_measured_again_once_the_ke
 
 def test_only_a_slow_measure_of_reused_plans_arms_it_and_every_new_decision_disarms_it():
     auto, pool, h, d, t, kernel = _auto()
-    rp = auto.reprobes
+    rp = auto.reprobe_watch
     assert rp is not None
     b = pool.binding
     for layer in (1, 0, 1):
@@ -141,7 +141,7 @@ def test_only_a_slow_measure_of_reused_plans_arms_it_and_every_new_decision_disa
         assert auto.pick(pool.binding, h, d, layer, to_host=False) is kernel
     lane = auto.lane(pool.binding, False)
     assert lane is not None and all(lane(0, h, d) for _ in range(3 * WINDOW))
-    assert auto.reprobes is None and kernel.served == 3 * WINDOW
+    assert auto.reprobe_watch is None and kernel.served == 3 * WINDOW
 
 
 def test_reprobe_is_an_option_of_auto_and_explain_names_it():
@@ -154,7 +154,7 @@ def test_reprobe_is_an_option_of_auto_and_explain_names_it():
         pool = HostKVPool(spec, "layer_first", "auto", dev, registry=REG, strategy_options={"reprobe": on})
         auto = pool.strategy
         assert isinstance(auto, AutoStrategy) and auto.reprobe is on
-        assert auto.reprobes is None  # a CPU pool measures no host: nothing to watch
+        assert auto.reprobe_watch is None  # a CPU pool measures no host: nothing to watch
         lines = auto.describe(pool.spec, pool.binding.layout)
         assert any("reprobe" in line for line in lines) is on
     assert MIN_SAMPLES <= WINDOW  # the reference comes from a full window, after an estimate exists
@@ -182,7 +182,7 @@ def test_a_kernel_pick_no_measure_made_arms_nothing(monkeypatch):
     from hicache_core.calibration import DEFAULT
 
     auto, pool, h, d, t, kernel = _auto()
-    rp, b = auto.reprobes, pool.binding
+    rp, b = auto.reprobe_watch, pool.binding
     assert rp is not None
     real = auto.direct.submission  # type: ignore[union-attr]
     monkeypatch.setattr(auto.direct, "submission", lambda *a: _Staged(real(*a)))
@@ -193,7 +193,7 @@ def test_a_kernel_pick_no_measure_made_arms_nothing(monkeypatch):
     monkeypatch.undo()
 
     auto, pool, h, d, t, kernel = _auto()
-    rp, b = auto.reprobes, pool.binding
+    rp, b = auto.reprobe_watch, pool.binding
     assert rp is not None
     auto.calibration = replace(DEFAULT, submit_us=100.0)  # the calibration alone refuses every call here
     for to_host in (True, False):

@@ -61,8 +61,8 @@ from .direct import DirectStrategy
 from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
 from .pace import MIN_OPS, MODEL_CALL_US, STALE_S, HostPace
-from .reprobe import Reprobe
 from .plans import PlanCache
+from .reprobe import Reprobe
 from .staging import page_image
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class AutoStrategy:
         self._watch_gen = 0
         self.lone, self.use_pace, self.prefetch, self.reprobe = lone, pace, prefetch, reprobe
         #: With ``reprobe``, on a pool that measures the host: the watch on the kernel route's calls.
-        self.reprobes: Reprobe | None = None
+        self.reprobe_watch: Reprobe | None = None
         #: Early reads started for new index pairs (``prefetch``; for tests and benchmarks).
         self.early_reads = 0
         self._direct_factory = lambda: DirectStrategy(staging=staging, staging_bytes=staging_bytes, pitched=pitched)
@@ -248,7 +248,7 @@ class AutoStrategy:
         if not (self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)):
             copier = None  # nothing measured: the calibration alone decides
         self.paces, self.warm_paces = host_measures(binding, copier)
-        self.reprobes = Reprobe(now=self.clock.now) if self.reprobe and self.warm_paces is not None else None
+        self.reprobe_watch = Reprobe(now=self.clock.now) if self.reprobe and self.warm_paces is not None else None
         self._arm(binding)
         logger.debug("auto for %s: direct=%s kernel=%s calibration=%s", binding.layout.name,
                      self.direct is not None, self.kernel_name or None, self.calibration)
@@ -299,8 +299,8 @@ class AutoStrategy:
         if hit is not None and not (crossed and hit is self.kernel):
             return hit
         gens = (self._pace_gen[to_host], self._watch_gen)
-        if self.reprobes is not None and not to_host:
-            self.reprobes.disarm()  # a load decided again: armed anew below only where a slow host gives it the kernel
+        if self.reprobe_watch is not None and not to_host:
+            self.reprobe_watch.disarm()  # a load decided again: armed anew below only where a slow host gives it the kernel
         pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
         # memoised only if nothing another thread did while deciding made it stale: dropped the picks because a
         # measure or the watch moved (this pick read the old one), or dropped the use counts (its tensors with them)
@@ -406,7 +406,7 @@ class AutoStrategy:
         pace = paces[to_host] if paces is not None else None
         desc_us = pace.fresh() if pace is not None else None
         # reprobe: the measure to watch where it refuses the copy engine a reused pair's one-layer load (_slow)
-        watch = pace if (self.reprobes is not None and desc_us is not None and paces is self.warm_paces
+        watch = pace if (self.reprobe_watch is not None and desc_us is not None and paces is self.warm_paces
                          and layer is not None and not to_host) else None
         cal = self.calibration
         assert cal is not None
@@ -442,8 +442,8 @@ class AutoStrategy:
         (:class:`~.reprobe.Reprobe`).  Where the copy engine could not win at any pace, measuring again after a
         re-probe costs a decision: one with no measure probes only where a host at the calibration's cost would
         feed the call (:func:`~.auto_rules.worth_measuring`)."""
-        if watch is not None and self.reprobes is not None:
-            self.reprobes.arm(watch)
+        if watch is not None and self.reprobe_watch is not None:
+            self.reprobe_watch.arm(watch)
         return cast(Strategy, self.kernel)  # _decide runs with both candidates
 
     def _block_bound(self, binding: PoolBinding, layer: int | None) -> float:
@@ -655,7 +655,7 @@ class AutoStrategy:
         direct, kernel, layers = self.direct, self.kernel, self._layers
         queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
         only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
-        rp = self.reprobes if not to_host else None  # reprobe: the kernel route's one-layer loads time the host
+        rp = self.reprobe_watch if not to_host else None  # reprobe: the kernel route's one-layer loads time the host
         # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
         # decides, inlined, with the fast-load answer from its memo
         lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
