@@ -4,6 +4,7 @@ GPU test, skipped on the CPU, which times real copies and asserts only how the h
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -461,3 +462,22 @@ def test_every_pace_probe_variant_is_a_valid_auto_and_every_optional_one_has_a_t
         assert label == "auto" or label in pace_probe.TAGS, label
     assert set(pace_probe.TAGS) <= set(pace_probe.VARIANTS)
     assert pace_probe.VARIANTS["auto reprobe"].get("reprobe") is True
+
+
+def test_lane_cost_times_the_three_lanes_through_direct_and_restores_what_it_replaced(tmp_path):
+    """benchmarks/lane_cost.py: each lane submits through direct once before it is timed, the figures are written, and
+    the copier's copy and auto's stream lookup are put back (timings are not checked)."""
+    from benchmarks import lane_cost
+
+    from hicache_core.backends import auto as auto_mod
+    from hicache_core.backends.memcpy import BatchCopier
+
+    copy, handle = BatchCopier.copy, auto_mod.current_stream_handle
+    out = tmp_path / "lane.json"
+    assert lane_cost.main(["--calls", "3", "--rounds", "1", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert {"direct_us", "auto_us", "auto clocked_us", "auto_extra_us", "auto_clocked_extra_us"} <= set(got)
+    assert all(got[k] > 0 for k in ("direct_us", "auto_us", "auto clocked_us"))
+    assert BatchCopier.copy is copy and auto_mod.current_stream_handle is handle
+    with pytest.raises(SystemExit):
+        lane_cost.main(["--calls", "0"])

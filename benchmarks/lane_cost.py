@@ -1,0 +1,136 @@
+"""What ``auto``'s load lane costs the host per call beside ``direct``'s own, with the copies themselves left out (CPU).
+
+Usage: ``python benchmarks/lane_cost.py [--out FILE.json] [--calls 20000] [--rounds 7]``.
+
+One ``layer_first`` pool of fp8 MLA rows (656 bytes, 4096 tokens in 64-token pages, pages in reverse order: 64
+descriptors per layer, as the pace probes load them) is served by ``direct``; its index pair is planned and reused.
+Then :meth:`BatchCopier.copy <hicache_core.backends.memcpy.BatchCopier.copy>` is replaced by a no-op, so what is timed
+is Python: ``direct``'s lane alone, and ``auto``'s lane routing the same calls to it (the pair memoised to ``direct``,
+a stand-in kernel), unclocked (a CPU pool's lane) and clocked (a CUDA pool's: the lone-load check and the clock's
+booking, with the stream's handle read as a constant and the stand-in never taking the load as a lone one).  Each
+figure is the least over ``--rounds`` rounds of the mean over ``--calls`` calls, in microseconds per call.
+
+On an H100 host ``auto``'s bursts on the copy engine ran ~4 us per layer behind ``direct``'s (docs/performance.md,
+fifth H100 run); this prices the Python part of that gap on whatever host runs it.  Timings only: nothing here is a
+pass/fail check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry  # noqa: E402
+from hicache_core.backends import auto as auto_mod  # noqa: E402
+from hicache_core.backends.auto import AutoStrategy  # noqa: E402
+from hicache_core.backends.auto_rules import pick_key  # noqa: E402
+from hicache_core.backends.memcpy import BatchCopier  # noqa: E402
+from hicache_core.calibration import DEFAULT  # noqa: E402
+
+LAYERS, PAGE, PAGES, ROW = 4, 64, 64, 656
+
+
+class _Kernel:
+    """The stand-in kernel candidate: a lane that serves every call at once, no fast load paths taken."""
+
+    def lane(self, binding: object, to_host: bool) -> Callable[..., bool]:
+        return lambda layer, h, d: True
+
+    def fast_load(self, binding: object, layer: int, n: int) -> bool:
+        return False
+
+
+def _pool() -> tuple[HostKVPool, torch.Tensor, torch.Tensor]:
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(LAYERS), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.uint8, page_size=PAGE, capacity=PAGE * PAGES, row_bytes=ROW)
+    dev = {"kv": [torch.zeros(PAGE * PAGES, 1, ROW, dtype=torch.uint8) for _ in range(LAYERS)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=create_registry(), strategy="core.direct",
+                      pin_memory=False)
+    h = torch.arange(PAGES).flip(0).repeat_interleave(PAGE) * PAGE + torch.arange(PAGE).repeat(PAGES)
+    d = torch.arange(PAGE * PAGES)
+    for layer in range(LAYERS):  # planned and served once: the lanes take every later call
+        pool.load_layer(layer, h, d)
+    return pool, h, d
+
+
+def _auto_lane(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, clocked: bool) -> Callable[..., bool]:
+    """``auto``'s load lane over ``pool``'s ``direct``, the pair memoised to it (beyond its first burst)."""
+    auto = AutoStrategy()
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, _Kernel(), DEFAULT  # type: ignore[assignment]
+    copier = pool.binding.scratch["direct.copier"]
+    auto.paces, auto.warm_paces = copier.paces, copier.warm_paces  # measures, as on a CUDA pool (none form here)
+    auto._layers, auto._layer_token_bytes, auto._token_bytes = LAYERS, ROW, ROW * LAYERS
+    auto._clocked = clocked
+    key = pick_key(h, d, 1, False)
+    assert key is not None  # tensors with version counters
+    auto._picks[key] = pool.strategy
+    auto._uses[key] = [LAYERS + 1, h, d]
+    lane = auto.lane(pool.binding, False)
+    assert lane is not None
+    return lane
+
+
+def _time(fn: Callable[[], object], calls: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return round(best, 3)
+
+
+def measure(calls: int, rounds: int) -> dict[str, Any]:
+    """The three lanes' host time per call (microseconds) and ``auto``'s extra over ``direct``'s."""
+    pool, h, d = _pool()
+    real_copy, real_handle = BatchCopier.copy, auto_mod.current_stream_handle
+    submitted = [0]
+
+    def no_copy(self: BatchCopier, *args: object, **kwargs: object) -> None:
+        submitted[0] += 1
+
+    BatchCopier.copy = no_copy  # type: ignore[method-assign]
+    auto_mod.current_stream_handle = lambda index: 0  # type: ignore[assignment]  # the CPU copier's stream
+    try:
+        direct = pool.strategy.lane(pool.binding, False)  # type: ignore[attr-defined]
+        lanes = {"direct": direct, "auto": _auto_lane(pool, h, d, False),
+                 "auto clocked": _auto_lane(pool, h, d, True)}
+        out: dict[str, Any] = {"calls": calls, "rounds": rounds}
+        for name, lane in lanes.items():
+            before = submitted[0]
+            if not lane(1, h, d) or submitted[0] != before + 1:
+                raise RuntimeError(f"{name}'s lane did not submit through direct: nothing to time")
+            out[name + "_us"] = _time(lambda: lane(1, h, d), calls, rounds)
+        for name in ("auto", "auto clocked"):
+            out[name.replace(" ", "_") + "_extra_us"] = round(out[name + "_us"] - out["direct_us"], 3)
+        return out
+    finally:
+        BatchCopier.copy = real_copy  # type: ignore[method-assign]
+        auto_mod.current_stream_handle = real_handle
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="write the figures here (JSON)")
+    p.add_argument("--calls", type=int, default=20000, help="calls per round")
+    p.add_argument("--rounds", type=int, default=7, help="rounds; the least mean is kept")
+    args = p.parse_args(argv)
+    if args.calls < 1 or args.rounds < 1:
+        p.error("--calls and --rounds must be >= 1")
+    out = measure(args.calls, args.rounds)
+    print(json.dumps(out))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
