@@ -171,6 +171,61 @@ def test_staged_round_trip_with_a_partial_last_chunk(layout):
     assert guards_intact(g)
 
 
+@needs
+def test_host_indices_that_are_not_whole_pages_are_not_staged():
+    """Below the pool's checks (which refuse such indices first), a route for a count that is not a page multiple is
+    None, not a reshape error."""
+    pool = _pool("page_first", 2)
+    h = torch.arange(PS + 3)
+    assert StagedRoute.build(pool.binding, h, lambda: h, None, 1 << 20) is None
+
+
+@needs
+def test_a_chunk_that_fails_to_submit_says_which_pages_the_chunks_before_it_moved():
+    """A staged load in one-page chunks whose third copy-engine call fails: the two chunks before it were queued whole
+    and moved their pages (the error says so, and counts their copies in ``submitted``); the pages after the failing
+    chunk stay untouched.  A failure in the first chunk is the runtime's own error, unchanged."""
+    from hicache_core.backends.cudart import BatchSubmitError
+
+    pool = HostKVPool(_mla(3), "page_first", "direct",
+                      {"kv": [torch.randint(-9, 9, (8 * PS, 1, 576)).to(torch.bfloat16) for _ in range(3)]},
+                      registry=REG, strategy="core.direct", strategy_options={"staging": "always", "staging_bytes": 1},
+                      pin_memory=False)
+    b = pool.binding
+    h, d = _pages([1, 2, 3, 4]), _pages([0, 1, 2, 3])
+    pool.backup_all_layers(h, _pages([4, 5, 6, 7]))  # the host pages hold device pages 4-7
+    st = _staged(pool, h, d, None)
+    assert st.chunk_pages == 1 and st.chunks == 4
+    before = [rows.clone() for seg in b.segments for rows in seg.device_rows]
+    copier = b.scratch["direct.copier"]
+    real, calls = copier.copy, [0]
+
+    def failing_at(k: int):  # type: ignore[no-untyped-def]
+        def copy(dsts, srcs, lens, stream=None, *args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == k:
+                raise BatchSubmitError("cudaMemcpyBatchAsync failed: injected; 0 of the copies of this call", 0)
+            return real(dsts, srcs, lens, stream, *args, **kwargs)
+        return copy
+
+    copier.copy = failing_at(3)
+    with pytest.raises(BatchSubmitError) as err:
+        pool.load_all_layers(h, d)
+    per_page = int(st._host[:1].numel() + st._p_host[:1].numel())
+    assert err.value.submitted == 2 * per_page > 0
+    assert "pages 0-1" in str(err.value) and "pages 2-2 (the failing chunk)" in str(err.value)
+    assert isinstance(err.value.__cause__, BatchSubmitError)
+    after = [rows for seg in b.segments for rows in seg.device_rows]
+    moved = [any(not torch.equal(x[p * PS:(p + 1) * PS], y[p * PS:(p + 1) * PS]) for x, y in zip(before, after))
+             for p in range(4)]
+    assert moved == [True, True, False, False]
+    calls[0] = 0
+    copier.copy = failing_at(1)
+    with pytest.raises(BatchSubmitError) as err:
+        pool.load_all_layers(h, d)
+    assert err.value.submitted == 0 and "staged" not in str(err.value) and err.value.__cause__ is None
+
+
 # -- the relayout kernel (Triton's interpreter on the CPU) -----------------------------------------------------------
 
 needs_kernel = pytest.mark.skipif(relayout.kernel_unavailable(torch.device("cpu")) is not None,

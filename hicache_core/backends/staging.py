@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from ..binding import BoundSegment, PoolBinding
+from .cudart import BatchSubmitError
 from .pitched import MAX_PITCH, MIN_HEIGHT, OPERAND_PTR, PITCHED_OP_US, Pitched, ops_tensor
 from .relayout import KernelRelayout, kernel_relayout, resolve_relayout
 
@@ -244,6 +245,8 @@ class StagedRoute:
         host; it runs before any torch relayout, whose index ops must not see a bad row.
         """
         ps = binding.spec.page_size
+        if h.numel() % ps:
+            return None  # not whole pages (a pool's checks refuse such indices first; a caller below them gets None)
         groups = h.view(-1, ps)
         pages = groups[:, 0] // ps
         if not bool((groups == (pages * ps).unsqueeze(1) + torch.arange(ps, dtype=torch.int64)).all()):
@@ -309,22 +312,39 @@ class StagedRoute:
         return chunk
 
     def run(self, binding: PoolBinding, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
-        """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work."""
+        """Enqueue the whole transfer, chunk by chunk, ordered after the current stream's work.
+
+        :raises BatchSubmitError: a chunk's copy-engine call failed; the chunks before it stay queued (their pages
+            move), which the error says, with :attr:`~.cudart.BatchSubmitError.submitted` counting their copies."""
         if self._check_rows is not None and self._kernel is None:
             self._check_rows()  # the torch relayout's index ops must not see a bad row: check before anything moves
             self._check_rows = None
-        with buffers.running(stream):
-            if binding.device.type != "cuda":
-                self._run_serial(copier, buffers.get(stream, self.chunk_bytes), to_host=to_host)
-            else:
-                self._run_pipelined(copier, buffers, stream, to_host=to_host)
+        at = [0, 0]  # the chunk under way: its first page and the page after it
+        try:
+            with buffers.running(stream):
+                if binding.device.type != "cuda":
+                    self._run_serial(copier, buffers.get(stream, self.chunk_bytes), at, to_host=to_host)
+                else:
+                    self._run_pipelined(copier, buffers, stream, at, to_host=to_host)
+        except BatchSubmitError as exc:
+            done, n = at[0], int(self.pages.numel())
+            if done == 0:
+                raise  # the first chunk's: the error's own count is the transfer's
+            before = int(self._host[:done].numel() + self._p_host[:done].numel())
+            raise BatchSubmitError(
+                f"{exc}; this staged {'backup' if to_host else 'load'} of {n} pages had queued its chunks before the "
+                f"failing one whole (pages 0-{done - 1} in the call's order, {before} copies: they stay queued and "
+                f"move); pages {done}-{at[1] - 1} (the failing chunk) may be moved in part, the rest not",
+                before + exc.submitted) from exc
 
-    def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, *, to_host: bool) -> None:
+    def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, at: list[int], *, to_host: bool) -> None:
+        """The chunks one after another (CPU); ``at``: set to the chunk under way (:meth:`run`)."""
         ps = self.binding.spec.page_size
         n = int(self.pages.numel())
         d_dev = self._d_dev()
         for p0 in range(0, n, self.chunk_pages):
             p1 = min(n, p0 + self.chunk_pages)
+            at[:] = p0, p1
             rows = d_dev[p0 * ps : p1 * ps]
             if to_host:
                 self._relayout(staging, rows, p1 - p0, to_image=True)
@@ -333,7 +353,8 @@ class StagedRoute:
                 self._copy(copier, p0, p1, staging.data_ptr(), None, to_host=False)
                 self._relayout(staging, rows, p1 - p0, to_image=False)
 
-    def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, *, to_host: bool) -> None:
+    def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, at: list[int], *,
+                       to_host: bool) -> None:
         ps = self.binding.spec.page_size
         n = int(self.pages.numel())
         device = self.binding.device
@@ -347,16 +368,18 @@ class StagedRoute:
         free: list[torch.cuda.Event | None] = [None, None]
         side.wait_stream(main)  # rows written (backup) or indices made (load) by earlier work
         try:
-            self._pipeline(copier, stream, main, side, halves, d_dev, free, n, ps, to_host)
+            self._pipeline(copier, stream, main, side, halves, d_dev, free, n, ps, at, to_host)
         finally:  # also when a chunk fails: nothing after the call may overtake what the side stream queued
             main.wait_stream(side)
 
     def _pipeline(self, copier: BatchCopier, stream: int, main: torch.cuda.Stream, side: torch.cuda.Stream,
                   halves: tuple[torch.Tensor, torch.Tensor], d_dev: torch.Tensor, free: list[torch.cuda.Event | None],
-                  n: int, ps: int, to_host: bool) -> None:
-        """The chunks of a CUDA transfer, the relayout of one beside the copy of the other (:meth:`run`)."""
+                  n: int, ps: int, at: list[int], to_host: bool) -> None:
+        """The chunks of a CUDA transfer, the relayout of one beside the copy of the other (:meth:`run`); ``at``: set
+        to the chunk under way."""
         for k, p0 in enumerate(range(0, n, self.chunk_pages)):
             p1 = min(n, p0 + self.chunk_pages)
+            at[:] = p0, p1
             half = halves[k % 2]
             rows = d_dev[p0 * ps : p1 * ps]
             if to_host:
