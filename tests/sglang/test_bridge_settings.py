@@ -165,3 +165,24 @@ def test_strided_device_rows_without_jit_are_served_by_hicache_bit_exact(hooked,
     for layer in range(3):
         buf = dev.kv_buffer[layer]
         assert same_bytes(buf[d1.to(buf.device)], buf[d2.to(buf.device)])
+
+
+def test_an_indexer_page_stride_sglangs_kernels_refuse_is_a_gap():
+    """SGLang 0.5.23's DSA indexer transfers use its kernels only for a page stride of a multiple of 8 elements; with
+    another (ROCm's legacy DSA path, 1-token pages: 132) its ``kernel`` calls raise ``Unsupported IO backend``, so
+    those cells are gaps hicache serves; its ``direct`` calls still serve."""
+    from types import SimpleNamespace
+
+    from hicache_core.integrations.sglang.hooks import _jit_packed
+    from hicache_core.integrations.sglang.mode import stock_serves
+
+    assert _jit_packed(SimpleNamespace(indexer_page_stride_size=132), "dsa_indexer") == (False, False)
+    assert _jit_packed(SimpleNamespace(indexer_page_stride_size=136), "dsa_indexer") == (False, True)
+    assert _jit_packed(SimpleNamespace(device_rows_packed=False), "mla") == (False, False)
+    for layout in ("layer_first", "page_first"):
+        for op in ("load", "backup"):
+            assert stock_serves("dsa_indexer", layout, "kernel", False, op, kernels_available=True, rows_packed=True)
+            assert not stock_serves("dsa_indexer", layout, "kernel", False, op, kernels_available=True,
+                                    rows_packed=False)
+    assert stock_serves("dsa_indexer", "layer_first", "direct", False, "load", kernels_available=True,
+                        rows_packed=False)

@@ -70,7 +70,7 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
     is re-read on every call until it is fixed).
     """
     sharded = _sharded(host, kind)
-    jit, packed = _jit_packed(host)
+    jit, packed = _jit_packed(host, kind)
     registry = default_registry()
     memo = (kind, host.layout, io_backend, sharded, jit, packed, op, registry, _mode.stock_kernels_available(kind),
             _env_key())
@@ -93,8 +93,13 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
     return hit, gap
 
 
-def _jit_packed(host: Any) -> tuple[bool, bool]:
-    """The host pool's ``can_use_jit`` and ``device_rows_packed`` (SGLang 0.5.23; absent: no JIT, packed rows)."""
+def _jit_packed(host: Any, kind: str) -> tuple[bool, bool]:
+    """The host pool's ``can_use_jit`` and ``device_rows_packed`` (SGLang 0.5.23; absent: no JIT, packed rows); for a
+    DSA indexer pool, whether its page stride suits SGLang's indexer kernels (a multiple of 8 elements: ROCm's
+    legacy DSA path with 1-token pages has 132)."""
+    if kind == "dsa_indexer":
+        stride = getattr(host, "indexer_page_stride_size", None)
+        return False, stride is None or int(stride) % 8 == 0
     try:
         packed = bool(host.device_rows_packed)
     except AttributeError:

@@ -165,7 +165,9 @@ def stock_serves(
     :param kernels_available: override :func:`stock_kernels_available` (tests).
     :param rows_packed: the host pool's ``device_rows_packed`` (``False``: device rows strided, e.g. with
         ``--enable-unified-memory``: SGLang's AOT kernels then refuse, so only its JIT kernels and the tensor-based
-        ``direct`` copy of ``layer_first`` serve).
+        ``direct`` copy of ``layer_first`` serve).  For ``dsa_indexer``: whether its page stride is a multiple of 8
+        elements, which SGLang's indexer kernels need (otherwise its ``kernel`` calls raise ``Unsupported IO backend``:
+        ``dsa.py``'s ``use_kernel``).
     """
     avail = stock_kernels_available(kind) if kernels_available is None else kernels_available
     if not avail:
@@ -177,7 +179,7 @@ def stock_serves(
     if kind == "mha":
         return _mha_cell(layout, io_backend, sharded, op)
     if kind == "dsa_indexer":
-        return _indexer_cell(layout, io_backend, sharded, op)
+        return _indexer_cell(layout, io_backend, sharded, op) and (rows_packed or io_backend != "kernel")
     return False
 
 
