@@ -28,6 +28,9 @@ H.prepare()  # import stubs first: on a GPU without sgl_kernel / IPython, sglang
 pytest.importorskip("sglang")
 
 
+_INHERITED = object()
+
+
 def _target_owner(target: str):
     import pkgutil
 
@@ -43,12 +46,16 @@ def sglang_hooks():
     from hicache_core.integrations.sglang import AFTER_TARGETS, HOOK_TARGETS
 
     saved = {t: _target_owner(t) for t in (*HOOK_TARGETS, *AFTER_TARGETS)}
-    attrs = {t: owner.__dict__[attr] for t, (owner, attr) in saved.items()}
+    # an inherited method (MLATokenToKVPoolHost.destroy) is not in the class's own dict: deleted again afterwards
+    attrs = {t: owner.__dict__.get(attr, _INHERITED) for t, (owner, attr) in saved.items()}
     hooks = {k: list(v) for k, v in HookRegistry._hooks.items()}
     patched = set(HookRegistry._patched)
     yield HookRegistry
     for t, (owner, attr) in saved.items():
-        setattr(owner, attr, attrs[t])
+        if attrs[t] is not _INHERITED:
+            setattr(owner, attr, attrs[t])
+        elif attr in owner.__dict__:
+            delattr(owner, attr)
     HookRegistry._hooks.clear()
     HookRegistry._hooks.update(hooks)
     HookRegistry._patched.clear()

@@ -186,3 +186,32 @@ def test_an_indexer_page_stride_sglangs_kernels_refuse_is_a_gap():
                                     rows_packed=False)
     assert stock_serves("dsa_indexer", "layer_first", "direct", False, "load", kernels_available=True,
                         rows_packed=False)
+
+
+def test_destroy_unregisters_the_mla_kv_split_rope_buffer_hicache_allocated(hooked, monkeypatch):
+    """SGLang's ``destroy`` unregisters ``kv_buffer`` (for ``page_first_kv_split``: ``k_buffer``) alone; the rope buffer
+    hicache allocated through SGLang's allocator is unregistered with it, once, on the same condition (pinned, CUDA or
+    HIP; faked here); a pool of another layout unregisters what SGLang does and nothing more."""
+    import sglang_harness as H
+    from sglang.srt.mem_cache.pool_host import base
+
+    seen: list[int] = []
+    monkeypatch.setattr(base, "_cuda_host_unregister", lambda buf: seen.append(buf.data_ptr()))
+    monkeypatch.setattr(base, "_is_cuda", True)
+    with H.sglang_runtime(hicache_mem_layout="page_first_kv_split"):
+        dev = H.make_mla_device_pool(page_size=4, layer_num=2, kv_lora_rank=32, qk_rope_head_dim=16)
+        host = H.make_host_pool(dev, page_size=4)
+    assert host.kv_buffer is host.k_buffer and host.v_buffer is not None
+    k, v = host.k_buffer.data_ptr(), host.v_buffer.data_ptr()
+    host.pin_memory = True
+    host.destroy()
+    host.destroy()  # idempotent
+    assert seen == [k, v]
+    seen.clear()
+    with H.sglang_runtime(hicache_mem_layout="page_first"):
+        dev = H.make_mla_device_pool(page_size=4, layer_num=2, kv_lora_rank=32, qk_rope_head_dim=16)
+        other = H.make_host_pool(dev, page_size=4)
+    other.pin_memory = True
+    kv = other.kv_buffer.data_ptr()
+    other.destroy()
+    assert seen == [kv]

@@ -14,8 +14,11 @@ from test_transfers import make_pools, slots
 
 
 def _attr(target: str):
+    """The target as its owner holds it (a static method as such); an inherited method (before it is hooked on the
+    subclass) as the owner finds it."""
     owner, attr = target.rsplit(".", 1)
-    return pkgutil.resolve_name(owner).__dict__[attr]
+    cls = pkgutil.resolve_name(owner)
+    return cls.__dict__[attr] if attr in cls.__dict__ else getattr(cls, attr)
 
 
 def _wraps(target: str, original) -> bool:

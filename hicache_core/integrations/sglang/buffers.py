@@ -24,7 +24,8 @@ import torch
 from ...registry import default_registry
 from .adapter import pool_kind
 
-__all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "init_transfer_views", "alloc_host"]
+__all__ = ["KV_SPLIT", "wants_kv_split_takeover", "init_kv_split_buffer", "init_transfer_views", "alloc_host",
+           "destroy_mla"]
 
 KV_SPLIT = "page_first_kv_split"
 
@@ -63,6 +64,7 @@ def _mla(host: Any) -> torch.Tensor:
     if not packed:
         rope = host.qk_rope_head_dim
         host.v_buffer = alloc_host(host, (P, L, ps, 1, rope), host.dtype, ps * L * rope * item)
+        host.__dict__[MLA_ROPE_ATTR] = True  # SGLang's destroy() unregisters kv_buffer (k_buffer) only: destroy_mla
         # zero-copy storage backends (Mooncake, UMBP) register kv_buffer plus get_hybrid_pool_buffer(); SGLang's MLA
         # pools have no such method, so without it the rope buffer, a page's second block, would go unregistered
         host.get_hybrid_pool_buffer = lambda: [host.k_buffer, host.v_buffer]
@@ -73,6 +75,9 @@ def _mla(host: Any) -> torch.Tensor:
     return host.k_buffer
 
 
+#: Set on an MLA host pool whose ``page_first_kv_split`` rope buffer (``v_buffer``) :func:`init_kv_split_buffer`
+#: allocated through SGLang's allocator.
+MLA_ROPE_ATTR = "_hicache_mla_rope_buffer"
 #: Set on an MHA host pool whose ``page_first_kv_split`` buffers :func:`init_kv_split_buffer` allocated.
 MHA_KV_SPLIT_ATTR = "_hicache_mha_kv_split"
 
@@ -107,3 +112,19 @@ def init_transfer_views(original: Callable, self: Any, *args: Any, **kwargs: Any
 def init_kv_split_buffer(host: Any) -> torch.Tensor:
     """Allocate ``host``'s ``page_first_kv_split`` buffers; returns what SGLang stores as ``kv_buffer``."""
     return _mla(host) if pool_kind(host) == "mla" else _mha(host)
+
+
+def destroy_mla(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``MLATokenToKVPoolHost.destroy``: SGLang unregisters the pinned registration of ``kv_buffer`` alone, which for
+    ``page_first_kv_split`` is ``k_buffer``; the rope buffer (``v_buffer``) :func:`init_kv_split_buffer` registered
+    through SGLang's allocator is unregistered with it, on the same condition (else its registration outlives the
+    pool, and a later registration over those pages fails).  Idempotent, as SGLang's is."""
+    rope = self.v_buffer if self.__dict__.get(MLA_ROPE_ATTR) and not getattr(self, "_destroyed", False) else None
+    result = original(self, *args, **kwargs)
+    if rope is not None:
+        from sglang.srt.mem_cache.pool_host import base
+
+        self.__dict__.pop(MLA_ROPE_ATTR, None)
+        if self.pin_memory and (base._is_cuda or base._is_hip):
+            base._cuda_host_unregister(rope)
+    return result

@@ -15,7 +15,7 @@ import logging
 from typing import Callable
 
 from . import hooks, storage
-from .buffers import init_transfer_views
+from .buffers import destroy_mla, init_transfer_views
 from .plugin_layouts import extend_layout_choices
 from .mode import current_mode
 from .takeover import active_table
@@ -34,6 +34,7 @@ HOOK_TARGETS: dict[str, Callable] = {
     f"{_PH}.mla.MLATokenToKVPoolHost.backup_from_device_all_layer": hooks.backup_all,
     f"{_PH}.mla.MLATokenToKVPoolHost.load_to_device_per_layer": hooks.load_layer,
     f"{_PH}.mla.MLATokenToKVPoolHost._backup_from_device_per_layer": hooks.backup_layer_mla,
+    f"{_PH}.mla.MLATokenToKVPoolHost.destroy": destroy_mla,
     f"{_PH}.mha.MHATokenToKVPoolHost.init_kv_buffer": hooks.init_kv_buffer,
     f"{_PH}.mha.MHATokenToKVPoolHost._initialize_transfer_views": init_transfer_views,
     f"{_PH}.mha.MHATokenToKVPoolHost.backup_from_device_all_layer": hooks.backup_all,
