@@ -48,10 +48,18 @@ _ENV_DATA = getattr(os.environ, "_data", None)  # CPython's own dict behind os.e
 _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES) if hasattr(os.environ, "encodekey") else ()
 
 
+_FAST_ENV = isinstance(_ENV_DATA, dict) and len(_ENV_KEYS) == 3
+#: Per host pool object: ``(io_backend, op)`` -> (what the decision was checked against, the decision): SGLang's own
+#: cells pay a few reads per call (the host's layout, the registry, the stock kernels, the environment) before SGLang's
+#: routine runs, not the global memo's key (its sharding and row facts, which a pool keeps from construction on).
+_HOST_DECIDED = "_hicache_decided"
+
+
 def _env_key() -> tuple[Any, ...]:
     """The environment variables the decision reads, as they are now (every os.environ write shows here)."""
-    if isinstance(_ENV_DATA, dict) and _ENV_KEYS:
-        return tuple(_ENV_DATA.get(k) for k in _ENV_KEYS)
+    if _FAST_ENV:  # unrolled: this runs on every hooked call
+        data, (a, b, c) = cast(dict, _ENV_DATA), _ENV_KEYS
+        return data.get(a), data.get(b), data.get(c)
     return tuple(os.environ.get(n) for n in _ENV_NAMES)
 
 
@@ -69,15 +77,22 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
     environment, registry and availability of SGLang's stock kernels (under ``measured``, a broken takeover table
     is re-read on every call until it is fixed).
     """
+    registry, layout = default_registry(), host.layout
+    check = (layout, registry, _mode.stock_kernels_available(kind), _env_key())
+    own = getattr(host, "__dict__", None)
+    per_host = own.get(_HOST_DECIDED) if own is not None else None
+    if per_host is not None and (seen := per_host.get((io_backend, op))) is not None and seen[0] == check:
+        return seen[1]
     sharded = _sharded(host, kind)
     jit, packed = _jit_packed(host, kind)
-    registry = default_registry()
-    memo = (kind, host.layout, io_backend, sharded, jit, packed, op, registry, _mode.stock_kernels_available(kind),
-            _env_key())
+    memo = (kind, layout, io_backend, sharded, jit, packed, op, *check[1:])
     try:
-        return _decided[memo]
+        decided = _decided[memo]
     except KeyError:
         pass
+    else:
+        _remember(own, io_backend, op, check, decided)
+        return decided
     hit, gap = None, False
     mode = current_mode()
     chosen = hicache_io_backend(mode, kind, host.layout, io_backend, sharded, op, can_use_jit=jit, rows_packed=packed)
@@ -90,7 +105,19 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
             hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
     if mode != "measured" or _table_readable():  # only "measured" reads the table
         _decided[memo] = (hit, gap)
+        _remember(own, io_backend, op, check, (hit, gap))
     return hit, gap
+
+
+def _remember(own: dict | None, io_backend: str, op: str, check: tuple[Any, ...],
+              decided: tuple[str | None, bool]) -> None:
+    """Keep ``decided`` on the host pool object (``own``: its ``__dict__``) for its next calls of ``(io_backend, op)``."""
+    if own is None:
+        return
+    per_host = own.get(_HOST_DECIDED)
+    if per_host is None:
+        per_host = own[_HOST_DECIDED] = {}
+    per_host[(io_backend, op)] = (check, decided)
 
 
 def _jit_packed(host: Any, kind: str) -> tuple[bool, bool]:
