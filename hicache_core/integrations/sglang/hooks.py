@@ -49,9 +49,8 @@ _ENV_KEYS = tuple(os.environ.encodekey(n) for n in _ENV_NAMES) if hasattr(os.env
 
 
 _FAST_ENV = isinstance(_ENV_DATA, dict) and len(_ENV_KEYS) == 3
-#: Per host pool object: ``(io_backend, op)`` -> (what the decision was checked against, the decision): SGLang's own
-#: cells pay a few reads per call (the host's layout, the registry, the stock kernels, the environment) before SGLang's
-#: routine runs, not the global memo's key (its sharding and row facts, which a pool keeps from construction on).
+#: Per host pool object: ``(io_backend, op)`` -> (everything the decision read, the decision): a call compares what it
+#: reads with what the decision read, rather than hashing the global memo's key (the registry object among its parts).
 _HOST_DECIDED = "_hicache_decided"
 
 
@@ -77,15 +76,15 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
     environment, registry and availability of SGLang's stock kernels (under ``measured``, a broken takeover table
     is re-read on every call until it is fixed).
     """
+    sharded = _sharded(host, kind)
+    jit, packed = _jit_packed(host, kind)
     registry, layout = default_registry(), host.layout
-    check = (layout, registry, _mode.stock_kernels_available(kind), _env_key())
+    check = (layout, sharded, jit, packed, registry, _mode.stock_kernels_available(kind), _env_key())
     own = getattr(host, "__dict__", None)
     per_host = own.get(_HOST_DECIDED) if own is not None else None
     if per_host is not None and (seen := per_host.get((io_backend, op))) is not None and seen[0] == check:
         return seen[1]
-    sharded = _sharded(host, kind)
-    jit, packed = _jit_packed(host, kind)
-    memo = (kind, layout, io_backend, sharded, jit, packed, op, *check[1:])
+    memo = (kind, io_backend, op, *check)
     try:
         decided = _decided[memo]
     except KeyError:
