@@ -211,25 +211,30 @@ def _print(entry: dict[str, Any]) -> None:
     if "estimate_limit" in entry:
         print(f"  a layer: {entry['layer_bytes']} B in {entry['descriptors']} descriptors, "
               f"{entry['layer_us_at_link']} us at link speed; auto's limit {entry['estimate_limit']:.3f} us/descriptor")
-    print("  direct by its host time per layer:")
-    for r in entry["by_direct_host_time"]:
-        print(f"    {r['host_us_from']:5.0f}+ us  {r['cycles']:4d} cycles  direct {r['direct']:.3f}")
+    _section("direct by its host time per layer", entry["by_direct_host_time"],
+             lambda r: f"{r['host_us_from']:5.0f}+ us  {r['cycles']:4d} cycles  direct {r['direct']:.3f}")
     if entry.get("by_kernel_host_time"):
-        print("  by the kernel pool's host time per layer:")
-        for r in entry["by_kernel_host_time"]:
-            print(f"    {r['kernel_host_us_from']:3d}+ us  {r['cycles']:4d} cycles  direct's host time "
-                  f"{r['direct_host_us']:5.1f} us  direct {r['direct']:.3f}  kernel {r['kernel']:.3f}")
+        _section("by the kernel pool's host time per layer", entry["by_kernel_host_time"],
+                 lambda r: f"{r['kernel_host_us_from']:3d}+ us  {r['cycles']:4d} cycles  direct's host time "
+                           f"{r['direct_host_us']:5.1f} us  direct {r['direct']:.3f}  kernel {r['kernel']:.3f}")
     _counterfactual("each burst routed by the previous one's kernel host time", entry.get("by_kernel_rule", []),
                     lambda r: f"direct within {r['factor']:.2f}x the least",
                     lambda r: f"mean {r['gap_mean']:+6.2f}  median {r['gap_median']:+6.2f}  within 3 points "
                               f"{r['within_3']:.0%} of {r['bursts']}")
-    print("  after a probe, by auto's estimate for reused plans (us/descriptor):")
-    for r in entry["by_estimate"]:
-        print(f"    {r['estimate_from']:.2f}-{r['estimate_to']:.2f}  {r['probes']:3d} probes  direct {r['direct']:.3f}"
-              f"  kernel {r['kernel']:.3f}  auto {r['auto']:.3f}  (auto on direct after {r['auto_by_direct']})")
+    _section("after a probe, by auto's estimate for reused plans (us/descriptor)", entry["by_estimate"],
+             lambda r: f"{r['estimate_from']:.2f}-{r['estimate_to']:.2f}  {r['probes']:3d} probes  direct "
+                       f"{r['direct']:.3f}  kernel {r['kernel']:.3f}  auto {r['auto']:.3f}  (auto on direct after "
+                       f"{r['auto_by_direct']})")
     _counterfactual("the route each probe's estimate picks at a share", entry.get("by_share", []),
                     lambda r: f"share {r['share']:.2f} (limit {r['limit']:.3f})",
                     lambda r: f"{r['gap_points']:+6.2f}  within 3 points after {r['within_3']} of {r['probes']}")
+
+
+def _section(title: str, rows: list[dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> None:
+    """Print a titled section, a line per row."""
+    print(f"  {title}:")
+    for r in rows:
+        print(f"    {line(r)}")
 
 
 def _counterfactual(title: str, rows: list[dict[str, Any]], name: Callable[[dict[str, Any]], str],
