@@ -8,6 +8,7 @@ base address and token stride, so strategies can build pointer tables once.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -113,15 +114,25 @@ class PoolBinding:
     scratch: dict[str, Any] = field(default_factory=dict)
     #: rows every bound device tensor has (device indices must be below it); huge when none is bound
     device_rows: int = field(init=False)
-    #: During a transfer call, the index pair the pool checked in it, with what the check read of their values
-    #: (:class:`~hicache_core.validate.CheckedPair`); ``None`` outside calls and in a call whose check was
-    #: skipped because the pool had checked the same tensors before.  One field for every thread using the
-    #: pool: a strategy may take facts from it only through :meth:`~hicache_core.validate.CheckedPair.facts_of`
-    #: with the tensors its call was handed (another thread's pair, or none, gives ``None``).
-    checked: CheckedPair | None = field(default=None, init=False)
+    #: Per thread: the pair checked in that thread's call now running (:attr:`checked`).
+    _calls: threading.local = field(default_factory=threading.local, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.device_rows = min((n for s in self.segments for n in s.dev_lens), default=1 << 62)
+
+    @property
+    def checked(self) -> CheckedPair | None:
+        """During a transfer call, the index pair the pool checked in it, with what the check read of their values
+        (:class:`~hicache_core.validate.CheckedPair`); ``None`` outside calls and in a call whose check was skipped
+        because the pool had checked the same tensors before.  Per thread: another thread's check, under way in a call
+        of its own on the same tensors, is never this call's (its facts could describe values rewritten since, behind
+        torch's version counter, that this call's skipped check would have refused).  A strategy takes facts from it
+        only through :meth:`~hicache_core.validate.CheckedPair.facts_of` with the tensors its call was handed."""
+        return getattr(self._calls, "checked", None)
+
+    @checked.setter
+    def checked(self, value: CheckedPair | None) -> None:
+        self._calls.checked = value
 
     @property
     def device(self) -> torch.device:

@@ -194,7 +194,10 @@ class HostKVPool:
         ``validate="full"`` memoises nothing; every built-in strategy still
         keeps out-of-range indices away from memory (kernels mask them, the
         generic backends range-check what they read), so a stale check can never
-        cause an out-of-bounds access.  The rows a transfer writes (host pages of
+        cause an out-of-bounds access.  What a check read serves its own call alone, in its own thread
+        (:attr:`~hicache_core.binding.PoolBinding.checked`); index tensors rewritten behind the version counter
+        by another thread *while a call using them runs* (between its check and its copies) are a race no check
+        can see: do not write indices a transfer is using.  The rows a transfer writes (host pages of
         a backup, device rows of a load) must not repeat.
         """
         last = self._checked[to_host]  # one snapshot: another thread may replace it

@@ -1876,3 +1876,43 @@ def test_a_backup_on_the_legacy_default_stream_is_covered_by_waiting_for_that_st
         last = pool.get_page(pages - 1).view(torch.bfloat16).view(layers, ps, 576)
         want = torch.stack([t[-ps:, 0].cpu() for t in dev["kv"]])
         assert torch.equal(last, want), trial
+
+
+def test_a_call_never_takes_another_threads_check_of_the_same_tensors():
+    """An engine's load and backup threads share a pool.  Thread A's call checked its index pair and has not yet run
+    its strategy; thread B rewrites the device indices behind torch's version counter (through ``.data``) and calls
+    with the same tensors: its check is skipped by the pool's memo, and its plan must not take A's check (the binding's
+    ``checked`` is per thread), so the plan's own range check refuses the rows past the device tensors."""
+    import threading
+
+    from hicache_core.validate import CheckedPair
+
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(3), head_num=2, head_dim=4, v_head_dim=2, dtype=torch.float16,
+                        page_size=4, capacity=16)
+    dev = {"k": [torch.zeros(40, 2, 4, dtype=torch.float16)[:32] for _ in range(3)],
+           "v": [torch.zeros(40, 2, 2, dtype=torch.float16)[:32] for _ in range(3)]}
+    pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", pin_memory=False)
+    h, d = torch.arange(4, 8), torch.arange(8, 12)
+    checked, go = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+    real = pool.strategy.load
+
+    def held(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name == "A":
+            seen["A"] = pool.binding.checked
+            checked.set()
+            go.wait(10)
+        return real(*args, **kwargs)
+
+    pool.strategy.load = held  # type: ignore[method-assign]
+    a = threading.Thread(target=lambda: pool.load_all_layers(h, d), name="A")
+    a.start()
+    try:
+        assert checked.wait(10)
+        assert isinstance(seen["A"], CheckedPair) and pool.binding.checked is None  # A's check is A's alone
+        d.data.copy_(torch.arange(32, 36))  # behind the version counter: rows past the device tensors
+        with pytest.raises(IndexRangeError, match="device_indices must lie in 0..31"):
+            pool.load_all_layers(h, d)
+    finally:
+        go.set()
+        a.join()

@@ -524,3 +524,22 @@ def test_device_components_of_different_row_counts_are_bounded_by_the_shortest(b
         torch.cuda.synchronize()
     for t, b in zip(parents, before_v):  # memory past v's 24 rows (its parent's) is never written
         assert torch.equal(t[24:].view(torch.uint8), b[24:].view(torch.uint8))
+
+
+@pytest.mark.skipif("layer_first" not in create_registry().layouts, reason="needs the layer_first layout plugin")
+def test_the_reference_backup_reads_the_device_indices_once_even_where_they_live_in_what_it_writes() -> None:
+    """device_indices that alias the host slots a backup writes (contrived, but the oracle must not care): the
+    reference backend copies them before its first segment, so every layer gets the rows named at the call."""
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(3), head_num=2, head_dim=4, v_head_dim=2, dtype=torch.float16,
+                        page_size=4, capacity=16)
+    g = torch.Generator().manual_seed(0)
+    dev = {"k": [torch.randn(32, 2, 4, generator=g).half() for _ in range(3)],
+           "v": [torch.randn(32, 2, 2, generator=g).half() for _ in range(3)]}
+    dev["k"][0][8:10].reshape(-1).view(torch.int64).copy_(torch.tensor([-1, -2, -3, -4]))  # what layer 0 copies
+    pool = HostKVPool(spec, "layer_first", "reference", dev, registry=create_registry(), pin_memory=False)
+    host_k = pool.host_buffers["k"]  # (3, 16, 8) fp16: 16 bytes per slot
+    d = host_k[0, 4:6].reshape(-1).view(torch.int64)  # the device indices live in host k layer 0, slots 4..5
+    d.copy_(torch.arange(8, 12))
+    pool.backup_all_layers(torch.arange(4, 8), d)
+    assert torch.equal(host_k[1, 4:8].view(4, 2, 4), dev["k"][1][8:12])  # layer 1: rows 8..11, not 31..28
+    assert torch.equal(host_k[2, 4:8].view(4, 2, 4), dev["k"][2][8:12])

@@ -31,7 +31,7 @@ class ReferenceStrategy:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Host (page, offset) pairs and device rows, range-checked (the oracle may synchronise)."""
         h = as_long(host_indices, "cpu")
-        d = as_long(device_indices, binding.device)
+        d = as_long(device_indices, binding.device, copy=True)  # its own: a segment's copy may overwrite the caller's
         rows = binding.device_rows
         cap = binding.spec.capacity
         if h.numel() and (int(h.min()) < 0 or int(h.max()) >= cap or int(d.min()) < 0 or int(d.max()) >= rows):
