@@ -107,6 +107,11 @@ LAUNCH_VALUES = {
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
 
 
+#: The largest ``tile_bytes``: a page load's piece is ``tile_bytes`` over the access word (1 byte at the least) words,
+#: and Triton refuses a tensor of more than 2**20 elements (16x the page loads' default, 64 KiB).
+MAX_TILE_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class Tuning:
     """Launch shape of one direction: programs (the persistent grid, an SM budget), warps per program,
@@ -124,6 +129,9 @@ class Tuning:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if self.tile_bytes > MAX_TILE_BYTES:
+            raise ConfigError(f"tile_bytes must be at most {MAX_TILE_BYTES} (a page load's piece of more than 2**20 "
+                              f"elements exceeds Triton's largest tensor), got {self.tile_bytes}")
         if self.num_warps & (self.num_warps - 1):
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)

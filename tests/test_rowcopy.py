@@ -92,6 +92,8 @@ def test_tile_invariants():
     *[(LayerFirstKernelStrategy, {"backup_programs": bad}, "backup_programs") for bad in (0, 2.5, "x")],
     (LayerFirstKernelStrategy, {"num_warps": 6}, "power of two"),
     (LayerFirstKernelStrategy, {"tile_bytes": 0}, "tile_bytes"),
+    (LayerFirstKernelStrategy, {"tile_bytes": 1 << 24}, "at most 1048576"),  # Triton's largest tensor
+    (Tuning, {"tile_bytes": (1 << 20) + 1}, "tile_bytes must be at most"),
     (LayerFirstKernelStrategy, {"num_stages": 0}, "stages"),
     *[(LayerFirstKernelStrategy, {"maxnreg": bad}, "maxnreg") for bad in (0, True, 32.0)]])
 def test_tuning_and_options_are_validated(make, kw, match):
