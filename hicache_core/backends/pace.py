@@ -182,6 +182,6 @@ class WaitLog:
         log = self._log()
         if not log:
             return 0.0
-        waited = sum(length for began, length in list(log) if began >= since)
+        waited = sum(length for began, length in log if began >= since)  # this thread's own log: no other writer
         log.clear()
         return waited

@@ -337,10 +337,8 @@ class StagedRoute:
                 f"move); pages {done}-{at[1] - 1} (the failing chunk) may be moved in part, the rest not",
                 before + exc.submitted) from exc
 
-    def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, at: list[int] | None = None, *,
-                    to_host: bool) -> None:
+    def _run_serial(self, copier: BatchCopier, staging: torch.Tensor, at: list[int], *, to_host: bool) -> None:
         """The chunks one after another (CPU); ``at``: set to the chunk under way (:meth:`run`)."""
-        at = [0, 0] if at is None else at
         ps = self.binding.spec.page_size
         n = int(self.pages.numel())
         d_dev = self._d_dev()
