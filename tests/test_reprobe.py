@@ -157,6 +157,10 @@ def test_reprobe_is_an_option_of_auto_and_explain_names_it():
         assert auto.reprobe_watch is None  # a CPU pool measures no host: nothing to watch
         lines = auto.describe(pool.spec, pool.binding.layout)
         assert any("reprobe" in line for line in lines) is on
+        assert not any("no effect here" in line for line in lines)
+    pool = HostKVPool(spec, "layer_first", "auto", dev, registry=REG, strategy_options={"reprobe": True, "pace": False})
+    lines = pool.strategy.describe(pool.spec, pool.binding.layout)
+    assert any("reprobe" in line and "no effect here: pace=False" in line for line in lines)
     assert MIN_SAMPLES <= WINDOW  # the reference comes from a full window, after an estimate exists
 
 

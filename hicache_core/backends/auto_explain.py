@@ -80,7 +80,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
     if auto.reprobe:
         lines.append("auto: reprobe: where a burst of one-layer loads with reused indices goes to the kernel because the "
                      "host was measured too slow, the kernel's own calls are timed, and the host is measured again "
-                     f"once they run {DROP:.0%} faster than just after that decision")
+                     f"once they run {DROP:.0%} faster than just after that decision"
+                     + ("" if auto.use_pace else " (no effect here: pace=False measures no host)"))
     if auto.lone and getattr(auto.kernel, "fast_load", None) is not None:
         lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                      f"{auto.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
