@@ -105,6 +105,12 @@ def _copier(monkeypatch, t: list[float], desc_us: float) -> tuple[BatchCopier, _
     monkeypatch.setattr(memcpy_mod, "current_device_index", lambda: 0)
     copier = BatchCopier(torch.device("cuda", 0))  # nothing touches a GPU: the runtime is the fake's
     copier.clock = QueueClock(now=lambda: t[0])
+    # The measures' own clock (when a measure goes stale) stands still: the samples a test takes are one measure
+    # however long the machine running it stalls between them (a real clock here made the tests depend on the CI
+    # machine's load: a stall of STALE_S between two samples started a new measure).  Their staleness is tested on
+    # fake clocks of their own above.
+    for pace in (*copier.paces, *copier.warm_paces):
+        pace.now = lambda: 0.0
     return copier, rt
 
 
@@ -463,6 +469,7 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     loads = w.paces[False]
     _fill(loads, 50.0)
     auto = auto_over(pool, w)
+    auto.clock = QueueClock(now=lambda: w.t[0])  # the last plan's age (_refuse_unread): a fake clock, not the CI's
     w.t[0] += 2 * STALE_S
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is direct and loads.samples() == []
     _fill(loads, 50.0, count=MIN_SAMPLES)  # the new measure: slow
@@ -490,7 +497,9 @@ def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indi
     slow = replace(DEFAULT, submit_us=0.84)
     sub = pool.strategy.submission(pool.binding, h, d, 1)
     assert not fed(sub, slow, to_host=False) and not worth_measuring(sub, slow, to_host=False)
-    auto = auto_over(pool, _Paces())
+    w = _Paces()
+    auto = auto_over(pool, w)
+    auto.clock = QueueClock(now=lambda: w.t[0])  # the last plan's age (_refuse_unread): a fake clock, not the CI's
     auto.calibration = slow
     plans = pool.binding.scratch["direct.plans"]
     planned = len(plans._slots)  # the one sized above
@@ -694,8 +703,10 @@ def test_a_memory_bound_forward_pass_gives_loads_to_the_copy_engine_at_a_slower_
     n, nbytes = h.numel(), sub.nbytes
     for forward, refused in (("compute", True), ("memory", False)):
         auto = auto_over(pool, None, forward=forward)
+        t = [50.0]  # one fake clock for the plan's age and the measure's: neither ages while the CI machine stalls
+        auto.clock = QueueClock(now=lambda: t[0])
         auto._load_blocks[n] = (64, nbytes, auto.clock.now())  # the last plan of a load of n positions
-        measured = HostPace()
+        measured = HostPace(now=lambda: t[0])
         _fill(measured, 0.9)
         assert auto._refuse_unread(n, DEFAULT, measured) == refused
         assert auto._refuse_unread(n, DEFAULT, None) == refused  # no measure to start: the calibration's margin decides
