@@ -1916,3 +1916,25 @@ def test_a_call_never_takes_another_threads_check_of_the_same_tensors():
     finally:
         go.set()
         a.join()
+
+
+def test_auto_refuses_options_its_kernel_refuses_instead_of_dropping_the_kernel():
+    """A misspelt auto option (or a kernel option the kernel refuses) used to go to the kernel's factory, fail there,
+    and leave auto serving the pool by the copy engine alone, silently; the pool now refuses to build, naming it."""
+    import inspect
+
+    from hicache_core.backends.auto import AUTO_OPTIONS, AutoStrategy
+    from hicache_core.errors import ResolutionError
+
+    own = tuple(n for n in inspect.signature(AutoStrategy.__init__).parameters if n not in ("self", "kernel_options"))
+    assert own == AUTO_OPTIONS  # the message lists exactly auto's own options
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
+                        page_size=16, capacity=64)
+    dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
+    pool = HostKVPool(spec, "page_first", "auto", dev, registry=REG, strategy_options={"programs": 4})
+    assert pool.strategy.kernel is not None  # a kernel option the kernel takes
+    for options, why in (({"forwrd": "memory"}, "unexpected keyword argument 'forwrd'"),
+                         ({"programs": -3}, "programs=-3")):
+        with pytest.raises(ResolutionError, match=rf"auto's option\(s\) \['{next(iter(options))}'\] .*"
+                                                  rf"'page_first.kernel', which refused them .*{why}"):
+            HostKVPool(spec, "page_first", "auto", dev, registry=REG, strategy_options=options)

@@ -78,15 +78,30 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
     from ..registry import default_registry
 
     reg = registry if registry is not None else default_registry()
+    errors: list[Exception] = []
     try:
-        res, rejected = reg.try_resolve(spec, layout.name, "kernel", options=options or None)
+        res, rejected = reg.try_resolve(spec, layout.name, "kernel", options=options or None, errors=errors)
+        if res is None and options and errors:
+            # a kernel that loads without the options and fails with them: the options are wrong (a misspelt auto
+            # option lands here too); never serve such a pool without its kernel, silently
+            plain, _ = reg.try_resolve(spec, layout.name, "kernel")
+            if plain is not None:
+                raise ConfigError(
+                    f"auto's option(s) {sorted(options)} (not auto's own: {', '.join(AUTO_OPTIONS)}) go to the kernel "
+                    f"strategy {plain.info.name!r}, which refused them ({type(errors[0]).__name__}: "
+                    f"{str(errors[0]).splitlines()[0]}); fix the name or the value")
     except HicacheError as exc:  # e.g. that registry does not know this layout
+        if isinstance(exc, ConfigError):
+            raise
         return None, f"no kernel resolves: {str(exc).splitlines()[0]}"
     if res is None:
         why = "; ".join(f"{n}: {w}" for n, w in rejected) or f"no kernel strategy is registered for {layout.name!r}"
         return None, why
     return res.strategy, res.info.name
 
+
+#: :class:`AutoStrategy`'s own options (every other keyword goes to the kernel strategy's factory).
+AUTO_OPTIONS = ("staging", "staging_bytes", "pitched", "lone", "pace", "forward", "prefetch", "backup_room", "reprobe")
 
 #: Recent decisions kept per pool.  A decision only chooses between two correct strategies, so a
 #: stale one (an index tensor freed and another made at the same address) costs speed, never bytes;
