@@ -79,3 +79,37 @@ def test_the_example_engine_declares_the_rejection_the_kit_sees_on_a_gpu():
     rejection = classify_rejection(create_registry(), CASES[0], "example_packed", "example_engine", "example.engine",
                                    "cuda")
     assert rejection is not None and rejection.kind == "declared"
+
+
+class _EngineEverywhere:
+    """The example engine registered for every layout, as a vendor copying it would."""
+
+    @staticmethod
+    def _make(**options: object):  # type: ignore[no-untyped-def]
+        from hicache_example.engine import EngineStrategy
+
+        return EngineStrategy(**options)
+
+    from hicache_core import hookimpl as _hookimpl
+
+    @_hookimpl
+    def hicache_register_strategies(self, register):  # type: ignore[no-untyped-def]
+        from hicache_core import ANY_LAYOUT, StrategyInfo
+
+        register(StrategyInfo("everywhere.engine", "engine_everywhere", (ANY_LAYOUT,), self._make, (False, True)))
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_first_kv_split",
+                                    "example_packed"])
+def test_the_example_engine_copied_for_every_layout_is_byte_exact(layout: str) -> None:
+    """Copied as a starting point and registered for every layout, the engine stays byte-exact: it reads each
+    segment's host_view (it used to assume layer-major slots and wrote page-major layouts' bytes to the wrong
+    place)."""
+    from hicache_core.testing.conformance import CASES, check_strategy
+
+    reg = create_registry(plugins=[("everywhere", _EngineEverywhere())])
+    if layout not in reg.layouts:
+        pytest.skip(f"{layout} is not installed")
+    for case in CASES:
+        if reg.layouts[layout][0].check(case.build(torch.device("cpu"))) is None:
+            check_strategy(reg, case, layout, "engine_everywhere")

@@ -21,17 +21,21 @@ from hicache_core import DirectionalStrategy, Layout, PoolBinding, PoolSpec
 __all__ = ["EngineStrategy"]
 
 
-def _scatter_in_range(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """``dst[dst_idx[i]] = src[src_idx[i]]`` for every ``i`` whose indices are both in range; no host sync."""
-    ok = (dst_idx >= 0) & (dst_idx < dst.shape[0]) & (src_idx >= 0) & (src_idx < src.shape[0])
-    first = torch.argmax(ok.to(torch.int8))  # first in-range row (0 when none)
-    di = torch.where(ok, dst_idx, dst_idx[first]).clamp(0, dst.shape[0] - 1)
-    si = torch.where(ok, src_idx, src_idx[first]).clamp(0, src.shape[0] - 1)
-    dst.index_put_((di,), torch.where(ok.any(), src[si], dst[di]))
+def _in_range(dst_idx: torch.Tensor, dst_n: int, src_idx: torch.Tensor,
+              src_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(any, dst, src)``: the pairs to copy, every out-of-range pair replaced by the batch's first in-range pair
+    (``any`` is False where none is in range: the caller writes the destination's own bytes back); no host sync."""
+    ok = (dst_idx >= 0) & (dst_idx < dst_n) & (src_idx >= 0) & (src_idx < src_n)
+    first = torch.argmax(ok.to(torch.int8))  # first in-range pair (0 when none)
+    di = torch.where(ok, dst_idx, dst_idx[first]).clamp(0, dst_n - 1)
+    si = torch.where(ok, src_idx, src_idx[first]).clamp(0, src_n - 1)
+    return ok.any(), di, si
 
 
 class EngineStrategy(DirectionalStrategy):
-    """Vendor strategy for ``example_packed``; ``strategy_options`` arrive as keywords (none are used)."""
+    """Vendor strategy; ``strategy_options`` arrive as keywords (none are used).  Registered for ``example_packed``,
+    it serves any layout (it reads each segment's ``host_view``): register it with ``layouts=(ANY_LAYOUT,)`` to
+    serve every installed one."""
 
     #: The rejection the conformance kit may see (its pools live on the GPU where there is one): a skip, not a failure.
     conformance_rejects = (r"^example\.engine is a CPU stand-in for a vendor engine",)
@@ -45,23 +49,27 @@ class EngineStrategy(DirectionalStrategy):
         return None
 
     def prepare(self, binding: PoolBinding) -> None:
+        # Per (segment, entry): the device layer, the host layer's slots as the layout lays them out
+        # (``host_view[host layer]``: [pages, page_size, chunks, chunk_bytes], any page, token and chunk strides, so
+        # this serves every layout, layer- or page-major) and the device rows [N, width].
         views = []
         for seg in binding.segments:
-            a = seg.segment.addressing
-            flat = seg.host_flat
-            for i in range(len(seg.device_layers)):
-                start = flat.storage_offset() + seg.host_layers[i] * a.layer + a.offset
-                # [S, width] view of this layer's slots (rows are ``token`` bytes apart)
-                host = flat.as_strided((binding.spec.capacity, seg.width), (a.token, 1), start)
-                views.append((seg.device_layers[i], host, seg.device_rows[i]))
+            for i, dev_layer in enumerate(seg.device_layers):
+                views.append((dev_layer, seg.host_view[seg.host_layers[i]], seg.device_rows[i]))
         binding.scratch["example.engine"] = views
 
     def transfer(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
                  layer: int | None, *, to_host: bool) -> None:
+        ps, slots = binding.spec.page_size, binding.spec.capacity
         h, d = host_indices.long(), device_indices.long()
         for dev_layer, host, dev in binding.scratch["example.engine"]:
-            if layer is None or dev_layer == layer:
-                if to_host:
-                    _scatter_in_range(host, h, dev, d)
-                else:
-                    _scatter_in_range(dev, d, host, h)
+            if layer is not None and dev_layer != layer:
+                continue
+            if to_host:
+                ok, hi, di = _in_range(h, slots, d, dev.shape[0])
+                at = (hi // ps, hi % ps)  # a slot's page and its token in the page
+                host.index_put_(at, torch.where(ok, dev[di].view(-1, *host.shape[2:]), host[at]))
+            else:
+                ok, di, hi = _in_range(d, dev.shape[0], h, slots)
+                rows = host[hi // ps, hi % ps].reshape(len(hi), -1)
+                dev.index_put_((di,), torch.where(ok, rows, dev[di]))
