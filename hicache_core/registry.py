@@ -57,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hicache"
 ENV_ALLOW = "HICACHE_PLUGINS"
+#: The entry-point name of hicache's own plugin (the reference, direct and auto io_backends).
+CORE_PLUGIN = "core"
 #: The entry-point name of hicache-core's own plugin (:mod:`hicache_core.builtin`).
 BUILTIN_PLUGIN = "core"
 ENV_BLOCK = "HICACHE_DISABLE_PLUGINS"
@@ -253,6 +255,11 @@ class Registry:
                 self._broken(record, f"import failed: {type(exc).__name__}: {exc}", explicit=allow is not None)
                 continue
             self.add_plugin(plugin, record, explicit=allow is not None)
+        if CORE_PLUGIN in self.skipped:  # the allowed or blocked plugins may still load, but nothing can be compared
+            log_once(logger, logging.WARNING,
+                     f"{ENV_ALLOW}/{ENV_BLOCK} leave out hicache's {CORE_PLUGIN!r} plugin: its reference, direct and auto "
+                     f"io_backends are not loaded, and `hicache verify` and the conformance kit compare every strategy "
+                     f"with reference; add {CORE_PLUGIN} to {ENV_ALLOW} (or take it off {ENV_BLOCK})")
         unknown = block - {ep.name for ep in eps}
         if unknown:  # a typo (or a distribution's name) leaves the plugin it meant to switch off on
             log_once(logger, logging.WARNING,

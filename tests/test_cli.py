@@ -349,6 +349,14 @@ def test_verify_without_timing(capsys):
     assert out == "timing: off\n\n" + VERIFY_TABLE + "verify on cpu: 16 cells, 8 passed, 0 failed, 8 skipped\n"
 
 
+def test_verify_without_the_core_plugin_names_the_fix(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(env={"HICACHE_PLUGINS": "page_head"}))
+    rc, out, err = run(capsys, "verify", "--device", "cpu", "--no-timing")
+    assert rc == 2 and out == ""
+    assert err == ("hicache verify: no reference io_backend to compare with: HICACHE_PLUGINS/HICACHE_DISABLE_PLUGINS "
+                   "leave out the 'core' plugin; add core to HICACHE_PLUGINS\n")
+
+
 def test_verify_timed_structure(capsys):
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--kind", "mha", "--tokens", "64", "--reps", "1")
     assert rc == 0

@@ -241,6 +241,24 @@ def test_allow_list_names_a_missing_plugin():
         create_registry(env={"HICACHE_PLUGINS": "core,nope"})
 
 
+def test_leaving_out_the_core_plugin_warns_and_names_the_fix(caplog):
+    from hicache_core.logonce import forget_logged
+
+    for env in ({"HICACHE_PLUGINS": "page_head"}, {"HICACHE_DISABLE_PLUGINS": "core"}):
+        forget_logged()
+        with caplog.at_level(logging.WARNING, logger="hicache_core.registry"):
+            caplog.clear()
+            reg = create_registry(env=env)
+        assert "reference" not in reg.io_backends
+        assert "leave out hicache's 'core' plugin: its reference, direct and auto io_backends are not loaded" in \
+            caplog.text and "add core to HICACHE_PLUGINS (or take it off HICACHE_DISABLE_PLUGINS)" in caplog.text
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="hicache_core.registry"):
+        caplog.clear()
+        create_registry(env={"HICACHE_PLUGINS": "core,page_head"})
+    assert "core" not in caplog.text
+
+
 # -- allow / block lists -------------------------------------------------------------------
 def test_allow_list():
     reg = create_registry(env={"HICACHE_PLUGINS": "core, page_head"})
