@@ -512,6 +512,9 @@ def _check_names(reg: Registry, what: str, given: Sequence[str] | None, known: I
     """Raise :class:`UsageError` for the first name of ``given`` that is not in ``known``, with near matches."""
     known = list(known)
     for name in given or ():
+        clash = next((c for c in reg.conflicts if what == "layout" and c.kind == "layout" and c.name == name), None)
+        if clash is not None:  # installed twice: disabled, not unknown
+            raise UsageError(clash.message)
         if name not in known:
             hint = _close(name, known)
             raise UsageError(f"unknown {what} {name!r}.\n{reg.inventory()}" + (f"\n{hint}" if hint else ""))

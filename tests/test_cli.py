@@ -357,6 +357,25 @@ def test_verify_without_the_core_plugin_names_the_fix(capsys, monkeypatch):
                    "leave out the 'core' plugin; add core to HICACHE_PLUGINS\n")
 
 
+def test_a_layout_installed_twice_is_named_disabled_not_unknown(capsys, monkeypatch):
+    from hicache_core import hookimpl
+
+    page_head = create_registry().layouts["page_head"][0]
+
+    class _Twice:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(page_head)  # the same name again, from another plugin
+
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("twice", _Twice())]))
+    for cmd in ("verify", "matrix"):
+        rc, out, err = run(capsys, cmd, "--device", "cpu", "--layout", "page_head", *(("--no-timing",) if
+                                                                                          cmd == "verify" else ()))
+        assert rc == 2 and out == "", (cmd, out, err)
+        assert err.startswith(f"hicache {cmd}: layout 'page_head' is registered by ") and "unknown" not in err
+        assert "cannot be used until all but one are removed" in err
+
+
 def test_verify_timed_structure(capsys):
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--kind", "mha", "--tokens", "64", "--reps", "1")
     assert rc == 0
