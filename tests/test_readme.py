@@ -18,6 +18,23 @@ def _cpu_example() -> str:
     return re.search(r"```python\n(.*?)```", use, re.S).group(1)
 
 
+def _gpu_example() -> str:
+    text = README.read_text()
+    start = text.index("On a GPU, the same with an MLA pool")
+    return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+
+
+def test_readme_gpu_example_runs_on_a_cpu_as_the_readme_says() -> None:
+    """What the README tells a reader without a GPU: cpu for cuda throughout, TRITON_INTERPRET=1."""
+    code = _gpu_example()
+    assert code.count("cuda") == 4 and "torch.cuda.synchronize()" in code and "assert all(torch.equal(" in code
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
+    env["TRITON_INTERPRET"] = "1"
+    code = code.replace("cuda", "cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+
+
 def test_readme_cpu_example_runs_as_written() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
     out = subprocess.run([sys.executable, "-c", _cpu_example()], env=env, capture_output=True, text=True, timeout=300)
