@@ -44,7 +44,7 @@ from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
 from . import __version__
-from .registry import CORE_PLUGIN, ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, Registry, create_registry
+from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, Registry, create_registry
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
@@ -584,9 +584,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if problem:
             raise UsageError(problem)
     if "reference" not in reg.io_backends:  # every cell is compared with it
-        left_out = f"{ENV_ALLOW}/{ENV_BLOCK} leave out the {CORE_PLUGIN!r} plugin" if CORE_PLUGIN in reg.skipped else \
-            f"the {CORE_PLUGIN!r} plugin is not loaded (see `hicache plugins`)"
-        raise UsageError(f"no reference io_backend to compare with: {left_out}; add {CORE_PLUGIN} to {ENV_ALLOW}")
+        raise UsageError(f"no reference io_backend to compare with: hicache's own plugin is not loaded; {reg.core_fix()}")
     if not reg.layouts:  # nothing to verify proves nothing (as when the filters leave no cell)
         if args.json:
             print(json.dumps({"device": str(device), "rows": []}, indent=1))

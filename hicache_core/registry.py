@@ -57,8 +57,6 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hicache"
 ENV_ALLOW = "HICACHE_PLUGINS"
-#: The entry-point name of hicache's own plugin (the reference, direct and auto io_backends).
-CORE_PLUGIN = "core"
 #: The entry-point name of hicache-core's own plugin (:mod:`hicache_core.builtin`).
 BUILTIN_PLUGIN = "core"
 ENV_BLOCK = "HICACHE_DISABLE_PLUGINS"
@@ -255,11 +253,11 @@ class Registry:
                 self._broken(record, f"import failed: {type(exc).__name__}: {exc}", explicit=allow is not None)
                 continue
             self.add_plugin(plugin, record, explicit=allow is not None)
-        if CORE_PLUGIN in self.skipped:  # the allowed or blocked plugins may still load, but nothing can be compared
+        if BUILTIN_PLUGIN in self.skipped:  # the allowed or blocked plugins may still load, but nothing can be compared
             log_once(logger, logging.WARNING,
-                     f"{ENV_ALLOW}/{ENV_BLOCK} leave out hicache's {CORE_PLUGIN!r} plugin: its reference, direct and auto "
-                     f"io_backends are not loaded, and `hicache verify` and the conformance kit compare every strategy "
-                     f"with reference; add {CORE_PLUGIN} to {ENV_ALLOW} (or take it off {ENV_BLOCK})")
+                     f"hicache's {BUILTIN_PLUGIN!r} plugin is not loaded: its reference, direct and auto io_backends are "
+                     f"missing, and `hicache verify` and the conformance kit compare every strategy with reference; "
+                     f"{self.core_fix()}")
         unknown = block - {ep.name for ep in eps}
         if unknown:  # a typo (or a distribution's name) leaves the plugin it meant to switch off on
             log_once(logger, logging.WARNING,
@@ -272,6 +270,18 @@ class Registry:
                     f"{ENV_ALLOW} names plugins that are not installed: {sorted(missing)}; "
                     f"installed: {sorted(ep.name for ep in eps)}"
                 )
+
+    def core_fix(self) -> str:
+        """How to load hicache's own plugin (:data:`BUILTIN_PLUGIN`) where the environment's lists leave it out, or
+        where it failed to load."""
+        if BUILTIN_PLUGIN in (_csv(self.env.get(ENV_BLOCK)) or set()):  # the block list wins over the allow list
+            return f"take {BUILTIN_PLUGIN} off {ENV_BLOCK}={self.env[ENV_BLOCK]!r}"
+        allow = _csv(self.env.get(ENV_ALLOW))
+        if allow is not None and BUILTIN_PLUGIN not in allow:
+            return f"add {BUILTIN_PLUGIN} to {ENV_ALLOW}={self.env[ENV_ALLOW]!r}"
+        rec = next((p for p in self.plugins if p.name == BUILTIN_PLUGIN), None)
+        why = f" ({rec.error})" if rec is not None and rec.error else ""
+        return f"it failed to load{why}: see `hicache plugins`, and reinstall hicache-core"
 
     def add_plugin(self, plugin: Any, record: PluginRecord, *, explicit: bool = False) -> None:
         """Register one plugin object and run its registration hooks.
@@ -559,10 +569,9 @@ class Registry:
         lines += [f"  {name}: {why}" for name, why in rejected]
         alts = self.alternatives(spec, layout, io_backend, options)
         lines.append("nearest working alternatives: " + (", ".join(alts) if alts else "(none)"))
-        allow = _csv(self.env.get(ENV_ALLOW))
-        if allow is not None and BUILTIN_PLUGIN not in allow:
-            lines.append(f"note: {ENV_ALLOW}={self.env[ENV_ALLOW]!r} leaves out {BUILTIN_PLUGIN!r}, the plugin of the "
-                         "generic backends (reference, direct, auto); add it to the list")
+        if BUILTIN_PLUGIN in self.skipped:
+            lines.append(f"note: {BUILTIN_PLUGIN!r}, the plugin of the generic backends (reference, direct, auto), is "
+                         f"left out: {self.core_fix()}")
         lines.append(self.inventory())
         config = next((e for e in errors if isinstance(e, ConfigError)), None)
         # a setting that made a candidate fail to load is the cause (a caller may tell the user's setting apart)

@@ -353,8 +353,8 @@ def test_verify_without_the_core_plugin_names_the_fix(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(env={"HICACHE_PLUGINS": "page_head"}))
     rc, out, err = run(capsys, "verify", "--device", "cpu", "--no-timing")
     assert rc == 2 and out == ""
-    assert err == ("hicache verify: no reference io_backend to compare with: HICACHE_PLUGINS/HICACHE_DISABLE_PLUGINS "
-                   "leave out the 'core' plugin; add core to HICACHE_PLUGINS\n")
+    assert err == ("hicache verify: no reference io_backend to compare with: hicache's own plugin is not loaded; add "
+                   "core to HICACHE_PLUGINS='page_head'\n")
 
 
 def test_a_layout_installed_twice_is_named_disabled_not_unknown(capsys, monkeypatch):

@@ -1923,18 +1923,31 @@ def test_auto_refuses_options_its_kernel_refuses_instead_of_dropping_the_kernel(
     and leave auto serving the pool by the copy engine alone, silently; the pool now refuses to build, naming it."""
     import inspect
 
+    from fakes import pool_device
     from hicache_core.backends.auto import AUTO_OPTIONS, AutoStrategy
     from hicache_core.errors import ResolutionError
 
     own = tuple(n for n in inspect.signature(AutoStrategy.__init__).parameters if n not in ("self", "kernel_options"))
     assert own == AUTO_OPTIONS  # the message lists exactly auto's own options
+    device = pool_device("kernel")  # where a kernel serves the pool (a CPU pool's kernel needs the interpreter)
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(2), kv_lora_rank=512, qk_rope_head_dim=64, dtype=torch.bfloat16,
-                        page_size=16, capacity=64)
-    dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16) for _ in range(2)]}
+                        page_size=16, capacity=64, device=device)
+    dev = {"kv": [torch.zeros(64, 1, 576, dtype=torch.bfloat16, device=device) for _ in range(2)]}
     pool = HostKVPool(spec, "page_first", "auto", dev, registry=REG, strategy_options={"programs": 4})
     assert pool.strategy.kernel is not None  # a kernel option the kernel takes
     for options, why in (({"forwrd": "memory"}, "unexpected keyword argument 'forwrd'"),
                          ({"programs": -3}, "programs=-3")):
-        with pytest.raises(ResolutionError, match=rf"auto's option\(s\) \['{next(iter(options))}'\] .*"
-                                                  rf"'page_first.kernel', which refused them .*{why}"):
+        with pytest.raises(ResolutionError, match=rf"auto's option\(s\) \['{next(iter(options))}'\] .* go to the kernel "
+                                                  rf"strategy.*, which refused them .*{why}"):
             HostKVPool(spec, "page_first", "auto", dev, registry=REG, strategy_options=options)
+    if "page_head" not in REG.layouts:
+        return
+    # a layout no kernel strategy serves: nothing could take a kernel option, misspelt or not
+    mha = PoolSpec.mha(layer_map=LayerMap.unsharded(2), head_num=1, head_dim=8, dtype=torch.float16, page_size=4,
+                       capacity=8)
+    kv = {c: [torch.zeros(8, 1, 8, dtype=torch.float16) for _ in range(2)] for c in "kv"}
+    assert HostKVPool(mha, "page_head", "auto", kv, registry=REG).strategy.kernel is None
+    for options in ({"forwrd": "memory"}, {"programs": 4}):
+        with pytest.raises(ResolutionError, match=rf"auto's option\(s\) \['{next(iter(options))}'\] are not auto's own "
+                                                  r".*no kernel strategy is registered for layout 'page_head'"):
+            HostKVPool(mha, "page_head", "auto", kv, registry=REG, strategy_options=options)

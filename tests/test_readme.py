@@ -33,6 +33,11 @@ def test_readme_gpu_example_runs_on_a_cpu_as_the_readme_says() -> None:
     code = code.replace("cuda", "cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
+    # its check can fail: without the transfers, the rows it compares differ
+    unloaded = "\n".join(line for line in code.splitlines() if not line.startswith(("for layer in range(L):", "    pool.",
+                                                                                  "pool.backup_all_layers(")))
+    out = subprocess.run([sys.executable, "-c", unloaded], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "AssertionError" in out.stderr
 
 
 def test_readme_cpu_example_runs_as_written() -> None:

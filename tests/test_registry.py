@@ -244,14 +244,16 @@ def test_allow_list_names_a_missing_plugin():
 def test_leaving_out_the_core_plugin_warns_and_names_the_fix(caplog):
     from hicache_core.logonce import forget_logged
 
-    for env in ({"HICACHE_PLUGINS": "page_head"}, {"HICACHE_DISABLE_PLUGINS": "core"}):
+    for env, fix in (({"HICACHE_PLUGINS": "page_head"}, "add core to HICACHE_PLUGINS='page_head'"),
+                     ({"HICACHE_PLUGINS": "core,page_head", "HICACHE_DISABLE_PLUGINS": "core"},
+                      "take core off HICACHE_DISABLE_PLUGINS='core'")):
         forget_logged()
         with caplog.at_level(logging.WARNING, logger="hicache_core.registry"):
             caplog.clear()
             reg = create_registry(env=env)
         assert "reference" not in reg.io_backends
-        assert "leave out hicache's 'core' plugin: its reference, direct and auto io_backends are not loaded" in \
-            caplog.text and "add core to HICACHE_PLUGINS (or take it off HICACHE_DISABLE_PLUGINS)" in caplog.text
+        assert "hicache's 'core' plugin is not loaded: its reference, direct and auto io_backends are missing" in \
+            caplog.text and caplog.text.rstrip().endswith(fix)
     forget_logged()
     with caplog.at_level(logging.WARNING, logger="hicache_core.registry"):
         caplog.clear()
@@ -530,9 +532,12 @@ def test_an_allow_list_without_core_is_named_where_a_generic_backend_is_missing(
     from hicache_core.errors import ResolutionError
 
     reg = create_registry(env={"HICACHE_PLUGINS": "page_head"})
-    with pytest.raises(ResolutionError, match=r"note: HICACHE_PLUGINS='page_head' leaves out 'core', the plugin of "
-                                              r"the generic backends \(reference, direct, auto\); add it to the list"):
+    with pytest.raises(ResolutionError, match=r"note: 'core', the plugin of the generic backends \(reference, direct, "
+                                              r"auto\), is left out: add core to HICACHE_PLUGINS='page_head'"):
         reg.resolve(mha(), "page_head", "reference")
+    reg = create_registry(env={"HICACHE_PLUGINS": "core,page_head", "HICACHE_DISABLE_PLUGINS": "core"})
+    with pytest.raises(ResolutionError, match=r"is left out: take core off HICACHE_DISABLE_PLUGINS='core'"):
+        reg.resolve(mha(), "page_head", "reference")  # the block list wins: adding core to the allow list does nothing
     with pytest.raises(ResolutionError) as info:
         create_registry(env=BASE).resolve(mha(), "page_head", "kernel")
-    assert "leaves out" not in str(info.value)
+    assert "left out" not in str(info.value)

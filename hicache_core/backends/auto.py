@@ -82,14 +82,27 @@ def _kernel_for(registry: Registry | None, spec: PoolSpec, layout: Layout,
     try:
         res, rejected = reg.try_resolve(spec, layout.name, "kernel", options=options or None, errors=errors)
         if res is None and options and errors:
-            # a kernel that loads without the options and fails with them: the options are wrong (a misspelt auto
-            # option lands here too); never serve such a pool without its kernel, silently
-            plain, _ = reg.try_resolve(spec, layout.name, "kernel")
-            if plain is not None:
+            # a kernel factory that takes no such keyword, or a kernel that loads without the options and fails with
+            # them: the options are wrong (a misspelt auto option lands here too, whether or not a kernel could serve
+            # this pool); never serve such a pool without its kernel, silently
+            bad: Exception | None = next((e for e in errors if isinstance(e, TypeError) and "keyword argument" in str(e)),
+                                         None)
+            plain = None
+            if bad is None:
+                plain, _ = reg.try_resolve(spec, layout.name, "kernel")
+                bad = errors[0] if plain is not None else None
+            if bad is not None:
                 raise ConfigError(
                     f"auto's option(s) {sorted(options)} (not auto's own: {', '.join(AUTO_OPTIONS)}) go to the kernel "
-                    f"strategy {plain.info.name!r}, which refused them ({type(errors[0]).__name__}: "
-                    f"{str(errors[0]).splitlines()[0]}); fix the name or the value")
+                    f"strategy{'' if plain is None else ' ' + repr(plain.info.name)}, which refused them "
+                    f"({type(bad).__name__}: {str(bad).splitlines()[0]}); fix the name or the value")
+        if res is None and options:
+            if not reg.candidates(layout.name, "kernel", spec.sharded):  # nothing could ever take them: a mistake
+                raise ConfigError(
+                    f"auto's option(s) {sorted(options)} are not auto's own ({', '.join(AUTO_OPTIONS)}), and no kernel "
+                    f"strategy is registered for layout {layout.name!r} to take them; fix the name or drop them")
+            # a kernel that takes them but cannot serve this pool (e.g. a CPU pool outside Triton's interpreter)
+            logger.info("hicache auto: no kernel serves this pool; its options %s are not used", sorted(options))
     except HicacheError as exc:  # e.g. that registry does not know this layout
         if isinstance(exc, ConfigError):
             raise

@@ -78,8 +78,9 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
                      "first decided load, so a copy plan made later in the burst waits for that read only")
     if auto.reprobe:
-        lines.append("auto: reprobe: where a burst of one-layer loads with reused indices goes to the kernel because the "
-                     "host was measured too slow, the kernel's own calls are timed, and the host is measured again "
+        lines.append("auto: reprobe (on a GPU pool whose host pace is measured, validate='shapes'): where a burst of "
+                     "one-layer loads with reused indices goes to the kernel because the host was measured too slow, "
+                     "the kernel's own calls are timed, and the host is measured again "
                      f"once they run {DROP:.0%} faster than just after that decision"
                      + ("" if auto.use_pace else " (no effect here: pace=False measures no host)"))
     if auto.lone and getattr(auto.kernel, "fast_load", None) is not None:
