@@ -511,10 +511,10 @@ class UsageError(Exception):
 def _check_names(reg: Registry, what: str, given: Sequence[str] | None, known: Iterable[str]) -> None:
     """Raise :class:`UsageError` for the first name of ``given`` that is not in ``known``, with near matches."""
     known = list(known)
+    clashes = {c.name: c for c in reg.conflicts if c.kind == "layout"} if what == "layout" else {}
     for name in given or ():
-        clash = next((c for c in reg.conflicts if what == "layout" and c.kind == "layout" and c.name == name), None)
-        if clash is not None:  # installed twice: disabled, not unknown
-            raise UsageError(clash.message)
+        if name in clashes:  # installed twice: disabled, not unknown
+            raise UsageError(clashes[name].message)
         if name not in known:
             hint = _close(name, known)
             raise UsageError(f"unknown {what} {name!r}.\n{reg.inventory()}" + (f"\n{hint}" if hint else ""))

@@ -280,8 +280,9 @@ class Registry:
         if allow is not None and BUILTIN_PLUGIN not in allow:
             return f"add {BUILTIN_PLUGIN} to {ENV_ALLOW}={self.env[ENV_ALLOW]!r}"
         rec = next((p for p in self.plugins if p.name == BUILTIN_PLUGIN), None)
-        why = f" ({rec.error})" if rec is not None and rec.error else ""
-        return f"it failed to load{why}: see `hicache plugins`, and reinstall hicache-core"
+        if rec is None:
+            return "its entry point is not installed: reinstall hicache-core"
+        return f"it failed to load{f' ({rec.error})' if rec.error else ''}: see `hicache plugins`, and reinstall hicache-core"
 
     def add_plugin(self, plugin: Any, record: PluginRecord, *, explicit: bool = False) -> None:
         """Register one plugin object and run its registration hooks.
