@@ -14,8 +14,11 @@ is an int64 offset from it, in *words* of :attr:`SegmentTable.word` bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.metadata
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +59,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: Oldest Triton whose CPU interpreter runs the kernels: 3.6's fails in their persistent loops (``tl.range`` from
+#: ``tl.program_id``: "only 0-dimensional arrays can be converted to Python scalars", with numpy 2.4); 3.7 runs them.
+MIN_INTERPRETER_TRITON = (3, 7)
+
+
+@functools.lru_cache(maxsize=1)
+def interpreter_problem() -> str | None:
+    """Why the installed Triton's CPU interpreter cannot run the kernels, or ``None`` (read from its install metadata:
+    no Triton import)."""
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # no Triton: said where it matters (kernel_unsupported_reason)
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    if parts is None or (int(parts[1]), int(parts[2])) >= MIN_INTERPRETER_TRITON:
+        return None
+    floor = ".".join(map(str, MIN_INTERPRETER_TRITON))
+    return (f"Triton {version}'s CPU interpreter cannot run the kernels (it fails in their persistent loops); install "
+            f"triton>={floor} for TRITON_INTERPRET=1 on CPU, or use the direct io_backend")
+
+
 def kernel_unsupported_reason(spec: PoolSpec) -> str | None:
     """``None`` when a Triton kernel can run for ``spec`` here, else why not."""
     if importlib.util.find_spec("triton") is None:
@@ -67,7 +91,7 @@ def kernel_unsupported_reason(spec: PoolSpec) -> str | None:
             return "the kernels address pinned host memory by its host address, which ROCm does not map; use direct"
         return None
     if spec.device.type == "cpu" and interpreting():
-        return None
+        return interpreter_problem()
     return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); the pool is on {spec.device}"
 
 

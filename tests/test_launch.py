@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hicache_core import launch as launch_mod
+from hicache_core import LayerMap, PoolSpec
 from hicache_core.launch import Launcher, launch_key, set_fast_launch
 
 
@@ -224,3 +225,28 @@ def test_launch_switches_refuse_what_is_not_a_switch(monkeypatch, setter, env, s
         getattr(mod, setter)(bad)
     assert getattr(mod, state) == ["unchanged"]
     assert getattr(mod, setter)(False) is False
+
+
+@pytest.mark.parametrize("version, refused", [("3.6.0", True), ("3.6.1+git1234", True), ("3.7.0", False),
+                                              ("3.9.0", False), ("4.0", False), ("nightly", False)])
+def test_an_interpreter_too_old_for_the_kernels_is_refused_with_the_fix(monkeypatch, version, refused):
+    """Triton 3.6's CPU interpreter fails in the kernels' persistent loops: a CPU pool under TRITON_INTERPRET=1 is
+    refused with the fix instead of failing at its first transfer (read from the install metadata, no import)."""
+    import importlib.metadata
+
+    from hicache_core import kernel_support as ks
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ks.interpreter_problem.cache_clear()
+    try:
+        spec = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=1, head_dim=8, dtype=torch.float16, page_size=4,
+                            capacity=8)
+        why = ks.kernel_unsupported_reason(spec)
+        if refused:
+            assert why == (f"Triton {version}'s CPU interpreter cannot run the kernels (it fails in their persistent "
+                           "loops); install triton>=3.7 for TRITON_INTERPRET=1 on CPU, or use the direct io_backend")
+        elif importlib.util.find_spec("triton") is not None:
+            assert why is None
+    finally:
+        ks.interpreter_problem.cache_clear()

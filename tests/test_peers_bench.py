@@ -147,7 +147,7 @@ def test_our_ctas_are_the_programs_the_last_call_launched(backend, strategy, pro
 def test_our_ctas_name_the_kernel_for_a_load_auto_gave_it_as_a_lone_load(monkeypatch):
     """auto's lone-load rule serves a single load with its kernel whatever pick() memoised for the pair (here the
     copy engine): the row's CTAs are the kernel's grid for such a load, the pick's (0: the copy engine) otherwise."""
-    spec = _mla(pool_device("auto"))
+    spec = _mla(pool_device("kernel"))  # where auto's kernel candidate serves the pool (the GPU, where there is one)
     dev = _dev(spec)
     h, s, d = (t.to(spec.device) for t in _idx())
     reg = create_registry()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -26,6 +28,10 @@ def _gpu_example() -> str:
 
 def test_readme_gpu_example_runs_on_a_cpu_as_the_readme_says() -> None:
     """What the README tells a reader without a GPU: cpu for cuda throughout, TRITON_INTERPRET=1."""
+    from hicache_core.kernel_support import interpreter_problem
+
+    if interpreter_problem():
+        pytest.skip(interpreter_problem())
     code = _gpu_example()
     assert code.count("cuda") == 4 and "torch.cuda.synchronize()" in code and "assert all(torch.equal(" in code
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_")}
