@@ -18,7 +18,7 @@ from hicache_core.backends.pace import HostPace
 def test_real_clock_read_twice():
     t0 = time.perf_counter()
     x = 1
-    assert time.perf_counter() - t0 < 1.0  # fails when the machine stalls between the two reads
+    assert time.perf_counter() - t0 < 50.0  # fails under the plugin's 100 s per line
 
 
 def test_a_measure_on_its_default_clock_goes_stale():
@@ -41,12 +41,14 @@ def test_the_stall_plugin_fails_exactly_the_tests_that_read_real_time(tmp_path: 
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_clocks.py").write_text(TESTS)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEV), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(DEV), os.environ.get("PYTHONPATH", "")]), "STALL_S": "100"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "stall_plugin", "-p", "no:cacheprovider",
                           "-rf", str(tests)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert "stall_plugin: +1.1 s per test line; clock defaults of" in out.stdout, out.stdout + out.stderr
+    assert "stall_plugin: +100 s per test line; clock defaults of" in out.stdout, out.stdout + out.stderr
     failed = sorted(line.split("::")[1].split()[0] for line in out.stdout.splitlines() if line.startswith("FAILED"))
     assert failed == ["test_a_measure_on_its_default_clock_goes_stale", "test_real_clock_read_twice"], out.stdout
-    clean = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert clean.returncode == 0, clean.stdout  # without the plugin they all pass
+    # without the plugin the clock tests pass (not the one on the library's 1 s staleness: a loaded machine may stall
+    # that long between two of its lines, and this test must not depend on the machine's load)
+    clean = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not default_clock",
+                            str(tests)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0 and "2 passed, 1 deselected" in clean.stdout, clean.stdout
