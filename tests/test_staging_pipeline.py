@@ -169,7 +169,7 @@ def _run_modelled(monkeypatch, pool: HostKVPool, h: torch.Tensor, d: torch.Tenso
     monkeypatch.setattr(route, "_d_dev", modelled_d_dev)
     monkeypatch.setattr(route, "_relayout", modelled_relayout)
     earlier = sim.main.add(Node("main", "earlier work"))
-    route._run_pipelined(pool.binding.scratch["direct.copier"], Buffers(sim), caller, to_host=to_host)
+    route._run_pipelined(pool.binding.scratch["direct.copier"], Buffers(sim), caller, [0, 0], to_host=to_host)
     later = sim.main.add(Node("main", "later work"))
     for n in sim.nodes:
         if n.stream == "side" and n.what != "wait":

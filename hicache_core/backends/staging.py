@@ -353,10 +353,9 @@ class StagedRoute:
                 self._copy(copier, p0, p1, staging.data_ptr(), None, to_host=False)
                 self._relayout(staging, rows, p1 - p0, to_image=False)
 
-    def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, at: list[int] | None = None,
-                       *, to_host: bool) -> None:
+    def _run_pipelined(self, copier: BatchCopier, buffers: StagingBuffers, stream: int, at: list[int], *,
+                       to_host: bool) -> None:
         """The chunks of a CUDA transfer, pipelined on a side stream; ``at``: set to the chunk under way (:meth:`run`)."""
-        at = [0, 0] if at is None else at
         ps = self.binding.spec.page_size
         n = int(self.pages.numel())
         device = self.binding.device
