@@ -152,7 +152,8 @@ def test_our_ctas_name_the_kernel_for_a_load_auto_gave_it_as_a_lone_load(monkeyp
     h, s, d = (t.to(spec.device) for t in _idx())
     reg = create_registry()
     host = allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=spec.device.type == "cuda")
-    target = P.Ours(P.Ctx(spec, "layer_first", dev, host, reg), "auto", "core.auto", None)
+    # lone=False: auto's own lone-load rule stays out (on a GPU it would take the first load); lone_load stands in
+    target = P.Ours(P.Ctx(spec, "layer_first", dev, host, reg), "auto", "core.auto", None, {"lone": False})
     auto = target.pool.strategy
     monkeypatch.setattr(auto, "pick", lambda *a, **k: auto.direct)
     load = target.pool.load_layer

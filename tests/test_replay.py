@@ -113,6 +113,8 @@ class World:
         monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")  # the row kernel only: TMA has no fake here
         monkeypatch.setattr(rowcopy, "interpreting", lambda: False)  # replays are made for this CPU pool
         monkeypatch.setattr(kernel_support, "interpreting", lambda: True)  # a CPU pool may take kernels (on GPU hosts too)
+        # the launches are faked: no interpreter runs them, whatever Triton is installed (3.6's cannot)
+        monkeypatch.setattr(kernel_support, "interpreter_problem", lambda: None)
         monkeypatch.setattr(launch_mod, "_ENABLED", [True])
         monkeypatch.setattr(launch_mod, "_DRIVER", [True])
         reg = create_registry()

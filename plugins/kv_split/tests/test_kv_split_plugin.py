@@ -35,6 +35,8 @@ def test_registration_and_resolution_import_no_triton():
     code = (
         "import sys, torch\n"
         "from hicache_core import LayerMap, PoolSpec, create_registry\n"
+        "import hicache_core.kernel_support as ks\n"
+        "ks.interpreter_problem = lambda: None  # resolution, not a kernel run: Triton 3.6's interpreter does not matter\n"
         "spec = PoolSpec.mla(layer_map=LayerMap.sharded_cp(8, 2, 1), kv_lora_rank=8, qk_rope_head_dim=4,"
         " dtype=torch.bfloat16, page_size=1, capacity=4)\n"
         "create_registry().resolve(spec, 'page_first_kv_split', 'kernel')\n"
