@@ -25,7 +25,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import difflib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -44,7 +43,7 @@ from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
 from . import __version__
-from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, Registry, create_registry
+from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, Registry, create_registry, did_you_mean
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
@@ -214,11 +213,6 @@ def render_matrix(cells: Sequence[Cell], kinds: Sequence[str], device: torch.dev
 
 
 # -- explain -------------------------------------------------------------------------
-def _close(name: str, options: Iterable[str]) -> str:
-    near = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
-    return f"did you mean: {', '.join(near)}?" if near else ""
-
-
 def explain_lines(reg: Registry, spec: PoolSpec, layout: str, io_backend: str, override: str | None) -> tuple[list[str], bool]:
     """The resolution trace of one key and whether it resolved.  Raises :class:`UnknownLayoutError`."""
     lay = reg.layout(layout)
@@ -516,7 +510,7 @@ def _check_names(reg: Registry, what: str, given: Sequence[str] | None, known: I
         if name in clashes:  # installed twice: disabled, not unknown
             raise UsageError(clashes[name].message)
         if name not in known:
-            hint = _close(name, known)
+            hint = did_you_mean(name, known)
             raise UsageError(f"unknown {what} {name!r}.\n{reg.inventory()}" + (f"\n{hint}" if hint else ""))
 
 
@@ -550,9 +544,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     spec = representative_spec(args.kind, args.sharded, args.device, dtype=dtype)
     try:
         lines, ok = explain_lines(reg, spec, args.layout, args.io_backend, args.strategy)
-    except UnknownLayoutError as exc:
-        hint = _close(args.layout, reg.layouts)
-        print(f"hicache explain: {exc}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
+    except UnknownLayoutError as exc:  # its message names near matches
+        print(f"hicache explain: {exc}", file=sys.stderr)
         return 2
     note = _no_cuda_note(args.device)
     print("\n".join(lines + ([f"note: {note}"] if note else [])))
@@ -560,9 +553,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         return 0
     try:
         reg.resolve(spec, args.layout, args.io_backend, override=args.strategy)
-    except ResolutionError as exc:
-        hint = _close(args.io_backend, reg.io_backends) if args.io_backend not in reg.io_backends else ""
-        print(f"hicache explain: {exc}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
+    except ResolutionError as exc:  # its message names near matches of an unknown io_backend
+        print(f"hicache explain: {exc}", file=sys.stderr)
     return 2
 
 

@@ -215,6 +215,12 @@ def _contract_problem(value: object, what: str) -> str | None:
             "reason (str)")
 
 
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""``."""
+    near = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+    return f"did you mean: {', '.join(near)}?" if near else ""
+
+
 class Registry:
     """Layouts and strategies from every loaded plugin, with provenance."""
 
@@ -447,7 +453,8 @@ class Registry:
         if conflict is not None:
             raise DuplicateRegistrationError(conflict.message)
         if name not in self.layouts:
-            raise UnknownLayoutError(f"unknown layout {name!r}.\n{self.inventory()}")
+            hint = did_you_mean(name, self.layouts)
+            raise UnknownLayoutError(f"unknown layout {name!r}.\n{self.inventory()}" + (f"\n{hint}" if hint else ""))
         return self.layouts[name][0]
 
     def candidates(self, layout: str, io_backend: str, sharded: bool) -> list[StrategyInfo]:
@@ -574,6 +581,8 @@ class Registry:
             lines.append(f"note: {BUILTIN_PLUGIN!r}, the plugin of the generic backends (reference, direct, auto), is "
                          f"left out: {self.core_fix()}")
         lines.append(self.inventory())
+        if io_backend not in self.io_backends and (hint := did_you_mean(io_backend, self.io_backends)):
+            lines.append(hint)
         config = next((e for e in errors if isinstance(e, ConfigError)), None)
         # a setting that made a candidate fail to load is the cause (a caller may tell the user's setting apart)
         raise ResolutionError("\n".join(lines)) from config

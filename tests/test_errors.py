@@ -376,6 +376,23 @@ def test_unknown_layout_lists_installed_layouts() -> None:
     assert_unchanged(before, dev)
 
 
+def test_misspelt_names_get_near_matches() -> None:
+    spec = make_spec()
+    dev = make_device(spec)
+    before = snapshot(dev)
+    with pytest.raises(UnknownLayoutError) as info:
+        HostKVPool(spec, "page_frist", "direct", dev)
+    assert str(info.value).splitlines()[0] == "unknown layout 'page_frist'."
+    assert str(info.value).splitlines()[-1].startswith("did you mean: page_first")
+    with pytest.raises(ResolutionError) as info:
+        HostKVPool(spec, "page_first", "dirct", dev)
+    assert str(info.value).splitlines()[-1] == "did you mean: direct?"
+    with pytest.raises(ResolutionError) as info:  # a known io_backend that cannot serve gets no guess
+        HostKVPool(spec, "page_first", "direct", dev, strategy="core.reference")
+    assert "did you mean" not in str(info.value)
+    assert_unchanged(before, dev)
+
+
 def test_unknown_io_backend() -> None:
     spec = make_spec()
     dev = make_device(spec)
