@@ -576,7 +576,7 @@ class Registry:
                  f"for {spec.describe()}:"]
         lines += [f"  {name}: {why}" for name, why in rejected]
         alts = self.alternatives(spec, layout, io_backend, options)
-        lines.append("nearest working alternatives: " + (", ".join(alts) if alts else "(none)"))
+        lines.append("nearest working alternatives: " + ("; ".join(alts) if alts else "(none)"))
         if BUILTIN_PLUGIN in self.skipped:
             lines.append(f"note: {BUILTIN_PLUGIN!r}, the plugin of the generic backends (reference, direct, auto), is "
                          f"left out: {self.core_fix()}")
@@ -599,7 +599,7 @@ class Registry:
                 continue
             res, _ = self.try_resolve(spec, lay, backend, options=options)
             if res is not None:
-                out.append(f"--layout {lay} --io-backend {backend} ({res.info.name})")
+                out.append(f"layout={lay!r}, io_backend={backend!r} ({res.info.name})")
         return out
 
 

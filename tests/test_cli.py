@@ -256,7 +256,7 @@ candidates, in order:
     assert err == f"""\
 hicache explain: no strategy serves (layout='page_head', io_backend='fakedma', sharded=False) for mha [k:64B+v:64B] x 4 layers, page 16:
   test_vendor.fakedma: {reason}
-nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
+nearest working alternatives: layout='page_head', io_backend='auto' (core.auto); layout='page_head', io_backend='direct' (core.direct); layout='page_head', io_backend='reference' (core.reference)
 {INVENTORY}
 """
 
@@ -288,9 +288,9 @@ def test_explain_near_misses(capsys):
     assert rc == 2
     assert out.splitlines()[-1] == "candidates: none; no strategy is registered for io_backend 'dirct' and this layout"
     assert err.endswith("did you mean: direct?\n")
-    assert ("nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head "
-            "--io-backend direct (core.direct), --layout page_head "
-            "--io-backend fakedma (test_vendor.fakedma), --layout page_head --io-backend reference (core.reference)"
+    assert ("nearest working alternatives: layout='page_head', io_backend='auto' (core.auto); layout='page_head', "
+            "io_backend='direct' (core.direct); layout='page_head', "
+            "io_backend='fakedma' (test_vendor.fakedma); layout='page_head', io_backend='reference' (core.reference)"
             ) in err.splitlines()
 
 

@@ -404,7 +404,7 @@ def test_unknown_io_backend() -> None:
     assert msg.startswith("no strategy serves (layout='page_first', io_backend='nvme_dma', sharded=False) for mha")
     assert "(none): no strategy is registered for io_backend 'nvme_dma' and this layout" in msg
     alts = next(line for line in msg.splitlines() if line.startswith("nearest working alternatives: "))
-    assert "--layout page_first --io-backend direct (" in alts  # auto may come first where it resolves
+    assert "layout='page_first', io_backend='direct' (" in alts  # auto may come first where it resolves
     assert "installed io_backends:" in msg
     assert_unchanged(before, dev)
 

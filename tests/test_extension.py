@@ -153,7 +153,7 @@ def test_fakedma_serves_only_its_keys(reg_vendor_layouts):
         reg_vendor_layouts.resolve(spec, "page_first", "fakedma")
     text = str(exc.value)
     assert "(none): no strategy is registered for io_backend 'fakedma' and this layout" in text
-    assert "--layout page_first_direct --io-backend fakedma (test_vendor.fakedma)" in text
+    assert "layout='page_first_direct', io_backend='fakedma' (test_vendor.fakedma)" in text
     assert "  fakedma (hicache-test-vendor 0.1.0)" in text
 
 
@@ -165,8 +165,8 @@ def test_fakedma_rejects_fp32_with_a_reason(reg_vendor_layouts):
     lines = str(exc.value).splitlines()
     assert lines[1] == ("  test_vendor.fakedma: fakedma moves 1- and 2-byte element pools only; "
                         "components ['k', 'v'] are float32")
-    assert lines[2].startswith("nearest working alternatives: --layout layer_first --io-backend auto (core.auto), "
-                               "--layout layer_first --io-backend direct (core.direct)")
+    assert lines[2].startswith("nearest working alternatives: layout='layer_first', io_backend='auto' (core.auto); "
+                               "layout='layer_first', io_backend='direct' (core.direct)")
 
 
 def test_verify_reaches_the_vendor_backend(capsys, monkeypatch):

@@ -81,11 +81,11 @@ def test_alternatives_leave_out_the_key_asked_for() -> None:
     """Mutant: the same (layout, io_backend) was offered as its own alternative (after an override failed)."""
     reg = create_registry(env=BASE)
     alts = reg.alternatives(mha(), "page_head", "direct")
-    assert alts and not any(a.startswith("--layout page_head --io-backend direct ") for a in alts)
+    assert alts and not any(a.startswith("layout='page_head', io_backend='direct' ") for a in alts)
     with pytest.raises(ResolutionError) as exc:
         reg.resolve(mha(), "page_head", "direct", override="core.reference")
     line = next(x for x in str(exc.value).splitlines() if x.startswith("nearest working alternatives: "))
-    assert "--layout page_head --io-backend direct " not in line
+    assert "layout='page_head', io_backend='direct' " not in line
 
 
 def test_a_composite_strategy_is_handed_the_registry_before_supports() -> None:

@@ -356,7 +356,7 @@ def test_resolution_error_lists_rejections_plugins_and_alternatives():
     assert str(exc.value) == """\
 no strategy serves (layout='page_head', io_backend='fakedma', sharded=False) for mha [k:64B+v:64B] x 4 layers, page 4:
   test_vendor.fakedma: fakedma moves 1- and 2-byte element pools only; components ['k', 'v'] are float32
-nearest working alternatives: --layout page_head --io-backend auto (core.auto), --layout page_head --io-backend direct (core.direct), --layout page_head --io-backend reference (core.reference)
+nearest working alternatives: layout='page_head', io_backend='auto' (core.auto); layout='page_head', io_backend='direct' (core.direct); layout='page_head', io_backend='reference' (core.reference)
 installed layouts:
   page_head (hicache-test-page-head 0.1.0)
 installed io_backends:
