@@ -38,3 +38,23 @@ def index_check_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
     if request.param == "torch":
         monkeypatch.setattr("hicache_core.validate.SMALL_STARTS", 0)
     return request.param
+
+
+def _interpreter_note() -> str | None:
+    """Where the kernel tests cannot pass here (a CPU run with a Triton whose interpreter cannot run them): why."""
+    if _cuda:
+        return None
+    from hicache_core.kernel_support import interpreter_problem
+
+    problem = interpreter_problem()
+    return f"hicache: {problem}: the kernel tests fail on this machine" if problem else None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return _interpreter_note()
+
+
+def pytest_terminal_summary(terminalreporter: "pytest.TerminalReporter") -> None:
+    note = _interpreter_note()  # again at the end, where a -q run's reader looks
+    if note:
+        terminalreporter.write_line(note, yellow=True, bold=True)
