@@ -56,6 +56,9 @@ __all__ = ["ENTRY_POINT_GROUP", "PluginRecord", "Conflict", "Resolution", "Regis
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "hicache"
+#: Where layouts and io_backends come from, for the errors about a name nothing installed provides.
+PLUGINS_COME_FROM = (f"(plugins register through entry points of the {ENTRY_POINT_GROUP!r} group; `hicache plugins` "
+                     f"lists them; a plugin whose entry points changed needs a reinstall)")
 ENV_ALLOW = "HICACHE_PLUGINS"
 #: The entry-point name of hicache-core's own plugin (:mod:`hicache_core.builtin`).
 BUILTIN_PLUGIN = "core"
@@ -256,7 +259,12 @@ class Registry:
             try:
                 plugin = ep.load()
             except (Exception, SystemExit) as exc:  # a broken plugin (one exiting on import too) breaks no other
-                self._broken(record, f"import failed: {type(exc).__name__}: {exc}", explicit=allow is not None)
+                why = f"import failed: {type(exc).__name__}: {exc}"
+                if isinstance(exc, (ImportError, AttributeError)):  # a module or object the entry point names is gone
+                    who = "its distribution" if dist == "<unknown>" else dist
+                    why += (f" (entry point {ep.name} = {ep.value}: if the plugin's code moved, reinstall {who}: "
+                            f"entry points are read when it is installed, -e installs too)")
+                self._broken(record, why, explicit=allow is not None)
                 continue
             self.add_plugin(plugin, record, explicit=allow is not None)
         if BUILTIN_PLUGIN in self.skipped:  # the allowed or blocked plugins may still load, but nothing can be compared
@@ -272,9 +280,11 @@ class Registry:
         if allow:
             missing = allow - {p.name for p in self.plugins} - block  # blocked as well: the block list wins
             if missing:
+                names = [ep.name for ep in eps]
+                hints = [h for m in sorted(missing) if (h := did_you_mean(m, names))]
                 raise PluginLoadError(
                     f"{ENV_ALLOW} names plugins that are not installed: {sorted(missing)}; "
-                    f"installed: {sorted(ep.name for ep in eps)}"
+                    f"installed: {sorted(names)}" + "".join(f"; {h}" for h in hints) + f" {PLUGINS_COME_FROM}"
                 )
 
     def core_fix(self) -> str:
@@ -454,7 +464,8 @@ class Registry:
             raise DuplicateRegistrationError(conflict.message)
         if name not in self.layouts:
             hint = did_you_mean(name, self.layouts)
-            raise UnknownLayoutError(f"unknown layout {name!r}.\n{self.inventory()}" + (f"\n{hint}" if hint else ""))
+            raise UnknownLayoutError(f"unknown layout {name!r}.\n{PLUGINS_COME_FROM}\n{self.inventory()}"
+                                     + (f"\n{hint}" if hint else ""))
         return self.layouts[name][0]
 
     def candidates(self, layout: str, io_backend: str, sharded: bool) -> list[StrategyInfo]:
@@ -551,7 +562,9 @@ class Registry:
                 )
             return res, rejected
         if not cands:
-            rejected.append(("(none)", f"no strategy is registered for io_backend {io_backend!r} and this layout"))
+            rejected.append(("(none)", f"no strategy is registered for io_backend {io_backend!r} and this layout"
+                             if io_backend in self.io_backends else
+                             f"no installed plugin provides io_backend {io_backend!r} {PLUGINS_COME_FROM}"))
         return None, rejected
 
     def resolve(

@@ -19,6 +19,7 @@ import torch
 
 from hicache_core import StrategyInfo, create_registry, hookimpl
 from hicache_core import cli, kernel_support
+from hicache_core.registry import PLUGINS_COME_FROM
 from hicache_core.backends.direct import DirectStrategy
 
 ALLOW = "core,page_head,fake_vendor"
@@ -278,7 +279,7 @@ candidates, in order:
 def test_explain_unknown_layout(capsys):
     rc, out, err = run(capsys, "explain", "--layout", "no_such_layout", "--io-backend", "kernel")
     assert rc == 2 and out == ""
-    assert err == f"hicache explain: unknown layout 'no_such_layout'.\n{INVENTORY}\n"
+    assert err == f"hicache explain: unknown layout 'no_such_layout'.\n{PLUGINS_COME_FROM}\n{INVENTORY}\n"
 
 
 def test_explain_near_misses(capsys):
@@ -286,7 +287,7 @@ def test_explain_near_misses(capsys):
     assert rc == 2 and err.endswith(f"{INVENTORY}\ndid you mean: page_head?\n")
     rc, out, err = run(capsys, "explain", "--layout", "page_head", "--io-backend", "dirct")
     assert rc == 2
-    assert out.splitlines()[-1] == "candidates: none; no strategy is registered for io_backend 'dirct' and this layout"
+    assert out.splitlines()[-1] == f"candidates: none; no installed plugin provides io_backend 'dirct' {PLUGINS_COME_FROM}"
     assert err.endswith("did you mean: direct?\n")
     assert ("nearest working alternatives: layout='page_head', io_backend='auto' (core.auto); layout='page_head', "
             "io_backend='direct' (core.direct); layout='page_head', "
@@ -532,10 +533,10 @@ def test_bad_values_are_usage_errors(capsys, argv, message):
 def test_unknown_names_are_usage_errors(capsys, command):
     rc, out, err = run(capsys, command, "--layout", "page_hed")
     assert rc == 2 and out == ""
-    assert err == f"hicache {command}: unknown layout 'page_hed'.\n{INVENTORY}\ndid you mean: page_head?\n"
+    assert err == f"hicache {command}: unknown layout 'page_hed'.\n{PLUGINS_COME_FROM}\n{INVENTORY}\ndid you mean: page_head?\n"
     rc, out, err = run(capsys, command, "--io-backend", "nope")
     assert rc == 2 and out == ""
-    assert err == f"hicache {command}: unknown io_backend 'nope'.\n{INVENTORY}\n"
+    assert err == f"hicache {command}: unknown io_backend 'nope'.\n{PLUGINS_COME_FROM}\n{INVENTORY}\n"
 
 
 def test_bench_needs_cuda(capsys, tmp_path):

@@ -367,7 +367,7 @@ def test_unknown_layout_lists_installed_layouts() -> None:
     spec = make_spec()
     dev = make_device(spec)
     before = snapshot(dev)
-    with pytest.raises(UnknownLayoutError, match=r"unknown layout 'page_last'\.\ninstalled layouts:\n") as info:
+    with pytest.raises(UnknownLayoutError, match=r"unknown layout 'page_last'\.\n\(plugins register through entry points of the 'hicache' group; `hicache plugins` lists them; a plugin whose entry points changed needs a reinstall\)\ninstalled layouts:\n") as info:
         HostKVPool(spec, "page_last", "direct", dev)
     msg = str(info.value)
     for layout in LAYOUTS:
@@ -402,7 +402,7 @@ def test_unknown_io_backend() -> None:
     msg = str(info.value)
     assert type(info.value) is ResolutionError
     assert msg.startswith("no strategy serves (layout='page_first', io_backend='nvme_dma', sharded=False) for mha")
-    assert "(none): no strategy is registered for io_backend 'nvme_dma' and this layout" in msg
+    assert "(none): no installed plugin provides io_backend 'nvme_dma' (plugins register through entry points" in msg
     alts = next(line for line in msg.splitlines() if line.startswith("nearest working alternatives: "))
     assert "layout='page_first', io_backend='direct' (" in alts  # auto may come first where it resolves
     assert "installed io_backends:" in msg

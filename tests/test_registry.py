@@ -221,7 +221,9 @@ def test_misspelled_hook_is_reported_and_skipped():
 @pytest.mark.parametrize("plugin, error", [
     (Raising(), "registration failed: RuntimeError: hook exploded"),
     (Misspelled(), "implements unknown hooks ['hicache_register_layout'] (did you mean 'hicache_register_layouts' for 'hicache_register_layout'?)"),
-    (ImportError("no module named vendor_sdk"), "import failed: ImportError: no module named vendor_sdk"),
+    (ImportError("no module named vendor_sdk"), "import failed: ImportError: no module named vendor_sdk (entry point "
+     "broken = hicache_test_ep_broken:plugin: if the plugin's code moved, reinstall its distribution: entry points are "
+     "read when it is installed, -e installs too)"),
     # a module calling sys.exit() on import (e.g. a missing SDK) must not stop the others loading
     (SystemExit("vendor SDK missing"), "import failed: SystemExit: vendor SDK missing"),
 ])
@@ -239,6 +241,11 @@ def test_broken_entry_point_skipped_unless_allowed(extra_entry_points, plugin, e
 def test_allow_list_names_a_missing_plugin():
     with pytest.raises(PluginLoadError, match=r"HICACHE_PLUGINS names plugins that are not installed: \['nope'\]"):
         create_registry(env={"HICACHE_PLUGINS": "core,nope"})
+    with pytest.raises(PluginLoadError) as exc:  # a misspelt name gets its near match and where names come from
+        create_registry(env={"HICACHE_PLUGINS": "core,page_haed"})
+    assert "; did you mean: page_head, " in str(exc.value)
+    assert str(exc.value).endswith("(plugins register through entry points of the 'hicache' group; `hicache plugins` "
+                                   "lists them; a plugin whose entry points changed needs a reinstall)")
 
 
 def test_leaving_out_the_core_plugin_warns_and_names_the_fix(caplog):

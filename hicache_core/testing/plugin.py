@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from ..registry import create_registry
+from ..registry import PLUGINS_COME_FROM, create_registry
 from .conformance import CASES, INDEX_VARIANTS
 
 
@@ -54,7 +54,8 @@ def _check_selection(config: pytest.Config, reg: Any) -> None:
     for option, names in known.items():
         unknown = [x for x in config.getoption(option) if x not in names]
         if unknown:
-            raise pytest.UsageError(f"{option} {', '.join(unknown)}: not installed; installed: {', '.join(names)}")
+            raise pytest.UsageError(f"{option} {', '.join(unknown)}: not installed; installed: {', '.join(names)}"
+                                    f" {PLUGINS_COME_FROM}")
 
 
 def pytest_configure(config: pytest.Config) -> None:
