@@ -43,8 +43,8 @@ from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
 from . import __version__
-from .registry import (ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, PLUGINS_COME_FROM, Registry, create_registry,
-                       did_you_mean)
+from .registry import (ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, LOAD_FAILED, PLUGINS_COME_FROM, Registry,
+                       create_registry, did_you_mean)
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
@@ -350,6 +350,8 @@ def verify_cell(reg: Registry, cell: Cell, device: torch.device, *, tokens: int,
     row = VerifyRow(cell.layout, cell.io_backend, cell.sharded, cell.kind, cell.strategy, "SKIP")
     if cell.strategy is None:
         row.note = cell.reason
+        if any(why.startswith(LOAD_FAILED) for _, why in cell.reasons):  # a broken strategy fails, it is not skipped
+            row.result = "FAIL"
         return row
     try:
         _conformance(reg, cell, device, all_cases)
@@ -428,6 +430,8 @@ def render_verify(rows: Sequence[VerifyRow], device: torch.device, timed: Sequen
                     table)
     if notes.texts:
         lines += ["", "notes:"] + notes.lines()
+    if counts["FAIL"]:
+        lines.append("(-vv shows each failure's traceback)")
     lines += ["", PASS_MEANS]
     if timed and device.type == "cpu":
         lines.append(CPU_GBPS)

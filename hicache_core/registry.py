@@ -59,6 +59,8 @@ ENTRY_POINT_GROUP = "hicache"
 #: Where layouts and io_backends come from, for the errors about a name nothing installed provides.
 PLUGINS_COME_FROM = (f"(plugins register through entry points of the {ENTRY_POINT_GROUP!r} group; `hicache plugins` "
                      f"lists them; a plugin whose entry points changed needs a reinstall)")
+#: How a rejection reason starts where the strategy's factory or ``supports()`` raised (a plugin's bug, not a verdict).
+LOAD_FAILED = "failed to load: "
 ENV_ALLOW = "HICACHE_PLUGINS"
 #: The entry-point name of hicache-core's own plugin (:mod:`hicache_core.builtin`).
 BUILTIN_PLUGIN = "core"
@@ -548,7 +550,8 @@ class Registry:
                     prov = self.strategies[info.name][1]
                     why = f"{wrong} (a bug of plugin {prov.name!r}, {prov.label})"
             except Exception as exc:  # a broken factory rejects its strategy, not the registry
-                why = f"failed to load: {type(exc).__name__}: {exc}"
+                why = f"{LOAD_FAILED}{type(exc).__name__}: {exc}"
+                logger.debug("hicache: strategy %s %s", info.name, why, exc_info=True)  # the traceback, at -vv
                 if errors is not None:
                     errors.append(exc)
             if why:

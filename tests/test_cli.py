@@ -446,10 +446,31 @@ page_head  lossy       no       mha   lossy.drop  FAIL    -            -        
 
 notes:
 [1] AssertionError: load_layer: k[layer 0] differs from the reference at rows [32, 33, 34, 35, 36]
+(-vv shows each failure's traceback)
 
 {cli.PASS_MEANS}
 verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped
 """
+
+
+def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
+    """A strategy whose factory raises (a vendor module with a syntax error, say) is a FAIL (exit 1), not a skip."""
+    class _Broken:
+        @hookimpl
+        def hicache_register_strategies(self, register: Callable[[StrategyInfo], None]) -> None:
+            def factory() -> DirectStrategy:
+                raise SyntaxError("invalid syntax (engine.py, line 3)")
+
+            register(StrategyInfo("acme.dma", "acmedma", ("page_head",), factory, (False,)))
+
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", _Broken())]))
+    rc, out, _ = run(capsys, "verify", "--io-backend", "acmedma", "--kind", "mha", "--no-timing")
+    lines = out.splitlines()
+    assert rc == 1
+    assert lines[3].split() == ["page_head", "acmedma", "no", "mha", "-", "FAIL", "-", "-", "[1]"]
+    assert lines[6:8] == ["[1] acme.dma: failed to load: SyntaxError: invalid syntax (engine.py, line 3)",
+                          "(-vv shows each failure's traceback)"]
+    assert lines[-1] == "verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped"
 
 
 def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):

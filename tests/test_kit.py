@@ -41,7 +41,20 @@ def test_an_undeclared_rejection_is_a_failure_and_a_declared_one_a_skip() -> Non
     assert r is not None and (r.kind, r.reason) == ("declared", "refuses every pool")
     r = classify_rejection(reg, CASE["mla576-bf16-ps1"], "page_head", "direct", "core.direct")
     assert r is not None and r.kind == "declared" and "page_head stores per-head rows of MHA pools only" in r.reason
+    assert r.by_layout
+    assert not classify_rejection(reg, case, "page_head", "nope2", "bad.declared").by_layout  # type: ignore[union-attr]
     assert classify_rejection(reg, case, "page_head", "direct", "core.direct") is None
+
+
+def test_a_strategy_that_fails_to_load_is_a_failure_that_says_so() -> None:
+    def broken() -> DirectStrategy:
+        raise SyntaxError("invalid syntax (engine.py, line 3)")
+
+    reg = create_registry(env=ENV, plugins=[("bad", plugin(StrategyInfo("bad.broken", "nope", ("page_head",), broken)))])
+    r = classify_rejection(reg, CASE["mha-fp16-ps1"], "page_head", "nope", "bad.broken")
+    assert r is not None and r.kind == "undeclared"
+    assert r.reason == ("bad.broken failed to load: SyntaxError: invalid syntax (engine.py, line 3) (for mha-fp16-ps1); "
+                        "`hicache -vv explain --layout page_head --io-backend nope` shows the traceback")
 
 
 def test_a_kernel_strategy_without_gpu_or_interpreter_is_an_environment_skip(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ import torch
 from ..binding import BoundSegment
 from ..kernel_support import kernel_unsupported_reason
 from ..pool import HostKVPool
-from ..registry import Registry
+from ..registry import LOAD_FAILED, Registry
 from ..spec import Component, LayerMap, PoolSpec
 
 __all__ = ["Case", "CASES", "INDEX_VARIANTS", "DEVICE_PLACEMENTS", "make_device_buffers", "check_strategy",
@@ -386,6 +386,8 @@ class Rejection:
 
     kind: str
     reason: str
+    #: The layout's own check refused the case (its pools), before any strategy was asked.
+    by_layout: bool = False
 
 
 def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: str, strategy: str,
@@ -396,12 +398,15 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
     if res is not None:
         return None
     for name, why in rejected:
-        if name.startswith("layout ") or "not a candidate" in why:
-            return Rejection("declared", why)  # the layout's check, or the strategy's registration
+        if name.startswith("layout ") or "not a candidate" in why:  # the layout's check, or the strategy's registration
+            return Rejection("declared", why, by_layout=name.startswith("layout "))
         if name != strategy:
             continue
         if why == kernel_unsupported_reason(spec):
             return Rejection("environment", why)
+        if why.startswith(LOAD_FAILED):  # the factory or supports() raised: no declaration covers a crash
+            return Rejection("undeclared", f"{strategy} {why} (for {case.id}); `hicache -vv explain --layout {layout} "
+                                           f"--io-backend {io_backend}` shows the traceback")
         info = registry.strategies[strategy][0]
         patterns = getattr(info.factory, DECLARED_REJECTIONS, None)
         if patterns is None:  # a factory function: ask what it builds

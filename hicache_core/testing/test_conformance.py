@@ -24,7 +24,8 @@ def _run(fn, registry, case, target, device, **kw):
         pytest.fail(rejection.reason)
     if rejection.kind == "environment":
         record_environment_skip(strategy, rejection.reason)
-    pytest.skip(f"{strategy} does not serve {case.id}: {rejection.reason}")
+    who = f"layout {layout}" if rejection.by_layout else strategy
+    pytest.skip(f"{who} does not serve {case.id}: {rejection.reason}")
 
 
 def test_round_trip(hicache_registry, hicache_target, hicache_case, hicache_variant, hicache_device):
