@@ -135,6 +135,12 @@ class Cell:
     def reason(self) -> str:
         return "; ".join(f"{name}: {why}" for name, why in self.reasons)
 
+    @property
+    def load_failed(self) -> bool:
+        """Nothing serves the cell because a strategy's factory or ``supports()`` raised: a plugin's bug, which
+        ``verify`` fails rather than skips."""
+        return self.strategy is None and any(why.startswith(LOAD_FAILED) for _, why in self.reasons)
+
 
 def _pick(values: Iterable[str], wanted: Sequence[str] | None) -> list[str]:
     return [v for v in values if not wanted or v in wanted]
@@ -350,7 +356,7 @@ def verify_cell(reg: Registry, cell: Cell, device: torch.device, *, tokens: int,
     row = VerifyRow(cell.layout, cell.io_backend, cell.sharded, cell.kind, cell.strategy, "SKIP")
     if cell.strategy is None:
         row.note = cell.reason
-        if any(why.startswith(LOAD_FAILED) for _, why in cell.reasons):  # a broken strategy fails, it is not skipped
+        if cell.load_failed:  # a broken strategy fails, it is not skipped
             row.result = "FAIL"
         return row
     try:
@@ -691,11 +697,13 @@ def doctor_lines(reg: Registry) -> list[str]:
         return lines + [no_layout(reg)]
     device = torch.device("cuda" if cuda else "cpu")
     cells = [c for c in matrix_cells(reg, device=device) if c.candidates]
-    skipped = [c for c in cells if c.strategy is None]
-    lines.append(f"verify on {device}: {len(cells) - len(skipped)} of {_n(len(cells), 'cell')} will run, "
-                 f"{len(skipped)} will be skipped" + (":" if skipped else ""))
+    unserved = [c for c in cells if c.strategy is None]
+    failing = sum(c.load_failed for c in unserved)
+    lines.append(f"verify on {device}: {len(cells) - len(unserved)} of {_n(len(cells), 'cell')} will run, "
+                 f"{len(unserved) - failing} will be skipped" + (f", {failing} will fail" if failing else "")
+                 + (":" if unserved else ""))
     by_reason: dict[str, list[Cell]] = {}
-    for c in skipped:
+    for c in unserved:
         by_reason.setdefault(c.reason, []).append(c)
     for reason, group in by_reason.items():
         lines.append(f"  {_n(len(group), 'cell')} ({', '.join(sorted({f'{c.layout}/{c.io_backend}' for c in group}))}): "

@@ -471,6 +471,10 @@ def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
     assert lines[6:8] == ["[1] acme.dma: failed to load: SyntaxError: invalid syntax (engine.py, line 3)",
                           "(-vv shows each failure's traceback)"]
     assert lines[-1] == "verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped"
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)  # doctor says so before verify runs
+    monkeypatch.setenv("HICACHE_PLUGINS", "core,page_head")
+    doctor = [ln for ln in cli.doctor_lines(cli._registry()) if ln.startswith("verify on")]
+    assert doctor == ["verify on cpu: 6 of 14 cells will run, 7 will be skipped, 1 will fail:"]
 
 
 def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
