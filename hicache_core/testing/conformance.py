@@ -216,6 +216,9 @@ def _where_in_plan(pool: HostKVPool, got: torch.Tensor, want: torch.Tensor) -> s
     host layer, page, slot and byte, or no row byte (a canary the transfer should have left alone)."""
     flat_got, flat_want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
     first = int((flat_got != flat_want).nonzero()[0])
+    g, w = int(flat_got[first]), int(flat_want[first])
+    values = f": 0x{g:02x} where the reference has 0x{w:02x}" + (
+        " (the canary: likely never written)" if g == CANARY else "")
     for seg in pool.binding.segments:
         flat, view = seg.host_flat, seg.host_view
         if flat.data_ptr() != flat_got.data_ptr() or not view.numel():
@@ -225,8 +228,8 @@ def _where_in_plan(pool: HostKVPool, got: torch.Tensor, want: torch.Tensor) -> s
             layer, page, slot, chunk, byte = hit[0].tolist()
             byte += chunk * seg.segment.addressing.chunk_bytes
             return (f"byte {first} is {seg.segment.component!r} of host layer {layer}, page {page}, slot {slot}, row "
-                    f"byte {byte}")
-    return f"byte {first} holds no row byte in the plan (a canary a transfer must leave alone)"
+                    f"byte {byte}{values}")
+    return f"byte {first} holds no row byte in the plan (a canary a transfer must leave alone){values}"
 
 
 def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
