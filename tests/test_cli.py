@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import subprocess
 import sys
 import json
 import re
@@ -46,6 +47,13 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = cli.main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
+
+
+def test_python_dash_m_runs_the_command():
+    """``python -m hicache_core`` is ``hicache`` where the console script is not on PATH."""
+    out = subprocess.run([sys.executable, "-m", "hicache_core", "--version"], capture_output=True, text=True,
+                         timeout=300)
+    assert (out.returncode, out.stdout.split()[0]) == (0, "hicache"), out.stderr
 
 
 # -- plugins -----------------------------------------------------------------------
