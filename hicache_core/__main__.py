@@ -4,4 +4,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing this module (a tool walking the package's modules) runs nothing
+    sys.exit(main())

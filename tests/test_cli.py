@@ -50,10 +50,14 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def test_python_dash_m_runs_the_command():
-    """``python -m hicache_core`` is ``hicache`` where the console script is not on PATH."""
+    """``python -m hicache_core`` is ``hicache`` where the console script is not on PATH; importing the module (as a
+    tool walking the package does) runs nothing."""
     out = subprocess.run([sys.executable, "-m", "hicache_core", "--version"], capture_output=True, text=True,
                          timeout=300)
     assert (out.returncode, out.stdout.split()[0]) == (0, "hicache"), out.stderr
+    out = subprocess.run([sys.executable, "-c", "import hicache_core.__main__; print('imported')", "verify"],
+                         capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout) == (0, "imported\n"), out.stderr
 
 
 # -- plugins -----------------------------------------------------------------------
@@ -472,7 +476,7 @@ def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
             register(StrategyInfo("acme.dma", "acmedma", ("page_head",), factory, (False,)))
 
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", _Broken())]))
-    rc, out, _ = run(capsys, "verify", "--io-backend", "acmedma", "--kind", "mha", "--no-timing")
+    rc, out, _ = run(capsys, "verify", "--io-backend", "acmedma", "--kind", "mha", "--no-timing", "--device", "cpu")
     lines = out.splitlines()
     assert rc == 1
     assert lines[3].split() == ["page_head", "acmedma", "no", "mha", "-", "FAIL", "-", "-", "[1]"]
