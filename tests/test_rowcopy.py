@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hicache_core import (Addressing, BufferSpec, Component, HostBufferError, HostKVPool, HostPlan, LayerMap,  # noqa
-                          PoolSpec, Segment, create_registry, kernel_lib as kl, rowcopy)
+                          PoolSpec, Segment, StrategyInfo, create_registry, kernel_lib as kl, rowcopy)
 from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.kernel_support import ENV_PROGRAMS  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
@@ -211,8 +211,13 @@ def test_supports_explains_rejections(monkeypatch):
     a = Addressing(0, 4 * row, row, row, row // 2, row)  # rows in two chunks
     plan = HostPlan((BufferSpec("kv", (1, 4, row), torch.uint8),), (Segment("kv", "kv", None, 0, row, a),))
     chunked = types.SimpleNamespace(name="chunked", description="", check=lambda s: None, plan=lambda s: plan)
-    why = "segment 'kv' stores rows in 32-byte chunks; test.rows moves whole contiguous rows"
+    why = ("segment 'kv' stores its 64-byte rows in 32-byte chunks; test.rows moves whole contiguous rows: a Segment "
+           "per chunk (its src_offset and width) makes each chunk such a row")
     assert Rows().supports(spec, chunked) == why
+    # a row of one chunk is whole and contiguous whatever its chunk_stride (a plan written for H heads, used with 1)
+    one = HostPlan(plan.buffers, (Segment("kv", "kv", None, 0, row, Addressing(0, 4 * row, row, row, row, 4 * row)),))
+    single = types.SimpleNamespace(name="chunked", description="", check=lambda s: None, plan=lambda s: one)
+    assert Rows().supports(spec, single) is None
     assert Rows().supports(spec, REGISTRY.layout("page_first")) == "test.rows serves layout(s) 'chunked', not " \
                                                                    "'page_first'"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -266,6 +271,38 @@ def test_every_access_word_round_trips(layout, case, word):
     pool = check_strategy(REGISTRY, case, layout, "kernel", variant="offset-view-i32-dev", device=DEVICE,
                           strategy=KERNELS[layout].name)
     assert {g.word for g in pool.binding.scratch[pool.strategy_name].groups} == {word}
+
+
+def test_a_row_of_one_chunk_ignores_its_chunk_stride():
+    """A plan that gives one-chunk rows an odd chunk_stride (written for several heads, used with one) is served by the
+    kernel bit-exact, with the access word its other sizes allow (the stride is never stepped)."""
+    from hicache_core import hookimpl
+    from hicache_layer_first.layout import LayerFirstLayout
+
+    class OddStride(LayerFirstLayout):
+        name = "layer_first_odd_stride"
+
+        def plan(self, spec: PoolSpec) -> HostPlan:
+            base = super().plan(spec)
+            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
+                                                for seg in base.segments))
+
+    class Kernel(LayerFirstKernelStrategy):
+        name, layouts = "test.odd_stride", ("layer_first_odd_stride",)
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(OddStride())
+
+        @hookimpl
+        def hicache_register_strategies(self, register):  # type: ignore[no-untyped-def]
+            register(StrategyInfo("test.odd_stride", "kernel", ("layer_first_odd_stride",), Kernel, (False, True)))
+
+    reg = create_registry(plugins=[("odd", Plugin())])
+    pool = check_strategy(reg, _rows_case(40), "layer_first_odd_stride", "kernel", variant="shuffled-i64",
+                          device=DEVICE, strategy="test.odd_stride")
+    assert {g.word for g in pool.binding.scratch[pool.strategy_name].groups} == {8}
 
 
 @pytest.fixture
