@@ -537,7 +537,10 @@ class Registry:
         else:
             picked = [c for c in cands if c.name == override]
             if not picked:
-                return None, [(override, f"not a candidate for this key; candidates: {[c.name for c in cands]}")]
+                why = f"not a candidate for this key; candidates: {[c.name for c in cands]}"
+                if not cands:
+                    why += f" ({self._no_candidate(layout, io_backend, key_sharded)})"
+                return None, [(override, why)]
             cands = picked
         for info in cands:
             try:
@@ -565,10 +568,20 @@ class Registry:
                 )
             return res, rejected
         if not cands:
-            rejected.append(("(none)", f"no strategy is registered for io_backend {io_backend!r} and this layout"
-                             if io_backend in self.io_backends else
-                             f"no installed plugin provides io_backend {io_backend!r} {PLUGINS_COME_FROM}"))
+            rejected.append(("(none)", self._no_candidate(layout, io_backend, key_sharded)))
         return None, rejected
+
+    def _no_candidate(self, layout: str, io_backend: str, sharded: bool) -> str:
+        """Why no strategy is a candidate for a key: no plugin provides the io_backend, or its strategies for the
+        layout serve the other kind of pool only (their registration's ``sharded``), or none serves the layout."""
+        if io_backend not in self.io_backends:
+            return f"no installed plugin provides io_backend {io_backend!r} {PLUGINS_COME_FROM}"
+        other = [i.name for i in self.candidates(layout, io_backend, not sharded)]
+        if other:
+            kind = "unsharded" if sharded else "sharded"
+            return (f"{', '.join(other)} {'serves' if len(other) == 1 else 'serve'} {kind} pools only (registered "
+                    f"with sharded=({not sharded},)); add {sharded} to its registration's sharded to serve these")
+        return f"no strategy is registered for io_backend {io_backend!r} and this layout"
 
     def resolve(
         self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,

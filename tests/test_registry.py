@@ -548,3 +548,20 @@ def test_an_allow_list_without_core_is_named_where_a_generic_backend_is_missing(
     with pytest.raises(ResolutionError) as info:
         create_registry(env=BASE).resolve(mha(), "page_head", "kernel")
     assert "left out" not in str(info.value)
+
+
+def test_a_strategy_for_the_other_kind_of_pool_is_named_where_nothing_serves_the_key() -> None:
+    """A layout's strategy registered for unsharded pools only (sharded=(False,)) is named, with the fix, where a sharded
+    pool finds no candidate, not 'no strategy is registered for io_backend ... and this layout'."""
+    reg = create_registry(env=BASE, plugins=[("u", strategies(
+        StrategyInfo("u.dma", "udma", ("page_head",), DirectStrategy, (False,))))])
+    assert reg.try_resolve(mha(), "page_head", "udma")[0] is not None
+    _, rejected = reg.try_resolve(mha(sharded=True), "page_head", "udma")
+    assert rejected == [("(none)", "u.dma serves unsharded pools only (registered with sharded=(False,)); add True to "
+                                   "its registration's sharded to serve these")]
+    _, rejected = reg.try_resolve(mha(sharded=True), "page_head", "udma", override="u.dma")  # as the kit asks
+    assert rejected == [("u.dma", "not a candidate for this key; candidates: [] (u.dma serves unsharded pools only "
+                                  "(registered with sharded=(False,)); add True to its registration's sharded to serve "
+                                  "these)")]
+    _, rejected = reg.try_resolve(mha(), "page_head", "fakedma_nope")
+    assert rejected[0][1].startswith("no installed plugin provides io_backend 'fakedma_nope' (plugins register")
