@@ -89,6 +89,13 @@ def test_an_unknown_selection_is_one_usage_error() -> None:
     assert {"layer_first", "page_first", "page_first_kv_split"} <= set(installed) and installed == sorted(installed)
 
 
+def test_a_case_selection_that_matches_nothing_is_a_usage_error() -> None:
+    out = _kit("--hicache-io-backend", "fakedma", "--hicache-case", "heads4-shuffled")
+    assert out.returncode == 4
+    assert ("ERROR: --hicache-case heads4-shuffled: no case id contains it; case ids: mla576-bf16-ps1, " in out.stderr)
+    assert "(the index variant in heads4-shuffled is not part of a case id: select variants with -k)" in out.stderr
+
+
 def test_the_kit_sets_the_interpreter_itself_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")

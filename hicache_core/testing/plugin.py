@@ -58,9 +58,21 @@ def _check_selection(config: pytest.Config, reg: Any) -> None:
                                     f" {PLUGINS_COME_FROM}")
 
 
+def _check_cases(config: pytest.Config) -> None:
+    """Each ``--hicache-case`` text must be part of some case id (index variants are not: they are test ids)."""
+    empty = [s for s in config.getoption("--hicache-case") if not any(s in c.id for c in CASES)]
+    if empty:
+        variants = [s for s in empty if any(v.split("-")[0] in s for v in INDEX_VARIANTS)]
+        raise pytest.UsageError(
+            f"--hicache-case {', '.join(empty)}: no case id contains it; case ids: {', '.join(c.id for c in CASES)}"
+            + (f" (the index variant in {', '.join(variants)} is not part of a case id: select variants with -k)"
+               if variants else ""))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if any(config.getoption(o) for o in ("--hicache-layout", "--hicache-io-backend", "--hicache-strategy")):
         _check_selection(config, create_registry())
+    _check_cases(config)
 
 
 def _targets(config: pytest.Config) -> list[tuple[str, str, str]]:
