@@ -737,6 +737,9 @@ def _launcher(kernel: Any, names: dict[str, str], where: str, table: str) -> Any
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
     unknown = set(launcher.arg_names) - set(names)
     if unknown:
+        from .registry import did_you_mean
+
+        hints = [h for u in sorted(unknown) if (h := did_you_mean(u, names))]
         raise ConfigError(f"{where} declares {sorted(unknown)}, which the row-copy launch does not provide; "
-                          f"use names from hicache_core.{table}")
+                          f"use names from hicache_core.{table}" + "".join(f" ({h})" for h in hints))
     return launcher

@@ -200,6 +200,9 @@ def test_launch_values_are_bound_by_parameter_name(monkeypatch):
                       pin_memory=PIN)
     with pytest.raises(ConfigError, match=r"fake_row_kernels.KERNEL declares \['bogus'\]"):
         Bogus().prepare(pool.binding)
+    monkeypatch.setitem(sys.modules, "fake_row_kernels", types.SimpleNamespace(KERNEL=_FakeKernel("anchor", "host_pages")))
+    with pytest.raises(ConfigError, match=r"declares \['host_pages'\].*\(did you mean: host_page[,?]"):
+        Bogus().prepare(pool.binding)
 
 
 # -- supports, and no Triton before a pool is prepared ------------------------------------------------------
