@@ -194,7 +194,9 @@ def strided_host_view(flat: torch.Tensor, seg: Segment, spec: PoolSpec, host_lay
     lo, hi = (a.offset + r for r in strided_reach(shape, stride))
     if all(shape) and (lo < 0 or hi > flat.numel()):  # an empty view (no host layer of it here) reaches no byte
         raise SpecError(f"segment of {seg.component!r} reaches bytes {lo}..{hi - 1} of host buffer {seg.buffer!r}, "
-                        f"which holds {flat.numel()} B; fix the layout's plan")
+                        f"which holds {flat.numel()} B; fix the layout's plan (it addresses {host_layers} host layers "
+                        f"of {spec.num_pages} pages of {spec.page_size} slots: size the buffer and the strides by "
+                        f"spec.component_map({seg.component!r}).host_layer_num and spec.capacity)")
     return flat.as_strided(shape, stride, flat.storage_offset() + a.offset)
 
 

@@ -191,6 +191,8 @@ def test_a_negative_stride_reaching_before_the_buffer_is_refused() -> None:
     with pytest.raises(SpecError) as exc:
         strided_host_view(torch.empty(4 * 16 * 32, dtype=torch.uint8), seg, mha(), 4)
     assert str(exc.value).startswith("segment of 'k' reaches bytes -1536..511 of host buffer 'h', which holds 2048 B")
+    assert str(exc.value).endswith("fix the layout's plan (it addresses 4 host layers of 4 pages of 4 slots: size the "
+                                   "buffer and the strides by spec.component_map('k').host_layer_num and spec.capacity)")
 
 
 def test_page_blocks_merge_adjacent_rows() -> None:
