@@ -205,7 +205,9 @@ def test_the_kit_names_a_layout_plan_that_addresses_a_byte_twice() -> None:
 
     reg = create_registry(env=ENV, plugins=[("overlapping", Plugin())])
     with pytest.raises(AssertionError, match=r"layout 'overlapping' plan: \d+ bytes of host buffer 'pages' are "
-                                             r"addressed by two row bytes"):
+                                             r"addressed by two row bytes \(first at byte \d+: 'k' of host layer 1, "
+                                             r"page 0, slot 0, row byte 0 and 'v' of host layer 0, page 0, slot 0, row "
+                                             r"byte 0\)"):
         check_strategy(reg, CASE["mha-fp16-ps1"], "overlapping", "reference", strategy="core.reference")
 
 

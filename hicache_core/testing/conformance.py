@@ -219,17 +219,23 @@ def _where_in_plan(pool: HostKVPool, got: torch.Tensor, want: torch.Tensor) -> s
     g, w = int(flat_got[first]), int(flat_want[first])
     values = f": 0x{g:02x} where the reference has 0x{w:02x}" + (
         " (the canary: likely never written)" if g == CANARY else "")
-    for seg in pool.binding.segments:
-        flat, view = seg.host_flat, seg.host_view
-        if flat.data_ptr() != flat_got.data_ptr() or not view.numel():
-            continue
-        hit = (_byte_offsets(seg) == first).nonzero()
-        if hit.numel():
-            layer, page, slot, chunk, byte = hit[0].tolist()
-            byte += chunk * seg.segment.addressing.chunk_bytes
-            return (f"byte {first} is {seg.segment.component!r} of host layer {layer}, page {page}, slot {slot}, row "
-                    f"byte {byte}{values}")
+    places = _row_bytes_at(pool, flat_got.data_ptr(), first)
+    if places:
+        return f"byte {first} is {places[0]}{values}"
     return f"byte {first} holds no row byte in the plan (a canary a transfer must leave alone){values}"
+
+
+def _row_bytes_at(pool: HostKVPool, buffer_ptr: int, byte: int) -> list[str]:
+    """Every row byte of the layout's plan at ``byte`` of the host buffer at ``buffer_ptr``: its component, host
+    layer, page, slot and byte in the component's row."""
+    out = []
+    for seg in pool.binding.segments:
+        if seg.host_flat.data_ptr() != buffer_ptr or not seg.host_view.numel():
+            continue
+        for layer, page, slot, chunk, b in (_byte_offsets(seg) == byte).nonzero().tolist():
+            b += seg.segment.src_offset + chunk * seg.segment.addressing.chunk_bytes
+            out.append(f"{seg.segment.component!r} of host layer {layer}, page {page}, slot {slot}, row byte {b}")
+    return out
 
 
 def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
@@ -242,11 +248,14 @@ def _assert_plan_disjoint(pool: HostKVPool, layout: str) -> None:
         if view.numel():
             total += torch.bincount(_byte_offsets(seg).reshape(-1), minlength=flat.numel())
         counts[key] = (total, name)
-    for total, name in counts.values():
+    for key, (total, name) in counts.items():
         twice = (total > 1).nonzero().flatten()
         if twice.numel():
+            first = int(twice[0])
             raise AssertionError(f"layout {layout!r} plan: {twice.numel()} bytes of host buffer {name!r} are addressed "
-                                 f"by two row bytes (first at byte {int(twice[0])}); give every row byte its own place")
+                                 f"by two row bytes (first at byte {first}: "
+                                 f"{' and '.join(_row_bytes_at(pool, key, first)[:2])}); give every row byte its own "
+                                 f"place")
 
 
 def _component_rows(spec: PoolSpec, dev: dict[str, list[torch.Tensor | None]], name: str, layer: int) -> torch.Tensor:
