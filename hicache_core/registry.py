@@ -537,10 +537,10 @@ class Registry:
         else:
             picked = [c for c in cands if c.name == override]
             if not picked:
-                why = f"not a candidate for this key; candidates: {[c.name for c in cands]}"
+                refusal = f"not a candidate for this key; candidates: {[c.name for c in cands]}"
                 if not cands:
-                    why += f" ({self._no_candidate(layout, io_backend, key_sharded)})"
-                return None, [(override, why)]
+                    refusal += f" ({self._no_candidate(layout, io_backend, key_sharded)})"
+                return None, [(override, refusal)]
             cands = picked
         for info in cands:
             try:
