@@ -378,14 +378,21 @@ def verify_cell(reg: Registry, cell: Cell, device: torch.device, *, tokens: int,
     return row
 
 
+def verified_cells(reg: Registry, cells: Sequence[Cell]) -> list[Cell]:
+    """The cells ``verify`` reports: those with a candidate strategy, and those whose layout and io_backend have one for
+    the other kind of pool (sharded or not: a SKIP that names it)."""
+    return [c for c in cells if c.candidates or reg.candidates(c.layout, c.io_backend, not c.sharded)]
+
+
 def verify_cells(reg: Registry, cells: Sequence[Cell], device: torch.device, *, tokens: int, reps: int,
                  timing: bool = True, all_cases: bool = False,
                  progress: Callable[[int, int, Cell], None] | None = None) -> list[VerifyRow]:
-    """Verify every cell that has a candidate strategy (cells with none are left out).
+    """Verify every cell that has a candidate strategy; a cell with none is left out, but for one whose layout and
+    io_backend have a strategy for the other kind of pool (sharded or not): it is a SKIP that names it.
 
     ``progress(done, total, cell)`` is called before each cell is verified.
     """
-    todo = [c for c in cells if c.candidates]
+    todo = verified_cells(reg, cells)
     out = []
     for i, cell in enumerate(todo):
         if progress is not None:
@@ -696,7 +703,7 @@ def doctor_lines(reg: Registry) -> list[str]:
     if not reg.layouts:
         return lines + [no_layout(reg)]
     device = torch.device("cuda" if cuda else "cpu")
-    cells = [c for c in matrix_cells(reg, device=device) if c.candidates]
+    cells = verified_cells(reg, matrix_cells(reg, device=device))
     unserved = [c for c in cells if c.strategy is None]
     failing = sum(c.load_failed for c in unserved)
     lines.append(f"verify on {device}: {len(cells) - len(unserved)} of {_n(len(cells), 'cell')} will run, "

@@ -455,13 +455,15 @@ timing: off
 
 layout     io_backend  sharded  kind  strategy    result  backup GB/s  load GB/s
 page_head  lossy       no       mha   lossy.drop  FAIL    -            -          [1]
+page_head  lossy       yes      mha   -           SKIP    -            -          [2]
 
 notes:
 [1] AssertionError: load_layer: k[layer 0] differs from the reference at rows [32, 33, 34, 35, 36]
+[2] (none): lossy.drop serves unsharded pools only (registered with sharded=(False,)); add True to its registration's sharded to serve these
 (-vv shows each failure's traceback)
 
 {cli.PASS_MEANS}
-verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped
+verify on cpu: 2 cells, 0 passed, 1 failed, 1 skipped
 """
 
 
@@ -473,20 +475,21 @@ def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
             def factory() -> DirectStrategy:
                 raise SyntaxError("invalid syntax (engine.py, line 3)")
 
-            register(StrategyInfo("acme.dma", "acmedma", ("page_head",), factory, (False,)))
+            register(StrategyInfo("acme.dma", "acmedma", ("page_head",), factory, (False, True)))
 
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", _Broken())]))
     rc, out, _ = run(capsys, "verify", "--io-backend", "acmedma", "--kind", "mha", "--no-timing", "--device", "cpu")
     lines = out.splitlines()
     assert rc == 1
     assert lines[3].split() == ["page_head", "acmedma", "no", "mha", "-", "FAIL", "-", "-", "[1]"]
-    assert lines[6:8] == ["[1] acme.dma: failed to load: SyntaxError: invalid syntax (engine.py, line 3)",
+    assert lines[4].split() == ["page_head", "acmedma", "yes", "mha", "-", "FAIL", "-", "-", "[1]"]
+    assert lines[7:9] == ["[1] acme.dma: failed to load: SyntaxError: invalid syntax (engine.py, line 3)",
                           "(-vv shows each failure's traceback)"]
-    assert lines[-1] == "verify on cpu: 1 cell, 0 passed, 1 failed, 0 skipped"
+    assert lines[-1] == "verify on cpu: 2 cells, 0 passed, 2 failed, 0 skipped"
     monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)  # doctor says so before verify runs
     monkeypatch.setenv("HICACHE_PLUGINS", "core,page_head")
     doctor = [ln for ln in cli.doctor_lines(cli._registry()) if ln.startswith("verify on")]
-    assert doctor == ["verify on cpu: 6 of 14 cells will run, 7 will be skipped, 1 will fail:"]
+    assert doctor == ["verify on cpu: 6 of 16 cells will run, 8 will be skipped, 2 will fail:"]
 
 
 def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
@@ -499,7 +502,7 @@ def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
                 def supports(self, spec, layout):
                     return kernel_unsupported_reason(spec)
 
-            register(StrategyInfo("fake.kernel", "kernel", ("*",), _K, (False,)))
+            register(StrategyInfo("fake.kernel", "kernel", ("*",), _K, (False, True)))
 
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("k", _FakeKernelPlugin())]))
     # its "kernel" is the copy engine: no Triton interpreter runs it, whatever Triton is installed (3.6's cannot)
@@ -509,7 +512,7 @@ def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
     assert rc == 2 and out.splitlines()[-5] == (  # nothing verified: not a success
         "[1] fake.kernel: Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); the pool is on cpu")
     assert "SKIP" in out.splitlines()[3]
-    assert "hicache verify: no cell was verified (1 cell, all skipped: see the notes)" in err
+    assert "hicache verify: no cell was verified (2 cells, all skipped: see the notes)" in err
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "kernel", "--kind", "mha")
     assert rc == 0 and out.splitlines()[-5] == "[1] not timed: Triton interpreter (TRITON_INTERPRET=1)"
