@@ -150,6 +150,18 @@ class WritesAStrayRow(ReferenceStrategy):
             seg.device_rows[e][0] = seg.device_rows[e][0] ^ 0xFF
 
 
+class WritesPastTheEnd(ReferenceStrategy):
+    """Backs up right, then writes the byte just past each host buffer's end (an out-of-bounds write)."""
+
+    def backup(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().backup(binding, host_indices, device_indices, layer)
+        for seg in binding.segments:
+            flat = seg.host_flat
+            past = torch.empty(0, dtype=torch.uint8).set_(flat.untyped_storage(), flat.storage_offset() + flat.numel(),
+                                                          (1,))
+            past.fill_(0)
+
+
 @pytest.mark.parametrize("broken,variant,message", [
     (StrayByte, "shuffled-i64", "backup: host buffer"),
     (SkipsALayer, "shuffled-i64", r"backup: host buffer 'k' differs from the reference at .*: byte \d+ is 'k' of host "
@@ -157,7 +169,9 @@ class WritesAStrayRow(ReferenceStrategy):
                                   r"\(the canary: likely never written\)$"),
     (MisreadsInt32, "shuffled-i32", "load_layer: "),
     (WritesAStrayRow, "shuffled-i64", "load_layer: "),
-], ids=["stray-host-byte", "skipped-layer", "int32-misread", "stray-device-row"])
+    (WritesPastTheEnd, "shuffled-i64", r"^backup: 1 bytes after host buffer '(k|v)' changed \(the nearest 1 byte\(s\) "
+                                        r"past its end\): the strategy wrote out of bounds$"),
+], ids=["stray-host-byte", "skipped-layer", "int32-misread", "stray-device-row", "past-the-end"])
 def test_the_kit_fails_a_broken_strategy(broken, variant, message) -> None:
     reg = create_registry(env=ENV, plugins=[("broken", plugin(StrategyInfo("broken.x", "broken", ("*",), broken)))])
     case = CASE["mha-fp16-ps1"]

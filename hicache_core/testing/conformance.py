@@ -186,6 +186,43 @@ def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
     return t
 
 
+#: Bytes of :data:`GUARD` before and after each host buffer the kit's pools wrap: a strategy writing past a buffer's
+#: ends is caught (and, under Triton's CPU interpreter, does not corrupt the test process's own memory).
+GUARD_BYTES = 4096
+GUARD = 0x5A
+
+
+def guarded_host_buffers(registry: Registry, spec: PoolSpec, layout: str, *, pin_memory: bool
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, int]]]:
+    """The layout's host buffers for ``spec``, each a view into a larger allocation with :data:`GUARD_BYTES` of
+    :data:`GUARD` on either side, and per buffer ``(the allocation, the buffer's bytes)`` for
+    :func:`assert_guards_intact` (a dtype a byte allocation cannot be viewed as gets a plain, unguarded buffer)."""
+    buffers: dict[str, torch.Tensor] = {}
+    backing: dict[str, tuple[torch.Tensor, int]] = {}
+    for b in registry.layout(layout).plan(spec).buffers:
+        n = torch.Size(b.shape).numel() * torch.empty((), dtype=b.dtype).element_size()
+        whole = torch.empty(n + 2 * GUARD_BYTES, dtype=torch.uint8, pin_memory=pin_memory).fill_(GUARD)
+        try:
+            buffers[b.name] = whole[GUARD_BYTES:GUARD_BYTES + n].view(b.dtype).view(b.shape)
+        except RuntimeError:  # e.g. a quantized dtype
+            buffers[b.name] = torch.empty(b.shape, dtype=b.dtype, pin_memory=pin_memory)
+            continue
+        backing[b.name] = (whole, n)
+    return buffers, backing
+
+
+def assert_guards_intact(what: str, backing: dict[str, tuple[torch.Tensor, int]]) -> None:
+    """Raise ``AssertionError`` where a byte before or after a host buffer of :func:`guarded_host_buffers` changed."""
+    for name, (whole, n) in backing.items():
+        for side, part in (("before", whole[:GUARD_BYTES]), ("after", whole[GUARD_BYTES + n:])):
+            bad = (part != GUARD).nonzero().flatten()
+            if bad.numel():
+                first = GUARD_BYTES - int(bad[-1]) if side == "before" else int(bad[0]) + 1
+                raise AssertionError(
+                    f"{what}: {bad.numel()} bytes {side} host buffer {name!r} changed (the nearest {first} byte(s) "
+                    f"{'before its start' if side == 'before' else 'past its end'}): the strategy wrote out of bounds")
+
+
 def fill_canary(pool: HostKVPool) -> None:
     """Fill every host buffer of ``pool`` with :data:`CANARY` bytes."""
     for t in pool.host_buffers.values():
@@ -326,7 +363,8 @@ def check_strategy(
     spec = case.build(torch.device(device))
     dev = make_device_buffers(spec, case, gen, placement)
     dev_ref = clone_buffers(dev)
-    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
+    host, guards = guarded_host_buffers(registry, spec, layout, pin_memory=spec.device.type == "cuda")
+    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, host_buffers=host)
     ref = HostKVPool(spec, layout, "reference", dev_ref, registry=registry, strategy="core.reference", pin_memory=False)
     _assert_plan_disjoint(pool, layout)
     fill_canary(pool)
@@ -345,6 +383,7 @@ def check_strategy(
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     _assert_plan_bytes(ref, dev_ref, h, src, layout)
+    assert_guards_intact("backup", guards)
     for name, t in ref.host_buffers.items():
         if not torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)):
             diff = (pool.host_buffers[name].view(torch.uint8) != t.view(torch.uint8)).nonzero()[:3].tolist()
@@ -360,6 +399,7 @@ def check_strategy(
         ref.load_layer(layer, h, dst)
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
+    assert_guards_intact("load_layer", guards)
     _assert_same("load_layer", dev, dev_ref)
     _assert_same("round trip", _rows(dev, dst), original,
                  "the rows backed up (the reference backend agreeing, look at the layout's plan: a row byte it leaves "
@@ -373,7 +413,8 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     gen = torch.Generator().manual_seed(seed)
     spec = case.build(torch.device(device))
     dev = make_device_buffers(spec, case, gen)
-    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, pin_memory=spec.device.type == "cuda")
+    host, guards = guarded_host_buffers(registry, spec, layout, pin_memory=spec.device.type == "cuda")
+    pool = HostKVPool(spec, layout, io_backend, dev, registry=registry, strategy=strategy, host_buffers=host)
     h, src, dst = _pick_indices(spec, "shuffled-i64", gen)
     before = _rows(dev, torch.arange(spec.page_size))
     original = _owned_rows(spec, dev, src)
@@ -381,6 +422,7 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     pool.load_all_layers(h, dst)
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
+    assert_guards_intact("backup_all_layers and load_all_layers", guards)
     _assert_same("load_all_layers", _rows(dev, dst), original)
     _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
 
@@ -434,4 +476,4 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
 
 
 __all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary", "classify_rejection", "Rejection",
-            "DECLARED_REJECTIONS"]
+            "DECLARED_REJECTIONS", "GUARD", "GUARD_BYTES", "guarded_host_buffers", "assert_guards_intact"]
