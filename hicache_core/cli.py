@@ -43,8 +43,7 @@ from .errors import RegistryError, ResolutionError, UnknownLayoutError
 from .kernel_support import interpreting
 from .pool import HostKVPool
 from . import __version__
-from .registry import (ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, LOAD_FAILED, PLUGINS_COME_FROM, Registry,
-                       create_registry, did_you_mean)
+from .registry import ENV_ALLOW, ENV_BLOCK, ENV_STRATEGY, ENV_TRACE, LOAD_FAILED, Registry, create_registry
 from .spec import MHA, MLA, LayerMap, PoolSpec
 from .strategy import OPERATIONS
 from .testing.conformance import CASES, INDEX_VARIANTS, Case, check_load_all, check_strategy, make_device_buffers
@@ -529,9 +528,7 @@ def _check_names(reg: Registry, what: str, given: Sequence[str] | None, known: I
         if name in clashes:  # installed twice: disabled, not unknown
             raise UsageError(clashes[name].message)
         if name not in known:
-            hint = did_you_mean(name, known)
-            raise UsageError(f"unknown {what} {name!r}.\n{PLUGINS_COME_FROM}\n{reg.inventory()}"
-                             + (f"\n{hint}" if hint else ""))
+            raise UsageError(reg.unknown_name(what, name, known))
 
 
 def _check_filters(reg: Registry, args: argparse.Namespace) -> None:

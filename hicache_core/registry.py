@@ -465,9 +465,7 @@ class Registry:
         if conflict is not None:
             raise DuplicateRegistrationError(conflict.message)
         if name not in self.layouts:
-            hint = did_you_mean(name, self.layouts)
-            raise UnknownLayoutError(f"unknown layout {name!r}.\n{PLUGINS_COME_FROM}\n{self.inventory()}"
-                                     + (f"\n{hint}" if hint else ""))
+            raise UnknownLayoutError(self.unknown_name("layout", name, self.layouts))
         return self.layouts[name][0]
 
     def candidates(self, layout: str, io_backend: str, sharded: bool) -> list[StrategyInfo]:
@@ -481,6 +479,12 @@ class Registry:
             key=lambda i: i.name,
         )
         return out
+
+    def unknown_name(self, what: str, name: str, known: Iterable[str]) -> str:
+        """The message for a ``what`` (layout, io_backend) called ``name`` that no installed plugin provides: where
+        plugins come from, the inventory, and the names of ``known`` close to ``name``."""
+        hint = did_you_mean(name, known)
+        return f"unknown {what} {name!r}.\n{PLUGINS_COME_FROM}\n{self.inventory()}" + (f"\n{hint}" if hint else "")
 
     def inventory(self) -> str:
         """Installed layouts and io_backends with their distributions, for error messages."""
