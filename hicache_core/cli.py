@@ -479,7 +479,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
              "sharded": list(reg.strategies[n][0].sharded)} if n in reg.strategies else {"name": n, "disabled": True}
             for n in sorted(p.strategies)]} for p in reg.plugins]
         print(json.dumps({"plugins": data, "layouts": sorted(reg.layouts)}, indent=1))
-        return 0
+        return _plugins_rc(reg)
     lines = []
     for p in reg.plugins:
         lines.append(f"{p.name} ({p.label})" + (f": BROKEN, {p.error}" if p.error else ""))
@@ -509,7 +509,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if not reg.layouts:
         lines.append(no_layout(reg))
     print("\n".join(lines))
-    return 0
+    return _plugins_rc(reg)
+
+
+def _plugins_rc(reg: Registry) -> int:
+    """``hicache plugins`` exits 1 when a plugin failed to load or two plugins registered one name (disabled for
+    both): a script that checks an installation fails on what would make ``verify`` fail, not just on a crash."""
+    return 1 if any(p.error for p in reg.plugins) or reg.conflicts else 0
 
 
 def _kinds(args: argparse.Namespace) -> list[str]:
@@ -765,7 +771,8 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
 
 
 def _parser_plugins(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("plugins", parents=[common], help="loaded plugins and what each registers")
+    p = sub.add_parser("plugins", parents=[common], help="loaded plugins and what each registers (exit 1 when a "
+                       "plugin is broken or a name two plugins registered is disabled)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plugins)
 

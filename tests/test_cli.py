@@ -136,10 +136,13 @@ class _RaisingPlugin:
 def test_plugins_lists_broken_plugin(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
     rc, out, _ = run(capsys, "plugins")
-    assert rc == 0
+    assert rc == 1  # a script checking the installation fails as verify would
     lines = out.splitlines()
     assert "raiser (<local> -): BROKEN, registration failed: RuntimeError: boom" in lines
     assert lines[-1] == "4 plugins (1 broken), 1 layout, 4 strategies; io_backends: auto, direct, fakedma, reference"
+    rc, out, _ = run(capsys, "plugins", "--json")
+    assert rc == 1 and [p["error"] for p in json.loads(out)["plugins"] if p["name"] == "raiser"] == [
+        "registration failed: RuntimeError: boom"]
 
 
 def test_plugins_json(capsys):
@@ -790,7 +793,7 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
 
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("copycat", Copycat())]))
     rc, out, err = run(capsys, "plugins")
-    assert rc == 0 and "Traceback" not in err
+    assert rc == 1 and "Traceback" not in err
     assert "  layout page_head: DISABLED, layout 'page_head' is registered by " in out
     listed = {}  # the plugin each DISABLED line is listed under
     for line in out.splitlines():
@@ -800,7 +803,7 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
             listed[plugin] = True
     assert set(listed) == {"page_head", "copycat"}  # under both plugins that registered it
     rc, out, _ = run(capsys, "plugins", "--json")
-    assert rc == 0
+    assert rc == 1 and "page_head" not in json.loads(out)["layouts"]
 
 
 def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():
