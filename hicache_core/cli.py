@@ -65,6 +65,9 @@ NO_LAYOUT = (
 def no_layout(reg: Registry) -> str:
     """Why ``reg`` has no layout, and the fix: none installed, or the installed ones left out by
     ``HICACHE_PLUGINS`` / ``HICACHE_DISABLE_PLUGINS``."""
+    problems = install_problems(reg)
+    if problems:  # a layout plugin that failed to load, or a layout two plugins registered
+        return "no layout is loaded: " + "; ".join(problems)
     if reg.skipped:
         return (f"no layout is loaded: {ENV_ALLOW}/{ENV_BLOCK} left out the installed plugins "
                 f"{sorted(set(reg.skipped))}; unset them, or allow the plugins of the layouts you want")
@@ -430,8 +433,17 @@ def _gbps(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def render_verify(rows: Sequence[VerifyRow], device: torch.device, timed: Sequence[PoolSpec]) -> str:
-    """The verify table with notes for skips and failures, then what PASS means, then the summary line."""
+def install_problems(reg: Registry) -> list[str]:
+    """What no cell of verify can show: each plugin that failed to load (it registered nothing) and each name two
+    plugins registered (disabled for both). Either fails ``verify`` and ``plugins`` (exit 1)."""
+    lines = [f"plugin {p.name} ({p.label}) is BROKEN and registered nothing: {p.error}" for p in reg.plugins if p.error]
+    return lines + [f"DISABLED: {c.message}" for c in reg.conflicts]
+
+
+def render_verify(rows: Sequence[VerifyRow], device: torch.device, timed: Sequence[PoolSpec],
+                  problems: Sequence[str] = ()) -> str:
+    """The verify table with notes for skips and failures, the installation's problems, then what PASS means, then
+    the summary line."""
     notes = _Notes()
     table = [[r.layout, r.io_backend, _yn(r.sharded), r.kind, r.strategy or "-", r.result,
               _gbps(r.backup_gbps), _gbps(r.load_gbps), notes.mark(r.note) if r.note else ""] for r in rows]
@@ -445,11 +457,14 @@ def render_verify(rows: Sequence[VerifyRow], device: torch.device, timed: Sequen
         lines += ["", "notes:"] + notes.lines()
     if counts["FAIL"]:
         lines.append("(-vv shows each failure's traceback)")
+    if problems:
+        lines += ["", "installation problems (their layouts and strategies are not verified; `hicache plugins` lists "
+                  "what loaded):"] + [f"  {p}" for p in problems]
     lines += ["", PASS_MEANS]
     if timed and device.type == "cpu":
         lines.append(CPU_GBPS)
     lines.append(f"verify on {device}: {_n(len(rows), 'cell')}, {counts['PASS']} passed, {counts['FAIL']} failed, "
-                 f"{counts['SKIP']} skipped")
+                 f"{counts['SKIP']} skipped" + (f"; {_n(len(problems), 'installation problem')}" if problems else ""))
     return "\n".join(lines)
 
 
@@ -515,7 +530,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _plugins_rc(reg: Registry) -> int:
     """``hicache plugins`` exits 1 when a plugin failed to load or two plugins registered one name (disabled for
     both): a script that checks an installation fails on what would make ``verify`` fail, not just on a crash."""
-    return 1 if any(p.error for p in reg.plugins) or reg.conflicts else 0
+    return 1 if install_problems(reg) else 0
 
 
 def _kinds(args: argparse.Namespace) -> list[str]:
@@ -604,7 +619,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"device": str(device), "rows": []}, indent=1))
         print(f"hicache verify: {no_layout(reg)}", file=sys.stderr)
-        return 2
+        return 1 if install_problems(reg) else 2  # a broken plugin fails; nothing installed is a usage problem
     kinds = _kinds(args)
     tokens = args.tokens or VERIFY_TOKENS.get(device.type, VERIFY_TOKENS["cpu"])
     reps = args.reps or VERIFY_REPS.get(device.type, VERIFY_REPS["cpu"])
@@ -616,13 +631,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.clear()
+    problems = install_problems(reg)
     if args.json:
-        print(json.dumps({"device": str(device), "tokens": tokens, "rows": [asdict(r) for r in rows]}, indent=1))
+        print(json.dumps({"device": str(device), "tokens": tokens, "rows": [asdict(r) for r in rows],
+                          "installation_problems": problems}, indent=1))
     else:
         timed = [] if args.no_timing else [representative_spec(k, False, device, tokens=tokens, medium=True)
                                            for k in kinds]
-        print(render_verify(rows, device, timed))
-    if any(r.result == "FAIL" for r in rows):
+        print(render_verify(rows, device, timed, problems))
+    if problems or any(r.result == "FAIL" for r in rows):
         return 1
     if not any(r.result == "PASS" for r in rows):  # filters or settings that leave nothing to verify prove nothing
         print(f"hicache verify: no cell was verified ({_n(len(rows), 'cell')}, all skipped: see the notes); check the "
@@ -704,6 +721,9 @@ def doctor_lines(reg: Registry) -> list[str]:
     lines.append(f"plugins: {_n(len(reg.plugins), 'plugin')} ({sum(1 for p in reg.plugins if p.error)} broken), "
                  f"layouts: {', '.join(sorted(reg.layouts)) or '(none)'}; io_backends: {', '.join(reg.io_backends) or '(none)'}")
     lines += [f"  BROKEN {p.name} ({p.label}): {p.error}" for p in reg.plugins if p.error]
+    lines += [f"  DISABLED: {c.message}" for c in reg.conflicts]
+    if install_problems(reg):
+        lines.append("  (verify and plugins exit 1 until these are mended)")
     if not reg.layouts:
         return lines + [no_layout(reg)]
     device = torch.device("cuda" if cuda else "cpu")

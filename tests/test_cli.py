@@ -145,6 +145,35 @@ def test_plugins_lists_broken_plugin(capsys, monkeypatch):
         "registration failed: RuntimeError: boom"]
 
 
+def test_verify_and_doctor_fail_on_a_plugin_that_registered_nothing(capsys, monkeypatch):
+    """A layout plugin whose hook raised leaves no cell behind to FAIL: verify names it and exits 1 (it exited 0
+    with every remaining cell passing), JSON included; doctor says verify will fail."""
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
+    broken = "plugin raiser (<local> -) is BROKEN and registered nothing: registration failed: RuntimeError: boom"
+    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha")
+    lines = out.splitlines()
+    assert rc == 1 and f"  {broken}" in lines
+    assert lines[-1] == "verify on cpu: 2 cells, 2 passed, 0 failed, 0 skipped; 1 installation problem"
+    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha", "--json")
+    data = json.loads(out)
+    assert rc == 1 and data["installation_problems"] == [broken] and {r["result"] for r in data["rows"]} == {"PASS"}
+    rc, out, _ = run(capsys, "doctor")
+    assert rc == 0 and "  BROKEN raiser (<local> -): registration failed: RuntimeError: boom" in out
+    assert "  (verify and plugins exit 1 until these are mended)" in out.splitlines()
+
+
+def test_verify_fails_when_the_only_layout_plugin_is_broken(capsys, monkeypatch):
+    """Not "no layout is installed, install one" (exit 2): the installed layout plugin failed to load (exit 1)."""
+    monkeypatch.setenv("HICACHE_PLUGINS", "core")
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
+    rc, out, err = run(capsys, "verify", "--no-timing")
+    assert rc == 1 and out == "" and err == (
+        "hicache verify: no layout is loaded: plugin raiser (<local> -) is BROKEN and registered nothing: "
+        "registration failed: RuntimeError: boom\n")
+    rc, out, _ = run(capsys, "plugins")
+    assert rc == 1 and out.splitlines()[-1].startswith("no layout is loaded: plugin raiser")
+
+
 def test_plugins_json(capsys):
     rc, out, _ = run(capsys, "plugins", "--json")
     data = json.loads(out)
@@ -804,6 +833,8 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
     assert set(listed) == {"page_head", "copycat"}  # under both plugins that registered it
     rc, out, _ = run(capsys, "plugins", "--json")
     assert rc == 1 and "page_head" not in json.loads(out)["layouts"]
+    rc, out, err = run(capsys, "verify", "--no-timing")  # page_head was the only layout: none is left to verify
+    assert rc == 1 and err.startswith("hicache verify: no layout is loaded: DISABLED: layout 'page_head' is registered by ")
 
 
 def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():
