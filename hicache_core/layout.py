@@ -54,7 +54,13 @@ class Addressing:
 
     @property
     def row_contiguous(self) -> bool:
+        """Whether consecutive chunks follow each other (``chunk_stride`` 0 or ``chunk_bytes``)."""
         return self.chunk_stride in (0, self.chunk_bytes)
+
+    def whole_row(self, width: int) -> bool:
+        """Whether a row of ``width`` bytes is one contiguous block on the host: a single chunk (whatever
+        ``chunk_stride``: it is never stepped) or chunks that follow each other."""
+        return self.chunk_bytes == width or self.row_contiguous
 
 
 @dataclass(frozen=True)

@@ -1951,3 +1951,50 @@ def test_auto_refuses_options_its_kernel_refuses_instead_of_dropping_the_kernel(
         with pytest.raises(ResolutionError, match=rf"auto's option\(s\) \['{next(iter(options))}'\] are not auto's own "
                                                   r".*no kernel strategy is registered for layout 'page_head'"):
             HostKVPool(mha, "page_head", "auto", kv, registry=REG, strategy_options=options)
+
+
+def test_a_row_of_one_chunk_with_an_odd_chunk_stride_is_a_whole_row(monkeypatch):
+    """A plan that gives one-chunk rows a chunk_stride (written for several heads, used with one) is the plain
+    layout to the copy engine: the same page-sized blocks (not staged for 1152-byte runs), the same descriptors,
+    bytes equal to the reference; the staged route takes its rows whole too."""
+    from dataclasses import replace
+
+    from hicache_core import HostPlan, hookimpl
+    from hicache_layer_first.layout import LayerFirstLayout
+
+    class OddStride(LayerFirstLayout):
+        name = "layer_first_odd_stride"
+
+        def plan(self, spec: PoolSpec) -> HostPlan:
+            base = super().plan(spec)
+            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
+                                                for seg in base.segments))
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(OddStride())
+
+    reg = create_registry(plugins=[("odd", Plugin())])
+    spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=64, capacity=64 * 4)
+
+    def pool(layout: str) -> HostKVPool:
+        dev = {"kv": [torch.zeros(64 * 4, 1, 576, dtype=torch.bfloat16) for _ in range(4)]}
+        return HostKVPool(spec, layout, "direct", dev, registry=reg, strategy="core.direct",
+                          strategy_options={"staging": "auto"})
+
+    from hicache_core.backends import plans
+
+    h, d = torch.arange(128, 192), torch.arange(64, 128)
+    used: list[int] = []
+    real = plans.coalesce
+    monkeypatch.setattr(plans, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
+    odd, plain = (_submission(pool(name), h, d, None) for name in ("layer_first_odd_stride", "layer_first"))
+    assert used == [64 * 1152] * 2  # each a page per block from the page runs, not row by row
+    assert odd.staged is None and odd.mean_block == plain.mean_block == 64 * 1152
+    assert torch.equal(odd.lens, plain.lens) and odd.nbytes == plain.nbytes
+    for staging in ("never", "always"):
+        monkeypatch.setenv("HICACHE_DIRECT_STAGING", staging)
+        for case in (CASES[0], CASES[2]):
+            check_strategy(reg, case, "layer_first_odd_stride", "direct", strategy="core.direct")

@@ -245,7 +245,7 @@ def _longest_run(seg: BoundSegment, page_size: int) -> int:
     """The longest plain run of ``seg`` where runs stay in their page (:func:`_runs_stay_in_page`):
     one layer's rows of one page where they are adjacent on the host, else one row."""
     a = seg.segment.addressing
-    return page_size * seg.width if a.row_contiguous and a.token == seg.width else seg.width
+    return page_size * seg.width if a.whole_row(seg.width) and a.token == seg.width else seg.width
 
 
 def _layers_share_allocations(binding: PoolBinding) -> bool:
@@ -486,7 +486,7 @@ class Plan:
         """Coalesced runs of ``seg`` for these indices, as offsets from the host layer slot and device row 0."""
         a = seg.segment.addressing
         ps = self.binding.spec.page_size
-        whole_rows = a.row_contiguous and a.chunks(seg.width) * a.chunk_bytes == seg.width
+        whole_rows = a.whole_row(seg.width) and a.chunks(seg.width) * a.chunk_bytes == seg.width
         pages = self.page_runs if whole_rows and a.token == seg.width and stride == seg.width else None
         if pages is not None:
             # rows adjacent on both sides: each page is one block (what coalescing its rows would give),

@@ -194,7 +194,7 @@ class _Group:
 def _chunking(im: _Image) -> tuple[int, int, int]:
     """``(chunk bytes, chunks, image stride of a chunk)``: a row contiguous in the image is one chunk."""
     a = im.seg.segment.addressing
-    if a.row_contiguous:
+    if a.whole_row(im.seg.width):
         return im.seg.width, 1, im.seg.width
     return a.chunk_bytes, a.chunks(im.seg.width), a.chunk_stride
 
