@@ -81,8 +81,8 @@ BROKEN_PIPE = 141
 PASS_MEANS = (
     "A PASS means: random KV backed up through the strategy is byte-identical to the reference backend's host buffers "
     "(canary-filled slots and the guard bytes around each host buffer untouched), and loading every layer back into "
-    "other device slots returns the original rows (small pools, shuffled int64 and device-resident int32 indices; "
-    "--all-cases runs the whole kit)."
+    "other device slots returns the original rows and leaves the guard bytes around the device rows untouched (small "
+    "pools, shuffled int64 and device-resident int32 indices; --all-cases runs the whole kit)."
 )
 CPU_GBPS = "GB/s on cpu time host-memory copies in Python; they say nothing about GPU transfer speed."
 INTERPRET_EXTRA = "pip install 'hicache-core[interpret]'"

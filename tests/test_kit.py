@@ -162,6 +162,48 @@ class WritesPastTheEnd(ReferenceStrategy):
             past.fill_(0)
 
 
+def _byte_at(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """The byte ``offset`` bytes from the start of uint8 tensor ``t`` in its allocation (maybe outside ``t``)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), t.storage_offset() + offset,
+                                                                    (1,))
+
+
+class WritesPastADeviceLayer(ReferenceStrategy):
+    """Loads right, then writes the byte just past each loaded device layer's last row (an out-of-bounds write)."""
+
+    def load(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().load(binding, host_indices, device_indices, layer)
+        for seg, e in ((s, e) for s in binding.segments for e in s.entries(layer)):
+            rows = seg.device_rows[e]
+            _byte_at(rows, (rows.shape[0] - 1) * rows.stride(0) + rows.shape[1]).fill_(0)
+
+
+class WritesARowsPadding(ReferenceStrategy):
+    """Loads right, then writes the byte after device row 0's last byte: padding in a strided pool, no row's byte."""
+
+    def load(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().load(binding, host_indices, device_indices, layer)
+        for seg, e in ((s, e) for s in binding.segments for e in s.entries(layer)):
+            rows = seg.device_rows[e]
+            _byte_at(rows, rows.shape[1]).fill_(0)
+
+
+@pytest.mark.parametrize("broken,case,message", [
+    (WritesPastADeviceLayer, "mha-fp16-ps1", r"^backup and load_layer: 1 bytes around or between the device rows "
+                                             r"changed \(the first byte \d+ from its first row's start, outside its "
+                                             r"rows, near (k|v)\[layer \d\]\): the strategy wrote out of bounds$"),
+    (WritesARowsPadding, "mla576-bf16-ps16-strided", r"^backup and load_layer: 1 bytes around or between the device "
+                                                     r"rows changed \(the first byte 576 from its first row's start"),
+], ids=["past-a-device-layer", "into-a-rows-padding"])
+def test_the_kit_fails_a_strategy_that_writes_outside_the_device_rows(broken, case, message) -> None:
+    """Device rows sit between guard bytes and a strided pool's padding holds them too: a write there fails the kit
+    (it was caught only where it landed on rows the kit compares)."""
+    reg = create_registry(env=ENV, plugins=[("broken", plugin(StrategyInfo("broken.x", "broken", ("*",), broken)))])
+    with pytest.raises(AssertionError, match=message):
+        check_strategy(reg, CASE[case], "layer_first", "broken", strategy="broken.x")
+    check_strategy(reg, CASE[case], "layer_first", "reference", strategy="core.reference")  # the kit's pools pass
+
+
 @pytest.mark.parametrize("broken,variant,message", [
     (StrayByte, "shuffled-i64", "backup: host buffer"),
     (SkipsALayer, "shuffled-i64", r"backup: host buffer 'k' differs from the reference at .*: byte \d+ is 'k' of host "

@@ -109,10 +109,28 @@ def _device_rows_needed(spec: PoolSpec) -> int:
 DEVICE_PLACEMENTS = ("separate", "one-allocation", "one-allocation-descending")
 
 
+#: Bytes of :data:`GUARD` before and after each host buffer and device allocation the kit's pools use: a strategy
+#: writing past their ends is caught (and, under Triton's CPU interpreter, does not corrupt the test process's memory).
+GUARD_BYTES = 4096
+GUARD = 0x5A
+
+
+def _guarded_device_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (random device bytes) copied into the middle of an allocation with :data:`GUARD_BYTES` of
+    :data:`GUARD` on either side (the offset keeps the rows' alignment); the view of the copy."""
+    whole = torch.full((rows.numel() + 2 * GUARD_BYTES,), GUARD, dtype=torch.uint8, device=rows.device)
+    inner = whole[GUARD_BYTES:GUARD_BYTES + rows.numel()].view(rows.shape)
+    inner.copy_(rows)
+    return inner
+
+
 def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator,
                         placement: str = "separate") -> dict[str, list[torch.Tensor | None]]:
     """Random per-layer device tensors for ``spec`` (strided views / split parts as ``case`` asks,
-    layers placed as ``placement`` says, one of :data:`DEVICE_PLACEMENTS`)."""
+    layers placed as ``placement`` says, one of :data:`DEVICE_PLACEMENTS`).
+
+    Each allocation has :data:`GUARD_BYTES` of :data:`GUARD` before and after its rows, and the padding of a strided
+    case's rows holds :data:`GUARD` too: :func:`assert_device_guards_intact` finds a write outside the tensors."""
     if placement not in DEVICE_PLACEMENTS:
         raise ValueError(f"placement={placement!r}: use one of {', '.join(DEVICE_PLACEMENTS)}")
     n = _device_rows_needed(spec)
@@ -126,11 +144,14 @@ def make_device_buffers(spec: PoolSpec, case: Case, gen: torch.Generator,
             width = (items + pad) * comp.itemsize
             owned = sorted(layers)
             if placement == "separate":
-                raws = [random_bytes_like(n, width, spec.device, gen) for _ in owned]
+                raws = [_guarded_device_bytes(random_bytes_like(n, width, spec.device, gen)) for _ in owned]
             else:
-                one = random_bytes_like(len(owned) * n, width, spec.device, gen).view(len(owned), n, width)
+                one = _guarded_device_bytes(random_bytes_like(len(owned) * n, width, spec.device, gen))
+                one = one.view(len(owned), n, width)
                 order = range(len(owned)) if placement == "one-allocation" else reversed(range(len(owned)))
                 raws = [one[k] for k in order]
+            for raw in raws:
+                raw[:, items * comp.itemsize:] = GUARD  # a strided case's padding: no row byte lives there
             by_layer = dict(zip(owned, raws))
             out[name] = [by_layer[d].view(comp.dtype)[:, :items] if d in by_layer else None
                          for d in range(spec.layer_map.num_device_layers)]
@@ -186,12 +207,6 @@ def _place(t: torch.Tensor, variant: str, spec: PoolSpec) -> torch.Tensor:
     return t
 
 
-#: Bytes of :data:`GUARD` before and after each host buffer the kit's pools wrap: a strategy writing past a buffer's
-#: ends is caught (and, under Triton's CPU interpreter, does not corrupt the test process's own memory).
-GUARD_BYTES = 4096
-GUARD = 0x5A
-
-
 def guarded_host_buffers(registry: Registry, spec: PoolSpec, layout: str, *, pin_memory: bool
                          ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, int]]]:
     """The layout's host buffers for ``spec``, each a view into a larger allocation with :data:`GUARD_BYTES` of
@@ -221,6 +236,38 @@ def assert_guards_intact(what: str, backing: dict[str, tuple[torch.Tensor, int]]
                 raise AssertionError(
                     f"{what}: {bad.numel()} bytes {side} host buffer {name!r} changed (the nearest {first} byte(s) "
                     f"{'before its start' if side == 'before' else 'past its end'}): the strategy wrote out of bounds")
+
+
+def assert_device_guards_intact(what: str, bufs: dict[str, list[torch.Tensor | None]]) -> None:
+    """Raise ``AssertionError`` where a byte of a device allocation of :func:`make_device_buffers` that none of its
+    tensors covers (the guard bytes around the rows, a strided row's padding) no longer holds :data:`GUARD`."""
+    by_storage: dict[int, tuple[torch.Tensor, list[tuple[str, int, torch.Tensor]]]] = {}
+    for name, lst in bufs.items():
+        for layer, t in enumerate(lst):
+            if t is None or not t.numel():
+                continue
+            storage = t.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            by_storage.setdefault(storage.data_ptr(), (whole, []))[1].append((name, layer, t))
+    for whole, views in by_storage.values():
+        covered = torch.zeros(whole.numel(), dtype=torch.bool)
+        for _, _, t in views:
+            try:
+                u = t.view(torch.uint8)  # rows with a unit last stride (the kit's): their bytes in the allocation
+            except RuntimeError:
+                covered[:] = True  # (not the kit's tensors: no claim about this allocation)
+                break
+            at = torch.arange(whole.numel(), dtype=torch.int64).as_strided(u.shape, u.stride(), u.storage_offset())
+            covered[at.reshape(-1)] = True
+        bad = ((whole.cpu() != GUARD) & ~covered).nonzero().flatten()
+        if bad.numel():
+            first = int(bad[0])
+            name, layer, t = min(views, key=lambda v: abs(v[2].storage_offset() * v[2].element_size() - first))
+            start = t.storage_offset() * t.element_size()
+            where = f"{start - first} byte(s) before its first row" if first < start else \
+                f"byte {first - start} from its first row's start, outside its rows"
+            raise AssertionError(f"{what}: {bad.numel()} bytes around or between the device rows changed (the first "
+                                 f"{where}, near {name}[layer {layer}]): the strategy wrote out of bounds")
 
 
 def fill_canary(pool: HostKVPool) -> None:
@@ -400,6 +447,7 @@ def check_strategy(
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     assert_guards_intact("load_layer", guards)
+    assert_device_guards_intact("backup and load_layer", dev)
     _assert_same("load_layer", dev, dev_ref)
     _assert_same("round trip", _rows(dev, dst), original,
                  "the rows backed up (the reference backend agreeing, look at the layout's plan: a row byte it leaves "
@@ -423,6 +471,7 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     assert_guards_intact("backup_all_layers and load_all_layers", guards)
+    assert_device_guards_intact("backup_all_layers and load_all_layers", dev)
     _assert_same("load_all_layers", _rows(dev, dst), original)
     _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
 
@@ -476,4 +525,5 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
 
 
 __all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary", "classify_rejection", "Rejection",
-            "DECLARED_REJECTIONS", "GUARD", "GUARD_BYTES", "guarded_host_buffers", "assert_guards_intact"]
+            "DECLARED_REJECTIONS", "GUARD", "GUARD_BYTES", "guarded_host_buffers", "assert_guards_intact",
+            "assert_device_guards_intact"]
