@@ -262,7 +262,7 @@ def assert_device_guards_intact(what: str, bufs: dict[str, list[torch.Tensor | N
         bad = ((whole.cpu() != GUARD) & ~covered).nonzero().flatten()
         if bad.numel():
             first = int(bad[0])
-            name, layer, t = min(views, key=lambda v: abs(v[2].storage_offset() * v[2].element_size() - first))
+            name, layer, t = min(views, key=lambda v: abs(int(v[2].storage_offset()) * v[2].element_size() - first))
             start = t.storage_offset() * t.element_size()
             where = f"{start - first} byte(s) before its first row" if first < start else \
                 f"byte {first - start} from its first row's start, outside its rows"
