@@ -150,11 +150,12 @@ def test_verify_and_doctor_fail_on_a_plugin_that_registered_nothing(capsys, monk
     with every remaining cell passing), JSON included; doctor says verify will fail."""
     monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
     broken = "plugin raiser (<local> -) is BROKEN and registered nothing: registration failed: RuntimeError: boom"
-    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha")
+    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha", "--device", "cpu")
     lines = out.splitlines()
     assert rc == 1 and f"  {broken}" in lines
     assert lines[-1] == "verify on cpu: 2 cells, 2 passed, 0 failed, 0 skipped; 1 installation problem"
-    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha", "--json")
+    rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha", "--device", "cpu",
+                     "--json")
     data = json.loads(out)
     assert rc == 1 and data["installation_problems"] == [broken] and {r["result"] for r in data["rows"]} == {"PASS"}
     rc, out, _ = run(capsys, "doctor")
