@@ -63,3 +63,22 @@ def pool_device(backend: str) -> str:
     import torch
 
     return "cuda" if backend == "kernel" and torch.cuda.is_available() else "cpu"
+
+
+def odd_stride_layout() -> object:
+    """``layer_first`` with each row's one chunk given ``chunk_stride=3`` (a plan written for several heads, used with
+    one): the same bytes in the same places, a stride no step ever takes. Registered as ``layer_first_odd_stride``."""
+    from dataclasses import replace
+
+    from hicache_core import HostPlan, PoolSpec
+    from hicache_layer_first.layout import LayerFirstLayout
+
+    class OddStride(LayerFirstLayout):
+        name = "layer_first_odd_stride"
+
+        def plan(self, spec: PoolSpec) -> HostPlan:
+            base = super().plan(spec)
+            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
+                                                for seg in base.segments))
+
+    return OddStride()

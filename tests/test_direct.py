@@ -1957,23 +1957,13 @@ def test_a_row_of_one_chunk_with_an_odd_chunk_stride_is_a_whole_row(monkeypatch)
     """A plan that gives one-chunk rows a chunk_stride (written for several heads, used with one) is the plain
     layout to the copy engine: the same page-sized blocks (not staged for 1152-byte runs), the same descriptors,
     bytes equal to the reference; the staged route takes its rows whole too."""
-    from dataclasses import replace
-
-    from hicache_core import HostPlan, hookimpl
-    from hicache_layer_first.layout import LayerFirstLayout
-
-    class OddStride(LayerFirstLayout):
-        name = "layer_first_odd_stride"
-
-        def plan(self, spec: PoolSpec) -> HostPlan:
-            base = super().plan(spec)
-            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
-                                                for seg in base.segments))
+    from fakes import odd_stride_layout
+    from hicache_core import hookimpl
 
     class Plugin:
         @hookimpl
         def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
-            register(OddStride())
+            register(odd_stride_layout())
 
     reg = create_registry(plugins=[("odd", Plugin())])
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(4), kv_lora_rank=512, qk_rope_head_dim=64,

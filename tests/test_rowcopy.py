@@ -279,16 +279,8 @@ def test_every_access_word_round_trips(layout, case, word):
 def test_a_row_of_one_chunk_ignores_its_chunk_stride():
     """A plan that gives one-chunk rows an odd chunk_stride (written for several heads, used with one) is served by the
     kernel bit-exact, with the access word its other sizes allow (the stride is never stepped)."""
+    from fakes import odd_stride_layout
     from hicache_core import hookimpl
-    from hicache_layer_first.layout import LayerFirstLayout
-
-    class OddStride(LayerFirstLayout):
-        name = "layer_first_odd_stride"
-
-        def plan(self, spec: PoolSpec) -> HostPlan:
-            base = super().plan(spec)
-            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
-                                                for seg in base.segments))
 
     class Kernel(LayerFirstKernelStrategy):
         name, layouts = "test.odd_stride", ("layer_first_odd_stride",)
@@ -296,7 +288,7 @@ def test_a_row_of_one_chunk_ignores_its_chunk_stride():
     class Plugin:
         @hookimpl
         def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
-            register(OddStride())
+            register(odd_stride_layout())
 
         @hookimpl
         def hicache_register_strategies(self, register):  # type: ignore[no-untyped-def]
