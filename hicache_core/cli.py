@@ -55,22 +55,23 @@ logger = logging.getLogger(__name__)
 
 KINDS = (MHA, MLA)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.uint8}
-NO_LAYOUT = (
-    "no layout is installed: hicache-core alone gives generic backends and no layouts; "
-    "install a layout plugin from the hicache source tree (e.g. pip install ./plugins/layer_first "
-    "./plugins/page_first ./plugins/kv_split)"
-)
+INSTALL_LAYOUTS = ("install a layout plugin from the hicache source tree (e.g. pip install ./plugins/layer_first "
+                   "./plugins/page_first ./plugins/kv_split)")
+NO_LAYOUT = f"no layout is installed: hicache-core alone gives generic backends and no layouts; {INSTALL_LAYOUTS}"
 
 
 def no_layout(reg: Registry) -> str:
-    """Why ``reg`` has no layout, and the fix: none installed, or the installed ones left out by
-    ``HICACHE_PLUGINS`` / ``HICACHE_DISABLE_PLUGINS``."""
+    """Why ``reg`` has no layout, and the fix: the installed ones left out by ``HICACHE_PLUGINS`` /
+    ``HICACHE_DISABLE_PLUGINS``, none installed, and (either way) each plugin that failed to load or name that two
+    plugins registered (:func:`install_problems`: a layout plugin among them registered nothing)."""
     problems = install_problems(reg)
-    if problems:  # a layout plugin that failed to load, or a layout two plugins registered
-        return "no layout is loaded: " + "; ".join(problems)
     if reg.skipped:
-        return (f"no layout is loaded: {ENV_ALLOW}/{ENV_BLOCK} left out the installed plugins "
+        text = (f"no layout is loaded: {ENV_ALLOW}/{ENV_BLOCK} left out the installed plugins "
                 f"{sorted(set(reg.skipped))}; unset them, or allow the plugins of the layouts you want")
+        return text + "".join(f"; also: {p}" for p in problems)
+    if problems:  # a layout plugin may be among them: "none is installed" may not be true
+        return f"no layout is loaded: {'; '.join(problems)}; mend that, or where no layout plugin is installed, " + \
+            INSTALL_LAYOUTS
     return NO_LAYOUT
 
 
@@ -434,8 +435,8 @@ def _gbps(x: float | None) -> str:
 
 
 def install_problems(reg: Registry) -> list[str]:
-    """What no cell of verify can show: each plugin that failed to load (it registered nothing) and each name two
-    plugins registered (disabled for both). Either fails ``verify`` and ``plugins`` (exit 1)."""
+    """What no cell of verify can show: each plugin that failed to load (it registered nothing) and each layout,
+    strategy name or key registered twice (disabled). Either fails ``verify`` and ``plugins`` (exit 1)."""
     lines = [f"plugin {p.name} ({p.label}) is BROKEN and registered nothing: {p.error}" for p in reg.plugins if p.error]
     return lines + [f"DISABLED: {c.message}" for c in reg.conflicts]
 
@@ -528,8 +529,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _plugins_rc(reg: Registry) -> int:
-    """``hicache plugins`` exits 1 when a plugin failed to load or two plugins registered one name (disabled for
-    both): a script that checks an installation fails on what would make ``verify`` fail, not just on a crash."""
+    """``hicache plugins`` exits 1 on :func:`install_problems`: a script that checks an installation fails on what
+    makes ``verify`` fail, not just on a crash."""
     return 1 if install_problems(reg) else 0
 
 
@@ -617,7 +618,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"no reference io_backend to compare with: hicache's own plugin is not loaded; {reg.core_fix()}")
     if not reg.layouts:  # nothing to verify proves nothing (as when the filters leave no cell)
         if args.json:
-            print(json.dumps({"device": str(device), "rows": []}, indent=1))
+            print(json.dumps({"device": str(device), "rows": [], "installation_problems": install_problems(reg)},
+                             indent=1))
         print(f"hicache verify: {no_layout(reg)}", file=sys.stderr)
         return 1 if install_problems(reg) else 2  # a broken plugin fails; nothing installed is a usage problem
     kinds = _kinds(args)
@@ -792,7 +794,7 @@ def _add_filters(p: argparse.ArgumentParser) -> None:
 
 def _parser_plugins(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("plugins", parents=[common], help="loaded plugins and what each registers (exit 1 when a "
-                       "plugin is broken or a name two plugins registered is disabled)")
+                       "plugin is broken or a name or key registered twice is disabled)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_plugins)
 

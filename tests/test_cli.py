@@ -163,16 +163,29 @@ def test_verify_and_doctor_fail_on_a_plugin_that_registered_nothing(capsys, monk
     assert "  (verify and plugins exit 1 until these are mended)" in out.splitlines()
 
 
-def test_verify_fails_when_the_only_layout_plugin_is_broken(capsys, monkeypatch):
-    """Not "no layout is installed, install one" (exit 2): the installed layout plugin failed to load (exit 1)."""
-    monkeypatch.setenv("HICACHE_PLUGINS", "core")
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
+@pytest.mark.parametrize("left_out", [False, True], ids=["nothing-else-installed", "layouts-left-out"])
+def test_verify_fails_when_no_layout_is_loaded_and_a_plugin_is_broken(capsys, monkeypatch, left_out):
+    """With no layout loaded, the reason (none installed, or HICACHE_PLUGINS left them out) and the broken plugin (maybe
+    the layout plugin, that registered nothing) are both named; a broken plugin makes it a failure (1, not 2)."""
+    import hicache_core.builtin as core
+
+    broken = "plugin raiser (<local> -) is BROKEN and registered nothing: registration failed: RuntimeError: boom"
+    if left_out:
+        monkeypatch.setenv("HICACHE_PLUGINS", "core")
+        make = lambda: create_registry(plugins=[("raiser", _RaisingPlugin())])  # noqa: E731
+        why = ("no layout is loaded: HICACHE_PLUGINS/HICACHE_DISABLE_PLUGINS left out the installed plugins [",
+               f"; also: {broken}")
+    else:
+        make = lambda: create_registry(entry_points=False, plugins=[("core", core), ("raiser", _RaisingPlugin())])  # noqa: E731
+        why = (f"no layout is loaded: {broken}; mend that, or where no layout plugin is installed, ",
+               cli.INSTALL_LAYOUTS)
+    monkeypatch.setattr(cli, "_registry", make)
     rc, out, err = run(capsys, "verify", "--no-timing")
-    assert rc == 1 and out == "" and err == (
-        "hicache verify: no layout is loaded: plugin raiser (<local> -) is BROKEN and registered nothing: "
-        "registration failed: RuntimeError: boom\n")
+    assert rc == 1 and out == "" and err.startswith(f"hicache verify: {why[0]}") and err.endswith(f"{why[1]}\n")
+    rc, out, _ = run(capsys, "verify", "--no-timing", "--json")
+    assert rc == 1 and json.loads(out)["installation_problems"] == [broken]
     rc, out, _ = run(capsys, "plugins")
-    assert rc == 1 and out.splitlines()[-1].startswith("no layout is loaded: plugin raiser")
+    assert rc == 1 and out.splitlines()[-1].startswith(why[0]) and out.endswith(f"{why[1]}\n")
 
 
 def test_plugins_json(capsys):
@@ -835,7 +848,7 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
     rc, out, _ = run(capsys, "plugins", "--json")
     assert rc == 1 and "page_head" not in json.loads(out)["layouts"]
     rc, out, err = run(capsys, "verify", "--no-timing")  # page_head was the only layout: none is left to verify
-    assert rc == 1 and err.startswith("hicache verify: no layout is loaded: DISABLED: layout 'page_head' is registered by ")
+    assert rc == 1 and "DISABLED: layout 'page_head' is registered by " in err and "no layout is installed" not in err
 
 
 def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():

@@ -1984,6 +1984,13 @@ def test_a_row_of_one_chunk_with_an_odd_chunk_stride_is_a_whole_row(monkeypatch)
     assert used == [64 * 1152] * 2  # each a page per block from the page runs, not row by row
     assert odd.staged is None and odd.mean_block == plain.mean_block == 64 * 1152
     assert torch.equal(odd.lens, plain.lens) and odd.nbytes == plain.nbytes
+    from types import SimpleNamespace
+
+    from hicache_core.backends.relayout import _chunking
+
+    seg = pool("layer_first_odd_stride").binding.segments[0]
+    assert plans._longest_run(seg, 64) == 64 * 1152  # the staged route's bound on plain runs: a page, not a row
+    assert _chunking(SimpleNamespace(seg=seg)) == (1152, 1, 1152)  # the relayout kernel copies the row whole
     for staging in ("never", "always"):
         monkeypatch.setenv("HICACHE_DIRECT_STAGING", staging)
         for case in (CASES[0], CASES[2]):

@@ -188,20 +188,25 @@ class WritesARowsPadding(ReferenceStrategy):
             _byte_at(rows, rows.shape[1]).fill_(0)
 
 
-@pytest.mark.parametrize("broken,case,message", [
-    (WritesPastADeviceLayer, "mha-fp16-ps1", r"^backup and load_layer: 1 bytes around or between the device rows "
-                                             r"changed \(the first byte \d+ from its first row's start, outside its "
-                                             r"rows, near (k|v)\[layer \d\]\): the strategy wrote out of bounds$"),
-    (WritesARowsPadding, "mla576-bf16-ps16-strided", r"^backup and load_layer: 1 bytes around or between the device "
-                                                     r"rows changed \(the first byte 576 from its first row's start"),
-], ids=["past-a-device-layer", "into-a-rows-padding"])
-def test_the_kit_fails_a_strategy_that_writes_outside_the_device_rows(broken, case, message) -> None:
+_OUTSIDE = r"^backup and load_layer: \d bytes around or between the device rows changed \(the first "
+
+
+@pytest.mark.parametrize("broken,case,placement,message", [
+    (WritesPastADeviceLayer, "mha-fp16-ps1", "separate",
+     _OUTSIDE + r"1 byte\(s\) past its last row's end, of (k|v)\[layer 0\]\): the strategy wrote out of bounds$"),
+    (WritesARowsPadding, "mla576-bf16-ps16-strided", "separate",
+     _OUTSIDE + r"byte 576 from its first row's start, in a row's padding, of kv\[layer 0\]\)"),
+    # layers one after another in one allocation: the byte past layer 0's last row lies just before layer 1's first
+    (WritesPastADeviceLayer, "mla576-bf16-ps16-strided", "one-allocation",
+     _OUTSIDE + r"1 byte\(s\) past its last row's end, of kv\[layer 0\]\)"),
+], ids=["past-a-device-layer", "into-a-rows-padding", "past-a-layer-in-one-allocation"])
+def test_the_kit_fails_a_strategy_that_writes_outside_the_device_rows(broken, case, placement, message) -> None:
     """Device rows sit between guard bytes and a strided pool's padding holds them too: a write there fails the kit
-    (it was caught only where it landed on rows the kit compares)."""
+    (it was caught only where it landed on rows the kit compares), naming the layer whose rows it is nearest."""
     reg = create_registry(env=ENV, plugins=[("broken", plugin(StrategyInfo("broken.x", "broken", ("*",), broken)))])
     with pytest.raises(AssertionError, match=message):
-        check_strategy(reg, CASE[case], "layer_first", "broken", strategy="broken.x")
-    check_strategy(reg, CASE[case], "layer_first", "reference", strategy="core.reference")  # the kit's pools pass
+        check_strategy(reg, CASE[case], "layer_first", "broken", strategy="broken.x", placement=placement)
+    check_strategy(reg, CASE[case], "layer_first", "reference", strategy="core.reference", placement=placement)
 
 
 @pytest.mark.parametrize("broken,variant,message", [

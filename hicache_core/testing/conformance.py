@@ -241,33 +241,40 @@ def assert_guards_intact(what: str, backing: dict[str, tuple[torch.Tensor, int]]
 def assert_device_guards_intact(what: str, bufs: dict[str, list[torch.Tensor | None]]) -> None:
     """Raise ``AssertionError`` where a byte of a device allocation of :func:`make_device_buffers` that none of its
     tensors covers (the guard bytes around the rows, a strided row's padding) no longer holds :data:`GUARD`."""
-    by_storage: dict[int, tuple[torch.Tensor, list[tuple[str, int, torch.Tensor]]]] = {}
+    # per allocation: its bytes, and per tensor on it (name, layer, its bytes as a view or None, their byte span)
+    by_storage: dict[int, tuple[torch.Tensor, list[tuple[str, int, torch.Tensor | None, int, int]]]] = {}
     for name, lst in bufs.items():
         for layer, t in enumerate(lst):
             if t is None or not t.numel():
                 continue
             storage = t.untyped_storage()
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            by_storage.setdefault(storage.data_ptr(), (whole, []))[1].append((name, layer, t))
-    for whole, views in by_storage.values():
-        covered = torch.zeros(whole.numel(), dtype=torch.bool)
-        for _, _, t in views:
+            whole, views = by_storage.setdefault(
+                storage.data_ptr(), (torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage), []))
             try:
                 u = t.view(torch.uint8)  # rows with a unit last stride (the kit's): their bytes in the allocation
-            except RuntimeError:
-                covered[:] = True  # (not the kit's tensors: no claim about this allocation)
+            except RuntimeError:  # not the kit's tensors: no claim about this allocation
+                views.append((name, layer, None, 0, whole.numel()))
+                continue
+            lo = int(u.storage_offset())
+            views.append((name, layer, u, lo, lo + sum((n - 1) * st for n, st in zip(u.shape, u.stride())) + 1))
+    for whole, views in by_storage.values():
+        covered = torch.zeros(whole.numel(), dtype=torch.bool)
+        for _, _, rows, lo, _ in views:
+            if rows is None:
+                covered[:] = True
                 break
-            at = torch.arange(whole.numel(), dtype=torch.int64).as_strided(u.shape, u.stride(), u.storage_offset())
+            at = torch.arange(whole.numel(), dtype=torch.int64).as_strided(rows.shape, rows.stride(), lo)
             covered[at.reshape(-1)] = True
         bad = ((whole.cpu() != GUARD) & ~covered).nonzero().flatten()
         if bad.numel():
             first = int(bad[0])
-            name, layer, t = min(views, key=lambda v: abs(int(v[2].storage_offset()) * v[2].element_size() - first))
-            start = t.storage_offset() * t.element_size()
-            where = f"{start - first} byte(s) before its first row" if first < start else \
-                f"byte {first - start} from its first row's start, outside its rows"
+            # the tensor whose rows span the byte (a row's padding), else the nearest one
+            name, layer, _, lo, hi = min(views, key=lambda v: max(v[3] - first, first - (v[4] - 1), 0))
+            where = (f"{lo - first} byte(s) before its first row" if first < lo else
+                     f"{first - hi + 1} byte(s) past its last row's end" if first >= hi else
+                     f"byte {first - lo} from its first row's start, in a row's padding")
             raise AssertionError(f"{what}: {bad.numel()} bytes around or between the device rows changed (the first "
-                                 f"{where}, near {name}[layer {layer}]): the strategy wrote out of bounds")
+                                 f"{where}, of {name}[layer {layer}]): the strategy wrote out of bounds")
 
 
 def fill_canary(pool: HostKVPool) -> None:
