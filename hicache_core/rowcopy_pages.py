@@ -51,7 +51,8 @@ def pages_enabled(option: bool | None) -> bool:
         return True
     if env in OFF:
         return False
-    raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on), 0 (off) or leave it unset (on)")
+    raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on; or true, yes, on), 0 (off; or false, no, off) or "
+                      "leave it unset (on)")
 
 
 @dataclass(frozen=True)

@@ -133,7 +133,8 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     if env in OFF:
         return None
     if env:
-        raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on), 0 (off) or leave it unset (automatic)")
+        raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on; or true, yes, on), 0 (off; or false, no, off) or "
+                          "leave it unset (automatic)")
     if device.type != "cuda" or interpreting() or not torch.cuda.is_available():
         return None
     return "auto" if torch.cuda.get_device_capability(device)[0] == 9 else None

@@ -1034,3 +1034,23 @@ def test_a_reused_pair_leaves_the_copy_engine_when_every_call_plans_and_the_host
     assert auto.pace_probes >= 1 and routes[0] == "D"
     assert copier.paces[False].desc_us == pytest.approx(5.0)
     assert set(routes[-20:]) == {"K"}
+
+
+@pytest.mark.parametrize("env,value", [("HICACHE_KERNEL_PROGRAMS", "-3"), ("HICACHE_KERNEL_TMA", "maybe"),
+                                       ("HICACHE_KERNEL_PAGES", "sometimes")])
+def test_a_kernel_setting_with_a_bad_value_fails_auto_too(monkeypatch, env, value):
+    """A typo in a kernel variable raises when the pool is built, under ``auto`` as under ``kernel``: it was logged and
+    the pool served by the copy engine alone, the kernel silently gone."""
+    from hicache_core.errors import ConfigError
+
+    pool, h, d = _fp8_pool()
+    auto = AutoStrategy()
+    auto.direct = pool.strategy  # type: ignore[assignment]
+
+    class Configured:
+        def prepare(self, binding):  # type: ignore[no-untyped-def]
+            raise ConfigError(f"{env}={value!r}: fix or unset it")
+
+    auto.kernel, auto.kernel_name = Configured(), "layer_first.kernel"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=f"^{env}="):
+        auto.prepare(pool.binding)
