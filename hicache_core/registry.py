@@ -609,7 +609,12 @@ class Registry:
                  f"for {spec.describe()}:"]
         lines += [f"  {name}: {why}" for name, why in rejected]
         alts = self.alternatives(spec, layout, io_backend, options)
-        lines.append("nearest working alternatives: " + ("; ".join(alts) if alts else "(none)"))
+        if alts or not options:
+            lines.append("nearest working alternatives: " + ("; ".join(alts) if alts else "(none)"))
+        else:  # options are one strategy's own: a misspelt one fails every other key too
+            alts = self.alternatives(spec, layout, io_backend)
+            lines.append(f"nearest working alternatives (none takes strategy_options {sorted(options)}; without them): "
+                         + ("; ".join(alts) if alts else "(none)"))
         if BUILTIN_PLUGIN in self.skipped:
             lines.append(f"note: {BUILTIN_PLUGIN!r}, the plugin of the generic backends (reference, direct, auto), is "
                          f"left out: {self.core_fix()}")

@@ -88,6 +88,21 @@ def test_alternatives_leave_out_the_key_asked_for() -> None:
     assert "layout='page_head', io_backend='direct' " not in line
 
 
+def test_alternatives_to_a_key_refusing_its_options_are_those_that_work_without_them() -> None:
+    """A misspelt strategy option fails every other key too: the alternatives were "(none)"; they are now the keys
+    that work without the options, said so."""
+    reg = create_registry(env=BASE)
+    with pytest.raises(ResolutionError) as exc:
+        reg.resolve(mha(), "page_head", "direct", options={"stagin": "never"})
+    line = next(x for x in str(exc.value).splitlines() if x.startswith("nearest working alternatives"))
+    assert line.startswith("nearest working alternatives (none takes strategy_options ['stagin']; without them): ")
+    assert "layout='page_head', io_backend='reference' (core.reference)" in line
+    with pytest.raises(ResolutionError) as exc:  # options another key does take: the plain line, with that key only
+        reg.resolve(mha(), "page_head", "fakedma", override="core.reference", options={"staging": "never"})
+    line = next(x for x in str(exc.value).splitlines() if x.startswith("nearest working alternatives"))
+    assert line.startswith("nearest working alternatives: ") and "io_backend='direct' (core.direct)" in line
+
+
 def test_a_composite_strategy_is_handed_the_registry_before_supports() -> None:
     """Mutant: ``use_registry`` was never called (the ``auto`` strategy resolves its parts through it)."""
     seen: list[object] = []
