@@ -900,7 +900,10 @@ def _configure_logging(verbose: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``hicache``; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # with the command's own usage (argparse gives the top-level one, which lists no option of the command)
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
     try:
         return int(args.func(args))

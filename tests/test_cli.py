@@ -588,6 +588,15 @@ def test_usage_errors_exit_2(capsys):
     assert "the following arguments are required: --io-backend" in capsys.readouterr().err
 
 
+def test_a_misspelt_option_shows_the_commands_own_usage(capsys):
+    """Not the top-level ``usage: hicache [-h] ... COMMAND``, which lists none of the command's options."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["verify", "--no-timeing"])
+    err = capsys.readouterr().err.splitlines()
+    assert exc.value.code == 2 and err[0].startswith("usage: hicache verify [-h]") and any("--no-timing" in x for x in err)
+    assert err[-1] == "hicache verify: error: unrecognized arguments: --no-timeing"
+
+
 # -- first contact -----------------------------------------------------------------
 def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
