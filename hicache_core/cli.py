@@ -195,13 +195,15 @@ def _yn(b: bool) -> str:
 def _no_cuda_note(device: torch.device | str) -> str:
     """A note for tables computed for a CUDA device on a machine without one ('' otherwise)."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available on this machine, so none of this can run here"
+        return ("CUDA is not available on this machine, so none of this can run here, and what needs the CUDA runtime "
+                "(the copy engine: direct, auto's copy-engine picks) shows as unavailable where a GPU machine serves "
+                "it: run this on the GPU machine for its real picture")
     return ""
 
 
 def _pool_lines(kinds: Sequence[str], device: torch.device | str) -> list[str]:
-    note = _no_cuda_note(device)
-    lines = [f"pools (device {torch.device(device)}{'; ' + note if note else ''}):"]
+    no_cuda = "; CUDA is not available on this machine: see the note at the end" if _no_cuda_note(device) else ""
+    lines = [f"pools (device {torch.device(device)}{no_cuda}):"]
     for kind in kinds:
         for sharded in (False, True):
             lines.append(f"  {kind}{' sharded' if sharded else ''}: {representative_spec(kind, sharded, device).describe()}")
@@ -220,7 +222,8 @@ def render_matrix(cells: Sequence[Cell], kinds: Sequence[str], device: torch.dev
     served = sum(1 for c in cells if c.strategy)
     lines += ["", f"{served} of {_n(len(cells), 'cell')} served; '-': nothing serves the cell, because:"] if notes.texts else \
         ["", f"{served} of {_n(len(cells), 'cell')} served"]
-    return "\n".join(lines + notes.lines())
+    note = _no_cuda_note(device)
+    return "\n".join(lines + notes.lines() + ([f"note: {note}"] if note else []))
 
 
 # -- explain -------------------------------------------------------------------------
