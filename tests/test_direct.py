@@ -551,9 +551,10 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert "(loads: that alone decides; backups: <= 132%, and it can only add the copy engine)" in auto[2]
     assert auto[2].endswith("new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                             "burst at that of calls that reuse a plan")
-    assert auto[3] == ("auto: backup_all_layers of all 64 slots -> direct (blocks of 73728 B and up, 73728 B on "
+    only = "direct (the only candidate here: no kernel serves this pool)"  # not "direct" with reasons against it
+    assert auto[3] == (f"auto: backup_all_layers of all 64 slots -> {only} (blocks of 73728 B and up, 73728 B on "
                        "average, over 4 copy-engine operations, staged; large enough, host cannot keep up)")
-    assert auto[4] == ("auto: load_layer of all 64 slots -> direct (blocks of 1152 B and up, 1152 B on average, over "
+    assert auto[4] == (f"auto: load_layer of all 64 slots -> {only} (blocks of 1152 B and up, 1152 B on average, over "
                        "64 copy-engine operations; too small, host cannot keep up)")
     monkeypatch.setenv("HICACHE_AUTO_BACKUP_ROOM", "1")  # backups fit their transfer time, as loads do: said so
     assert cli.main(["explain", "--layout", "page_first", "--io-backend", "auto", "--kind", "mla"]) == 0

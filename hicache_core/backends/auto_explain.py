@@ -113,8 +113,10 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
         kernel = auto.kernel_name or "kernel"
         if auto.direct is None and auto.kernel is not None:  # no copy engine here (no batch copy API): the kernel
             pick = f"{kernel} (the copy engine is not available here)"
+        elif auto.kernel is None and not (big and feeds):  # the copy engine would lose to a kernel there is not
+            pick = "direct (the only candidate here: no kernel serves this pool)"
         else:
-            pick = "direct" if (big and feeds) or auto.kernel is None else kernel
+            pick = "direct" if big and feeds else kernel
         out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
                    f"{sub.mean_block:.0f} B on average, over "
                    f"{sub.count} copy-engine operations{', staged' if sub.staged is not None else ''}"
