@@ -276,9 +276,11 @@ class Registry:
                      f"{self.core_fix()}")
         unknown = block - {ep.name for ep in eps}
         if unknown:  # a typo (or a distribution's name) leaves the plugin it meant to switch off on
+            names = sorted(ep.name for ep in eps)
+            hints = [h for u in sorted(unknown) if (h := did_you_mean(u, names))]
             log_once(logger, logging.WARNING,
                      f"{ENV_BLOCK} names plugins that are not installed: {sorted(unknown)} (nothing switched off for "
-                     f"them); it takes entry-point names: {sorted(ep.name for ep in eps)}")
+                     f"them); it takes entry-point names: {names}" + "".join(f"; {h}" for h in hints))
         if allow:
             missing = allow - {p.name for p in self.plugins} - block  # blocked as well: the block list wins
             if missing:

@@ -248,6 +248,19 @@ def test_allow_list_names_a_missing_plugin():
                                    "lists them; a plugin whose entry points changed needs a reinstall)")
 
 
+def test_a_misspelt_block_list_name_warns_with_its_near_match(caplog):
+    """A typo leaves on the plugin it meant to switch off: the warning names the installed near match."""
+    from hicache_core.logonce import forget_logged
+
+    forget_logged()
+    with caplog.at_level(logging.WARNING, logger="hicache_core.registry"):
+        reg = create_registry(env={"HICACHE_DISABLE_PLUGINS": "page_haed"})
+    assert "page_head" in reg.layouts
+    warning = next(r.getMessage() for r in caplog.records if "HICACHE_DISABLE_PLUGINS" in r.getMessage())
+    assert warning.startswith("HICACHE_DISABLE_PLUGINS names plugins that are not installed: ['page_haed'] (nothing "
+                              "switched off for them)") and "; did you mean: page_head" in warning
+
+
 def test_leaving_out_the_core_plugin_warns_and_names_the_fix(caplog):
     from hicache_core.logonce import forget_logged
 
