@@ -244,3 +244,43 @@ def test_a_hosts_decision_is_kept_on_it_and_made_again_when_what_it_read_changes
     assert hooks._decision(host, "mla", "kernel", "load") == first and len(looked) == 3
     monkeypatch.setattr(host, "layout", "layer_first")
     assert hooks._decision(host, "mla", "kernel", "load")[0] is not None and len(looked) == 4
+
+
+def test_bad_indices_on_a_cell_sglang_cannot_serve_raise_hicaches_error(hooked):
+    """hicache hands a call it refuses to SGLang's own routine (e.g. HiSparse's one-token backups on a cell SGLang
+    serves); on a cell SGLang raises on, the user saw SGLang's 'Unsupported layout' for what is an argument mistake.
+    hicache's error is raised instead, naming the argument, with SGLang's refusal noted and chained; nothing moved."""
+    from hicache_core.errors import TransferArgumentError
+
+    dev, host = make_pools("mla", "page_first_kv_split")
+    h, d1, _ = slots(host, dev)
+    before = [t.clone() for t in host.kv_buffer] if isinstance(host.kv_buffer, list) else host.kv_buffer.clone()
+    with pytest.raises(TransferArgumentError, match="host_indices") as exc:
+        host.backup_from_device_all_layer(dev, h, d1[:-1], "direct")  # one device slot short
+    assert isinstance(exc.value.__cause__, Exception) and not isinstance(exc.value.__cause__, TransferArgumentError)
+    if hasattr(exc.value, "add_note"):
+        assert any("hicache handed the call to SGLang's own routine, which cannot serve this cell" in n
+                   for n in exc.value.__notes__)
+    settle()
+    after = [t for t in host.kv_buffer] if isinstance(host.kv_buffer, list) else host.kv_buffer
+    assert same_bytes(after, before) if not isinstance(after, list) else all(
+        same_bytes(a, b) for a, b in zip(after, before))
+
+
+def test_a_gap_cells_fallback_is_logged_as_served_not_as_left_to_sglang(hooked, monkeypatch, caplog):
+    """The strategy SGLang's io_backend maps to cannot serve the pool and hicache's direct serves the cell: the log says
+    so, and not 'left to SGLang' (which it said first)."""
+    from hicache_core.logonce import forget_logged
+
+    forget_logged()  # (said once per process: an earlier test may have said it)
+    monkeypatch.setenv("HICACHE_SGLANG", "gaps")
+    refuse_hicache_kernel(monkeypatch)
+    dev, host = make_pools("mla", "page_first_kv_split")
+    h, d1, _ = slots(host, dev)
+    with caplog.at_level(logging.INFO, logger="hicache_core"):
+        host.backup_from_device_all_layer(dev, h, d1, "kernel")
+    settle()
+    text = caplog.text
+    assert "hicache io_backend 'kernel' cannot serve this pool" in text
+    assert "SGLang cannot serve the cell: hicache 'direct' serves it" in text and "left to SGLang" not in text
+    assert "installed layouts:" not in text  # the resolution report without its inventory

@@ -278,8 +278,10 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         # the user's setting (itself, or what made the strategy fail to load), not the cell: said where it is seen
         setting = isinstance(exc, ConfigError) or isinstance(exc.__cause__, ConfigError)
-        logger.log(logging.WARNING if setting else logging.INFO, "hicache: %s (layout=%s, hicache io_backend=%s) left "
-                   "to SGLang: %s", type(host).__qualname__, getattr(host, "layout", "?"), io_backend, bridge.reason)
+        # the report up to its inventory of installed plugins (the rejections and the alternatives), not 20 lines
+        logger.log(logging.WARNING if setting else logging.INFO, "hicache: %s (layout=%s): hicache io_backend %r "
+                   "cannot serve this pool: %s", type(host).__qualname__, getattr(host, "layout", "?"), io_backend,
+                   bridge.reason.split("\ninstalled layouts:")[0])
     except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang after an unexpected error",

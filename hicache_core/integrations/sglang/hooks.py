@@ -161,8 +161,9 @@ def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, g
     return chosen  # nothing registered: the build fails, is logged, and SGLang's original runs
 
 
-def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft: bool = False) -> Bridge | None:
-    """The bridge serving this call, or ``None`` (SGLang's original runs).
+def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *,
+             is_draft: bool = False) -> tuple[Bridge | None, bool]:
+    """The bridge serving this call, or ``None`` (SGLang's original runs), and whether SGLang cannot serve the cell.
 
     Draft transfers pass the draft's own device pool; the bridge of the target
     device pool (DSA indexer) or of the captured tensors (MLA/MHA, which SGLang
@@ -170,10 +171,10 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
     """
     kind = pool_kind(host)
     if kind is None:
-        return None
+        return None, False
     backend, gap = _decision(host, kind, io_backend, op)
     if backend is None:
-        return None
+        return None, gap
     if kind == "dsa_indexer" and any(p is device_pool for p in host.mtp_draft_device_pools):
         device_pool = host.device_pool
     elif is_draft and kind != "dsa_indexer":
@@ -183,7 +184,16 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *, is_draft:
         # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
         # without Triton here): the core's generic copy engine, rather than SGLang's certain error
         bridge = bridge_for(host, device_pool, GAP_FALLBACK)
-    return bridge if bridge.pool is not None else None
+        if bridge.pool is not None:
+            log_once(logger, logging.INFO, f"hicache: {type(host).__qualname__} (layout={host.layout}): hicache "
+                     f"{backend!r} cannot serve this pool, and SGLang cannot serve the cell: hicache "
+                     f"{GAP_FALLBACK!r} serves it")
+    if bridge.pool is None:
+        why = (bridge.reason or "no reason recorded").splitlines()[0]
+        log_once(logger, logging.INFO, f"hicache: {type(host).__qualname__} (layout={getattr(host, 'layout', '?')}) "
+                 f"SGLang {io_backend!r} {op} calls left to SGLang: {why}")
+        return None, gap
+    return bridge, gap
 
 
 def _indices(bridge: Bridge, host: Any, host_indices: torch.Tensor, device_indices: torch.Tensor):
@@ -198,33 +208,44 @@ def _pool(bridge: Bridge) -> HostKVPool:
     return cast(HostKVPool, bridge.pool)
 
 
-def _or_original(run: Callable[[], object], original: Callable[[], Any]) -> Any:
+def _or_original(run: Callable[[], object], original: Callable[[], Any], gap: bool) -> Any:
     """Run our transfer; on a call we cannot take (e.g. HiSparse's one-token, not-whole-page
     backups), SGLang's original runs instead.  Our argument checks raise before any byte
-    moves, so nothing is moved twice."""
+    moves, so nothing is moved twice.  On a cell SGLang cannot serve (``gap``) its original
+    raises for the cell ('Unsupported layout'), not for the call: our error, which names the
+    argument, is raised instead (SGLang's chained and noted)."""
     try:
         run()
     except TransferArgumentError as exc:
         logger.debug("hicache: call left to SGLang: %s", exc)
-        return original()
+        if not gap:
+            return original()
+        try:
+            return original()
+        except Exception as theirs:
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                text = str(theirs).splitlines()
+                exc.add_note(f"(hicache handed the call to SGLang's own routine, which cannot serve this cell: "
+                             f"{type(theirs).__name__}: {text[0] if text else ''})")
+            raise exc from theirs
     return None
 
 
 def backup_all(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
                device_indices: torch.Tensor, io_backend: str) -> None:
     """``backup_from_device_all_layer``: every owned layer (and packed draft) in one call to our strategy."""
-    bridge = _serving(self, device_pool, io_backend, BACKUP)
+    bridge, gap = _serving(self, device_pool, io_backend, BACKUP)
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, io_backend)
     h, d = _indices(bridge, self, host_indices, device_indices)
     return _or_original(lambda: _pool(bridge).backup_all_layers(h, d),
-                        lambda: original(self, device_pool, host_indices, device_indices, io_backend))
+                        lambda: original(self, device_pool, host_indices, device_indices, io_backend), gap)
 
 
 def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
                device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
     """``load_to_device_per_layer``: one layer; layers this rank does not own return without moving."""
-    bridge = _serving(self, device_pool, io_backend, LOAD, is_draft=is_draft)
+    bridge, gap = _serving(self, device_pool, io_backend, LOAD, is_draft=is_draft)
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
     layer = bridge.device_layer(int(layer_id), is_draft)
@@ -234,16 +255,16 @@ def load_layer(original: Callable, self: Any, device_pool: Any, host_indices: to
     h, d = _indices(bridge, self, host_indices, device_indices)
     return _or_original(lambda: _pool(bridge).load_layer(layer, h, d),
                         lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
-                                         is_draft=is_draft))
+                                         is_draft=is_draft), gap)
 
 
-def _backup_one(bridge: Bridge, host: Any, host_indices, device_indices, layer_id: int, is_draft: bool,
+def _backup_one(bridge: Bridge, gap: bool, host: Any, host_indices, device_indices, layer_id: int, is_draft: bool,
                 original: Callable[[], Any]) -> Any:
     layer = bridge.device_layer(int(layer_id), is_draft)
     if layer is None:
         return _unmapped(is_draft, original)
     h, d = _indices(bridge, host, host_indices, device_indices)
-    return _or_original(lambda: _pool(bridge).backup_layer(layer, h, d), original)
+    return _or_original(lambda: _pool(bridge).backup_layer(layer, h, d), original, gap)
 
 
 def _unmapped(is_draft: bool, original: Callable[[], Any]) -> Any:
@@ -260,20 +281,20 @@ def _unmapped(is_draft: bool, original: Callable[[], Any]) -> Any:
 def backup_layer_mla(original: Callable, self: Any, host_indices: torch.Tensor, device_indices: torch.Tensor,
                      layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
     """MLA ``_backup_from_device_per_layer`` (sharded path; no device pool is passed: captured tensors serve)."""
-    bridge = _serving(self, None, io_backend, BACKUP_LAYER, is_draft=is_draft)
+    bridge, gap = _serving(self, None, io_backend, BACKUP_LAYER, is_draft=is_draft)
     if bridge is None:
         return original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-    return _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft,
+    return _backup_one(bridge, gap, self, host_indices, device_indices, layer_id, is_draft,
                        lambda: original(self, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft))
 
 
 def backup_layer_indexer(original: Callable, self: Any, device_pool: Any, host_indices: torch.Tensor,
                          device_indices: torch.Tensor, layer_id: int, io_backend: str, *, is_draft: bool = False) -> None:
     """DSA indexer ``_backup_from_device_per_layer`` (the sharded path; drafts pass their own device pool)."""
-    bridge = _serving(self, device_pool, io_backend, BACKUP_LAYER)
+    bridge, gap = _serving(self, device_pool, io_backend, BACKUP_LAYER)
     if bridge is None:
         return original(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
-    return _backup_one(bridge, self, host_indices, device_indices, layer_id, is_draft,
+    return _backup_one(bridge, gap, self, host_indices, device_indices, layer_id, is_draft,
                        lambda: original(self, device_pool, host_indices, device_indices, layer_id, io_backend,
                                         is_draft=is_draft))
 
