@@ -188,6 +188,10 @@ def test_unknown_mode():
                                           "gaps, off"):
         parse_mode("everything")
     assert [parse_mode(v) for v in (None, "", " ALL ", "Measured")] == ["measured", "measured", "all", "measured"]
+    # the on/off spellings every hicache switch takes: on is the default mode (they were refused, and measured ran
+    # after an ERROR; a user writing HICACHE_SGLANG=1 meant hicache on)
+    assert [parse_mode(v) for v in ("1", "true", " Yes", "ON")] == ["measured"] * 4
+    assert [parse_mode(v) for v in ("0", "false", "No", "off")] == ["off"] * 4
 
 
 @pytest.mark.parametrize("value,want", [(None, "measured"), ("gaps", "gaps"), ("OFF", "off"), ("bogus", "measured")])

@@ -30,7 +30,7 @@ import logging
 import os
 import sys
 
-from ...envflags import OFF
+from ...envflags import OFF, ON
 from ...logonce import log_once
 from ...errors import ConfigError, TakeoverTableError
 from .takeover import Cell, active_table
@@ -69,15 +69,18 @@ def _error_once(message: str) -> None:
 
 def parse_mode(value: str | None) -> str:
     """The mode named by ``value`` (case and surrounding blanks ignored; empty or ``None``: the default; ``0``,
-    ``false`` and ``no`` mean ``off``).
+    ``false``, ``no`` and ``off`` mean ``off``; ``1``, ``true``, ``yes`` and ``on`` the default).
 
     :raises ConfigError: ``value`` names no mode.
     """
     mode = (value or "").strip().lower() or DEFAULT_MODE
     if mode in OFF:  # 0, false, no: off, as every hicache on/off switch reads them
         mode = "off"
+    elif mode in ON:  # 1, true, yes, on: hicache on, as it is by default
+        mode = DEFAULT_MODE
     if mode not in MODES:
-        raise ConfigError(f"{ENV_MODE}={value!r} is not a mode; use one of {', '.join(MODES)}")
+        raise ConfigError(f"{ENV_MODE}={value!r} is not a mode; use one of {', '.join(MODES)} (off: also 0, false, "
+                          f"no; 1, true, yes, on: {DEFAULT_MODE})")
     return mode
 
 
