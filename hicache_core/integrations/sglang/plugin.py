@@ -18,6 +18,7 @@ from . import hooks, storage
 from .buffers import destroy_mla, init_transfer_views
 from .plugin_layouts import extend_layout_choices
 from .mode import current_mode
+from ...errors import TakeoverTableError
 from .takeover import active_table
 
 __all__ = ["load_plugin", "HOOK_TARGETS", "AFTER_TARGETS"]
@@ -57,10 +58,9 @@ def load_plugin() -> None:
     this one register on it (SGLang skips patched targets).  A direct call (tests, engines embedding SGLang) applies
     them too.
 
-    :raises TakeoverTableError: in ``measured`` mode, after the hooks are in
-        place, when the takeover table is unreadable or malformed (SGLang logs
-        it as a plugin error; until it is fixed the hooks serve only the cells
-        SGLang cannot).
+    In ``measured`` mode an unreadable or malformed takeover table is logged at ERROR, naming the file and the
+    fix; the hooks stay in place and serve only the cells SGLang cannot until it is fixed (raising made SGLang log
+    "Failed to execute general plugin: hicache" with a traceback, as if nothing had been registered).
     """
     from sglang.srt.plugins import hook_registry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -75,4 +75,8 @@ def load_plugin() -> None:
         HookRegistry.apply_hooks()
     logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS) + len(AFTER_TARGETS))
     if current_mode() == "measured":
-        active_table()
+        try:
+            active_table()
+        except TakeoverTableError as exc:
+            logger.error("hicache: %s. The plugin is loaded: until the table is fixed it serves only the cells SGLang "
+                         "cannot", exc)
