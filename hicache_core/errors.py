@@ -46,7 +46,15 @@ class HicacheError(Exception):
 
 
 class ConfigError(HicacheError, ValueError):
-    """An environment switch (``HICACHE_*``) or a strategy option has a value hicache cannot use."""
+    """An environment switch (``HICACHE_*``) or a strategy option has a value hicache cannot use.
+
+    :param setting: the variable or option whose value it is, where the error is about a user's setting (not, say, a
+        plugin whose kernel lacks a parameter); ``auto`` raises these rather than serving the pool without its kernel.
+    """
+
+    def __init__(self, message: str, *, setting: str | None = None) -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 # --- registry -------------------------------------------------------------

@@ -52,7 +52,7 @@ def pages_enabled(option: bool | None) -> bool:
     if env in OFF:
         return False
     raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on; or true, yes, on), 0 (off; or false, no, off) or "
-                      "leave it unset (on)")
+                      "leave it unset (on)", setting=ENV_PAGES)
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
         return None
     if env:
         raise ConfigError(f"{ENV_TMA}={env!r}: use 1 (TMA loads on; or true, yes, on), 0 (off; or false, no, off) or "
-                          "leave it unset (automatic)")
+                          "leave it unset (automatic)", setting=ENV_TMA)
     if device.type != "cuda" or interpreting() or not torch.cuda.is_available():
         return None
     return "auto" if torch.cuda.get_device_capability(device)[0] == 9 else None

@@ -389,5 +389,5 @@ def parse_programs(value: object, source: str) -> int:
             n = None
     if n is None or n < 1:
         raise ConfigError(f"{source}={value!r}: the number of kernel programs must be an integer >= 1 (e.g. 8); "
-                          "fix or unset it")
+                          "fix or unset it", setting=source)
     return n

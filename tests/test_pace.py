@@ -1041,16 +1041,40 @@ def test_a_reused_pair_leaves_the_copy_engine_when_every_call_plans_and_the_host
 def test_a_kernel_setting_with_a_bad_value_fails_auto_too(monkeypatch, env, value):
     """A typo in a kernel variable raises when the pool is built, under ``auto`` as under ``kernel``: it was logged and
     the pool served by the copy engine alone, the kernel silently gone."""
-    from hicache_core.errors import ConfigError
-
     pool, h, d = _fp8_pool()
     auto = AutoStrategy()
     auto.direct = pool.strategy  # type: ignore[assignment]
 
+    from hicache_core import rowcopy_pages, rowcopy_tma
+    from hicache_core.kernel_support import sm_budget
+
+    monkeypatch.setenv(env, value)
+    read = {"HICACHE_KERNEL_PROGRAMS": lambda: sm_budget(8, torch.device("cpu")),  # what the kernel's prepare reads
+            "HICACHE_KERNEL_TMA": lambda: rowcopy_tma.tma_mode(None, torch.device("cpu")),
+            "HICACHE_KERNEL_PAGES": lambda: rowcopy_pages.pages_enabled(None)}[env]
+
     class Configured:
         def prepare(self, binding):  # type: ignore[no-untyped-def]
-            raise ConfigError(f"{env}={value!r}: fix or unset it")
+            read()
 
     auto.kernel, auto.kernel_name = Configured(), "layer_first.kernel"  # type: ignore[assignment]
-    with pytest.raises(ConfigError, match=f"^{env}="):
+    with pytest.raises(ConfigError, match=f"^{env}='{value}': ") as exc:
         auto.prepare(pool.binding)
+    assert exc.value.setting == env
+
+
+def test_a_kernel_that_fails_to_prepare_with_a_config_error_of_its_own_leaves_direct_serving(monkeypatch, caplog):
+    """A ConfigError that is no user's setting (a plugin kernel declaring a launch parameter the launch lacks) keeps
+    the fallback to the copy engine, with a warning, as any other failure of the kernel's set-up."""
+    pool, h, d = _fp8_pool()
+    auto = AutoStrategy()
+    auto.direct = pool.strategy  # type: ignore[assignment]
+
+    class Defective:
+        def prepare(self, binding):  # type: ignore[no-untyped-def]
+            raise ConfigError("plugin.kernels.KERNEL declares ['extra'], which the row-copy launch does not provide")
+
+    auto.kernel, auto.kernel_name = Defective(), "plugin.kernel"  # type: ignore[assignment]
+    with caplog.at_level("WARNING", logger="hicache_core.backends.auto"):
+        auto.prepare(pool.binding)
+    assert auto.kernel is None and "the kernel cannot serve this pool (plugin.kernels.KERNEL declares" in caplog.text

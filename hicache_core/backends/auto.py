@@ -268,7 +268,7 @@ class AutoStrategy:
             try:
                 self.kernel.prepare(binding)
             except Exception as exc:  # e.g. unpinned host buffers, a Triton that fails to import: direct still serves
-                if self.direct is None or isinstance(exc, ConfigError):
+                if self.direct is None or getattr(exc, "setting", None):
                     raise  # a setting's bad value (HICACHE_KERNEL_PROGRAMS='-3'): fixed, not silently routed around
                 logger.warning("hicache auto: the kernel cannot serve this pool (%s); using direct only",
                                str(exc).splitlines()[0])
