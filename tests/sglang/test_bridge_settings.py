@@ -270,17 +270,29 @@ def test_bad_indices_on_a_cell_sglang_cannot_serve_raise_hicaches_error(hooked):
 def test_a_gap_cells_fallback_is_logged_as_served_not_as_left_to_sglang(hooked, monkeypatch, caplog):
     """The strategy SGLang's io_backend maps to cannot serve the pool and hicache's direct serves the cell: the log says
     so, and not 'left to SGLang' (which it said first)."""
-    from hicache_core.logonce import forget_logged
-
-    forget_logged()  # (said once per process: an earlier test may have said it)
     monkeypatch.setenv("HICACHE_SGLANG", "gaps")
     refuse_hicache_kernel(monkeypatch)
     dev, host = make_pools("mla", "page_first_kv_split")
     h, d1, _ = slots(host, dev)
     with caplog.at_level(logging.INFO, logger="hicache_core"):
         host.backup_from_device_all_layer(dev, h, d1, "kernel")
+        host.backup_from_device_all_layer(dev, h, d1, "kernel")
     settle()
     text = caplog.text
+    assert text.count("serves them") == 1  # once per pool and operation, not per call
     assert "hicache io_backend 'kernel' cannot serve this pool" in text
-    assert "SGLang cannot serve the cell: hicache 'direct' serves it" in text and "left to SGLang" not in text
+    assert "SGLang cannot serve the cell: hicache 'direct' serves them" in text and "left to SGLang" not in text
     assert "installed layouts:" not in text  # the resolution report without its inventory
+
+
+def test_the_logged_resolution_report_drops_only_the_inventory():
+    """The 20-line inventory goes; the rejections and a near match of an unknown name after it stay."""
+    from hicache_core.integrations.sglang.adapter import _without_inventory
+
+    report = ("no strategy serves (layout='page_first', io_backend='kernl', sharded=False) for mla:\n  (none): no ...\n"
+              "nearest working alternatives: (none)\ninstalled layouts:\n  page_first (hicache-page-first 0.1.0)\n"
+              "installed io_backends:\n  kernel (hicache-page-first 0.1.0)\ndid you mean: kernel?")
+    assert _without_inventory(report) == ("no strategy serves (layout='page_first', io_backend='kernl', sharded=False) "
+                                          "for mla:\n  (none): no ...\nnearest working alternatives: (none)\n"
+                                          "did you mean: kernel?")
+    assert _without_inventory("SpecError: bad") == "SpecError: bad"

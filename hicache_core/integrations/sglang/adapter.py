@@ -227,6 +227,8 @@ class Bridge:
     described: Described | None = field(default=None, repr=False)
     pool: HostKVPool | None = None
     reason: str | None = None
+    #: the operations whose outcome on this bridge's cell was logged (``hooks._serving``: once, not per call)
+    told: set[str] = field(default_factory=set, repr=False)
 
     def device_layer(self, layer_id: int, is_draft: bool) -> int | None:
         """Our device layer id for SGLang's (``layer_id``, ``is_draft``); ``None`` when not owned here.
@@ -278,15 +280,21 @@ def _build(host: Any, device_pool: Any, io_backend: str) -> Bridge:
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
         # the user's setting (itself, or what made the strategy fail to load), not the cell: said where it is seen
         setting = isinstance(exc, ConfigError) or isinstance(exc.__cause__, ConfigError)
-        # the report up to its inventory of installed plugins (the rejections and the alternatives), not 20 lines
         logger.log(logging.WARNING if setting else logging.INFO, "hicache: %s (layout=%s): hicache io_backend %r "
                    "cannot serve this pool: %s", type(host).__qualname__, getattr(host, "layout", "?"), io_backend,
-                   bridge.reason.split("\ninstalled layouts:")[0])
+                   _without_inventory(bridge.reason))
     except Exception as exc:  # SGLang attribute drift, a failing kernel set-up: never break SGLang's transfer
         bridge.pool, bridge.reason = None, f"{type(exc).__name__}: {exc}"
-        logger.warning("hicache: %s (layout=%s, hicache io_backend=%s) left to SGLang after an unexpected error",
-                       type(host).__qualname__, getattr(host, "layout", "?"), io_backend, exc_info=True)
+        logger.warning("hicache: %s (layout=%s): hicache io_backend %r cannot serve this pool after an unexpected "
+                       "error", type(host).__qualname__, getattr(host, "layout", "?"), io_backend, exc_info=True)
     return bridge
+
+
+def _without_inventory(report: str) -> str:
+    """A resolution report without its inventory of installed layouts and io_backends (20 lines in a log), keeping
+    the rejections, the alternatives and a near match of an unknown name after it."""
+    head, sep, rest = report.partition("\ninstalled layouts:")
+    return head + "".join(f"\n{line}" for line in rest.splitlines() if line.startswith("did you mean")) if sep else report
 
 
 def bridge_for(host: Any, device_pool: Any, io_backend: str) -> Bridge:

@@ -179,21 +179,20 @@ def _serving(host: Any, device_pool: Any, io_backend: str, op: str, *,
         device_pool = host.device_pool
     elif is_draft and kind != "dsa_indexer":
         device_pool = None
-    bridge = bridge_for(host, device_pool, backend)
+    bridge = chosen = bridge_for(host, device_pool, backend)
     if bridge.pool is None and gap and backend != GAP_FALLBACK:
         # a cell SGLang cannot serve, whose chosen strategy is registered but cannot serve this pool (e.g. a kernel
         # without Triton here): the core's generic copy engine, rather than SGLang's certain error
         bridge = bridge_for(host, device_pool, GAP_FALLBACK)
+    if chosen.pool is None and op not in chosen.told:  # what became of the cell, once per operation (not per call)
+        chosen.told.add(op)
+        cell = f"hicache: {type(host).__qualname__} (layout={getattr(host, 'layout', '?')}) SGLang {io_backend!r} {op}"
         if bridge.pool is not None:
-            log_once(logger, logging.INFO, f"hicache: {type(host).__qualname__} (layout={host.layout}): hicache "
-                     f"{backend!r} cannot serve this pool, and SGLang cannot serve the cell: hicache "
-                     f"{GAP_FALLBACK!r} serves it")
-    if bridge.pool is None:
-        why = (bridge.reason or "no reason recorded").splitlines()[0]
-        log_once(logger, logging.INFO, f"hicache: {type(host).__qualname__} (layout={getattr(host, 'layout', '?')}) "
-                 f"SGLang {io_backend!r} {op} calls left to SGLang: {why}")
-        return None, gap
-    return bridge, gap
+            logger.info("%s calls: hicache %r cannot serve this pool and SGLang cannot serve the cell: hicache %r "
+                        "serves them", cell, backend, GAP_FALLBACK)
+        else:
+            logger.info("%s calls left to SGLang: %s", cell, (chosen.reason or "no reason recorded").splitlines()[0])
+    return (bridge, gap) if bridge.pool is not None else (None, gap)
 
 
 def _indices(bridge: Bridge, host: Any, host_indices: torch.Tensor, device_indices: torch.Tensor):

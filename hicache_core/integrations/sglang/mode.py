@@ -191,8 +191,14 @@ def _table_backend(cell: Cell) -> str | None:
     try:
         return active_table().serving(cell)
     except TakeoverTableError as exc:
-        _error_once(f"{exc}; hicache serves only the cells SGLang cannot until it is fixed")
+        table_error(exc)
         return None
+
+
+def table_error(exc: Exception) -> None:
+    """Log a takeover table's error at ERROR, once per message (at the plugin's load and at every later call)."""
+    _error_once(f"hicache: {exc}. The plugin is loaded: until the table is fixed it serves only the cells SGLang "
+                "cannot")
 
 
 def hicache_io_backend(

@@ -17,7 +17,7 @@ from typing import Callable
 from . import hooks, storage
 from .buffers import destroy_mla, init_transfer_views
 from .plugin_layouts import extend_layout_choices
-from .mode import current_mode
+from .mode import current_mode, table_error
 from ...errors import TakeoverTableError
 from .takeover import active_table
 
@@ -78,5 +78,4 @@ def load_plugin() -> None:
         try:
             active_table()
         except TakeoverTableError as exc:
-            logger.error("hicache: %s. The plugin is loaded: until the table is fixed it serves only the cells SGLang "
-                         "cannot", exc)
+            table_error(exc)
