@@ -905,8 +905,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # with the command's own usage (argparse gives the top-level one, which lists no option of the command)
+        given = list(sys.argv[1:] if argv is None else argv)
+        before = args.command in given and any(x in given[:given.index(args.command)] for x in extra)
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        (parser if before else commands.choices[args.command]).error(f"unrecognized arguments: {' '.join(extra)}")
     _configure_logging(args.verbose)
     try:
         return int(args.func(args))

@@ -277,7 +277,7 @@ class Registry:
         unknown = block - {ep.name for ep in eps}
         if unknown:  # a typo (or a distribution's name) leaves the plugin it meant to switch off on
             names = sorted(ep.name for ep in eps)
-            hints = [h for u in sorted(unknown) if (h := did_you_mean(u, names))]
+            hints = [f"{u!r}: {h}" for u in sorted(unknown) if (h := did_you_mean(u, names))]
             log_once(logger, logging.WARNING,
                      f"{ENV_BLOCK} names plugins that are not installed: {sorted(unknown)} (nothing switched off for "
                      f"them); it takes entry-point names: {names}" + "".join(f"; {h}" for h in hints))

@@ -595,6 +595,10 @@ def test_a_misspelt_option_shows_the_commands_own_usage(capsys):
     err = capsys.readouterr().err.splitlines()
     assert exc.value.code == 2 and err[0].startswith("usage: hicache verify [-h]") and any("--no-timing" in x for x in err)
     assert err[-1] == "hicache verify: error: unrecognized arguments: --no-timeing"
+    with pytest.raises(SystemExit) as exc:  # before the command: the top-level usage, not the command's
+        cli.main(["--bogus", "matrix"])
+    assert exc.value.code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        "hicache: error: unrecognized arguments: --bogus")
 
 
 # -- first contact -----------------------------------------------------------------

@@ -258,7 +258,7 @@ def test_a_misspelt_block_list_name_warns_with_its_near_match(caplog):
     assert "page_head" in reg.layouts
     warning = next(r.getMessage() for r in caplog.records if "HICACHE_DISABLE_PLUGINS" in r.getMessage())
     assert warning.startswith("HICACHE_DISABLE_PLUGINS names plugins that are not installed: ['page_haed'] (nothing "
-                              "switched off for them)") and "; did you mean: page_head" in warning
+                              "switched off for them)") and "; 'page_haed': did you mean: page_head" in warning
 
 
 def test_leaving_out_the_core_plugin_warns_and_names_the_fix(caplog):
