@@ -842,21 +842,27 @@ def test_dropping_the_use_counts_drops_the_picks_too(monkeypatch):
     assert len(auto._uses) == 1 and len(auto._picks) == 1
 
 
-def test_a_kernel_whose_prepare_fails_in_any_way_leaves_direct_serving(monkeypatch, caplog):
-    """Not only hicache's own errors: a kernel failing to prepare for any reason (a Triton that fails to import, say)
-    leaves the pool on the copy engine, with a warning, where ``direct`` can serve it."""
+@pytest.mark.parametrize("failure", [
+    ImportError("libtriton.so: cannot open shared object file"),
+    # a ConfigError that is no user's setting: a plugin kernel declaring a launch parameter the launch lacks
+    ConfigError("plugin.kernels.KERNEL declares ['extra'], which the row-copy launch does not provide"),
+], ids=["triton-import", "plugin-kernel-defect"])
+def test_a_kernel_whose_prepare_fails_in_any_way_leaves_direct_serving(monkeypatch, caplog, failure):
+    """Not only hicache's own errors: a kernel failing to prepare for any reason (a Triton that fails to import, a
+    plugin kernel's defect) leaves the pool on the copy engine, with a warning, where ``direct`` can serve it; a bad
+    setting does not (below)."""
     pool, h, d = _fp8_pool()
     auto = AutoStrategy()
     auto.direct = pool.strategy  # type: ignore[assignment]
 
     class Broken:
         def prepare(self, binding):  # type: ignore[no-untyped-def]
-            raise ImportError("libtriton.so: cannot open shared object file")
+            raise failure
 
     auto.kernel, auto.kernel_name = Broken(), "broken.kernel"  # type: ignore[assignment]
     with caplog.at_level("WARNING", logger="hicache_core.backends.auto"):
         auto.prepare(pool.binding)
-    assert auto.kernel is None and "the kernel cannot serve this pool (libtriton.so" in caplog.text
+    assert auto.kernel is None and f"the kernel cannot serve this pool ({str(failure)[:20]}" in caplog.text
     assert auto.pick(pool.binding, h, d, 1, to_host=False) is pool.strategy
 
 
@@ -1061,20 +1067,3 @@ def test_a_kernel_setting_with_a_bad_value_fails_auto_too(monkeypatch, env, valu
     with pytest.raises(ConfigError, match=f"^{env}='{value}': ") as exc:
         auto.prepare(pool.binding)
     assert exc.value.setting == env
-
-
-def test_a_kernel_that_fails_to_prepare_with_a_config_error_of_its_own_leaves_direct_serving(monkeypatch, caplog):
-    """A ConfigError that is no user's setting (a plugin kernel declaring a launch parameter the launch lacks) keeps
-    the fallback to the copy engine, with a warning, as any other failure of the kernel's set-up."""
-    pool, h, d = _fp8_pool()
-    auto = AutoStrategy()
-    auto.direct = pool.strategy  # type: ignore[assignment]
-
-    class Defective:
-        def prepare(self, binding):  # type: ignore[no-untyped-def]
-            raise ConfigError("plugin.kernels.KERNEL declares ['extra'], which the row-copy launch does not provide")
-
-    auto.kernel, auto.kernel_name = Defective(), "plugin.kernel"  # type: ignore[assignment]
-    with caplog.at_level("WARNING", logger="hicache_core.backends.auto"):
-        auto.prepare(pool.binding)
-    assert auto.kernel is None and "the kernel cannot serve this pool (plugin.kernels.KERNEL declares" in caplog.text
