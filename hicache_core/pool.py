@@ -60,6 +60,33 @@ def validate_level(validate: str | None) -> str:
     return level
 
 
+def _check_host_arguments(plan: HostPlan, host_buffers: object, pin_memory: object) -> None:
+    """``host_buffers`` and ``pin_memory`` as :class:`HostKVPool` takes them, else :class:`HostBufferError` naming the
+    argument and the fix (a list, a buffer the layout does not plan, a pinning the machine or the buffers lack)."""
+    names = [b.name for b in plan.buffers]
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise HostBufferError(f"pin_memory={pin_memory!r}: use True, False or leave it unset (pinned where CUDA is "
+                              "available)")
+    if host_buffers is None:
+        if pin_memory and not torch.cuda.is_available():
+            raise HostBufferError("pin_memory=True, but torch sees no CUDA device to pin host memory for; leave it "
+                                  "unset (pinned where CUDA is available) or pass False")
+        return
+    if not isinstance(host_buffers, Mapping):
+        raise HostBufferError(f"host_buffers must map each buffer name of the layout's plan ({names}) to its tensor, "
+                              f"got a {type(host_buffers).__name__}")
+    unknown = sorted(set(host_buffers) - set(names))
+    if unknown:
+        raise HostBufferError(f"host_buffers has {unknown}, which the layout's plan does not hold (it holds {names}); "
+                              "leave them out")
+    if pin_memory:
+        unpinned = [n for n, t in host_buffers.items() if isinstance(t, torch.Tensor) and not t.is_pinned()]
+        if unpinned:
+            raise HostBufferError(f"pin_memory=True, but host buffer(s) {unpinned} are not pinned: pin_memory applies "
+                                  "to the buffers the pool allocates; pin yours (tensor.pin_memory()) or leave "
+                                  "pin_memory unset")
+
+
 def allocate_host_buffers(plan: HostPlan, *, pin_memory: bool) -> dict[str, torch.Tensor]:
     """Allocate ``plan``'s host buffers (uninitialised), pinned when asked."""
     return {b.name: torch.empty(b.shape, dtype=b.dtype, pin_memory=pin_memory) for b in plan.buffers}
@@ -79,8 +106,10 @@ class HostKVPool:
         (``[tokens, ...]``, any dtype, token axis may be strided; ``None`` for
         layers this rank does not hold).
     :param host_buffers: wrap buffers the engine already allocated (names and
-        shapes as the layout plans them) instead of allocating.
-    :param pin_memory: pin allocated host buffers (default: when CUDA is available).
+        shapes as the layout plans them: ``layout.plan(spec).buffers``) instead of allocating.
+        Allocated buffers are uninitialised (``torch.empty``).
+    :param pin_memory: pin allocated host buffers (default: when CUDA is available); with
+        ``host_buffers``, ``True`` requires them pinned.
     :param strategy: strategy name overriding the default pick for the key.
     :param strategy_options: keyword arguments for the strategy's factory (e.g.
         ``{"programs": 8}``, the SM budget of kernel strategies).
@@ -119,6 +148,7 @@ class HostKVPool:
         self._checked: list[tuple[torch.Tensor, int | None, torch.Tensor, int | None, tuple, tuple] | None] = [None, None]
         plan: HostPlan = self.resolution.layout.plan(spec)
         check_device_buffers(spec, device_buffers)
+        _check_host_arguments(plan, host_buffers, pin_memory)
         if host_buffers is None:
             pin = torch.cuda.is_available() if pin_memory is None else pin_memory
             host_buffers = allocate_host_buffers(plan, pin_memory=pin)

@@ -132,6 +132,34 @@ def test_host_buffers_not_pinned_without_cuda() -> None:
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in pool.host_buffers.values())
 
 
+def test_host_arguments_that_cannot_be_used_are_refused_by_name() -> None:
+    """A buffer the layout does not plan was ignored, a list of buffers and a non-bool pin_memory gave raw Python or
+    torch errors, pin_memory=True beside unpinned buffers was ignored: each is a HostBufferError naming the argument
+    and the fix, before anything is allocated."""
+    from hicache_core.errors import HostBufferError
+
+    spec = mha_spec()
+    dev = mha_device(spec, 32)
+    own = {k: torch.zeros_like(v) for k, v in HostKVPool(spec, "layer_first", "reference", dev,
+                                                          pin_memory=False).host_buffers.items()}
+    cases = [
+        ({"host_buffers": {**own, "kv": torch.zeros(4)}}, r"^host_buffers has \['kv'\], which the layout's plan does "
+                                                          r"not hold \(it holds \['k', 'v'\]\); leave them out$"),
+        ({"host_buffers": list(own.values())}, r"^host_buffers must map each buffer name of the layout's plan "
+                                               r"\(\['k', 'v'\]\) to its tensor, got a list$"),
+        ({"pin_memory": "yes"}, r"^pin_memory='yes': use True, False or leave it unset"),
+        ({"host_buffers": own, "pin_memory": True}, r"^pin_memory=True, but host buffer\(s\) \['k', 'v'\] are not "
+                                                    r"pinned: pin_memory applies to the buffers the pool allocates"),
+    ]
+    if not CUDA:
+        cases.append(({"pin_memory": True}, r"^pin_memory=True, but torch sees no CUDA device"))
+    for kwargs, message in cases:
+        with pytest.raises(HostBufferError, match=message):
+            HostKVPool(spec, "layer_first", "direct", dev, **kwargs)
+    pool = HostKVPool(spec, "layer_first", "direct", dev, host_buffers=own)  # the right ones: used in place
+    assert pool.host_buffers["k"].data_ptr() == own["k"].data_ptr()
+
+
 # --- page views -----------------------------------------------------------------------
 
 
