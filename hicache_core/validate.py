@@ -225,7 +225,7 @@ def check_indices(
         dev_starts, vals, dmin, dmax = _runs_and_bounds(d, ps)
         if dmin < 0 or dmax >= device_rows:
             raise IndexRangeError(
-                f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers), got {dmin}..{dmax}; "
+                f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers, the shortest layer's), got {dmin}..{dmax}; "
                 "index rows the device tensors have"
             )
         if unique_device and (vals is None or _runs_overlap(vals, ps)):

@@ -121,9 +121,9 @@ INDEX_CASES: list[tuple[str, Any, Any, type[Exception], str]] = [
     ("negative-host-slot", AR(-4, 0), AR(0, 4), IndexRangeError,
      r"host_indices must lie in 0\.\.15 \(capacity\), got -4\.\.-1"),
     ("device-index-out-of-range", AR(0, 4), AR(ROWS - 2, ROWS + 2), IndexRangeError,
-     r"device_indices must lie in 0\.\.31 \(rows of the device buffers\), got 30\.\.33"),
+     r"device_indices must lie in 0\.\.31 \(rows of the device buffers, the shortest layer's\), got 30\.\.33"),
     ("device-index-one-past-the-rows", AR(0, 4), AR(ROWS - 3, ROWS + 1), IndexRangeError,
-     r"device_indices must lie in 0\.\.31 \(rows of the device buffers\), got 29\.\.32"),  # exactly at the bound
+     r"device_indices must lie in 0\.\.31 \(rows of the device buffers, the shortest layer's\), got 29\.\.32"),  # exactly at the bound
     ("negative-device-index", AR(0, 4), torch.tensor([0, 1, -1, 2]), IndexRangeError,
      r"device_indices must lie in 0\.\.31 .*got -1\.\.2"),
     ("float-host-indices", AR(0, 4).float(), AR(0, 4), IndexDtypeError,
