@@ -63,6 +63,9 @@ def fast_launch_enabled() -> bool:
 
 
 _ENABLED = [fast_launch_enabled()]  # read once at import: no environment lookup per launch
+#: Triton's CPU interpreter keeps a launch's grid in process-wide state: two threads launching at once fail
+#: ("x >= grid_dim[0]") or move wrong bytes, so interpreted launches take turns (a GPU launch never waits on it).
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def _driver_env() -> bool:
@@ -217,7 +220,11 @@ class Launcher:
         opts = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
         api = self._api
         if api is None or not _ENABLED[0]:
-            self.kernel[(grid,)](*args, **opts)
+            if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+                with _INTERPRETER_LOCK:
+                    self.kernel[(grid,)](*args, **opts)
+            else:
+                self.kernel[(grid,)](*args, **opts)
             return None
         get_device, get_stream, runtime = api
         if _hooked(runtime):

@@ -250,3 +250,32 @@ def test_an_interpreter_too_old_for_the_kernels_is_refused_with_the_fix(monkeypa
             assert why is None
     finally:
         ks.interpreter_problem.cache_clear()
+
+
+def test_interpreted_launches_take_turns_and_compiled_ones_never_wait(monkeypatch):
+    """Triton's CPU interpreter keeps a launch's grid in process-wide state: two threads' launches at once failed
+    ('x >= grid_dim[0]') or moved wrong bytes. Interpreted launches hold one lock; others never touch it."""
+    import threading
+
+    class Recording:
+        def __init__(self) -> None:
+            self.lock, self.held = threading.Lock(), []
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+            self.held.append(True)
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    kernel = FakeKernel()
+    launcher = Launcher(kernel)
+    launcher._api = None  # the public path, as under the interpreter
+    recording = Recording()
+    monkeypatch.setattr(launch_mod, "_INTERPRETER_LOCK", recording)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launcher(4, (object(), 3, 8), num_warps=1)
+    assert recording.held == [True] and kernel.log[-1][:2] == ("public", 4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    launcher(4, (object(), 3, 8), num_warps=1)
+    assert recording.held == [True] and len(kernel.log) == 2  # compiled: launched without the lock
