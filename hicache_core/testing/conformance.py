@@ -23,6 +23,7 @@ import torch
 
 from ..binding import BoundSegment
 from ..kernel_support import kernel_unsupported_reason
+from ..layout import strided_reach
 from ..pool import HostKVPool
 from ..registry import LOAD_FAILED, Registry
 from ..spec import Component, LayerMap, PoolSpec
@@ -255,15 +256,16 @@ def assert_device_guards_intact(what: str, bufs: dict[str, list[torch.Tensor | N
             except RuntimeError:  # not the kit's tensors: no claim about this allocation
                 views.append((name, layer, None, 0, whole.numel()))
                 continue
-            lo = int(u.storage_offset())
-            views.append((name, layer, u, lo, lo + sum((n - 1) * st for n, st in zip(u.shape, u.stride())) + 1))
+            lo, hi = strided_reach(u.shape, u.stride())
+            views.append((name, layer, u, int(u.storage_offset()) + lo, int(u.storage_offset()) + hi))
     for whole, views in by_storage.values():
         covered = torch.zeros(whole.numel(), dtype=torch.bool)
-        for _, _, rows, lo, _ in views:
+        for _, _, rows, _, _ in views:
             if rows is None:
                 covered[:] = True
                 break
-            at = torch.arange(whole.numel(), dtype=torch.int64).as_strided(rows.shape, rows.stride(), lo)
+            at = torch.arange(whole.numel(), dtype=torch.int64).as_strided(rows.shape, rows.stride(),
+                                                                           rows.storage_offset())
             covered[at.reshape(-1)] = True
         bad = ((whole.cpu() != GUARD) & ~covered).nonzero().flatten()
         if bad.numel():

@@ -217,11 +217,11 @@ def _or_original(run: Callable[[], object], original: Callable[[], Any], gap: bo
         run()
     except TransferArgumentError as exc:
         logger.debug("hicache: call left to SGLang: %s", exc)
-        if not gap:
-            return original()
         try:
             return original()
         except Exception as theirs:
+            if not gap:  # a cell SGLang serves: its own error is the one to read
+                raise
             if hasattr(exc, "add_note"):  # Python >= 3.11
                 text = str(theirs).splitlines()
                 exc.add_note(f"(hicache handed the call to SGLang's own routine, which cannot serve this cell: "
