@@ -80,7 +80,9 @@ def _check_host_arguments(plan: HostPlan, host_buffers: object, pin_memory: obje
         raise HostBufferError(f"host_buffers has {unknown}, which the layout's plan does not hold (it holds {names}); "
                               "leave them out")
     if pin_memory:
-        unpinned = [n for n, t in host_buffers.items() if isinstance(t, torch.Tensor) and not t.is_pinned()]
+        # an empty tensor holds no byte to pin, so it is never "unpinned" (an engine may pass one for an empty part)
+        unpinned = [n for n, t in host_buffers.items()
+                    if isinstance(t, torch.Tensor) and t.numel() and not t.is_pinned()]
         if unpinned:
             raise HostBufferError(f"pin_memory=True, but host buffer(s) {unpinned} are not pinned: pin_memory applies "
                                   "to the buffers the pool allocates; pin yours (tensor.pin_memory()) or leave "
