@@ -144,8 +144,9 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
         # an empty view, whose address need not lie in its storage)
         anchor_src = (seg.device_rows[0] if seg.device_rows else seg.host_flat if seg.host_flat.numel()
                       else torch.zeros(8, dtype=torch.uint8, device=device))
-        stride = a.chunk_stride if a.chunk_bytes < seg.width else 0  # a row of one chunk never steps to a next one
-        word = access_word(seg.width, a.chunk_bytes, stride, a.layer, a.page, a.token, hbase,
+        # a row of one chunk, or of chunks that follow each other, is one contiguous run: a chunk of the whole width
+        chunk_bytes, stride = (seg.width, 0) if a.whole_row(seg.width) else (a.chunk_bytes, a.chunk_stride)
+        word = access_word(seg.width, chunk_bytes, stride, a.layer, a.page, a.token, hbase,
                            anchor_src.untyped_storage().data_ptr(), *seg.dev_ptrs, *seg.dev_strides,
                            max_word=max_word)
         anchor = word_anchor(anchor_src, word)
@@ -157,7 +158,7 @@ def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTa
             dev_off=to_words(list(seg.dev_ptrs)),
             dev_stride=torch.tensor([s // word for s in seg.dev_strides], dtype=torch.int64, device=device),
             host_off=to_words(host_bases),
-            width=seg.width // word, chunk=a.chunk_bytes // word, chunk_stride=(stride or a.chunk_bytes) // word,
+            width=seg.width // word, chunk=chunk_bytes // word, chunk_stride=(stride or chunk_bytes) // word,
             layer=a.layer // word, page=a.page // word, token=a.token // word,
             rows=min(seg.dev_lens, default=0),
         ))

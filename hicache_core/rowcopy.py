@@ -411,8 +411,9 @@ class RowKernelStrategy(DirectionalStrategy):
             return f"{self.name} serves layout(s) {', '.join(map(repr, self.layouts))}, not {layout.name!r}"
         for seg in layout.plan(spec).segments:
             a = seg.addressing
-            if a.chunk_bytes != seg.width:  # a row of one chunk is whole and contiguous, whatever its chunk_stride
-                return (f"segment {seg.buffer!r} stores its {seg.width}-byte rows in {a.chunk_bytes}-byte chunks; "
+            if not a.whole_row(seg.width):  # one chunk (whatever its chunk_stride) or chunks that follow each other
+                return (f"segment {seg.buffer!r} stores its {seg.width}-byte rows in {a.chunk_bytes}-byte chunks "
+                        f"{a.chunk_stride} bytes apart; "
                         f"{self.name} moves whole contiguous rows: a Segment per chunk (its src_offset and width) "
                         f"makes each chunk such a row")
         return self.layout_reason(spec, layout)

@@ -3,6 +3,8 @@ modules with ``--import-mode=importlib``, so they cannot import one another)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FakeEvent:
     """A timing event whose end lands when the test says (``done``), ``ms`` after its start."""
@@ -68,17 +70,31 @@ def pool_device(backend: str) -> str:
 def odd_stride_layout() -> object:
     """``layer_first`` with each row's one chunk given ``chunk_stride=3`` (a plan written for several heads, used with
     one): the same bytes in the same places, a stride no step ever takes. Registered as ``layer_first_odd_stride``."""
+    return readdressed_layer_first("layer_first_odd_stride", lambda a, width: {"chunk_stride": 3})
+
+
+def chunked_rows_layout(pieces: int, stride_zero: bool) -> object:
+    """``layer_first`` with each row described as ``pieces`` chunks that follow each other (``chunk_stride`` equal to
+    ``chunk_bytes``, or 0 when ``stride_zero``): the same bytes in the same places, a contiguous row in several chunks.
+    Registered as ``layer_first_chunked``."""
+    return readdressed_layer_first("layer_first_chunked", lambda a, width: {
+        "chunk_bytes": width // pieces, "chunk_stride": 0 if stride_zero else width // pieces})
+
+
+def readdressed_layer_first(name: str, change: Any) -> object:
+    """``layer_first`` registered as ``name``, each segment's Addressing replaced with ``change(addressing, width)``'s
+    fields."""
     from dataclasses import replace
 
     from hicache_core import HostPlan, PoolSpec
     from hicache_layer_first.layout import LayerFirstLayout
 
-    class OddStride(LayerFirstLayout):
-        name = "layer_first_odd_stride"
-
+    class Readdressed(LayerFirstLayout):
         def plan(self, spec: PoolSpec) -> HostPlan:
             base = super().plan(spec)
-            return HostPlan(base.buffers, tuple(replace(seg, addressing=replace(seg.addressing, chunk_stride=3))
-                                                for seg in base.segments))
+            return HostPlan(base.buffers, tuple(
+                replace(seg, addressing=replace(seg.addressing, **change(seg.addressing, seg.width)))
+                for seg in base.segments))
 
-    return OddStride()
+    Readdressed.name = name
+    return Readdressed()

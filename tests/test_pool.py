@@ -311,6 +311,29 @@ def test_mla_split_device_parts_into_whole_row_layout(layout: str, backend: str)
         assert torch.equal(rows(dev["rope"][layer], dst), rows(whole[layer][:, 16:], src))
 
 
+@pytest.mark.parametrize("backend", ["reference", "direct"])
+def test_split_device_parts_into_rows_in_chunks_that_follow_each_other(backend: str) -> None:
+    """A host row described as several chunks that follow each other is one contiguous row: a device that keeps
+    MLA's parts apart binds to it as to the plain layout (it was refused as 'splits its rows into chunks')."""
+    from fakes import chunked_rows_layout
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register: Callable[[Any], None]) -> None:
+            register(chunked_rows_layout(4, False))
+
+    reg = create_registry(plugins=[("chunked", Plugin())])
+    dev, whole = split_device(2, 24)
+    chunked = HostKVPool(mla_spec(), "layer_first_chunked", backend, dev, registry=reg, pin_memory=False)
+    plain = HostKVPool(mla_spec(), "layer_first", backend, {"kv": whole}, registry=reg, pin_memory=False)
+    assert [s.segment.part for s in chunked.binding.segments] == ["latent", "rope"]
+    h, src = pages(0, 2, 3), torch.arange(12)
+    for pool in (chunked, plain):
+        pool.host_buffers["kv"].zero_()
+        pool.backup_all_layers(h, src)
+    assert torch.equal(as_bytes(chunked.host_buffers["kv"]), as_bytes(plain.host_buffers["kv"]))
+
+
 def test_whole_row_device_tensor_wins_over_parts() -> None:
     dev, whole = split_device(2, 24)
     dev["kv"] = whole

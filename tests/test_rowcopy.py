@@ -214,8 +214,8 @@ def test_supports_explains_rejections(monkeypatch):
     a = Addressing(0, 4 * row, row, row, row // 2, row)  # rows in two chunks
     plan = HostPlan((BufferSpec("kv", (1, 4, row), torch.uint8),), (Segment("kv", "kv", None, 0, row, a),))
     chunked = types.SimpleNamespace(name="chunked", description="", check=lambda s: None, plan=lambda s: plan)
-    why = ("segment 'kv' stores its 64-byte rows in 32-byte chunks; test.rows moves whole contiguous rows: a Segment "
-           "per chunk (its src_offset and width) makes each chunk such a row")
+    why = ("segment 'kv' stores its 64-byte rows in 32-byte chunks 64 bytes apart; test.rows moves whole contiguous "
+           "rows: a Segment per chunk (its src_offset and width) makes each chunk such a row")
     assert Rows().supports(spec, chunked) == why
     # a row of one chunk is whole and contiguous whatever its chunk_stride (a plan written for H heads, used with 1)
     one = HostPlan(plan.buffers, (Segment("kv", "kv", None, 0, row, Addressing(0, 4 * row, row, row, row, 4 * row)),))
@@ -298,6 +298,34 @@ def test_a_row_of_one_chunk_ignores_its_chunk_stride():
     pool = check_strategy(reg, _rows_case(40), "layer_first_odd_stride", "kernel", variant="shuffled-i64",
                           device=DEVICE, strategy="test.odd_stride")
     assert {g.word for g in pool.binding.scratch[pool.strategy_name].groups} == {8}
+
+
+@pytest.mark.parametrize("stride_zero", [False, True], ids=["stride=chunk", "stride=0"])
+def test_a_row_in_chunks_that_follow_each_other_is_a_whole_row(stride_zero):
+    """A plan describing each contiguous row as several chunks that follow each other (chunk_stride equal to
+    chunk_bytes, or 0) is served by the kernel bit-exact with the access word of the whole row (the kernels refused
+    it, although the copy engine took such rows whole)."""
+    from fakes import chunked_rows_layout
+    from hicache_core import hookimpl
+
+    class Kernel(LayerFirstKernelStrategy):
+        name, layouts = "test.chunked", ("layer_first_chunked",)
+
+    class Plugin:
+        @hookimpl
+        def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
+            register(chunked_rows_layout(4, stride_zero))
+
+        @hookimpl
+        def hicache_register_strategies(self, register):  # type: ignore[no-untyped-def]
+            register(StrategyInfo("test.chunked", "kernel", ("layer_first_chunked",), Kernel, (False, True)))
+
+    reg = create_registry(plugins=[("chunked", Plugin())])
+    (seg,) = reg.layout("layer_first_chunked").plan(_rows_case(40).build(torch.device(DEVICE))).segments
+    assert (seg.addressing.chunk_bytes, seg.addressing.chunk_stride) == (10, 0 if stride_zero else 10)
+    pool = check_strategy(reg, _rows_case(40), "layer_first_chunked", "kernel", variant="shuffled-i64",
+                          device=DEVICE, strategy="test.chunked")
+    assert {g.word for g in pool.binding.scratch[pool.strategy_name].groups} == {8}  # 10-byte chunks would give 2
 
 
 @pytest.fixture
