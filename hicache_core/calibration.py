@@ -68,12 +68,15 @@ class Calibration:
 
 #: Shipped thresholds (H200, PCIe Gen5 x16, random block order; docs/performance.md): with the
 #: host's submission hidden, D2H needs >= 32 KB blocks for >= 0.95 of memcpy; H2D reaches 0.85-0.89
-#: at 9 KB and 0.99 at 36 KB.  Submitting costs ~0.5 us per descriptor (``hicache calibrate``; a
+#: at 8-16 KiB and 0.96-0.99 from 32 KiB (``hicache calibrate`` on an H200,
+#: docs/perf/gpu-pace-reprobe-2026-12-06-h200-summary.txt: 16 KiB 0.877, 32 KiB 0.957; every H100
+#: calibration of docs/perf/ agrees), so both directions take the copy engine from 32 KiB, as the
+#: calibration's default target (0.92) decides on either GPU.  Submitting costs ~0.5 us per descriptor (``hicache calibrate``; a
 #: 61-layer MLA backup of 3904 descriptors took 1.8-2.1 ms of host time in bench runs) plus ~6 us per
 #: runtime call (benchmarks/ce_probe.py: 6.7 us for a call of 1-4 descriptors, 34.5 us for 64), so
 #: ``auto`` also requires the estimated host time of a call to fit in its transfer time at link speed (backups: 1.2x
 #: it, ``auto_rules.BACKUP_ROOM``).
-DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=16 * 1024, source="shipped (H200)",
+DEFAULT = Calibration("NVIDIA H200", d2h_min_block=32 * 1024, h2d_min_block=32 * 1024, source="shipped (H200)",
                       submit_us=0.5, link_gbps=55.0, call_us=6.0)
 
 
