@@ -139,7 +139,7 @@ def load_calibration(device: torch.device, *, warn_other_gpu: bool = True) -> Ca
     ``warn_other_gpu`` is false (a caller that reports it itself: ``hicache doctor``).  A file that
     ``$HICACHE_CALIBRATION`` names but that is missing, unreadable, not an object of GPU entries, without an entry for
     this GPU, or with a malformed entry (a value that is not a finite number, block sizes that are not whole positive
-    numbers) gives :data:`DEFAULT` with a warning naming the file and the fix (once per message); unknown keys are
+    numbers, a link speed over :data:`MAX_LINK_GBPS`) gives :data:`DEFAULT` with a warning naming the file and the fix (once per message); unknown keys are
     warned about and ignored."""
     path = calibration_path()
     named = bool(os.environ.get(ENV_CALIBRATION))
@@ -169,23 +169,67 @@ def load_calibration(device: torch.device, *, warn_other_gpu: bool = True) -> Ca
             _warn_once(f"hicache: calibration {path} has no entry for {gpu!r} (entries: {sorted(data)}); using the "
                        f"shipped calibration ({DEFAULT.gpu}); {fix}")
         return DEFAULT
-    entry = data[gpu]
     try:
-        if not isinstance(entry, dict):
-            raise TypeError(f"the entry must be an object, got {type(entry).__name__}")
-        unknown = sorted(set(entry) - {f for f in Calibration.__dataclass_fields__ if f != "gpu"} - _EXTRA_KEYS)
-        if unknown:
-            _warn_once(f"hicache: calibration {path} entry {gpu!r}: unknown keys {unknown} ignored")
-        cal = Calibration(gpu, _number(entry, "d2h_min_block", integer=True), _number(entry, "h2d_min_block", integer=True),
-                          str(entry.get("source", path)), _number(entry, "submit_us", DEFAULT.submit_us),
-                          _number(entry, "link_gbps", DEFAULT.link_gbps), _number(entry, "call_us", DEFAULT.call_us))
-        if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or min(cal.submit_us, cal.call_us) < 0 or cal.link_gbps <= 0:
-            raise ValueError("block sizes and link_gbps must be positive, submit_us and call_us not negative")
-        return cal
-    except (KeyError, TypeError, ValueError) as exc:
+        cal, unknown = _entry(gpu, data[gpu], path)
+    except (TypeError, ValueError) as exc:
         _warn_once(f"hicache: calibration {path} entry {gpu!r} is malformed ({exc}); using the shipped calibration; "
                    f"{fix}")
         return DEFAULT
+    if unknown:
+        _warn_once(f"hicache: calibration {path} entry {gpu!r}: unknown keys {unknown} ignored")
+    return cal
+
+
+#: The fastest host link a calibration may claim (GB/s per direction; NVLink-C2C hosts reach ~450): a larger value is
+#: taken for a unit slip (MB/s written as GB/s).
+MAX_LINK_GBPS = 1000.0
+
+
+def _entry(gpu: str, entry: object, path: str) -> tuple[Calibration, list[str]]:
+    """The :class:`Calibration` of one file entry and its unknown keys.
+
+    :raises TypeError: the entry is not an object.
+    :raises ValueError: a value is missing, not a finite number, a block size not a whole positive number of bytes, a
+        negative time, or a link speed outside ``(0, MAX_LINK_GBPS]``."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"the entry must be an object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - {f for f in Calibration.__dataclass_fields__ if f != "gpu"} - _EXTRA_KEYS)
+    cal = Calibration(gpu, _number(entry, "d2h_min_block", integer=True), _number(entry, "h2d_min_block", integer=True),
+                      str(entry.get("source", path)), _number(entry, "submit_us", DEFAULT.submit_us),
+                      _number(entry, "link_gbps", DEFAULT.link_gbps), _number(entry, "call_us", DEFAULT.call_us))
+    if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or min(cal.submit_us, cal.call_us) < 0 or cal.link_gbps <= 0:
+        raise ValueError("block sizes and link_gbps must be positive, submit_us and call_us not negative")
+    if cal.link_gbps > MAX_LINK_GBPS:
+        raise ValueError(f"link_gbps={cal.link_gbps:g} is over {MAX_LINK_GBPS:g} GB/s, faster than any host link: "
+                         "write GB/s (1e9 bytes per second), not MB/s")
+    return cal, unknown
+
+
+def file_report() -> tuple[str, list[str]]:
+    """What ``hicache doctor`` says of the calibration file, whatever the machine: one line (where it is, which GPUs it
+    holds) and a problem per entry ``auto`` would refuse or key it would ignore (each named as the warnings name
+    them).  A missing file is no problem (the shipped values apply)."""
+    path = calibration_path()
+    try:
+        data = _read_json(path)
+    except FileNotFoundError:
+        named = f" ({ENV_CALIBRATION} names it)" if os.environ.get(ENV_CALIBRATION) else ""
+        return f"no file at {path}{named}: the shipped values ({DEFAULT.gpu}) apply", (
+            [f"{ENV_CALIBRATION}={path} does not exist"] if named else [])
+    except (OSError, ValueError) as exc:
+        return f"{path}", [f"{path} is unreadable ({exc}): auto uses the shipped calibration"]
+    if not isinstance(data, dict):
+        return f"{path}", [f"{path} must be a JSON object of GPU name -> entry, got {type(data).__name__}"]
+    problems = []
+    for gpu, entry in data.items():
+        try:
+            unknown = _entry(gpu, entry, path)[1]
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{path} entry {gpu!r} is malformed ({exc}): auto uses the shipped calibration for that GPU")
+            continue
+        if unknown:
+            problems.append(f"{path} entry {gpu!r}: unknown keys {unknown} ignored")
+    return f"{path}, entries for {sorted(data) or 'no GPU'}", problems
 
 
 def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[dict[str, float]]:

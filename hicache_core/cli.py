@@ -718,6 +718,11 @@ def doctor_lines(reg: Registry) -> list[str]:
     else:
         lines.append("CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)")
         lines.append("copy engine (direct): memmove on CPU pools (no CUDA runtime needed)")
+    from .calibration import file_report
+
+    where, problems = file_report()
+    lines.append(f"calibration file: {where}")
+    lines += [f"  PROBLEM: {p}" for p in problems]
     triton = _module_version("triton")
     lines.append(f"Triton: {triton}" if triton else "Triton: not installed (pip install triton); kernel cells skip")
     numpy = _module_version("numpy")

@@ -33,6 +33,29 @@ def _write(path, entry) -> None:
 GOOD = {"d2h_min_block": 4096, "h2d_min_block": 8192, "submit_us": 0.4, "link_gbps": 50.0, "call_us": 5.0}
 
 
+def test_doctors_file_report_checks_every_entry_whatever_the_machine(cal_file):
+    """``hicache doctor`` checks the whole file on any machine (a CPU machine's pools read only the 'cpu' entry, so a
+    GPU entry's mistake showed nowhere but in a warning on that GPU)."""
+    assert calibration.file_report() == (f"no file at {cal_file} (HICACHE_CALIBRATION names it): the shipped values "
+                                         "(NVIDIA H200) apply", [f"HICACHE_CALIBRATION={cal_file} does not exist"])
+    cal_file.write_text(json.dumps({"cpu": GOOD, "NVIDIA A": {**GOOD, "link_gbps": 5e4}, "NVIDIA B": {**GOOD, "x": 1},
+                                    "NVIDIA C": [1]}))
+    where, problems = calibration.file_report()
+    assert where == f"{cal_file}, entries for ['NVIDIA A', 'NVIDIA B', 'NVIDIA C', 'cpu']"
+    assert problems == [
+        f"{cal_file} entry 'NVIDIA A' is malformed (link_gbps=50000 is over 1000 GB/s, faster than any host link: "
+        "write GB/s (1e9 bytes per second), not MB/s): auto uses the shipped calibration for that GPU",
+        f"{cal_file} entry 'NVIDIA B': unknown keys ['x'] ignored",
+        f"{cal_file} entry 'NVIDIA C' is malformed (the entry must be an object, got list): auto uses the shipped "
+        "calibration for that GPU"]
+    cal_file.write_text("[1]")
+    assert calibration.file_report() == (str(cal_file), [f"{cal_file} must be a JSON object of GPU name -> entry, "
+                                                         "got list"])
+    cal_file.write_text("{")
+    where, problems = calibration.file_report()
+    assert len(problems) == 1 and problems[0].startswith(f"{cal_file} is unreadable (")
+
+
 def test_a_good_entry_is_taken(cal_file):
     _write(cal_file, {**GOOD, "source": "test", "measurements": []})
     cal = load_calibration(CPU)
@@ -50,6 +73,7 @@ def test_a_good_entry_is_taken(cal_file):
     ({"link_gbps": 0}, "block sizes and link_gbps must be positive"),
     ({"d2h_min_block": 10**400}, "'d2h_min_block' must be a finite number, got 1000000000000000000000000000000000000000..."),
     ({"submit_us": -10**400}, "'submit_us' must be a finite number"),
+    ({"link_gbps": 55000}, "link_gbps=55000 is over 1000 GB/s, faster than any host link: write GB/s"),
 ])
 def test_a_malformed_entry_falls_back_with_a_warning(cal_file, caplog, change, why):
     _write(cal_file, {**GOOD, **change})

@@ -722,23 +722,27 @@ def test_verify_interpreter_without_numpy(capsys, monkeypatch):
                    "pip install 'hicache-core[interpret]'\n")
 
 
-def test_doctor(capsys, monkeypatch):
+def test_doctor(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no calibration file
     rc, out, err = run(capsys, "doctor")
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith(f"hicache-core 0.1.0, Python {sys.version.split()[0]}, torch {torch.__version__}")
     cuda = 1 if torch.cuda.is_available() else 0  # a CUDA machine's doctor also names auto's calibration
     assert not cuda or lines[3].startswith("auto's calibration: ")
-    assert lines[4 + cuda].startswith("Triton interpreter: off; numpy: ")
-    assert lines[5 + cuda] == ("plugins: 3 plugins (0 broken), layouts: page_head; "
+    assert lines[3 + cuda] == (f"calibration file: no file at {tmp_path}/.cache/hicache/calibration.json: the shipped "
+                               "values (NVIDIA H200) apply")
+    assert lines[5 + cuda].startswith("Triton interpreter: off; numpy: ")
+    assert lines[6 + cuda] == ("plugins: 3 plugins (0 broken), layouts: page_head; "
                                "io_backends: auto, direct, fakedma, reference")
     if not torch.cuda.is_available():
         assert lines[1:3] == [
             "CUDA: not available (CPU pools only; the kernel io_backend needs TRITON_INTERPRET=1)",
             "copy engine (direct): memmove on CPU pools (no CUDA runtime needed)",
         ]
-        assert lines[6:] == [
+        assert lines[7:] == [
             "verify on cpu: 8 of 16 cells will run, 8 will be skipped:",
             f"  8 cells (page_head/auto, page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
             "page_head stores per-head rows of MHA pools only; this pool is 'mla'",
