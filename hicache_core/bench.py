@@ -640,24 +640,35 @@ PLOT_KEYS = ("op", "shape", "strategy", "page_size", "tokens", "ratio")
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="GPU throughput of every strategy vs pinned memcpy (JSON + PNG)")
+    p = subparsers.add_parser(
+        "bench", help="GPU throughput of every strategy vs pinned memcpy (JSON + PNG)",
+        description="GPU throughput of every installed layout and io_backend against a pinned memcpy of the same bytes "
+                    "(ratio), host time per call, and with --gemm the slowdown of a GEMM beside it. The default grid "
+                    "(2 shapes x 2 token counts x 2 page sizes x 4 SM budgets x every layout, backend and op) is "
+                    "hundreds of configurations; for a quick look narrow it, e.g. --tokens 4096 --page-sizes 64 "
+                    "--programs 0 (the runs in docs/performance.md name theirs).")
     from .cli import _positive_int
 
     p.add_argument("--out", default=None, help="folder for bench.json and bench.png (default bench-results; with "
                    "--plot-only, the JSON file's folder)")
     p.add_argument("--shapes", type=_name_list(SHAPES), default="mla61x576-bf16,mha80x8x128-bf16",
-                   help=f"comma list of {sorted(SHAPES)}")
-    p.add_argument("--tokens", type=_int_list(1), default="4096,32768")
-    p.add_argument("--page-sizes", type=_int_list(1), default="1,64")
+                   help=f"comma list of {sorted(SHAPES)} (default: %(default)s)")
+    p.add_argument("--tokens", type=_int_list(1), default="4096,32768",
+                   help="comma list of tokens per call (default: %(default)s)")
+    p.add_argument("--page-sizes", type=_int_list(1), default="1,64",
+                   help="comma list of tokens per page (default: %(default)s)")
     p.add_argument("--programs", type=_int_list(0), default="4,8,16,0",
-                   help="SM budgets for kernel strategies; 0 = strategy default")
+                   help="SM budgets for kernel strategies; 0 = strategy default (default: %(default)s)")
     p.add_argument("--layouts", default="", help="comma list (default: all installed)")
     p.add_argument("--io-backends", default=None, help=f"comma list (default: those of {','.join(DEFAULT_BACKENDS)} "
                    "installed)")
     p.add_argument("--direct-variants", type=_name_list(DIRECT_VARIANTS), default="auto",
-                   help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)}")
-    p.add_argument("--ops", type=_name_list(OPS), default=",".join(OPS), help=f"comma list of {list(OPS)}")
-    p.add_argument("--reps", type=_positive_int, default=20)
+                   help=f"direct staging modes to measure, comma list of {sorted(DIRECT_VARIANTS)} (default: "
+                        "%(default)s)")
+    p.add_argument("--ops", type=_name_list(OPS), default=",".join(OPS), help=f"comma list of {list(OPS)} (default: all)")
+    p.add_argument("--reps", type=_positive_int, default=20,
+                   help="timed calls per configuration, after 3 warm-up calls; the median is reported (default: "
+                        "%(default)s)")
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
     p.add_argument("--hbm", action="store_true",
                    help=f"during {' and '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
