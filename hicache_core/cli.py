@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Sequence, TextIO
 
 import torch
@@ -580,10 +580,32 @@ def _cmd_matrix(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_spec(args: argparse.Namespace) -> PoolSpec:
+    """The pool ``explain`` resolves on: a model shape of ``hicache bench`` (``--shape``) at ``--tokens`` and
+    ``--page-size``, or the small representative pool of ``--kind`` / ``--dtype``.
+
+    :raises UsageError: ``--shape`` beside ``--kind`` or ``--dtype`` (the shape sets both)."""
+    tokens, page_size = args.tokens, args.page_size
+    if not args.shape:
+        dtype = DTYPES[args.dtype] if args.dtype else None
+        return representative_spec(args.kind or MHA, args.sharded, args.device, dtype=dtype,
+                                   page_size=page_size or 16, tokens=tokens or 64)
+    from .bench import SHAPES
+
+    clash = [flag for flag, value in (("--kind", args.kind), ("--dtype", args.dtype)) if value]
+    if clash:
+        raise UsageError(f"--shape {args.shape} sets the pool's kind and dtype; leave out {' and '.join(clash)}")
+    page_size = page_size or 64
+    tokens = -(-(tokens or 4096) // page_size) * page_size  # whole pages
+    spec = SHAPES[args.shape](tokens, page_size, args.device)
+    if args.sharded:  # rank 1 of 2, as the representative pools
+        spec = replace(spec, layer_map=LayerMap.sharded_cp(spec.layer_map.num_device_layers, 2, 1))
+    return spec
+
+
 def _cmd_explain(args: argparse.Namespace) -> int:
     reg = _registry()
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    spec = representative_spec(args.kind, args.sharded, args.device, dtype=dtype)
+    spec = _explain_spec(args)
     try:
         lines, ok = explain_lines(reg, spec, args.layout, args.io_backend, args.strategy)
     except UnknownLayoutError as exc:  # its message names near matches
@@ -821,8 +843,18 @@ def _parser_explain(sub: argparse._SubParsersAction, common: argparse.ArgumentPa
     p.add_argument("--layout", required=True)
     p.add_argument("--io-backend", required=True)
     p.add_argument("--sharded", action="store_true", help="layer-sharded device pool (rank 1 of 2)")
-    p.add_argument("--kind", choices=KINDS, default=MHA)
+    p.add_argument("--kind", choices=KINDS, default=None, help="kind of the small representative pool (default: mha)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="pool dtype (default: fp16 for mha, bf16 for mla)")
+    from .bench import SHAPES
+
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="a model's pool instead of the small representative one (as hicache bench names them: "
+                        "layers x row, dtype); auto's picks then show for calls of --tokens tokens")
+    p.add_argument("--tokens", type=_positive_int, default=None,
+                   help="host slots of the pool, and tokens per call in auto's estimate (default: 4096 with --shape, "
+                        "else 64)")
+    p.add_argument("--page-size", type=_positive_int, default=None,
+                   help="tokens per page (default: 64 with --shape, else 16)")
     p.add_argument("--strategy", help="strategy name to use instead of the default pick")
     p.add_argument("--device", type=_device, default=torch.device("cpu"))
     p.set_defaults(func=_cmd_explain)

@@ -533,6 +533,36 @@ def test_auto_keeps_a_host_margin_for_feeding():
         assert ("direct" if chosen is pool.strategy else "kernel") == want, (ps, pages)
 
 
+@pytest.mark.skipif("page_first_direct" not in LAYOUTS, reason="needs the page_first layout plugin")
+def test_explain_shows_auto_on_a_models_pool(capsys, monkeypatch):
+    """``--shape`` (hicache bench's model shapes) with ``--tokens`` and ``--page-size``: auto's picks for a real pool,
+    its estimate in numbers; ``--sharded`` shards it; ``--kind``/``--dtype`` beside it are a usage error."""
+    from hicache_core import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
+    monkeypatch.setenv("HOME", "/nonexistent")  # the shipped calibration
+    args = ["explain", "--layout", "page_first_direct", "--io-backend", "auto", "--shape", "mla61x576-bf16"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "pool: mla [kv:1152B] x 61 layers, page 64 (device cpu)" in lines
+    picks = [ln for ln in lines if "pages scattered ->" in ln]
+    assert picks == [
+        "auto: backup_all_layers of all 4096 slots, pages scattered -> direct (blocks of 4497408 B and up, 4497408 B on "
+        "average, over 64 copy-engine operations, staged: large enough against 32768 B; ~3722 us to submit against 6280 us "
+        "allowed for 288 MB, host keeps up)",
+        "auto: load_layer of all 4096 slots, pages scattered -> direct (blocks of 73728 B and up, 73728 B on average, "
+        "over 64 copy-engine operations: large enough against 32768 B; ~56 us to submit against 86 us allowed for "
+        "4.72 MB, host keeps up)"]
+    assert cli.main(args + ["--tokens", "1000", "--page-size", "16", "--sharded"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "pool: mla [kv:1152B] x 30 layers, page 16, sharded 30/61 layers (device cpu)" in lines
+    assert sum("of all 1008 slots, pages scattered ->" in ln for ln in lines) == 2  # whole pages
+    assert cli.main(args + ["--kind", "mla", "--dtype", "bf16"]) == 2
+    assert capsys.readouterr().err.strip() == ("hicache explain: --shape mla61x576-bf16 sets the pool's kind and dtype; "
+                                               "leave out --kind and --dtype")
+
+
 @pytest.mark.skipif("page_first" not in LAYOUTS, reason="needs the page_first layout plugin")
 def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     from hicache_core import cli
@@ -552,10 +582,12 @@ def test_explain_says_how_auto_decides_and_what_it_picks(capsys, monkeypatch):
     assert auto[2].endswith("new index tensors are judged at the pace of calls that plan, tensors reused beyond one "
                             "burst at that of calls that reuse a plan")
     only = "direct (the only candidate here: no kernel serves this pool)"  # not "direct" with reasons against it
-    assert auto[3] == (f"auto: backup_all_layers of all 64 slots -> {only} (blocks of 73728 B and up, 73728 B on "
-                       "average, over 4 copy-engine operations, staged; large enough, host cannot keep up)")
-    assert auto[4] == (f"auto: load_layer of all 64 slots -> {only} (blocks of 1152 B and up, 1152 B on average, over "
-                       "64 copy-engine operations; too small, host cannot keep up)")
+    assert auto[3] == (f"auto: backup_all_layers of all 64 slots, pages scattered -> {only} (blocks of 73728 B and up, "
+                       "73728 B on average, over 4 copy-engine operations, staged: large enough against 32768 B; ~88 us "
+                       "to submit against 6 us allowed for 0.295 MB, host cannot keep up)")
+    assert auto[4] == (f"auto: load_layer of all 64 slots, pages scattered -> {only} (blocks of 1152 B and up, 1152 B "
+                       "on average, over 64 copy-engine operations: too small against 32768 B; ~56 us to submit "
+                       "against 1 us allowed for 0.0737 MB, host cannot keep up)")
     monkeypatch.setenv("HICACHE_AUTO_BACKUP_ROOM", "1")  # backups fit their transfer time, as loads do: said so
     assert cli.main(["explain", "--layout", "page_first", "--io-backend", "auto", "--kind", "mla"]) == 0
     strict = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto: ")]

@@ -962,7 +962,7 @@ def test_explain_names_the_kernel_where_auto_has_no_copy_engine():
     auto = AutoStrategy()
     auto.use_registry(REG)
     auto.direct, auto.kernel, auto.kernel_name = None, object(), "page_first.kernel"  # type: ignore[assignment]
-    picks = [line for line in auto.describe(spec, lay) if "slots ->" in line]
+    picks = [line for line in auto.describe(spec, lay) if "pages scattered ->" in line]
     assert len(picks) == 2 and all("-> page_first.kernel (the copy engine is not available here)" in p for p in picks)
     assert auto.pick(None, torch.arange(4), torch.arange(4), 1, to_host=False) is auto.kernel  # type: ignore[arg-type]
 

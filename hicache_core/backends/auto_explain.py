@@ -14,7 +14,7 @@ from ..calibration import DEFAULT, Calibration, load_calibration
 from ..layout import Layout
 from ..spec import PoolSpec
 from . import pace as _pace
-from .auto_rules import FED_SHARE, MEMORY_KERNEL_SHARE, fed
+from .auto_rules import FED_SHARE, MEMORY_KERNEL_SHARE, allowed_us, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
 from .reprobe import DROP
@@ -37,8 +37,8 @@ def _backup_room(auto: AutoStrategy) -> str:
 
 def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
     """How ``auto`` decides for ``spec`` in ``layout``, and what it would pick for a call moving
-    every slot of such a pool (estimated on a CPU copy of the pool: block sizes do not depend on
-    the device).  For ``hicache explain``."""
+    every slot of such a pool, its pages in scattered order (estimated on a CPU copy of the pool: block sizes do not
+    depend on the device).  For ``hicache explain``."""
     # what the pool would load (a CPU pool reads the file's "cpu" entry), but for a CUDA spec where torch sees no GPU
     cal = load_calibration(spec.device) if spec.device.type != "cuda" or torch.cuda.is_available() else DEFAULT
     lines = [
@@ -104,10 +104,14 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
                       pin_memory=False)
     direct = pool.strategy
     assert isinstance(direct, DirectStrategy)
-    idx = torch.arange(rows)
+    # every slot, page by page in an order no two pages follow each other in (as a serving engine's calls scatter
+    # pages): copy blocks never span two pages
+    ps = cpu.page_size
+    host = (torch.arange(rows // ps).flip(0).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
+    dev = torch.arange(rows)
     out = []
     for op, layer, to_host in (("backup_all_layers", None, True), ("load_layer", cpu.layer_map.device_layers[0], False)):
-        sub = direct.submission(pool.binding, idx, idx, layer)
+        sub = direct.submission(pool.binding, host, dev, layer)
         feeds = fed(sub, cal, to_host=to_host, room=auto.room, backup_room=auto.backup_room)
         big = sub.smallest_block >= cal.min_block(to_host)
         kernel = auto.kernel_name or "kernel"
@@ -117,9 +121,13 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
             pick = "direct (the only candidate here: no kernel serves this pool)"
         else:
             pick = "direct" if big and feeds else kernel
-        out.append(f"auto: {op} of all {rows} slots -> {pick} (blocks of {sub.smallest_block} B and up, "
+        host_us = sub.host_us(cal.submit_us, cal.call_us)
+        link_us = allowed_us(sub.nbytes, cal, to_host, auto.room, auto.backup_room)
+        out.append(f"auto: {op} of all {rows} slots, pages scattered -> {pick} (blocks of {sub.smallest_block} B and up, "
                    f"{sub.mean_block:.0f} B on average, over "
                    f"{sub.count} copy-engine operations{', staged' if sub.staged is not None else ''}"
-                   f"{f', {sub.pitched_count} of them pitched' if sub.pitched_count else ''}; "
-                   f"{'large enough' if big else 'too small'}, host {'keeps up' if feeds else 'cannot keep up'})")
+                   f"{f', {sub.pitched_count} of them pitched' if sub.pitched_count else ''}: "
+                   f"{'large enough' if big else 'too small'} against {cal.min_block(to_host)} B; "
+                   f"~{host_us:.0f} us to submit against {link_us:.0f} us allowed for {sub.nbytes / 1e6:.3g} MB, "
+                   f"host {'keeps up' if feeds else 'cannot keep up'})")
     return out
