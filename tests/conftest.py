@@ -18,3 +18,13 @@ def _auto_forward_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     sets."""
     monkeypatch.delenv("HICACHE_AUTO_FORWARD", raising=False)
     monkeypatch.delenv("HICACHE_AUTO_BACKUP_ROOM", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _log_once_forgotten() -> None:
+    """Messages logged once per process (``hicache_core.logonce``) are logged again in each test: a test that checks
+    such a warning must not depend on whether an earlier test (or an earlier run of itself: reruns, repeats) logged it
+    first."""
+    from hicache_core.logonce import forget_logged
+
+    forget_logged()
