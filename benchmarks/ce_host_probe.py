@@ -28,6 +28,11 @@ import torch
 
 from hicache_core.backends import cudart
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 BLOCK = 64 * 1152
 COUNTS = (1, 16, 64, 256)
 _LOC_DEVICE, _LOC_HOST = 1, 2  # CUmemLocationType / cudaMemLocationType
@@ -56,6 +61,7 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     rt = cudart.runtime()
     stream = torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD

@@ -23,6 +23,11 @@ import torch
 
 from hicache_core.backends import cudart
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 SCHEDULES = {
     "one call": [64],
     "16 then rest": [16, 48],
@@ -70,6 +75,7 @@ def probe_setup(reps: int) -> tuple[argparse.Namespace, cudart.CudaRuntime, int]
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=reps)
     args = ap.parse_args()
+    require_cuda(ap.prog)  # the probe that called (argparse's prog: its file name)
     os.makedirs(args.out, exist_ok=True)
     return args, cudart.runtime(), torch.cuda.current_stream().cuda_stream or cudart.STREAM_PER_THREAD
 

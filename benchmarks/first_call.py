@@ -26,6 +26,11 @@ from hicache_core.bench import _check, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _phases(pool: HostKVPool, layer: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """Median microseconds per phase over ``pairs`` (one first call each)."""
@@ -63,6 +68,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out", default=None, help="also write the profiles here")
     args = ap.parse_args()
+    require_cuda(__file__)
     reg = create_registry()
     spec, dev, h, s, d = _workload(args.shape)
     layer = spec.layer_map.device_layers[0]

@@ -32,6 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 @triton.jit(do_not_specialize=["n_pages", "capacity", "dev_rows"])
 def _flat_load(host, dev, hidx, didx, n_pages, capacity, dev_rows, RW: tl.constexpr, PS: tl.constexpr,
@@ -160,6 +165,7 @@ def main() -> int:
                  for rb in (656, 1152, 576) for ps in (1, 16) for cb in (1024, 4096) for early in (False, True))
         print(json.dumps({"bit_exact": ok}))
         return 0 if ok else 1
+    require_cuda(__file__)  # (--check runs on a CPU too)
 
     from hicache_core.bench import _gemm_slowdown, _median_ms, _workload
     from hicache_core.pool import HostKVPool, allocate_host_buffers

@@ -35,6 +35,11 @@ from hicache_core.bench import _check, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _load_beside(path: str, name: str) -> ModuleType:
     """``path`` as module ``name`` inside the current package (its relative imports resolve there)."""
@@ -95,6 +100,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--ab", default=None, help="an older source tree to compare with, call by call")
     args = ap.parse_args()
+    require_cuda(__file__)
     versions = _Versions(args.ab)
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()

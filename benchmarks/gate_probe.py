@@ -32,6 +32,11 @@ import sys
 import threading
 import time
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 CASES = ("control", "fresh-triton-main", "fresh-torch-main", "fresh-triton-helper")
 
 
@@ -95,6 +100,7 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=30.0)
     ap.add_argument("--child", default="")
     args = ap.parse_args()
+    require_cuda(__file__)
     if args.child:
         _child(args.child, args.hold)
         return 0

@@ -28,6 +28,11 @@ from hicache_core.launch import set_fast_launch
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _sync_us(fn, reps: int) -> float:
     times = []
@@ -81,6 +86,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--backends", default="kernel,direct")
     args = ap.parse_args()
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
     spec = SHAPES["mla61x576-bf16"](args.tokens, args.page_size, torch.device("cuda"))

@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import bench  # noqa: E402
 from hicache_core.backends import memcpy  # noqa: E402
 
@@ -41,6 +42,7 @@ def main() -> int:
     ap.add_argument("--backends", default="direct,auto")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
+    require_cuda(__file__)
     module_name, _, name = args.knob.partition(":")
     module = importlib.import_module(module_name)
     if not name or not hasattr(module, name):

@@ -45,6 +45,11 @@ from hicache_core.registry import create_registry
 from hicache_core.replay import set_replay
 from host_time import _sync_us  # benchmarks/ is this script's directory
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _per_call_us(fn: Callable[[], Any], calls: int = 60, rounds: int = 7) -> float:
     out = []
@@ -97,6 +102,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="launch_cost.json")
     args = ap.parse_args()
+    require_cuda(__file__)
     reg = create_registry()
     rows: list[dict[str, Any]] = []
     floor = _empty_kernel_us()

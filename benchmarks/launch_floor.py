@@ -39,6 +39,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import claunch, drvlaunch  # noqa: E402
 from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
@@ -92,6 +93,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="launch_floor.json")
     args = ap.parse_args()
+    require_cuda(__file__)
     import triton
     import triton.language as tl
 

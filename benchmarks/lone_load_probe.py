@@ -23,6 +23,11 @@ from hicache_core.bench import _Memcpy, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -30,6 +35,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
     memcpy = _Memcpy()

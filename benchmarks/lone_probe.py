@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from benchmarks.pace_probe import _count_lane  # noqa: E402
 from hicache_core.bench import _check, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
@@ -123,6 +124,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--tight", action="store_true", help="time the calls as the harness does (module docstring)")
     args = p.parse_args()
+    require_cuda(__file__)
     results = []
     for cell in args.cells.split(","):
         shape, layout = cell.split(":")

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core.backends.auto_rules import pick_key  # noqa: E402
 from hicache_core.bench import _check, _hbm_reader, _median_ms, _queue, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
@@ -399,6 +400,7 @@ def main() -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="cProfile each candidate's bursts; one pace-profile-SHAPE-LAYOUT-MODE.txt per cell into DIR")
     args = p.parse_args()
+    require_cuda(__file__)
     from hicache_core.backends import pace  # read when a pool is made: a setting applies to the pools made next
     if args.min_samples is not None:
         pace.MIN_SAMPLES = args.min_samples

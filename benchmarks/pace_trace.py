@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import bench  # noqa: E402
 from hicache_core.backends import auto as auto_mod  # noqa: E402
 from hicache_core.backends import memcpy  # noqa: E402
@@ -97,6 +98,7 @@ def main() -> int:
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--decisions", action="store_true", help="list auto's decisions too")
     args = ap.parse_args()
+    require_cuda(__file__)
     events = _Events()
 
     samples: list[dict[str, Any]] = []

@@ -34,6 +34,11 @@ from hicache_core.bench import _Memcpy, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 class _Helper(threading.Thread):
     """A persistent thread that submits one slice on its own stream when handed one."""
@@ -96,16 +101,17 @@ def _parallel(rt, helpers: list[_Helper], d: torch.Tensor, s: torch.Tensor, z: t
 
 
 def main() -> int:
-    with torch.cuda.stream(torch.cuda.Stream()):  # a non-default caller stream, as an engine's transfer stream
-        return _main()
-
-
-def _main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    require_cuda(__file__)
+    with torch.cuda.stream(torch.cuda.Stream()):  # a non-default caller stream, as an engine's transfer stream
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
     memcpy = _Memcpy()

@@ -45,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import peer_lmcache, peer_sglang  # noqa: E402
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  # noqa: E402
 from hicache_core.backends.auto import FORWARD_MODES  # noqa: E402
 from hicache_core.backends.auto_rules import BACKUP_ROOM  # noqa: E402
@@ -531,6 +532,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    require_cuda(__file__)
     rows = run_peers(args)
     print(markdown(rows))
     return 0

@@ -19,6 +19,11 @@ import torch
 from hicache_core.bench import SHAPES, _device_buffers, _indices
 from hicache_core.pool import HostKVPool
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -28,6 +33,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--options", default="{}", help="strategy options as JSON")
     args = ap.parse_args()
+    require_cuda(__file__)
     spec = SHAPES[args.shape](args.tokens, args.page_size, torch.device("cuda"))
     dev = _device_buffers(spec, 2 * args.tokens + args.page_size)
     h, s, d = _indices(spec, torch.Generator().manual_seed(0))

@@ -36,6 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flat_rows_probe import driver_launch  # noqa: E402
+from needs_cuda import require_cuda  # noqa: E402
 
 from hicache_core import kernel_lib as kl  # noqa: E402
 
@@ -147,6 +148,7 @@ def main() -> int:
         ok = check("cuda" if torch.cuda.is_available() else "cpu")
         print(json.dumps({"bit_exact": ok}))
         return 0 if ok else 1
+    require_cuda(__file__)  # (--check runs on a CPU too)
 
     from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _workload
     from hicache_core.pool import HostKVPool, allocate_host_buffers

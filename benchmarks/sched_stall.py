@@ -29,6 +29,11 @@ from hicache_core.bench import SHAPES, _device_buffers, _indices, _targets
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _gemm_chain(ms: float) -> tuple[Callable[[], object], float]:
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
@@ -55,6 +60,7 @@ def main() -> int:
     ap.add_argument("--layouts", default="layer_first,page_first_direct")
     ap.add_argument("--backends", default="kernel,direct,auto")
     args = ap.parse_args()
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     reg = create_registry()
     spec = SHAPES["mla61x576-bf16"](4096, 64, torch.device("cuda"))

@@ -13,6 +13,7 @@ every chunk relaid first, then the copies; ``plain``: the pitched copies sent as
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ce_probe import _event_ms  # noqa: E402
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import HostKVPool, LayerMap, PoolSpec  # noqa: E402
 
 
@@ -111,9 +113,14 @@ def freshness(st, copier, pages: int, ps: int, d: torch.Tensor, base_ms: float) 
         print(f"    one chunk ({p1} pages) copied after {prep}: ratio {base_ms * share / ms:.3f}", flush=True)
 
 
-def main() -> None:
-    kinds = sys.argv[1:] or ["mla", "mha"]
-    for kind in kinds:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kinds", nargs="*", metavar="mla|mha", help="default: both")
+    args = ap.parse_args(argv)
+    if bad := [k for k in args.kinds if k not in ("mla", "mha")]:
+        ap.error(f"{', '.join(bad)}: choose from mla, mha")
+    require_cuda(__file__)
+    for kind in args.kinds or ["mla", "mha"]:
         run(kind)
 
 

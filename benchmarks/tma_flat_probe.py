@@ -28,6 +28,11 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 FW = 256  # int32 words per flat row (1024 bytes)
 
 
@@ -123,6 +128,7 @@ def main() -> int:
                  for rb in (656, 1152, 576) for ps in (16, 64) for big in (8, 16) if (ps * rb) % 1024 == 0)
         print(json.dumps({"bit_exact": ok}))
         return 0 if ok else 1
+    require_cuda(__file__)  # (--check runs on a CPU too)
     from hicache_core import HostKVPool, LayerMap, PoolSpec
     from hicache_core.bench import _gemm_slowdown, _median_ms
 

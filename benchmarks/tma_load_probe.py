@@ -34,6 +34,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hicache_core.bench import _gemm_slowdown, _median_ms
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _record_load(op: str, name: str, fn, extra: dict, dev: torch.Tensor, want: torch.Tensor, reps: int, layers: int,
                  base_ms: float, burst_base_ms: float, rows: list) -> None:
@@ -223,6 +228,7 @@ def main() -> int:
     ap.add_argument("--cases", default="layer_first,backup,page_first",
                     help="comma-separated: layer_first (loads), backup (all-layer backups), page_first (loads)")
     args = ap.parse_args()
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     ps, row, tokens, layers = 64, 1152, 4096, 61

@@ -19,6 +19,11 @@ from hicache_core.bench import SHAPES, _device_buffers, _median_ms
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 
 def _events_ms(fn, reps: int) -> float:
     return _median_ms(fn, reps, warmup=1, idle=True)  # each call after a synchronise: a lone call
@@ -29,6 +34,7 @@ def main() -> int:
     ap.add_argument("--out", default="tma_span.json")
     ap.add_argument("--grid", default="4096:4096,32768:4096,32768:32768,131072:4096")
     args = ap.parse_args()
+    require_cuda(__file__)
     reg = create_registry()
     rows = []
     for cell in args.grid.split(","):

@@ -29,6 +29,11 @@ from hicache_core.bench import SHAPES, _check, _device_buffers, _gemm_slowdown, 
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split")
 
 
@@ -52,6 +57,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--gemm", action="store_true")
     args = ap.parse_args()
+    require_cuda(__file__)
     reg = create_registry()
     spec = SHAPES[args.shape](args.tokens, args.page_size, torch.device("cuda"))
     layers = spec.layer_map.num_device_layers

@@ -43,6 +43,11 @@ import time
 import traceback
 from typing import Any, Callable
 
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
 SHAPE = "mla61x576-bf16"
 BACKUP, BURST = "backup_all_layers", "load_layer burst"
 OPS = {BACKUP: True, BURST: False}  # op -> to_host
@@ -309,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind", choices=("topo", "none"), default="topo", help="bind each process to its GPU's CPUs")
     ap.add_argument("--timeout", type=float, default=240.0, help="hard limit (s); partial results are kept")
     args = ap.parse_args(argv)
+    require_cuda(__file__)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.monotonic()
 

@@ -32,6 +32,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core.backends.forward import ForwardWatch  # noqa: E402
 from hicache_core.bench import _check, _host_us, _workload  # noqa: E402
 from hicache_core.kernel_support import current_stream_handle  # noqa: E402
@@ -130,8 +131,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--out")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("watch_cost.py needs a CUDA GPU")
+    require_cuda(__file__)
     result = {"host_us": host_pieces(), "device": copy_with_events(), "lone_load": lone_loads(args.shape, args.rounds)}
     print(json.dumps(result))
     if args.out:

@@ -1,0 +1,81 @@
+"""The GPU benchmark scripts without CUDA (CPU; CUDA hidden from each run): one line on stderr naming the script
+and where to read how to run it on a GPU machine, exit status 2, no traceback, nothing written; ``--help`` works.
+
+Each script runs as the docs run it (``python benchmarks/SCRIPT.py``) in a fresh process with
+``CUDA_VISIBLE_DEVICES`` empty, so that this holds on a GPU machine too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+#: Scripts that need a CUDA GPU, with the arguments they require (``{out}``: a folder that must stay empty).
+GPU_SCRIPTS = {
+    "ce2d_probe": [], "ce_host_probe": [], "ce_probe": [], "chunk_streams_probe": [], "first_call": [],
+    "flat_rows_probe": [], "fresh_indices": [], "gate_probe": [], "host_time": [],
+    "knob_ab": ["--out", "{out}/knob", "--knob", "hicache_core.backends.memcpy:TIGHT_GAP_US", "--values", "1"],
+    "launch_cost": [], "launch_floor": [], "lone_load_probe": [], "lone_probe": ["--out", "{out}/lone.json"],
+    "pace_probe": ["--out", "{out}/pace"], "pace_trace": ["--out", "{out}/trace"], "parallel_submit_probe": [],
+    "peers": [], "profile_kernel": [], "row_pieces_probe": [], "sched_stall": [], "stage_probe": [],
+    "staged_timeline": [], "tma_flat_probe": [], "tma_load_probe": [], "tma_span_probe": [], "tune_tiles": [],
+    "two_gpu": [], "watch_cost": [],
+}
+#: Scripts that run on a CPU (or read files), and modules other scripts import.
+CPU_OR_LIBRARY = {"lane_cost", "pace_bins", "stress", "tables", "needs_cuda", "peer_check", "peer_lmcache",
+                  "peer_sglang"}
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each script run plainly and with ``--help`` (two at a time: one torch import each)."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    out = tmp_path_factory.mktemp("out")
+    jobs = {(name, mode): [str(BENCHMARKS / f"{name}.py"),
+                           *(["--help"] if mode == "help" else [a.format(out=out) for a in args])]
+            for name, args in GPU_SCRIPTS.items() for mode in ("plain", "help")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(zip(jobs, pool.map(lambda a: _run(a, cwd), jobs.values())))
+    return done, out, cwd
+
+
+def test_every_script_is_classified():
+    """A new script in benchmarks/ is either a GPU one (and tested here) or listed as running without one."""
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py")}
+    assert scripts == set(GPU_SCRIPTS) | CPU_OR_LIBRARY
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
+def test_without_cuda_the_script_says_so_in_one_line_and_exits_2(runs, name):
+    done, _, _ = runs
+    res = done[(name, "plain")]
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
+    assert res.stderr == (f"{name}.py: needs a CUDA GPU, and torch sees none (torch.cuda.is_available() is False); "
+                          'see docs/contributing.md ("On a GPU machine") for running the benchmarks on one\n')
+    assert res.stdout == ""
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SCRIPTS))
+def test_help_works_without_cuda(runs, name):
+    done, _, _ = runs
+    res = done[(name, "help")]
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage: ") and "Traceback" not in res.stderr
+
+
+def test_nothing_was_written(runs):
+    """The check comes before any output folder or file is made."""
+    _, out, cwd = runs
+    assert list(out.iterdir()) == [] and list(cwd.iterdir()) == []
