@@ -6,10 +6,10 @@ Each script runs as the docs run it (``python benchmarks/SCRIPT.py``) in a fresh
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,21 +32,45 @@ CPU_OR_LIBRARY = {"lane_cost", "pace_bins", "stress", "tables", "needs_cuda", "p
                   "peer_sglang"}
 
 
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+#: Runs each script as ``python benchmarks/SCRIPT.py ARGS`` would (``__main__``, its folder first on ``sys.path``), one
+#: after another in this one process (one torch import for all: a process per run took minutes on a busy machine),
+#: and prints {"name mode": [exit status, stdout, stderr]} as JSON.
+DRIVER = r"""
+import contextlib, io, json, runpy, sys, traceback
+jobs, folder = json.loads(sys.argv[1]), sys.argv[2]
+results = {}
+for key, argv in jobs.items():
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv, sys.path[:0] = argv, [folder]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = -1
+    sys.argv, sys.path[:] = saved_argv, saved_path
+    results[key] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each script run plainly and with ``--help`` (two at a time: one torch import each)."""
+    """Each script run plainly and with ``--help``, in one process that sees no CUDA device."""
     cwd = tmp_path_factory.mktemp("cwd")
     out = tmp_path_factory.mktemp("out")
-    jobs = {(name, mode): [str(BENCHMARKS / f"{name}.py"),
-                           *(["--help"] if mode == "help" else [a.format(out=out) for a in args])]
+    jobs = {f"{name} {mode}": [str(BENCHMARKS / f"{name}.py"),
+                               *(["--help"] if mode == "help" else [a.format(out=out) for a in args])]
             for name, args in GPU_SCRIPTS.items() for mode in ("plain", "help")}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip(jobs, pool.map(lambda a: _run(a, cwd), jobs.values())))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs), str(BENCHMARKS)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    done = {tuple(key.split(" ")): subprocess.CompletedProcess(jobs[key], code, stdout, stderr)
+            for key, (code, stdout, stderr) in json.loads(res.stdout.splitlines()[-1]).items()}
     return done, out, cwd
 
 
