@@ -305,6 +305,8 @@ class HostKVPool:
             self._check(host_indices, device_indices, to_host=to_host)
             if layer is not None and not self.spec.layer_map.owns(layer):
                 return False
+            if not host_indices.numel():  # no pair: nothing to move (a strategy never sees an empty call)
+                return True
             move = self.strategy.backup if to_host else self.strategy.load
             move(self.binding, host_indices, device_indices, layer)
             return True

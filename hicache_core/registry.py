@@ -40,7 +40,7 @@ import pluggy
 from . import hookspecs
 from .envflags import OFF
 from .errors import (ConfigError, DuplicateRegistrationError, PluginLoadError, RegistryError, ResolutionError,
-                     UnknownLayoutError)
+                     SpecError, UnknownLayoutError)
 from .layout import Layout
 from .logonce import log_once
 from .spec import PoolSpec
@@ -221,7 +221,10 @@ def _contract_problem(value: object, what: str) -> str | None:
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
-    """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""``."""
+    """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""`` (always for a name
+    that is not a str)."""
+    if not isinstance(name, str):
+        return ""
     near = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
     return f"did you mean: {', '.join(near)}?" if near else ""
 
@@ -515,7 +518,12 @@ class Registry:
         ``options`` are passed to the chosen strategy's factory as keyword arguments
         (e.g. ``programs`` for kernel strategies).  ``errors``, where given, receives the exception of each candidate
         that failed to load (its rejection reason names it too).
+
+        :raises SpecError: ``spec`` is not a :class:`PoolSpec`.
+        :raises UnknownLayoutError: ``layout`` is not a str, or no installed layout's name.
+        :raises ResolutionError: ``io_backend`` or ``override`` is not a str.
         """
+        self._check_key_types(spec, layout, io_backend, override)
         lay = self.layout(layout)
         key_sharded = spec.sharded
         conflict = self.conflict_for(layout, io_backend, key_sharded)
@@ -588,6 +596,27 @@ class Registry:
             return (f"{', '.join(other)} {'serves' if len(other) == 1 else 'serve'} {kind} pools only (registered "
                     f"with sharded=({not sharded},)); add {sharded} to its registration's sharded to serve these")
         return f"no strategy is registered for io_backend {io_backend!r} and this layout"
+
+    def _check_key_types(self, spec: object, layout: object, io_backend: object, override: object) -> None:
+        """A key of the right types, else an error naming the argument, what it takes and what was passed (a name
+        that is not a str failed inside difflib, a spec that is not a PoolSpec on its first attribute)."""
+        from .spec import PoolSpec
+
+        def got(value: object) -> str:
+            text = repr(value)
+            return f"got {type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
+        if not isinstance(spec, PoolSpec):
+            raise SpecError(f"spec must be a PoolSpec (PoolSpec.mha(...), PoolSpec.mla(...) or PoolSpec(...)), "
+                            f"{got(spec)}")
+        if not isinstance(layout, str):
+            known = ", ".join(sorted(self.layouts)) or "none installed"
+            raise UnknownLayoutError(f"layout must be a str naming an installed layout ({known}), {got(layout)}")
+        if not isinstance(io_backend, str):
+            known = ", ".join(self.io_backends) or "none installed"
+            raise ResolutionError(f"io_backend must be a str naming an installed io_backend ({known}), "
+                                  f"{got(io_backend)}")
+        if override is not None and not isinstance(override, str):
+            raise ResolutionError(f"strategy must be None or a str naming a registered strategy, {got(override)}")
 
     def resolve(
         self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,

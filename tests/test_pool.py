@@ -597,3 +597,26 @@ def test_the_reference_backup_reads_the_device_indices_once_even_where_they_live
     pool.backup_all_layers(torch.arange(4, 8), d)
     assert torch.equal(host_k[1, 4:8].view(4, 2, 4), dev["k"][1][8:12])  # layer 1: rows 8..11, not 31..28
     assert torch.equal(host_k[2, 4:8].view(4, 2, 4), dev["k"][2][8:12])
+
+
+def test_a_key_of_the_wrong_type_is_refused_by_name() -> None:
+    """A spec that is not a PoolSpec, a layout or io_backend that is not a str, a strategy that is neither None nor a
+    str: each a hicache error naming the argument, what it takes and what was passed (they were raw AttributeError and
+    TypeError from inside the registry)."""
+    from hicache_core.errors import ResolutionError, SpecError, UnknownLayoutError
+
+    spec = mha_spec()
+    dev = mha_device(spec, 32)
+    cases: list[tuple[tuple, dict, type, str]] = [
+        ((None, "layer_first", "direct"), {}, SpecError, r"^spec must be a PoolSpec \(PoolSpec.mha\(...\), "
+                                                         r"PoolSpec.mla\(...\) or PoolSpec\(...\)\), got NoneType None$"),
+        ((spec, 3, "direct"), {}, UnknownLayoutError, r"^layout must be a str naming an installed layout \(.*"
+                                                      r"layer_first.*\), got int 3$"),
+        ((spec, "layer_first", None), {}, ResolutionError, r"^io_backend must be a str naming an installed io_backend "
+                                                           r"\(.*direct.*\), got NoneType None$"),
+        ((spec, "layer_first", "direct"), {"strategy": 5}, ResolutionError,
+         r"^strategy must be None or a str naming a registered strategy, got int 5$"),
+    ]
+    for args, kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            HostKVPool(*args, dev, **kwargs)

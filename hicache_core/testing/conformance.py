@@ -483,6 +483,28 @@ def check_load_all(registry: Registry, case: Case, layout: str, io_backend: str,
     assert_device_guards_intact("backup_all_layers and load_all_layers", dev)
     _assert_same("load_all_layers", _rows(dev, dst), original)
     _assert_same("canary page", _rows(dev, torch.arange(spec.page_size)), before)
+    _check_empty_calls(pool, dev)
+
+
+def _check_empty_calls(pool: HostKVPool, dev: dict) -> None:
+    """Every transfer with empty index tensors (on the CPU and on the pool's device) moves nothing and raises
+    nothing (the README's promise: a no-op)."""
+    spec = pool.spec
+    hosts = {n: t.clone() for n, t in pool.host_buffers.items()}
+    devs = clone_buffers(dev)
+    layer = spec.layer_map.device_layers[0] if spec.layer_map.device_layers else 0
+    for device in dict.fromkeys([torch.device("cpu"), spec.device]):
+        e = torch.empty(0, dtype=torch.int64, device=device)
+        pool.backup_all_layers(e, e)
+        pool.backup_layer(layer, e, e)
+        pool.load_all_layers(e, e)
+        pool.load_layer(layer, e, e)
+    if spec.device.type == "cuda":
+        torch.cuda.synchronize(spec.device)
+    for name, t in hosts.items():
+        assert torch.equal(pool.host_buffers[name].view(torch.uint8), t.view(torch.uint8)), \
+            f"a call with empty index tensors changed host buffer {name!r}"
+    _assert_same("calls with empty index tensors", dev, devs)
 
 
 #: Attribute a strategy class may set: regular expressions matching the ``supports()``
