@@ -315,8 +315,11 @@ class HostKVPool:
 
     # -- page views for storage tiers ---------------------------------------------
     def _check_page(self, page: int) -> int:
-        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.spec.num_pages:
-            raise HostBufferError(f"page must be an int in 0..{self.spec.num_pages - 1}, got {page!r}")
+        number = None if isinstance(page, (bool, torch.Tensor)) or not hasattr(page, "__index__") else page.__index__()
+        if number is None or not 0 <= number < self.spec.num_pages:
+            raise HostBufferError(f"page must be an int in 0..{self.spec.num_pages - 1} (a host slot // page_size), got "
+                                  f"{type(page).__name__} {page!r}")
+        page = number
         if self.validate == "strict" and not bool(self.allocator.allocated(torch.tensor([page]))[0]):
             raise UnallocatedSlotError(f"page {page} is not allocated in this pool (freed or never allocated; "
                                        "validate='strict'); use pages of slots from alloc()")

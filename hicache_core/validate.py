@@ -224,6 +224,9 @@ def check_indices(
     if device_values:
         dev_starts, vals, dmin, dmax = _runs_and_bounds(d, ps)
         if dmin < 0 or dmax >= device_rows:
+            if device_rows == 0:
+                raise IndexRangeError(f"device_indices {dmin}..{dmax}, but the shortest device layer has no rows; "
+                                      "give the pool device tensors with rows to move")
             raise IndexRangeError(
                 f"device_indices must lie in 0..{device_rows - 1} (rows of the device buffers, the shortest layer's), got {dmin}..{dmax}; "
                 "index rows the device tensors have"

@@ -432,9 +432,18 @@ def test_bad_validate_mode() -> None:
 def test_page_out_of_range(pool: HostKVPool, method: str, page: Any) -> None:
     before = snapshot(pool.host_buffers)
     args = (page, torch.zeros(pool.page_bytes, dtype=torch.uint8)) if method == "set_page" else (page,)
-    with pytest.raises(HostBufferError, match=rf"page must be an int in 0\.\.3, got {page!r}"):
+    with pytest.raises(HostBufferError, match=rf"page must be an int in 0\.\.3 \(a host slot // page_size\), got "
+                                              rf"{type(page).__name__} {re.escape(repr(page))}$"):
         getattr(pool, method)(*args)
     assert_unchanged(before, pool.host_buffers)
+
+
+def test_a_page_number_of_another_integer_type_is_taken(pool: HostKVPool) -> None:
+    """A numpy integer (what an engine's page table may hold) addresses the page as the int would (layer ids took
+    them; page numbers were refused)."""
+    np = pytest.importorskip("numpy")
+    assert pool.page_pointers(np.int64(2)) == pool.page_pointers(2)
+    assert torch.equal(pool.get_page(np.int32(1)), pool.get_page(1))
 
 
 @pytest.mark.parametrize(

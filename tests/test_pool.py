@@ -620,3 +620,14 @@ def test_a_key_of_the_wrong_type_is_refused_by_name() -> None:
     for args, kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             HostKVPool(*args, dev, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["reference", "direct"])
+def test_device_buffers_without_rows_say_so(backend: str) -> None:
+    """A pool built on device tensors of no rows refuses a transfer saying they have none (it said 'must lie in
+    0..-1')."""
+    spec = mha_spec()
+    pool = HostKVPool(spec, "layer_first", backend, mha_device(spec, 0), pin_memory=False)
+    with pytest.raises(IndexRangeError, match=r"^device_indices 0\.\.3, but the shortest device layer has no rows; "
+                                              r"give the pool device tensors with rows to move$"):
+        pool.load_layer(0, torch.arange(4), torch.arange(4))
