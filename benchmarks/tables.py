@@ -73,12 +73,14 @@ def load_rows(path: str) -> list[dict[str, Any]]:
 
 def signed_pct(fraction: float) -> str:
     """``fraction`` as a signed percentage: ``+1%``, ``-0.3%``, ``-0.03%``, ``+45%``; ``±0%`` only for an exact
-    zero.  Whole percents from 1% up, one decimal below and two below 0.05% (so that no sign stands before a 0)."""
+    zero or one that rounds to it.  Whole percents from 1% up, one decimal below and two below 0.05% (so that no sign
+    stands before a 0)."""
     pct = fraction * 100
     if pct == 0:
         return "±0%"
     digits = 0 if abs(pct) >= 0.95 else 1 if abs(pct) >= 0.05 else 2
-    return f"{pct:+.{digits}f}%"
+    text = f"{pct:+.{digits}f}"
+    return "±0%" if float(text) == 0 else f"{text}%"
 
 
 def _variant(r: dict[str, Any]) -> str:

@@ -183,8 +183,8 @@ def _split_by_parts(spec: PoolSpec, seg: Segment, device_buffers: Mapping[str, o
     if not a.whole_row(seg.width):
         raise DeviceBufferError(
             f"component {comp.name!r} is held as separate parts on the device, but layout addressing splits its "
-            f"rows into {a.chunk_bytes}-byte chunks {a.chunk_stride} bytes apart; pass the whole-row device tensors "
-            "instead"
+            f"rows into {a.chunk_bytes}-byte chunks {a.chunk_stride} bytes apart (start to start); pass the "
+            "whole-row device tensors instead"
         )
     out = []
     start, end = seg.src_offset, seg.src_offset + seg.width

@@ -68,8 +68,9 @@ class Calibration:
 
 #: Shipped thresholds (H200, PCIe Gen5 x16, random block order; docs/performance.md): with the
 #: host's submission hidden, D2H needs >= 32 KB blocks for >= 0.95 of memcpy; H2D reaches 0.85-0.89
-#: at 8-16 KiB and 0.96-0.99 from 32 KiB (``hicache calibrate`` on an H200,
-#: docs/perf/gpu-pace-reprobe-2026-12-06-h200-summary.txt: 16 KiB 0.877, 32 KiB 0.957; every H100
+#: at 8-16 KiB and 0.90-0.96 from 32 KiB (``hicache calibrate`` on an H200,
+#: docs/perf/gpu-pace-reprobe-2026-12-06-h200-summary.txt: 16 KiB 0.877, 32 KiB 0.957, 64-256 KiB
+#: 0.90-0.94; the first H200 measure gave 0.97-0.99 from 36 KB; every H100
 #: calibration of docs/perf/ agrees), so both directions take the copy engine from 32 KiB, as the
 #: calibration's default target (0.92) decides on either GPU.  Submitting costs ~0.5 us per descriptor (``hicache calibrate``; a
 #: 61-layer MLA backup of 3904 descriptors took 1.8-2.1 ms of host time in bench runs) plus ~6 us per

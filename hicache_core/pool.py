@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import os
 from typing import Any, Mapping, Sequence
 
@@ -315,7 +316,13 @@ class HostKVPool:
 
     # -- page views for storage tiers ---------------------------------------------
     def _check_page(self, page: int) -> int:
-        number = None if isinstance(page, (bool, torch.Tensor)) or not hasattr(page, "__index__") else page.__index__()
+        """``page`` as a plain int, checked against the pool (any integer type: ``operator.index``)."""
+        number = None
+        if not isinstance(page, (bool, torch.Tensor)) and hasattr(page, "__index__"):
+            try:
+                number = operator.index(page)
+            except TypeError:  # a numpy array of one element has __index__ but refuses it
+                number = None
         if number is None or not 0 <= number < self.spec.num_pages:
             raise HostBufferError(f"page must be an int in 0..{self.spec.num_pages - 1} (a host slot // page_size), got "
                                   f"{type(page).__name__} {page!r}")
@@ -327,7 +334,7 @@ class HostKVPool:
 
     def page_pointers(self, page: int) -> list[tuple[int, int]]:
         """``(address, nbytes)`` of every contiguous host block of ``page``, segment by segment."""
-        self._check_page(page)
+        page = self._check_page(page)
         out = []
         for flat, stride, blocks in self._page_segments:
             base = flat.data_ptr() + page * stride
@@ -350,7 +357,7 @@ class HostKVPool:
         ``synchronize=True`` first waits for all work on the pool's device
         (``torch.cuda.synchronize``); otherwise synchronise the backup's stream yourself.
         """
-        self._check_page(page)
+        page = self._check_page(page)
         if synchronize:
             self._synchronize()
         parts = []
@@ -377,7 +384,7 @@ class HostKVPool:
         stream may read old or new bytes.  ``synchronize=True`` first waits for all
         work on the pool's device; otherwise synchronise the load's stream yourself.
         """
-        self._check_page(page)
+        page = self._check_page(page)
         if (not isinstance(data, torch.Tensor) or data.device.type != "cpu" or data.layout != torch.strided
                 or data.is_quantized or data.numel() * data.element_size() != self.page_bytes):
             raise HostBufferError(f"data must be a dense (strided, not quantized) CPU tensor of {self.page_bytes} bytes "

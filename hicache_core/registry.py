@@ -466,6 +466,10 @@ class Registry:
         :raises DuplicateRegistrationError: two plugins registered ``name``.
         :raises UnknownLayoutError: no plugin did; the message lists what is installed.
         """
+        if not isinstance(name, str):
+            known = ", ".join(sorted(self.layouts)) or "none installed"
+            raise UnknownLayoutError(f"layout must be a str naming an installed layout ({known}), got "
+                                     f"{type(name).__name__} {name!r:.40}")
         conflict = self._conflict_on("layout", name)
         if conflict is not None:
             raise DuplicateRegistrationError(conflict.message)
@@ -523,7 +527,7 @@ class Registry:
         :raises UnknownLayoutError: ``layout`` is not a str, or no installed layout's name.
         :raises ResolutionError: ``io_backend`` or ``override`` is not a str.
         """
-        self._check_key_types(spec, layout, io_backend, override)
+        self.check_key(spec, layout, io_backend, override)
         lay = self.layout(layout)
         key_sharded = spec.sharded
         conflict = self.conflict_for(layout, io_backend, key_sharded)
@@ -597,11 +601,13 @@ class Registry:
                     f"with sharded=({not sharded},)); add {sharded} to its registration's sharded to serve these")
         return f"no strategy is registered for io_backend {io_backend!r} and this layout"
 
-    def _check_key_types(self, spec: object, layout: object, io_backend: object, override: object) -> None:
+    def check_key(self, spec: object, layout: object, io_backend: object, override: object = None) -> None:
         """A key of the right types, else an error naming the argument, what it takes and what was passed (a name
-        that is not a str failed inside difflib, a spec that is not a PoolSpec on its first attribute)."""
-        from .spec import PoolSpec
+        that is not a str failed inside difflib, a spec that is not a PoolSpec on its first attribute).
 
+        :raises SpecError: ``spec`` is not a :class:`PoolSpec`.
+        :raises UnknownLayoutError: ``layout`` is not a str.
+        :raises ResolutionError: ``io_backend`` is not a str, or ``override`` neither None nor a str."""
         def got(value: object) -> str:
             text = repr(value)
             return f"got {type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
@@ -616,7 +622,8 @@ class Registry:
             raise ResolutionError(f"io_backend must be a str naming an installed io_backend ({known}), "
                                   f"{got(io_backend)}")
         if override is not None and not isinstance(override, str):
-            raise ResolutionError(f"strategy must be None or a str naming a registered strategy, {got(override)}")
+            raise ResolutionError(f"strategy (the override) must be None or a str naming a registered strategy, "
+                                  f"{got(override)}")
 
     def resolve(
         self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,
@@ -659,7 +666,10 @@ class Registry:
     def alternatives(self, spec: PoolSpec, layout: str, io_backend: str,
                      options: Mapping[str, Any] | None = None) -> list[str]:
         """Keys that do resolve for ``spec`` (with ``options``): same layout other backends, then same backend other
-        layouts."""
+        layouts.
+
+        :raises SpecError, UnknownLayoutError, ResolutionError: as :meth:`check_key`."""
+        self.check_key(spec, layout, io_backend)
         out = []
         pairs = [(layout, b) for b in self.io_backends if b != io_backend]
         pairs += [(lay, io_backend) for lay in sorted(self.layouts) if lay != layout]

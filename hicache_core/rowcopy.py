@@ -413,7 +413,7 @@ class RowKernelStrategy(DirectionalStrategy):
             a = seg.addressing
             if not a.whole_row(seg.width):  # one chunk (whatever its chunk_stride) or chunks that follow each other
                 return (f"segment {seg.buffer!r} stores its {seg.width}-byte rows in {a.chunk_bytes}-byte chunks "
-                        f"{a.chunk_stride} bytes apart; "
+                        f"{a.chunk_stride} bytes apart (start to start); "
                         f"{self.name} moves whole contiguous rows: a Segment per chunk (its src_offset and width) "
                         f"makes each chunk such a row")
         return self.layout_reason(spec, layout)

@@ -33,7 +33,7 @@ class Strategy(Protocol):
     ``host_indices``; ``load`` moves the other way.  ``layer`` is a device layer
     id (the pool has checked that this rank owns it), or ``None`` for every owned
     layer.  Indices arrive as one-dimensional int32/int64 tensors of equal length,
-    a multiple of ``page_size``, on the CPU or the pool's device.  Their values are
+    a non-zero multiple of ``page_size`` (the pool answers empty calls itself), on the CPU or the pool's device.  Their values are
     range-checked only when they live on the CPU (or with ``validate="full"``):
     a strategy must keep device-resident values in bounds itself (mask or check).
     Work is enqueued on the current stream of the pool's device; no host
@@ -43,7 +43,8 @@ class Strategy(Protocol):
     ``(layer, host_indices, device_indices) -> bool``, a fast path for repeated calls.  A pool asks once
     per direction after ``prepare`` (never with ``validate="full"`` or ``"strict"``: those check every call); each transfer call of that direction then first calls the lane, before
     the pool's own checks, with the layer (an ``int`` exactly, never a subclass, or ``None`` for every
-    layer) and the index tensors as the caller passed them.  ``True``: the lane has enqueued exactly what
+    layer) and the index tensors as the caller passed them (empty ones too: a lane returns ``False`` for them, as
+    no earlier call received them).  ``True``: the lane has enqueued exactly what
     ``backup``/``load`` would, and the pool returns.  ``False``: nothing was enqueued; the pool checks and
     calls ``backup``/``load`` as usual.  A lane may return ``True`` only for a layer and index tensors
     (the same objects, unchanged) that an earlier ``backup``/``load`` call of its direction received, i.e.

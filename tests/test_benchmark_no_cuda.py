@@ -1,8 +1,9 @@
 """The GPU benchmark scripts without CUDA (CPU; CUDA hidden from each run): one line on stderr naming the script
 and where to read how to run it on a GPU machine, exit status 2, no traceback, nothing written; ``--help`` works.
 
-Each script runs as the docs run it (``python benchmarks/SCRIPT.py``) in a fresh process with
-``CUDA_VISIBLE_DEVICES`` empty, so that this holds on a GPU machine too."""
+Each script runs as the docs run it (``python benchmarks/SCRIPT.py``: ``runpy`` as ``__main__``, its folder first on
+``sys.path``), all of them one after another in one process with ``CUDA_VISIBLE_DEVICES`` empty, so that this holds on
+a GPU machine too."""
 
 from __future__ import annotations
 

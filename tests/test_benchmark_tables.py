@@ -85,7 +85,8 @@ def test_budgets_and_variants_together_and_the_direct_default(tables, tmp_path, 
 
 @pytest.mark.parametrize("fraction, text", [(0.0, "±0%"), (0.01, "+1%"), (-0.01, "-1%"), (0.4531, "+45%"),
                                             (-0.003177, "-0.3%"), (0.012, "+1%"), (0.0049, "+0.5%"),
-                                            (-0.0004, "-0.04%"), (-0.0001, "-0.01%")])
+                                            (-0.0004, "-0.04%"), (-0.0001, "-0.01%"), (0.00001, "±0%"),
+                                            (-0.00004, "±0%")])  # (the last two round to zero: no sign before it)
 def test_gemm_slowdowns_are_signed_once(tables, fraction, text):
     assert tables.signed_pct(fraction) == text
 

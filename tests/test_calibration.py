@@ -329,3 +329,17 @@ def test_measure_keeps_the_faster_memcpy_timing_and_rates_blocks_against_the_lin
         assert {r["memcpy_gbps"] for r in mine} == {max(total / (4 * before), total / after) / 1e6}
         assert {r["link_gbps"] for r in mine} == {max([mine[0]["memcpy_gbps"]] + [r["gbps"] for r in mine])}
         assert all(r["ratio"] == r["gbps"] / r["link_gbps"] <= 1.0 for r in mine)
+
+
+def test_doctor_prints_the_files_problems(cal_file, monkeypatch):
+    """``hicache doctor`` names the file and a PROBLEM line per bad entry (a report: it exits 0)."""
+    from hicache_core import cli, create_registry
+
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    cal_file.write_text(json.dumps({"cpu": GOOD, "NVIDIA A": {**GOOD, "h2d_min_block": 0}}))
+    lines = cli.doctor_lines(create_registry(plugins=[]))
+    at = lines.index(f"calibration file: {cal_file}, entries for ['NVIDIA A', 'cpu']")
+    assert lines[at + 1] == (f"  PROBLEM: {cal_file} entry 'NVIDIA A' is malformed (block sizes and link_gbps must be "
+                             "positive, submit_us and call_us not negative): auto uses the shipped calibration for that "
+                             "GPU")
+    assert not lines[at + 2].startswith("  PROBLEM")

@@ -442,8 +442,21 @@ def test_a_page_number_of_another_integer_type_is_taken(pool: HostKVPool) -> Non
     """A numpy integer (what an engine's page table may hold) addresses the page as the int would (layer ids took
     them; page numbers were refused)."""
     np = pytest.importorskip("numpy")
-    assert pool.page_pointers(np.int64(2)) == pool.page_pointers(2)
-    assert torch.equal(pool.get_page(np.int32(1)), pool.get_page(1))
+    for kind in (np.int64, np.int32, np.int16, np.uint8):
+        pointers = pool.page_pointers(kind(2))
+        assert pointers == pool.page_pointers(2)
+        assert all(type(x) is int for block in pointers for x in block)  # addresses as ints, not numpy scalars
+        assert torch.equal(pool.get_page(kind(1)), pool.get_page(1))
+    page = pool.get_page(3).clone()
+    pool.set_page(np.uint8(0), page)
+    assert torch.equal(pool.get_page(0), page)
+    before = snapshot(pool.host_buffers)
+    with pytest.raises(HostBufferError, match=r"page must be an int in 0\.\.3 \(a host slot // page_size\), got "
+                                              r"ndarray array\(\[2\]\)$"):
+        pool.get_page(np.array([2]))
+    with pytest.raises(HostBufferError, match=r"got uint8 np.uint8\(7\)$|got uint8 7$"):
+        pool.set_page(np.uint8(7), page)
+    assert_unchanged(before, pool.host_buffers)
 
 
 @pytest.mark.parametrize(

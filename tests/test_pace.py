@@ -264,7 +264,7 @@ def test_auto_measures_the_host_where_no_recent_measure_exists():
     _fill(loads, 0.4, count=MIN_SAMPLES)
     assert auto.pick(pool.binding, h2, d, 1, to_host=False) is direct and auto.pace_probes == 2  # measured: fed
 
-    small, hs, ds = _fp8_pool(ps=16, pages=256)  # 10.5 KB blocks: under the loads' calibrated 16 KB
+    small, hs, ds = _fp8_pool(ps=16, pages=256)  # 10.5 KB blocks: under the loads' calibrated 32 KB
     auto = auto_over(small, _Paces())
     assert auto.pick(small.binding, hs, ds, 1, to_host=False) is auto.kernel and auto.pace_probes == 0
 

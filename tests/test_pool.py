@@ -615,11 +615,18 @@ def test_a_key_of_the_wrong_type_is_refused_by_name() -> None:
         ((spec, "layer_first", None), {}, ResolutionError, r"^io_backend must be a str naming an installed io_backend "
                                                            r"\(.*direct.*\), got NoneType None$"),
         ((spec, "layer_first", "direct"), {"strategy": 5}, ResolutionError,
-         r"^strategy must be None or a str naming a registered strategy, got int 5$"),
+         r"^strategy \(the override\) must be None or a str naming a registered strategy, got int 5$"),
     ]
     for args, kwargs, error, message in cases:
         with pytest.raises(error, match=message):
             HostKVPool(*args, dev, **kwargs)
+    reg = create_registry()
+    with pytest.raises(SpecError, match=r"^spec must be a PoolSpec"):  # the registry's other public paths too
+        reg.alternatives(None, "layer_first", "direct")  # type: ignore[arg-type]
+    with pytest.raises(UnknownLayoutError, match=r"^layout must be a str naming an installed layout .*got list \['a'\]$"):
+        reg.layout(["a"])  # type: ignore[arg-type]
+    with pytest.raises(UnknownLayoutError, match=r"got int 3$"):
+        reg.alternatives(spec, 3, "direct")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", ["reference", "direct"])
@@ -631,3 +638,28 @@ def test_device_buffers_without_rows_say_so(backend: str) -> None:
     with pytest.raises(IndexRangeError, match=r"^device_indices 0\.\.3, but the shortest device layer has no rows; "
                                               r"give the pool device tensors with rows to move$"):
         pool.load_layer(0, torch.arange(4), torch.arange(4))
+
+
+def test_an_empty_call_never_reaches_the_strategy_and_is_still_checked() -> None:
+    """Empty index tensors: the pool answers (True for an owned layer, False for one this rank does not own) without
+    calling the strategy, after the usual checks, which still refuse a wrong dtype, shape, length or layer."""
+    from hicache_core.errors import IndexDtypeError, IndexLengthMismatchError, IndexShapeError, LayerIdError
+
+    lmap = LayerMap.sharded_cp(4, 2, 1)
+    spec = mha_spec(layer_map=lmap)
+    pool = HostKVPool(spec, "layer_first", "reference", mha_device(spec, 32), pin_memory=False)
+
+    def called(*args: Any) -> None:
+        raise AssertionError("the strategy was called for an empty call")
+    pool.strategy.backup = pool.strategy.load = called  # type: ignore[method-assign]
+    e = torch.empty(0, dtype=torch.int64)
+    owned, other = lmap.device_layers[0], next(i for i in range(4) if i not in lmap.device_layers)
+    assert pool.load_layer(owned, e, e) is True and pool.backup_layer(owned, e, e) is True
+    assert pool.load_layer(other, e, e) is False and pool.backup_layer(other, e, e) is False
+    assert pool.backup_all_layers(e, e) is None and pool.load_all_layers(e, e) is None
+    for args, error in (((e.float(), e), IndexDtypeError), ((e.view(0, 4), e.view(0, 4)), IndexShapeError),
+                        ((e, torch.arange(4)), IndexLengthMismatchError)):
+        with pytest.raises(error):
+            pool.load_all_layers(*args)
+    with pytest.raises(LayerIdError):
+        pool.load_layer(99, e, e)

@@ -214,8 +214,8 @@ def test_supports_explains_rejections(monkeypatch):
     a = Addressing(0, 4 * row, row, row, row // 2, row)  # rows in two chunks
     plan = HostPlan((BufferSpec("kv", (1, 4, row), torch.uint8),), (Segment("kv", "kv", None, 0, row, a),))
     chunked = types.SimpleNamespace(name="chunked", description="", check=lambda s: None, plan=lambda s: plan)
-    why = ("segment 'kv' stores its 64-byte rows in 32-byte chunks 64 bytes apart; test.rows moves whole contiguous "
-           "rows: a Segment per chunk (its src_offset and width) makes each chunk such a row")
+    why = ("segment 'kv' stores its 64-byte rows in 32-byte chunks 64 bytes apart (start to start); test.rows moves "
+           "whole contiguous rows: a Segment per chunk (its src_offset and width) makes each chunk such a row")
     assert Rows().supports(spec, chunked) == why
     # a row of one chunk is whole and contiguous whatever its chunk_stride (a plan written for H heads, used with 1)
     one = HostPlan(plan.buffers, (Segment("kv", "kv", None, 0, row, Addressing(0, 4 * row, row, row, row, 4 * row)),))

@@ -98,7 +98,8 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
 
     cpu = replace(spec, device=torch.device("cpu"))
     rows = cpu.capacity
-    bufs = {c.name: [torch.zeros(rows, c.row_bytes, dtype=torch.uint8) if i in cpu.layer_map.device_layers else None
+    # uninitialised: only submissions are planned, nothing is copied (zeroed rows of a model's pool took gigabytes)
+    bufs = {c.name: [torch.empty(rows, c.row_bytes, dtype=torch.uint8) if i in cpu.layer_map.device_layers else None
                      for i in range(cpu.layer_map.num_device_layers)] for c in cpu.components}
     pool = HostKVPool(cpu, layout.name, "direct", bufs, registry=auto._registry, strategy="core.direct",
                       pin_memory=False)

@@ -35,8 +35,9 @@ class ReferenceStrategy:
         rows = binding.device_rows
         cap = binding.spec.capacity
         if h.numel() and (int(h.min()) < 0 or int(h.max()) >= cap or int(d.min()) < 0 or int(d.max()) >= rows):
+            rng = f"in 0..{rows - 1}" if rows else "nowhere (the shortest device layer has no rows)"
             raise IndexRangeError(
-                f"reference: host_indices must lie in 0..{cap - 1} and device_indices in 0..{rows - 1}; nothing was moved"
+                f"reference: host_indices must lie in 0..{cap - 1} and device_indices {rng}; nothing was moved"
             )
         ps = binding.spec.page_size
         return h // ps, h % ps, d
