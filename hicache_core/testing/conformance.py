@@ -493,12 +493,13 @@ def _check_empty_calls(pool: HostKVPool, dev: dict) -> None:
     hosts = {n: t.clone() for n, t in pool.host_buffers.items()}
     devs = clone_buffers(dev)
     layer = spec.layer_map.device_layers[0] if spec.layer_map.device_layers else 0
+    owned = spec.layer_map.owns(layer)
     for device in dict.fromkeys([torch.device("cpu"), spec.device]):
         e = torch.empty(0, dtype=torch.int64, device=device)
         pool.backup_all_layers(e, e)
-        pool.backup_layer(layer, e, e)
+        assert pool.backup_layer(layer, e, e) == owned, "backup_layer with empty index tensors: True where owned"
         pool.load_all_layers(e, e)
-        pool.load_layer(layer, e, e)
+        assert pool.load_layer(layer, e, e) == owned, "load_layer with empty index tensors: True where owned"
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     for name, t in hosts.items():
