@@ -221,12 +221,15 @@ def _contract_problem(value: object, what: str) -> str | None:
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
-    """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""`` (always for a name
-    that is not a str)."""
-    if not isinstance(name, str):
-        return ""
+    """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""``."""
     near = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
     return f"did you mean: {', '.join(near)}?" if near else ""
+
+
+def _got(value: object) -> str:
+    """``got TYPE REPR`` for a refusal's message, the repr cut to 40 characters."""
+    text = repr(value)
+    return f"got {type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
 
 
 class Registry:
@@ -466,10 +469,7 @@ class Registry:
         :raises DuplicateRegistrationError: two plugins registered ``name``.
         :raises UnknownLayoutError: no plugin did; the message lists what is installed.
         """
-        if not isinstance(name, str):
-            known = ", ".join(sorted(self.layouts)) or "none installed"
-            raise UnknownLayoutError(f"layout must be a str naming an installed layout ({known}), got "
-                                     f"{type(name).__name__} {name!r:.40}")
+        self._check_layout_name(name)
         conflict = self._conflict_on("layout", name)
         if conflict is not None:
             raise DuplicateRegistrationError(conflict.message)
@@ -601,6 +601,12 @@ class Registry:
                     f"with sharded=({not sharded},)); add {sharded} to its registration's sharded to serve these")
         return f"no strategy is registered for io_backend {io_backend!r} and this layout"
 
+    def _check_layout_name(self, name: object) -> None:
+        """:raises UnknownLayoutError: ``name`` is not a str (the message lists the installed layouts)."""
+        if not isinstance(name, str):
+            known = ", ".join(sorted(self.layouts)) or "none installed"
+            raise UnknownLayoutError(f"layout must be a str naming an installed layout ({known}), {_got(name)}")
+
     def check_key(self, spec: object, layout: object, io_backend: object, override: object = None) -> None:
         """A key of the right types, else an error naming the argument, what it takes and what was passed (a name
         that is not a str failed inside difflib, a spec that is not a PoolSpec on its first attribute).
@@ -608,22 +614,17 @@ class Registry:
         :raises SpecError: ``spec`` is not a :class:`PoolSpec`.
         :raises UnknownLayoutError: ``layout`` is not a str.
         :raises ResolutionError: ``io_backend`` is not a str, or ``override`` neither None nor a str."""
-        def got(value: object) -> str:
-            text = repr(value)
-            return f"got {type(value).__name__} {text if len(text) <= 40 else text[:40] + '...'}"
         if not isinstance(spec, PoolSpec):
             raise SpecError(f"spec must be a PoolSpec (PoolSpec.mha(...), PoolSpec.mla(...) or PoolSpec(...)), "
-                            f"{got(spec)}")
-        if not isinstance(layout, str):
-            known = ", ".join(sorted(self.layouts)) or "none installed"
-            raise UnknownLayoutError(f"layout must be a str naming an installed layout ({known}), {got(layout)}")
+                            f"{_got(spec)}")
+        self._check_layout_name(layout)
         if not isinstance(io_backend, str):
             known = ", ".join(self.io_backends) or "none installed"
             raise ResolutionError(f"io_backend must be a str naming an installed io_backend ({known}), "
-                                  f"{got(io_backend)}")
+                                  f"{_got(io_backend)}")
         if override is not None and not isinstance(override, str):
             raise ResolutionError(f"strategy (the override) must be None or a str naming a registered strategy, "
-                                  f"{got(override)}")
+                                  f"{_got(override)}")
 
     def resolve(
         self, spec: PoolSpec, layout: str, io_backend: str, *, override: str | None = None,
