@@ -95,8 +95,9 @@ VERIFY_REPS = {"cpu": 2, "cuda": 5}
 
 
 # -- pools -------------------------------------------------------------------------
-def _layer_map(sharded: bool) -> LayerMap:
-    return LayerMap.sharded_cp(LAYERS, 2, 1) if sharded else LayerMap.unsharded(LAYERS)
+def _layer_map(sharded: bool, layers: int = LAYERS) -> LayerMap:
+    """The layer map of the CLI's pools: ``layers`` layers, sharded as rank 1 of 2 where ``sharded``."""
+    return LayerMap.sharded_cp(layers, 2, 1) if sharded else LayerMap.unsharded(layers)
 
 
 def representative_spec(
@@ -598,9 +599,7 @@ def _explain_spec(args: argparse.Namespace) -> PoolSpec:
     page_size = page_size or 64
     tokens = -(-(tokens or 4096) // page_size) * page_size  # whole pages
     spec = SHAPES[args.shape](tokens, page_size, args.device)
-    if args.sharded:  # rank 1 of 2, as the representative pools
-        spec = replace(spec, layer_map=LayerMap.sharded_cp(spec.layer_map.num_device_layers, 2, 1))
-    return spec
+    return replace(spec, layer_map=_layer_map(True, spec.layer_map.num_device_layers)) if args.sharded else spec
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
