@@ -121,6 +121,17 @@ class StrayByte(ReferenceStrategy):
         flat[flat.numel() - 1] ^= 0xFF
 
 
+class WritesAnUnnamedSlot(ReferenceStrategy):
+    """Backs up right, then flips the first byte of a host slot the call did not name (left canary by the kit)."""
+
+    def backup(self, binding, host_indices, device_indices, layer):  # type: ignore[no-untyped-def]
+        super().backup(binding, host_indices, device_indices, layer)
+        seg, ps = binding.segments[0], binding.spec.page_size
+        slot = next(s for s in range(binding.spec.capacity) if s not in set(host_indices.tolist()))
+        view = seg.host_view[seg.host_layers[0], slot // ps, slot % ps]
+        view.view(-1)[0] ^= 0xFF
+
+
 class SkipsALayer(ReferenceStrategy):
     """An all-layer backup that leaves the last layer out."""
 
@@ -211,14 +222,19 @@ def test_the_kit_fails_a_strategy_that_writes_outside_the_device_rows(broken, ca
 
 @pytest.mark.parametrize("broken,variant,message", [
     (StrayByte, "shuffled-i64", "backup: host buffer"),
+    (WritesAnUnnamedSlot, "shuffled-i64", r"backup: host buffer .*: 0x5a where the reference has 0xa5 \(the reference "
+                                          r"left the canary there: likely a host slot the call did not name was "
+                                          r"written\)$"),
     (SkipsALayer, "shuffled-i64", r"backup: host buffer 'k' differs from the reference at .*: byte \d+ is 'k' of host "
                                   r"layer 2, page \d+, slot 0, row byte 0: 0xa5 where the reference has 0x[0-9a-f]{2} "
                                   r"\(the canary: likely never written\)$"),
     (MisreadsInt32, "shuffled-i32", "load_layer: "),
-    (WritesAStrayRow, "shuffled-i64", "load_layer: "),
+    (WritesAStrayRow, "shuffled-i64", r"^load_layer: (k|v)\[layer 0\] differs from the reference at rows \[0\] \(row "
+                                      r"\[0\] not among the call's device_indices: the strategy wrote device rows it "
+                                      r"was not given\)$"),
     (WritesPastTheEnd, "shuffled-i64", r"^backup: 1 bytes after host buffer '(k|v)' changed \(the nearest 1 byte\(s\) "
                                         r"past its end\): the strategy wrote out of bounds$"),
-], ids=["stray-host-byte", "skipped-layer", "int32-misread", "stray-device-row", "past-the-end"])
+], ids=["stray-host-byte", "unnamed-host-slot", "skipped-layer", "int32-misread", "stray-device-row", "past-the-end"])
 def test_the_kit_fails_a_broken_strategy(broken, variant, message) -> None:
     reg = create_registry(env=ENV, plugins=[("broken", plugin(StrategyInfo("broken.x", "broken", ("*",), broken)))])
     case = CASE["mha-fp16-ps1"]
@@ -226,6 +242,28 @@ def test_the_kit_fails_a_broken_strategy(broken, variant, message) -> None:
         check_strategy(reg, case, "layer_first", "broken", strategy="broken.x", variant=variant)
     if variant == "shuffled-i32":  # the same strategy with int64 indices passes: the variant is what caught it
         check_strategy(reg, case, "layer_first", "broken", strategy="broken.x", variant="shuffled-i64")
+
+
+class ClaimsUnownedLayers(ReferenceStrategy):
+    """Moves every row right, but its lane answers True for layers this rank does not own (the pool then returns True
+    from backup_layer/load_layer for them)."""
+
+    def lane(self, binding, to_host):  # type: ignore[no-untyped-def]
+        return lambda layer, h, d: layer is not None and not binding.spec.layer_map.owns(layer)
+
+
+@pytest.mark.parametrize("per_layer_backup,call", [(True, "backup_layer"), (False, "load_layer")])
+def test_the_kit_names_a_wrong_answer_of_a_per_layer_call(per_layer_backup, call) -> None:
+    """backup_layer/load_layer must answer False for a layer the rank does not own: the kit says which call, which
+    layer and what it returned (it was a bare AssertionError)."""
+    reg = create_registry(env=ENV, plugins=[("liar", plugin(StrategyInfo("liar.x", "liar", ("*",), ClaimsUnownedLayers,
+                                                                         sharded=(False, True))))])
+    case = CASE["mha-fp16-ps4-sharded4of2r0-drafts"]
+    spec = case.build(torch.device("cpu"))
+    unowned = next(i for i in range(spec.layer_map.num_device_layers) if not spec.layer_map.owns(i))
+    with pytest.raises(AssertionError, match=rf"^{call}\(layer {unowned}\) returned True, expected False \(this rank "
+                                             r"does not own it.*lane\(\) returned True"):
+        check_strategy(reg, case, "layer_first", "liar", strategy="liar.x", per_layer_backup=per_layer_backup)
 
 
 def test_index_variants_are_placed_as_named() -> None:

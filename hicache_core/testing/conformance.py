@@ -311,7 +311,9 @@ def _where_in_plan(pool: HostKVPool, got: torch.Tensor, want: torch.Tensor) -> s
     first = int((flat_got != flat_want).nonzero()[0])
     g, w = int(flat_got[first]), int(flat_want[first])
     values = f": 0x{g:02x} where the reference has 0x{w:02x}" + (
-        " (the canary: likely never written)" if g == CANARY else "")
+        " (the canary: likely never written)" if g == CANARY else
+        " (the reference left the canary there: likely a host slot the call did not name was written)"
+        if w == CANARY else "")
     places = _row_bytes_at(pool, flat_got.data_ptr(), first)
     if places:
         return f"byte {first} is {places[0]}{values}"
@@ -387,8 +389,18 @@ def _assert_plan_bytes(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None
                                      f"{seg.src_offset + seg.width - 1}) is not where the plan's addressing puts it")
 
 
+def _assert_returned(call: str, layer: int, got: object, owned: bool) -> None:
+    """``backup_layer``/``load_layer`` answer ``True`` for a layer this rank owns, ``False`` for another."""
+    if got is not owned:
+        why = ("this rank owns it" if owned else
+               "this rank does not own it, and the pool answers False for it unless the strategy's lane() returned True "
+               "(a lane must return False for a layer no earlier backup/load call received)")
+        raise AssertionError(f"{call}(layer {layer}) returned {got!r}, expected {owned} ({why})")
+
+
 def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dict[str, list[torch.Tensor | None]],
-                 against: str = "the reference") -> None:
+                 against: str = "the reference", named: torch.Tensor | None = None) -> None:
+    """``named``: the device rows the call was given; differing rows outside it are said to be so."""
     for k in want:
         for i, (g, w) in enumerate(zip(got[k], want[k])):
             if g is None or w is None:
@@ -396,7 +408,10 @@ def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dic
             if not torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w):
                 bad = (g.reshape(g.shape[0], -1).view(torch.uint8) != w.reshape(w.shape[0], -1).view(torch.uint8))
                 rows = bad.any(1).nonzero().flatten()[:5].tolist()
-                raise AssertionError(f"{what}: {k}[layer {i}] differs from {against} at rows {rows}")
+                stray = [] if named is None else [r for r in rows if r not in set(named.tolist())]
+                hint = (f" ({'rows' if len(stray) > 1 else 'row'} {stray} not among the call's device_indices: the "
+                        "strategy wrote device rows it was not given)") if stray else ""
+                raise AssertionError(f"{what}: {k}[layer {i}] differs from {against} at rows {rows}{hint}")
 
 
 def check_strategy(
@@ -431,7 +446,7 @@ def check_strategy(
     owned = spec.layer_map.device_layers
     if per_layer_backup:
         for layer in range(spec.layer_map.num_device_layers):
-            assert pool.backup_layer(layer, hi, si) == (layer in owned)
+            _assert_returned("backup_layer", layer, pool.backup_layer(layer, hi, si), layer in owned)
             ref.backup_layer(layer, h, src)
     else:
         pool.backup_all_layers(hi, si)
@@ -451,13 +466,13 @@ def check_strategy(
                 if dt is not None:
                     dt[dst.to(dt.device)] = dt[:1].expand(dst.numel(), *dt.shape[1:]).clone().view(dt.dtype)
     for layer in range(spec.layer_map.num_device_layers):
-        assert pool.load_layer(layer, hi, di) == (layer in owned)
+        _assert_returned("load_layer", layer, pool.load_layer(layer, hi, di), layer in owned)
         ref.load_layer(layer, h, dst)
     if spec.device.type == "cuda":
         torch.cuda.synchronize(spec.device)
     assert_guards_intact("load_layer", guards)
     assert_device_guards_intact("backup and load_layer", dev)
-    _assert_same("load_layer", dev, dev_ref)
+    _assert_same("load_layer", dev, dev_ref, named=dst)
     _assert_same("round trip", _rows(dev, dst), original,
                  "the rows backed up (the reference backend agreeing, look at the layout's plan: a row byte it leaves "
                  "out comes back wrong)")
