@@ -27,6 +27,7 @@ pool asks for them; everything else keeps working.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import os
 import sys
@@ -226,6 +227,23 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     return f"did you mean: {', '.join(near)}?" if near else ""
 
 
+def _hook_signature_error(name: str, func: Any) -> str | None:
+    """Why the hook function ``func`` cannot be called as the core calls it, ``name(register=...)``, or ``None``."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: pluggy decides
+        return None
+    if params and not inspect.ismethod(func) and params[0].name in ("self", "cls"):  # as pluggy reads it
+        params = params[1:]
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = {p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if required <= {"register"} and ("register" in named or any(p.kind is p.VAR_KEYWORD for p in params)):
+        return None
+    return (f"hook {name}{inspect.signature(func)} does not match its specification {name}(register): the core calls "
+            f"it with one keyword argument, register; write `def {name}(register):` and call register(x) once per "
+            f"{'layout' if name == 'hicache_register_layouts' else 'strategy'}")
+
+
 def _got(value: object) -> str:
     """``got TYPE REPR`` for a refusal's message, the repr cut to 40 characters."""
     text = repr(value)
@@ -340,6 +358,10 @@ class Registry:
             hint = "; ".join(f"did you mean {m[0]!r} for {n!r}?" for n, m in near.items() if m)
             self._broken(record, f"implements unknown hooks {unknown}" + (f" ({hint})" if hint else ""), explicit,
                          append=False)
+            return
+        misfit = [why for n in sorted(marked) if hasattr(self.pm.hook, n) and (why := _hook_signature_error(n, funcs[n]))]
+        if misfit:  # pluggy's own refusal names neither the parameter it wants nor how to write the hook
+            self._broken(record, "; ".join(misfit), explicit, append=False)
             return
         bare = [n for n in funcs if hasattr(self.pm.hook, n) and n not in marked]
         if bare:

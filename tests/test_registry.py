@@ -218,6 +218,46 @@ def test_misspelled_hook_is_reported_and_skipped():
     assert sorted(reg.layouts) == ["page_head"]
 
 
+def _module(name: str, hook: Callable[..., None]) -> types.ModuleType:
+    """A plugin module whose one hook is ``hook`` (as a plugin's ``plugin.py`` defines it: a function, no self)."""
+    mod = types.ModuleType(name)
+    setattr(mod, hook.__name__, hookimpl(hook))
+    return mod
+
+
+def _misnamed():
+    def hicache_register_strategies(reg):  # a misnamed parameter (pluggy matches hooks' parameters by name)
+        reg(StrategyInfo("sig.x", "sig", ("*",), DirectStrategy))
+    return hicache_register_strategies
+
+
+def _no_parameter():
+    def hicache_register_strategies():  # the register callback forgotten
+        pass
+    return hicache_register_strategies
+
+
+def _keyword_only():
+    def hicache_register_layouts(*, register, extra=None):  # keyword-only, and an optional extra: fine
+        pass
+    return hicache_register_layouts
+
+
+@pytest.mark.parametrize("hook, shown", [(_misnamed(), "(reg)"), (_no_parameter(), "()")],
+                         ids=["misnamed", "missing"])
+def test_a_hook_with_the_wrong_parameters_names_the_signature_to_write(hook, shown):
+    """pluggy's refusal ("Argument(s) {'reg'} are declared in the hookimpl but can not be found in the hookspec", or
+    a TypeError when the hook is called) named neither the parameter nor the fix; the plugin's error now does."""
+    reg = create_registry(env=BASE, plugins=[("sig", _module("sig_plugin", hook))])
+    rec = next(p for p in reg.plugins if p.name == "sig")
+    assert rec.error == (f"hook hicache_register_strategies{shown} does not match its specification "
+                         "hicache_register_strategies(register): the core calls it with one keyword argument, register; "
+                         "write `def hicache_register_strategies(register):` and call register(x) once per strategy")
+    assert "sig.x" not in reg.strategies and "page_head" in reg.layouts
+    ok = create_registry(env=BASE, plugins=[("kw", _module("kw_plugin", _keyword_only()))])
+    assert next(p for p in ok.plugins if p.name == "kw").error is None
+
+
 @pytest.mark.parametrize("plugin, error", [
     (Raising(), "registration failed: RuntimeError: hook exploded"),
     (Misspelled(), "implements unknown hooks ['hicache_register_layout'] (did you mean 'hicache_register_layouts' for 'hicache_register_layout'?)"),
