@@ -227,6 +227,29 @@ def did_you_mean(name: str, options: Iterable[str]) -> str:
     return f"did you mean: {', '.join(near)}?" if near else ""
 
 
+def _check_own_duplicates(layouts: list[Layout], infos: list[StrategyInfo]) -> None:
+    """Raise ``ValueError`` where one plugin registers a layout name, a strategy name or an exact key twice itself: a
+    bug of that plugin (a conflict's advice, uninstall one distribution or block one entry point, would not apply)."""
+    names = [lay.name for lay in layouts]
+    for name in dict.fromkeys(n for n in names if names.count(n) > 1):
+        raise ValueError(f"layout {name!r} is registered twice by this plugin; call register() once per layout")
+    names = [info.name for info in infos]
+    for name in dict.fromkeys(n for n in names if names.count(n) > 1):
+        raise ValueError(f"strategy name {name!r} is registered twice by this plugin; register each StrategyInfo "
+                         "once, and give each its own name")
+    owner: dict[tuple[str, str, bool], str] = {}
+    for info in infos:
+        if info.generic:
+            continue
+        for key in ((lay, info.io_backend, sh) for lay in dict.fromkeys(info.layouts) for sh in dict.fromkeys(info.sharded)):
+            if key in owner:
+                raise ValueError(
+                    f"key {_key_name(key)} is registered by two strategies of this plugin, {owner[key]!r} and "
+                    f"{info.name!r}; a key takes one exact registration: take {key[0]!r} out of one's layouts, or "
+                    f"{key[2]} out of its sharded")
+            owner[key] = info.name
+
+
 def _hook_signature_error(name: str, func: Any) -> str | None:
     """Why the hook function ``func`` cannot be called as the core calls it, ``name(register=...)``, or ``None``."""
     try:
@@ -385,6 +408,7 @@ class Registry:
                 _check_strategy(info)
                 if not isinstance(info.layouts, tuple) or not isinstance(info.sharded, tuple):  # lists: as tuples
                     infos[i] = replace(info, layouts=tuple(info.layouts), sharded=tuple(info.sharded))
+            _check_own_duplicates(layouts, infos)
         except Exception as exc:
             if self.pm.is_registered(plugin):  # this registration's (an object registered before returned above)
                 self.pm.unregister(plugin)

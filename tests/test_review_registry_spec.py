@@ -169,6 +169,34 @@ def test_one_plugin_object_under_two_names_is_named_and_the_first_keeps_working(
     assert reg.resolve(mha(), "page_head", "kernel").info.name == "a.k"
 
 
+@pytest.mark.parametrize("infos, error", [
+    ((StrategyInfo("acme.dma", "acmedma", ("page_head",), DirectStrategy),) * 2,
+     "strategy name 'acme.dma' is registered twice by this plugin; register each StrategyInfo once, and give each its "
+     "own name"),
+    ((StrategyInfo("acme.dma", "acmedma", ("page_head",), DirectStrategy, (False, True)),
+      StrategyInfo("acme.dma2", "acmedma", ("page_head",), DirectStrategy, (True,))),
+     "key (layout='page_head', io_backend='acmedma', sharded=True) is registered by two strategies of this plugin, "
+     "'acme.dma' and 'acme.dma2'; a key takes one exact registration: take 'page_head' out of one's layouts, or True "
+     "out of its sharded"),
+], ids=["strategy-name", "key"])
+def test_a_plugin_registering_a_name_or_key_twice_itself_is_named_broken(infos, error) -> None:
+    """One plugin registering a strategy name or a key twice was a conflict "registered by acme-hicache (entry point
+    'acme') and acme-hicache (entry point 'acme')" whose fix, "uninstall one distribution or set
+    HICACHE_DISABLE_PLUGINS=acme (or acme)", would remove the plugin; it is that plugin's bug, named as such."""
+    reg = create_registry(env=BASE, plugins=[("acme", strategies(*infos))])
+    assert record(reg, "acme").error == f"registration failed: ValueError: {error}"
+    assert reg.conflicts == [] and "acmedma" not in reg.io_backends
+    assert reg.resolve(mha(), "page_head", "direct").info.name == "core.direct"
+
+
+def test_a_plugin_registering_a_layout_twice_itself_is_named_broken() -> None:
+    page_head = create_registry(env=BASE).layouts["page_head"][0]
+    reg = create_registry(env={"HICACHE_PLUGINS": "core"}, plugins=[("twice", layouts_plugin(page_head, page_head))])
+    assert record(reg, "twice").error == ("registration failed: ValueError: layout 'page_head' is registered twice by "
+                                          "this plugin; call register() once per layout")
+    assert reg.conflicts == []
+
+
 def test_a_plugin_attribute_that_raises_when_read_breaks_only_that_plugin() -> None:
     class Weird:
         @property
