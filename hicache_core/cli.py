@@ -519,6 +519,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             desc = f": {info.description}" if info.description else ""
             lines.append(f"  strategy {name} [io_backend={info.io_backend} layouts={','.join(info.layouts)} "
                          f"sharded={_sharded_text(info.sharded)}]{desc}")
+        # an exact key two plugins registered: their strategies stay listed (they serve their other keys), the key not
+        lines += [f"  key {c.name}: DISABLED, {c.message}" for c in reg.conflicts
+                  if c.kind == "key" and any(q is p for q in c.plugins)]
     if not reg.plugins:
         lines.append("no hicache plugin is loaded")
     broken = sum(1 for p in reg.plugins if p.error)

@@ -872,6 +872,26 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
     assert rc == 1 and "DISABLED: layout 'page_head' is registered by " in err and "no layout is installed" not in err
 
 
+def test_plugins_lists_a_key_two_plugins_register_as_disabled(capsys, monkeypatch):
+    """Two plugins registering one exact key disable it: ``plugins`` listed both strategies as if nothing were wrong
+    (only a log warning said so), where the docs promise it shows the key DISABLED."""
+    from hicache_core.testing import strategies_plugin
+
+    acme = strategies_plugin(StrategyInfo("acme.dma", "fakedma", ("page_head",), DirectStrategy, (False,)))
+    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", acme)]))
+    rc, out, _ = run(capsys, "plugins")
+    assert rc == 1
+    line = ("  key (layout='page_head', io_backend='fakedma', sharded=False): DISABLED, key (layout='page_head', "
+            "io_backend='fakedma', sharded=False) is registered by ")
+    listed = {}
+    for text in out.splitlines():
+        if not text.startswith(" "):
+            plugin = text.split(" ")[0]
+        elif text.startswith(line):
+            listed[plugin] = listed.get(plugin, 0) + 1
+    assert listed == {"fake_vendor": 1, "acme": 1}, out
+
+
 def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():
     """``hicache plugins | head -1``: not exit 1 (a failing verify cell) and no traceback (the write that finds the
     pipe closed is made to fail every time here, in a child process: the handler redirects the real stdout)."""
