@@ -140,3 +140,27 @@ def test_calls_we_cannot_take_fall_back_to_sglang(hooked, stock_kernels):
     host.backup_from_device_all_layer(dev, h, d1, "direct")  # whole pages: still ours
     settle()
     assert same_bytes(host.kv_buffer[1, h], dev.kv_buffer[1][d1])
+
+
+@pytest.mark.parametrize("value, mode", [(None, "measured"), ("off", "off"), ("gaps", "gaps"), (" ALL ", "all"),
+                                         ("bogus", "measured")])
+def test_loading_says_the_bridge_is_active_and_its_mode(sglang_hooks, monkeypatch, caplog, value, mode):
+    """An engine developer checks the log to see that hicache took effect: one INFO line per process names the bridge,
+    the mode in force (every mode, ``off`` included: it says SGLang's methods serve) and the variable that sets it."""
+    import logging
+
+    if value is None:
+        monkeypatch.delenv("HICACHE_SGLANG", raising=False)
+    else:
+        monkeypatch.setenv("HICACHE_SGLANG", value)
+    with caplog.at_level(logging.INFO, logger="hicache_core"):
+        load_plugin()
+    lines = [r.getMessage() for r in caplog.records
+             if r.levelno == logging.INFO and "SGLang bridge" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert f"HICACHE_SGLANG={mode}" in lines[0]
+    assert ("SGLang's own methods serve every call" in lines[0]) == (mode == "off")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hicache_core"):
+        load_plugin()  # a second call in the same process registers nothing and says nothing again
+    assert not [r for r in caplog.records if "SGLang bridge" in r.getMessage()]

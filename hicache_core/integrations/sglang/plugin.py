@@ -17,7 +17,8 @@ from typing import Callable
 from . import hooks, storage
 from .buffers import destroy_mla, init_transfer_views
 from .plugin_layouts import extend_layout_choices
-from .mode import current_mode, table_error
+from ... import __version__
+from .mode import ENV_MODE, current_mode, table_error
 from ...errors import TakeoverTableError
 from .takeover import active_table
 
@@ -49,6 +50,14 @@ AFTER_TARGETS: dict[str, Callable] = {
     "sglang.srt.server_args.ServerArgs.add_cli_args": extend_layout_choices,
 }
 
+#: What each mode means, for the line :func:`load_plugin` logs.
+_MODE_SAYS = {
+    "measured": "hicache serves the cells SGLang cannot serve and those the takeover table takes over",
+    "all": "hicache serves every cell it resolves",
+    "gaps": "hicache serves only the cells SGLang cannot serve",
+    "off": "SGLang's own methods serve every call",
+}
+
 
 def load_plugin() -> None:
     """Register the hooks (once per process) and apply them.
@@ -65,16 +74,22 @@ def load_plugin() -> None:
     from sglang.srt.plugins import hook_registry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    registered = 0
     for targets, kind in ((HOOK_TARGETS, HookType.AROUND), (AFTER_TARGETS, HookType.AFTER)):
         for target, hook in targets.items():
             if any(h is hook for _, h, _ in HookRegistry._hooks.get(target, ())):
                 continue
             HookRegistry.register(target, hook, kind)
+            registered += 1
     source = getattr(hook_registry, "_current_plugin_source", None)
     if source is None or source.get() is None:  # not inside load_plugins(), which applies them after every plugin
         HookRegistry.apply_hooks()
     logger.debug("hicache SGLang hooks registered on %d targets", len(HOOK_TARGETS) + len(AFTER_TARGETS))
-    if current_mode() == "measured":
+    mode = current_mode()
+    if registered:  # once per process: SGLang's log says the plugin ran, this says what it does now
+        logger.info("hicache %s: SGLang bridge loaded; %s=%s (read at every call): %s", __version__, ENV_MODE, mode,
+                    _MODE_SAYS[mode])
+    if mode == "measured":
         try:
             active_table()
         except TakeoverTableError as exc:
