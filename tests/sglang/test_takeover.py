@@ -286,3 +286,22 @@ def test_kernel_switch_serves_sglang_kernel_calls_through_auto(hooked, monkeypat
     for layer in range(dev.layer_num):
         assert same_bytes(dev.kv_buffer[layer][d2], dev.kv_buffer[layer][d1])
     assert {k[1] for k in host._hicache_bridges} == {"auto"}
+
+
+def test_docs_table_example_and_its_error_agree(tmp_path):
+    """docs/sglang.md shows an example entry and the error a take-over the numbers do not justify gives: the example
+    loads as written, and with ``take_over`` set to true it fails with exactly the documented message."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "sglang.md").read_text()
+    example = json.loads(re.search(r"```json\n(.*?)```", doc, re.S).group(1))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(example))
+    assert not load_table(path).entries[Cell("mla", "layer_first", "kernel", False, "load")].take_over
+    example["entries"][0]["take_over"] = True
+    path.write_text(json.dumps(example))
+    documented = re.search(r"`(takeover table /etc/t\.json: .*?)`", doc, re.S).group(1)
+    with pytest.raises(TakeoverTableError) as err:
+        load_table(path)
+    assert str(err.value) == " ".join(documented.split()).replace("/etc/t.json", str(path))
