@@ -227,6 +227,10 @@ class _Registry:
     def __init__(self, *backends: str):
         self.backends = backends
 
+    @property
+    def io_backends(self) -> list[str]:  # as Registry.io_backends
+        return sorted(self.backends)
+
     def candidates(self, layout, io_backend, sharded):  # type: ignore[no-untyped-def]
         return [io_backend] if io_backend in self.backends else []
 

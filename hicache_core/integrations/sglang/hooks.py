@@ -22,7 +22,7 @@ from .buffers import init_kv_split_buffer, wants_kv_split_takeover
 from .plugin_layouts import init_plugin_layout, wants_plugin_layout
 from . import mode as _mode
 from .mode import BACKUP, BACKUP_LAYER, ENV_KERNEL, ENV_MODE, IO_BACKENDS, LOAD, current_mode, hicache_io_backend, stock_serves
-from .takeover import ENV_TABLE, TakeoverTableError, active_table
+from .takeover import ENV_TABLE, Cell, TakeoverTableError, active_table, table_path
 
 __all__ = ["backup_all", "load_layer", "backup_layer_mla", "backup_layer_indexer", "init_kv_buffer"]
 
@@ -101,7 +101,8 @@ def _decision(host: Any, kind: str, io_backend: str, op: str) -> tuple[str | Non
         if key in _resolved:
             hit = _resolved[key]
         else:
-            hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded)
+            origin = _origin(mode, kind, host.layout, io_backend, sharded, op, chosen)
+            hit = _resolved[key] = _registered(registry, host.layout, chosen, io_backend, gap, sharded, origin)
     if mode != "measured" or _table_readable():  # only "measured" reads the table
         _decided[memo] = (hit, gap)
         _remember(own, io_backend, op, check, (hit, gap))
@@ -141,22 +142,39 @@ def _table_readable() -> bool:
     return True
 
 
+def _origin(mode: str, kind: str, layout: str, io_backend: str, sharded: bool, op: str, chosen: str) -> str:
+    """Which setting named ``chosen`` for this cell, for the messages of :func:`_registered` ("" for the exact
+    mapping)."""
+    if mode == "measured":
+        cell = Cell(kind, layout, io_backend, sharded, LOAD if op == LOAD else BACKUP)
+        try:
+            if active_table().serving(cell) == chosen:
+                return f"the takeover table {table_path()} names it as this cell's hicache_io_backend"
+        except TakeoverTableError:
+            pass
+    if io_backend == "kernel" and chosen != IO_BACKENDS[io_backend]:
+        return f"{ENV_KERNEL} names it"
+    return ""
+
+
 def _registered(registry: Registry, layout: str, chosen: str, io_backend: str, gap: bool,
-                sharded: bool) -> str | None:
+                sharded: bool, origin: str = "") -> str | None:
     """The hicache io_backend that serves: ``chosen`` where it has a strategy for the layout.  Else, for a cell SGLang
     cannot serve, the exact mapping of SGLang's io_backend, then the core's generic ``direct``; for a cell SGLang
     serves, ``None`` where ``chosen`` is other than the exact mapping (a takeover table's or
     ``HICACHE_SGLANG_KERNEL``'s choice, measured for that io_backend only: SGLang keeps the cell, with a warning)."""
     exact = IO_BACKENDS[io_backend]
     if not gap and chosen != exact and not registry.candidates(layout, chosen, sharded):
-        logger.warning("hicache: no %r strategy for layout %r (sharded=%s) is installed; SGLang %r calls stay "
-                       "SGLang's (the takeover was measured for %r only)", chosen, layout, sharded, io_backend, chosen)
+        installed = ", ".join(repr(b) for b in registry.io_backends if registry.candidates(layout, b, sharded))
+        logger.warning("hicache: no %r strategy for layout %r (sharded=%s) is installed%s (installed: %s); SGLang %r "
+                       "calls stay SGLang's (the takeover was measured for %r only)", chosen, layout, sharded,
+                       f": {origin}" if origin else "", installed or "none", io_backend, chosen)
         return None
     for backend in dict.fromkeys((chosen, exact, GAP_FALLBACK if gap else chosen)):
         if registry.candidates(layout, backend, sharded):
             if backend != chosen:
-                logger.info("hicache: no %r strategy for layout %r; SGLang %r calls use hicache %r", chosen,
-                            layout, io_backend, backend)
+                logger.info("hicache: no %r strategy for layout %r%s; SGLang %r calls use hicache %r", chosen,
+                            layout, f" ({origin})" if origin else "", io_backend, backend)
             return backend
     return chosen  # nothing registered: the build fails, is logged, and SGLang's original runs
 
