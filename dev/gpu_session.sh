@@ -15,6 +15,8 @@
 #   sanitize    compute-sanitizer memcheck and racecheck (concurrently) over the kernel tests and kit
 #   calibrate   hicache calibrate into $OUT/calibration.json; the later steps of the call use it (HICACHE_CALIBRATION),
 #               unless KEEP_CALIBRATION=1
+#   kernelroom  auto where the kernels' loads are slow (HICACHE_KERNEL_PROGRAMS=KR_PROGRAMS, default 2): hicache calibrate
+#               measures them, then pace probes with that calibration and without its kernel_load_ratio, in turn
 #   lone        benchmarks/lone_probe.py: single loads through the kernel and auto, call by call (LONE_CELLS, LONE_REPS,
 #               LONE_ARGS: --tight times them as the peers harness does)
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
@@ -203,6 +205,28 @@ for step in "$@"; do
       # the later steps of this call run with it (auto reads it), as this GPU's users would after `hicache calibrate`
       if [ $r = 0 ] && [ -z "${KEEP_CALIBRATION:-}" ]; then export HICACHE_CALIBRATION=$OUT/calibration.json
         note "  later steps use this calibration (KEEP_CALIBRATION=1: the one they would have used)"; fi ;;
+    kernelroom) # auto on a machine whose kernel loads are slow (HICACHE_KERNEL_PROGRAMS=KR_PROGRAMS, default 2, slows
+      # them on purpose): hicache calibrate measures them (kernel_load_ratio), then pace probes of KR_SHAPES with that
+      # calibration and with the same one less kernel_load_ratio, in turn, new and reused indices (KR_SECONDS per cell)
+      export HICACHE_KERNEL_PROGRAMS=${KR_PROGRAMS:-2}
+      HICACHE_CALIBRATION=$OUT/cal_kr.json timeout 150 hicache calibrate >"$W/kr_calibrate.log" 2>&1
+      note "kernelroom calibrate (programs $HICACHE_KERNEL_PROGRAMS): $(result $?) $(grep -h 'kernel load bursts' "$W/kr_calibrate.log" | tr '\n' ';')"
+      python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [e.pop('kernel_load_ratio', None) for e in d.values()]; json.dump(d, open(sys.argv[2], 'w'))" \
+        "$OUT/cal_kr.json" "$OUT/cal_kr_without.json"
+      for mode in reuse fresh; do for cal in with without; do
+        f=$OUT/cal_kr.json; [ $cal = without ] && f=$OUT/cal_kr_without.json
+        extra=""; [ $mode = reuse ] && extra="--reuse"
+        HICACHE_CALIBRATION=$f timeout 150 python3 benchmarks/pace_probe.py --out "$OUT/kr-$mode-$cal.json" \
+          --shapes "${KR_SHAPES:-mla61x576-fp8,mla61x576-bf16}" --layouts "${KR_LAYOUTS:-layer_first}" \
+          --seconds "${KR_SECONDS:-10}" $extra 2>&1 | grep '^{' | TAG="$mode kernel_load_ratio:$cal" python3 -c "
+import json, os, sys
+for line in sys.stdin:
+    s = json.loads(line)
+    m = s['median']
+    print(os.environ['TAG'], s['shape'], s['layout'], 'k %.3f d %.3f a %.3f gap %+.4f within %.2f' % (
+        m['kernel'], m['direct'], m['auto'], s['auto_gap_median'], s['auto_within_3pts_share']))
+" | tee -a "$OUT/kernelroom.txt"; done; done
+      unset HICACHE_KERNEL_PROGRAMS; note "kernelroom: $(wc -l <"$OUT/kernelroom.txt") cells" ;;
     lone) timeout ${LONE_T:-150} python3 benchmarks/lone_probe.py --out "$OUT/lone.json" --reps ${LONE_REPS:-30} ${LONE_ARGS:-} \
         ${LONE_CELLS:+--cells $LONE_CELLS} >"$W/lone.log" 2>&1
       note "lone probe: $(result $?)"; cat "$W/lone.log" ;;

@@ -52,6 +52,11 @@ class Calibration:
     :param call_us: host time of one batched-copy runtime call besides its descriptors, microseconds
         (``hicache calibrate`` does not measure it and writes the shipped value; its ``submit_us``
         is measured over calls of up to 512 descriptors, so it holds a small share of the call cost).
+    :param kernel_load_ratio: the layout kernels' per-layer load bursts on this machine as a ratio to a pinned memcpy
+        of the same bytes (``hicache calibrate``: the slower of MLA 1152- and 576-byte rows); ``None`` where not
+        measured, taken as the usual speed (:data:`~hicache_core.backends.auto_rules.KERNEL_LOAD_USUAL`).  A host whose
+        SM-driven loads run slower gives ``auto``'s copy engine more room on loads
+        (:func:`~hicache_core.backends.auto_rules.kernel_room`).
     """
 
     gpu: str
@@ -61,6 +66,7 @@ class Calibration:
     submit_us: float = 0.5
     link_gbps: float = 55.0
     call_us: float = 6.0
+    kernel_load_ratio: float | None = None
 
     def min_block(self, to_host: bool) -> int:
         return self.d2h_min_block if to_host else self.h2d_min_block
@@ -87,7 +93,9 @@ def calibration_path() -> str:
 
 
 #: Keys an entry of the calibration file may hold besides :class:`Calibration`'s fields.
-_EXTRA_KEYS = {"measurements"}
+_EXTRA_KEYS = {"measurements", "kernel_measurements"}
+#: The largest ``kernel_load_ratio`` an entry may hold (a ratio to memcpy far above 1 is a measuring or writing slip).
+MAX_KERNEL_LOAD_RATIO = 2.0
 def _warn_once(message: str) -> None:
     """Log ``message`` at WARNING the first time (pools load the calibration one by one)."""
     log_once(logger, logging.WARNING, message)
@@ -191,13 +199,18 @@ def _entry(gpu: str, entry: object, path: str) -> tuple[Calibration, list[str]]:
 
     :raises TypeError: the entry is not an object.
     :raises ValueError: a value is missing, not a finite number, a block size not a whole positive number of bytes, a
-        negative time, or a link speed outside ``(0, MAX_LINK_GBPS]``."""
+        negative time, a link speed outside ``(0, MAX_LINK_GBPS]``, or a ``kernel_load_ratio`` (``null`` allowed)
+        outside ``(0, MAX_KERNEL_LOAD_RATIO]``."""
     if not isinstance(entry, dict):
         raise TypeError(f"the entry must be an object, got {type(entry).__name__}")
     unknown = sorted(set(entry) - {f for f in Calibration.__dataclass_fields__ if f != "gpu"} - _EXTRA_KEYS)
     cal = Calibration(gpu, _number(entry, "d2h_min_block", integer=True), _number(entry, "h2d_min_block", integer=True),
                       str(entry.get("source", path)), _number(entry, "submit_us", DEFAULT.submit_us),
-                      _number(entry, "link_gbps", DEFAULT.link_gbps), _number(entry, "call_us", DEFAULT.call_us))
+                      _number(entry, "link_gbps", DEFAULT.link_gbps), _number(entry, "call_us", DEFAULT.call_us),
+                      _number(entry, "kernel_load_ratio") if entry.get("kernel_load_ratio") is not None else None)
+    if cal.kernel_load_ratio is not None and not 0 < cal.kernel_load_ratio <= MAX_KERNEL_LOAD_RATIO:
+        raise ValueError(f"kernel_load_ratio={cal.kernel_load_ratio:g} must be in (0, {MAX_KERNEL_LOAD_RATIO:g}] (a ratio "
+                         "to a pinned memcpy of the same bytes), or null where not measured")
     if min(cal.d2h_min_block, cal.h2d_min_block) < 1 or min(cal.submit_us, cal.call_us) < 0 or cal.link_gbps <= 0:
         raise ValueError("block sizes and link_gbps must be positive, submit_us and call_us not negative")
     if cal.link_gbps > MAX_LINK_GBPS:
@@ -330,6 +343,9 @@ def add_parser(subparsers: Any) -> None:
                    "and the best batched copy) the copy engine must reach, in (0, 1] (default 0.92)")
     p.add_argument("--total-mb", type=_positive_int, default=64, help="bytes per measurement, MB (default 64)")
     p.add_argument("--out", default=None, help=f"file to update (default {ENV_CALIBRATION} or ~/.cache/hicache/calibration.json)")
+    p.add_argument("--no-kernel", dest="kernel", action="store_false",
+                   help="skip the measure of the layout kernels' load bursts (kernel_load_ratio; by default measured "
+                        "where a layout plugin's kernel is installed)")
     p.set_defaults(func=_cmd)
 
 
@@ -348,6 +364,24 @@ def _existing(path: str) -> dict:
         raise ValueError(f"calibration file {path} is not a JSON object of GPU name -> entry; fix or move it, or pass "
                          "--out another file (it is never overwritten)")
     return data
+
+
+def _kernel_rows() -> list[dict[str, Any]]:
+    """The layout kernels' load bursts (:func:`~hicache_core.kernel_rate.measure_kernel_loads`), printed; none where
+    no layout plugin's kernel is installed or it cannot run here (said, not fatal: the copy engine's measure stands)."""
+    from .kernel_rate import measure_kernel_loads
+
+    try:
+        krows = measure_kernel_loads()
+    except Exception as exc:  # e.g. Triton missing or failing to compile here: kernel_load_ratio is left unmeasured
+        print(f"hicache calibrate: the kernels' load bursts not measured ({type(exc).__name__}: "
+              f"{str(exc).splitlines()[0] if str(exc) else ''}); kernel_load_ratio left out", file=sys.stderr)
+        return []
+    if not krows:
+        print("hicache calibrate: no installed layout's kernel to measure; kernel_load_ratio left out", file=sys.stderr)
+    for r in krows:
+        print(f"kernel load bursts, {r['shape']} via {r['layout']}: ratio {r['ratio']:.3f} to memcpy")
+    return krows
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -384,15 +418,21 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"hicache calibrate: nothing written to {path} (this GPU's entry, if any, is kept); measure again on an "
               "idle GPU, or pass a lower --target", file=sys.stderr)
         return 1
+    kernel_rows = _kernel_rows() if args.kernel else []
     cal = Calibration(gpu, d2h, h2d, f"hicache calibrate --target {args.target} on {time.strftime('%Y-%m-%d')}",
                       statistics.median(r["submit_us_per_block"] for r in rows),
-                      statistics.median(r["link_gbps"] for r in rows))
-    data[gpu] = {**{k: v for k, v in asdict(cal).items() if k != "gpu"}, "measurements": rows}
+                      statistics.median(r["link_gbps"] for r in rows),
+                      kernel_load_ratio=min((r["ratio"] for r in kernel_rows), default=None))
+    data[gpu] = {**{k: v for k, v in asdict(cal).items() if k != "gpu" and v is not None}, "measurements": rows}
+    if kernel_rows:
+        data[gpu]["kernel_measurements"] = kernel_rows
     try:
         write_json(path, data)
     except OSError as exc:
         print(f"hicache calibrate: cannot write {path} ({exc}); the measurement as JSON on stdout:", file=sys.stderr)
         print(json.dumps({gpu: data[gpu]}, indent=1))
         return 2
-    print(f"{gpu}: copy engine from {cal.d2h_min_block} B blocks (D2H), {cal.h2d_min_block} B (H2D); written to {path}")
+    kernel = "" if cal.kernel_load_ratio is None else f"; kernel load bursts {cal.kernel_load_ratio:.3f} of memcpy"
+    print(f"{gpu}: copy engine from {cal.d2h_min_block} B blocks (D2H), {cal.h2d_min_block} B (H2D){kernel}; "
+          f"written to {path}")
     return 0

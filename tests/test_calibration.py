@@ -119,7 +119,7 @@ def test_calibrate_never_overwrites_a_file_it_cannot_read(cal_file, capsys, monk
     """An existing file that is not JSON (a hand edit with a trailing comma) or not an object stops the command
     before it measures anything (exit 2, naming the file); a readable one keeps its other GPUs' entries."""
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured before checking the file"))
-    args = argparse.Namespace(out=None, target=0.92, total_mb=64)
+    args = argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=False)
     for text in ('{"NVIDIA A100": {"d2h_min_block": 1, "h2d_min_block": 1},}', "[1]"):
         cal_file.write_text(text)
         assert calibration._cmd(args) == 2
@@ -139,7 +139,7 @@ def test_calibrate_refuses_a_file_nested_too_deeply_to_read(cal_file, capsys, mo
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured before checking the file"))
     text = "[" * 100_000
     cal_file.write_text(text)
-    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 2
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=False)) == 2
     assert "cannot be read (nested too deeply to parse)" in capsys.readouterr().err and cal_file.read_text() == text
 
 
@@ -198,7 +198,7 @@ def test_a_memcpy_slower_than_the_batched_copies_does_not_set_the_thresholds_or_
     assert {r["memcpy_gbps"] for r in rows if r["to_host"]} == {38.9}  # kept as measured
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: rows)
     monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 0
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=False)) == 0
     out = capsys.readouterr().out
     assert "D2H: one pinned memcpy reached 38.9 GB/s, batched copies 54.2: ratios and the link's speed are taken " \
         "from the faster" in out and "H2D: one pinned memcpy" not in out
@@ -213,7 +213,7 @@ def test_calibrate_writes_nothing_when_no_block_reaches_the_target(cal_file, cap
     monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     text = '{"NVIDIA H200": {"d2h_min_block": 1, "h2d_min_block": 1}}'
     cal_file.write_text(text)
-    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64)) == 1
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=False)) == 1
     err = capsys.readouterr().err
     assert "no block size up to 256 KiB reached --target 0.92 D2H (best 0.800 at 64 KiB blocks)" in err
     assert "H2D (best" not in err and f"nothing written to {cal_file}" in err
@@ -228,7 +228,7 @@ def test_calibrate_checks_it_can_write_before_measuring_and_keeps_a_measure_it_c
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured a result it cannot write"))
     blocked = tmp_path / "file"
     blocked.write_text("")
-    args = argparse.Namespace(out=str(blocked / "cal.json"), target=0.92, total_mb=64)  # under a plain file
+    args = argparse.Namespace(out=str(blocked / "cal.json"), target=0.92, total_mb=64, kernel=False)  # under a plain file
     assert calibration._cmd(args) == 2
     assert "pass --out a file in a folder you can write" in capsys.readouterr().err
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: _rows(0.97, 0.97))
@@ -238,7 +238,7 @@ def test_calibrate_checks_it_can_write_before_measuring_and_keeps_a_measure_it_c
 
     monkeypatch.setattr(calibration, "write_json", full_disk)
     out = tmp_path / "cal.json"
-    assert calibration._cmd(argparse.Namespace(out=str(out), target=0.92, total_mb=64)) == 2
+    assert calibration._cmd(argparse.Namespace(out=str(out), target=0.92, total_mb=64, kernel=False)) == 2
     captured = capsys.readouterr()
     assert "No space left on device" in captured.err and not out.exists()
     assert json.loads(captured.out[captured.out.index("{"):])["NVIDIA H200"]["d2h_min_block"] == 65536  # on stdout
@@ -343,3 +343,57 @@ def test_doctor_prints_the_files_problems(cal_file, monkeypatch):
                              "positive, submit_us and call_us not negative): auto uses the shipped calibration for that "
                              "GPU")
     assert not lines[at + 2].startswith("  PROBLEM")
+
+
+@pytest.mark.parametrize("value,ok", [(0.58, True), (None, True), (2.0, True), (0, False), (-0.5, False), (2.5, False),
+                                      ("0.8", False), (True, False)])
+def test_kernel_load_ratio_is_optional_and_checked(cal_file, caplog, value, ok):
+    """``kernel_load_ratio`` (what ``hicache calibrate`` measured of the kernels' load bursts) is optional (absent or
+    null: not measured) and, where given, a ratio in (0, 2]; anything else makes the entry malformed (shipped values,
+    a warning naming the key)."""
+    _write(cal_file, {"d2h_min_block": 4096, "h2d_min_block": 8192, "kernel_load_ratio": value})
+    with caplog.at_level(logging.WARNING, logger="hicache_core.calibration"):
+        cal = load_calibration(torch.device("cpu"))
+    if ok:
+        assert cal.h2d_min_block == 8192 and cal.kernel_load_ratio == value and not caplog.records
+    else:
+        assert cal is DEFAULT and "kernel_load_ratio" in caplog.text
+    _write(cal_file, {"d2h_min_block": 4096, "h2d_min_block": 8192})
+    assert load_calibration(torch.device("cpu")).kernel_load_ratio is None
+
+
+def test_calibrate_writes_the_slower_kernel_burst_and_its_rows(cal_file, capsys, monkeypatch):
+    """With the kernels measured, the entry holds the slower shape's ratio as ``kernel_load_ratio`` and every row under
+    ``kernel_measurements``, which a later read accepts; with none measured (``--no-kernel``, no kernel installed, or
+    the measure failing) neither key is written and the copy engine's entry stands."""
+    from hicache_core import kernel_rate
+
+    rows = calibration.rated([{"to_host": t, "block": 4096, "gbps": 50.0, "submit_us_per_block": 0.5}
+                              for t in (True, False)], {True: 52.0, False: 52.0})
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: rows)
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "cpu")
+    krows = [{"shape": "mla61x576-bf16", "layout": "x", "ratio": 0.87, "burst_ms": 1.0, "memcpy_ms": 0.87},
+             {"shape": "mla61x576-fp8", "layout": "x", "ratio": 0.58, "burst_ms": 1.0, "memcpy_ms": 0.58}]
+    monkeypatch.setattr(kernel_rate, "measure_kernel_loads", lambda *a, **k: krows)
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=True)) == 0
+    entry = json.loads(cal_file.read_text())["cpu"]
+    assert entry["kernel_load_ratio"] == 0.58 and entry["kernel_measurements"] == krows
+    assert "kernel load bursts, mla61x576-fp8 via x: ratio 0.580" in capsys.readouterr().out
+    forget_logged()
+    assert load_calibration(torch.device("cpu")).kernel_load_ratio == 0.58
+    for measured in ([], RuntimeError("no Triton here")):
+        def fake(*a, measured=measured, **k):
+            if isinstance(measured, Exception):
+                raise measured
+            return measured
+        monkeypatch.setattr(kernel_rate, "measure_kernel_loads", fake)
+        cal_file.unlink()
+        assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=True)) == 0
+        entry = json.loads(cal_file.read_text())["cpu"]
+        assert "kernel_load_ratio" not in entry and "kernel_measurements" not in entry and entry["d2h_min_block"] == 4096
+        assert "kernel_load_ratio left out" in capsys.readouterr().err
+    monkeypatch.setattr(kernel_rate, "measure_kernel_loads", lambda *a, **k: pytest.fail("measured with --no-kernel"))
+    assert calibration._cmd(argparse.Namespace(out=None, target=0.92, total_mb=64, kernel=False)) == 0
+    parser = argparse.ArgumentParser()
+    calibration.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["calibrate"]).kernel and not parser.parse_args(["calibrate", "--no-kernel"]).kernel

@@ -116,7 +116,7 @@ def test_calibrate_writes_the_measured_entry_and_keeps_other_gpus(tmp_path, caps
     monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda *a: "GPU X")
     out = tmp_path / "cal.json"
     out.write_text(json.dumps({"GPU Y": {"d2h_min_block": 1, "h2d_min_block": 2}}))
-    assert calibration._cmd(argparse.Namespace(out=str(out), target=0.92, total_mb=1)) == 0
+    assert calibration._cmd(argparse.Namespace(out=str(out), target=0.92, total_mb=1, kernel=False)) == 0
     assert capsys.readouterr().out.splitlines()[-1] == \
         f"GPU X: copy engine from 8192 B blocks (D2H), 4096 B (H2D); written to {out}"
     data = json.loads(out.read_text())
@@ -129,7 +129,7 @@ def test_calibrate_writes_the_measured_entry_and_keeps_other_gpus(tmp_path, caps
 
 def test_calibrate_refuses_a_folder_as_its_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("measured"))
-    assert calibration._cmd(argparse.Namespace(out=str(tmp_path), target=0.92, total_mb=1)) == 2
+    assert calibration._cmd(argparse.Namespace(out=str(tmp_path), target=0.92, total_mb=1, kernel=False)) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"hicache calibrate: calibration file {tmp_path} exists but cannot be read (")
     assert err.rstrip().endswith("(it is never overwritten)")

@@ -54,8 +54,8 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
-from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, allowed_us, backup_room_option,
-                         fed, pick_key, worth_measuring)
+from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, SLOW_KERNEL_ROOM, allowed_us,
+                         backup_room_option, fed, kernel_room, pick_key, worth_measuring)
 from .cudart import batch_calls, batch_schedule
 from .direct import DirectStrategy
 from .forward import ForwardWatch
@@ -204,6 +204,9 @@ class AutoStrategy:
         self.kernel: Strategy | None = None
         self.kernel_name = ""
         self.calibration: Calibration | None = None
+        #: The room the calibration's measure of the kernels' load bursts gives loads (:func:`~.auto_rules.kernel_room`;
+        #: 1 until :meth:`prepare`, and where the pool has no kernel).
+        self.kernel_room = 1.0
         self._registry: Registry | None = None
         # (host id, version, device id, version, length, all layers?, to_host) -> pick, a few recent ones
         self._picks: dict[tuple, Strategy] = {}
@@ -239,10 +242,13 @@ class AutoStrategy:
     def room(self) -> float:
         """How many times the transfer time at link speed a load's submission may take now (:func:`~.auto_rules.fed`'s ``room``):
         1 beside compute, ``1 / MEMORY_KERNEL_SHARE`` with ``forward="memory"``, and with ``"watch"`` what the
-        watch measured (:meth:`ForwardWatch.room <.forward.ForwardWatch.room>`)."""
+        watch measured (:meth:`ForwardWatch.room <.forward.ForwardWatch.room>`); at least :attr:`kernel_room`, what
+        the calibration's measure of this machine's kernel loads gives (:func:`~.auto_rules.kernel_room`)."""
         if self.forward == "memory":
-            return 1.0 / MEMORY_KERNEL_SHARE
-        return self.watch.room() if self.watch is not None else 1.0
+            base = 1.0 / MEMORY_KERNEL_SHARE
+        else:
+            base = self.watch.room() if self.watch is not None else 1.0
+        return max(base, self.kernel_room)
 
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
@@ -274,6 +280,13 @@ class AutoStrategy:
                                str(exc).splitlines()[0])
                 self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
+        self.kernel_room = kernel_room(self.calibration) if self.kernel is not None else 1.0
+        if self.kernel_room >= SLOW_KERNEL_ROOM and self.lone and self.forward != "watch":
+            # the kernel's lone loads win only at its usual speed; watch times them itself
+            logger.info("hicache auto: the calibration measured this machine's kernel loads at %.2f of memcpy: loads "
+                        "take the copy engine with %.2fx room, lone loads included", self.calibration.kernel_load_ratio,
+                        self.kernel_room)
+            self.lone = False
         copier = binding.scratch.get("direct.copier") if self.direct is not None else None
         if not (self.use_pace and binding.device.type == "cuda" and isinstance(copier, BatchCopier)):
             copier = None  # nothing measured: the calibration alone decides

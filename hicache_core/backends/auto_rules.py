@@ -16,11 +16,13 @@ import torch
 from ..calibration import Calibration
 from ..errors import ConfigError
 from .cudart import batch_schedule
+from .forward import MAX_ROOM
 from .pace import MIN_OPS, MODEL_CALL_US
 from .plans import Submission
 
 __all__ = ["pick_key", "fed", "worth_measuring", "allowed_us", "burst_us", "FED_SHARE", "BACKUP_ROOM", "FORWARD_MODES",
-           "ENV_FORWARD", "ENV_BACKUP_ROOM", "MEMORY_KERNEL_SHARE", "backup_room_option"]
+           "ENV_FORWARD", "ENV_BACKUP_ROOM", "MEMORY_KERNEL_SHARE", "backup_room_option", "KERNEL_LOAD_USUAL",
+           "kernel_room", "SLOW_KERNEL_ROOM"]
 
 
 def pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: int | None,
@@ -39,6 +41,30 @@ def pick_key(host_indices: torch.Tensor, device_indices: torch.Tensor, layer: in
 #: memcpy) while the host submits within ~1.1x the link time (H200: fp8 MLA bursts 0.92 of memcpy at 45 us of host
 #: time per 43 us layer; bf16 MLA bursts 0.94 at 88 us per 86 us layer).
 FED_SHARE = 1.1
+
+
+#: The kernels' per-layer load bursts, as a ratio to a pinned memcpy of the same bytes, on the hosts :data:`FED_SHARE`
+#: was measured on (H200 and H100 hosts: MLA 1152-byte rows 0.87-0.89, fp8 576- and 656-byte rows 0.83-0.85;
+#: docs/performance.md).  A calibration that measured this host's kernel loads slower (``kernel_load_ratio``) gives
+#: the copy engine's loads the room :func:`kernel_room` says.
+KERNEL_LOAD_USUAL = 0.84
+#: A kernel room from which ``auto`` drops its lone-load rule (the kernel's lone loads reach the link faster than the
+#: copy engine's only where the kernel runs at its usual speed: H200, 0.88-0.91 against 0.68-0.90), unless
+#: ``forward="watch"`` times those loads itself: the kernel's loads measured under ~0.67 of memcpy.
+SLOW_KERNEL_ROOM = 1.25
+
+
+def kernel_room(cal: Calibration) -> float:
+    """The room (:func:`allowed_us`'s ``room``) a calibration's measure of the kernels' load bursts gives the copy
+    engine's loads: :data:`KERNEL_LOAD_USUAL` over ``cal.kernel_load_ratio`` where that is lower, at most
+    :data:`~.forward.MAX_ROOM`; 1 where it was not measured or the kernels load at their usual speed.  A host-bound copy
+    engine moves a load burst at the host's pace, so where the kernel is slow it wins with a slower host too (an H100
+    host whose kernel ran fp8 MLA load bursts at 0.58 of memcpy, against the copy engine's 0.88-0.93:
+    docs/performance.md)."""
+    ratio = cal.kernel_load_ratio
+    if ratio is None or ratio >= KERNEL_LOAD_USUAL:
+        return 1.0
+    return min(MAX_ROOM, KERNEL_LOAD_USUAL / ratio)
 
 
 #: Values of :class:`AutoStrategy`'s ``forward`` option (see the module docstring).
