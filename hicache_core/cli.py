@@ -614,7 +614,8 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(f"hicache explain: {exc}", file=sys.stderr)
         return 2
     note = _no_cuda_note(args.device)
-    print("\n".join(lines + ([f"note: {note}"] if note else [])))
+    # flushed before the error below: one pipe taking both (2>&1) gets the report whole, then the error
+    print("\n".join(lines + ([f"note: {note}"] if note else [])), flush=True)
     if ok:
         return 0
     try:

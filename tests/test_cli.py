@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 import json
@@ -318,6 +319,18 @@ hicache explain: no strategy serves (layout='page_head', io_backend='fakedma', s
 nearest working alternatives: layout='page_head', io_backend='auto' (core.auto); layout='page_head', io_backend='direct' (core.direct); layout='page_head', io_backend='reference' (core.reference)
 {INVENTORY}
 """
+
+
+def test_explain_rejection_through_one_pipe_gives_the_report_whole_then_the_error():
+    """With stdout and stderr in one pipe (``2>&1``), the report comes whole before the error (stdout, block-buffered
+    in a pipe, was flushed at exit, or mid-line where the report filled its buffer)."""
+    args = [sys.executable, "-m", "hicache_core", "explain", "--layout", "page_head", "--io-backend", "fakedma", "--dtype",
+            "fp32"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe's stdout is block-buffered
+    alone = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+    both = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120, env=env)
+    assert alone.returncode == both.returncode == 2 and alone.stdout and alone.stderr
+    assert both.stdout == alone.stdout + alone.stderr
 
 
 def test_explain_layout_rejects_kind(capsys):
