@@ -27,7 +27,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ce_probe import _event_ms, probe_setup  # noqa: E402
-from hicache_core.backends import cudart  # noqa: E402
 from hicache_core.backends.pitched import Pitched, expand, ops_tensor  # noqa: E402
 
 

@@ -372,7 +372,6 @@ def rss_bytes() -> int | None:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
     except (OSError, StopIteration):
         return None
-    return out
 
 
 def lifecycles(target: tuple[str, str, str], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

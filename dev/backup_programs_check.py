@@ -12,8 +12,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_core.bench import _Memcpy, _check, _gemm_slowdown, _median_ms, _workload  # noqa: E402
