@@ -722,6 +722,12 @@ def _calibration_line() -> str:
 
     cal = load_calibration(torch.device("cuda", 0), warn_other_gpu=False)  # the line below says it, once
     text = f"{cal.gpu}, {cal.source} (file: {calibration_path()})"
+    if cal.kernel_load_ratio is not None:
+        from .backends.auto_rules import kernel_room
+
+        room = kernel_room(cal)
+        text += (f"; kernels' load bursts {cal.kernel_load_ratio:.2f} of memcpy"
+                 + (f": auto's loads get {room:.2f}x room on the copy engine" if room > 1.0 else ""))
     here = torch.cuda.get_device_name(0)
     if cal.gpu != here:
         text += f"; measured on another GPU than this {here}: run `hicache calibrate` here"

@@ -397,3 +397,21 @@ def test_calibrate_writes_the_slower_kernel_burst_and_its_rows(cal_file, capsys,
     parser = argparse.ArgumentParser()
     calibration.add_parser(parser.add_subparsers())
     assert parser.parse_args(["calibrate"]).kernel and not parser.parse_args(["calibrate", "--no-kernel"]).kernel
+
+
+@pytest.mark.parametrize("ratio,said", [(0.42, "kernels' load bursts 0.42 of memcpy: auto's loads get 2.00x room"),
+                                        (0.87, "kernels' load bursts 0.87 of memcpy"), (None, None)])
+def test_doctor_names_the_kernels_measured_load_speed(cal_file, monkeypatch, ratio, said):
+    """``hicache doctor``'s calibration line gives a measured ``kernel_load_ratio`` and, where it is under the usual
+    speed, the room it gives ``auto``'s loads; nothing where the entry holds none."""
+    from hicache_core import cli
+
+    gpu = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(calibration.torch.cuda, "get_device_name", lambda device=None: gpu)
+    entry = {"d2h_min_block": 4096, "h2d_min_block": 8192, **({} if ratio is None else {"kernel_load_ratio": ratio})}
+    cal_file.write_text(json.dumps({gpu: entry}))
+    line = cli._calibration_line()
+    if said is None:
+        assert "kernels' load bursts" not in line
+    else:
+        assert said in line and ("room" in line) == (ratio < 0.84)
