@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from .errors import HicacheError
 from .registry import Registry, default_registry
+from .spec import PoolSpec
 
 __all__ = ["SHAPES", "measure_kernel_loads", "kernel_layout"]
 
@@ -30,10 +32,17 @@ logger = logging.getLogger(__name__)
 SHAPES = ("mla61x576-bf16", "mla61x576-fp8")
 
 
-def kernel_layout(registry: Registry, spec: Any) -> str | None:
-    """The first layout by name whose ``kernel`` io_backend serves ``spec`` (``None``: none installed)."""
+def kernel_layout(registry: Registry, spec: PoolSpec) -> str | None:
+    """The first layout by name whose ``kernel`` io_backend serves ``spec`` (``None``: none installed).  A layout whose
+    ``kernel`` key cannot be resolved (two plugins register it:
+    :class:`~hicache_core.errors.DuplicateRegistrationError`) is passed over: another layout's kernel measures this
+    machine as well."""
     for name in sorted(registry.layouts):
-        res, _ = registry.try_resolve(spec, name, "kernel")
+        try:
+            res, _ = registry.try_resolve(spec, name, "kernel")
+        except HicacheError as exc:
+            logger.info("hicache calibrate: layout %r's kernel not used (%s)", name, str(exc).splitlines()[0])
+            continue
         if res is not None:
             return name
     return None

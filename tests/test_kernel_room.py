@@ -81,3 +81,27 @@ def test_explain_says_what_the_kernel_room_does(tmp_path, monkeypatch):
     pool = _pool(tmp_path, monkeypatch, None)
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
     assert "kernel load bursts at" not in text
+
+
+def test_the_kernel_measure_passes_over_a_layout_whose_kernel_key_is_in_conflict():
+    """``hicache calibrate`` measures through the first layout by name whose kernel serves the pool: a layout sorted
+    first whose ``kernel`` key two plugins register (unusable, DuplicateRegistrationError) is passed over, not the end
+    of the measure (``kernel_load_ratio`` left out although another layout's kernel could measure the machine)."""
+    from hicache_test_page_head.layout import PageHeadLayout
+
+    from hicache_core import StrategyInfo, create_registry
+    from hicache_core.backends.direct import DirectStrategy
+    from hicache_core.kernel_rate import kernel_layout
+    from hicache_core.testing import layouts_plugin, strategies_plugin
+
+    class APage(PageHeadLayout):
+        name = "apage"  # sorted before page_head
+
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(4), head_num=2, head_dim=8, dtype=torch.float16, page_size=4,
+                        capacity=16)
+    env = {"HICACHE_PLUGINS": "core,page_head"}
+    plugins = [(name, strategies_plugin(StrategyInfo(f"{name}.kernel", "kernel", (layout,), DirectStrategy, (False,))))
+               for name, layout in (("clash_a", "apage"), ("clash_b", "apage"), ("fine", "page_head"))]
+    reg = create_registry(env=env, plugins=[("apage", layouts_plugin(APage())), *plugins])
+    assert [c.kind for c in reg.conflicts] == ["key"] and sorted(reg.layouts)[0] == "apage"
+    assert kernel_layout(reg, spec) == "page_head"
