@@ -70,6 +70,26 @@ def test_auto_takes_the_kernel_room_from_the_calibration(tmp_path, monkeypatch, 
         assert plain.kernel_room == 1.0 and plain.room == 1.0 and plain.lone
 
 
+def test_an_explicit_lone_option_is_kept_and_a_pool_without_copy_engine_gets_no_room(tmp_path, monkeypatch):
+    """The calibration drops the lone-load rule where it is on by default only: ``lone=True`` passed keeps it (the
+    room for the rest of the loads stays), and explain says so.  Without a copy engine (no batch copy API) there is
+    no decision the room could move: no room, no lone rule dropped, nothing said of it."""
+    kept = _pool(tmp_path, monkeypatch, 0.42, lone=True)
+    if kept.strategy.kernel is None:
+        pytest.skip("no kernel candidate here (Triton cannot run the layout kernel on this machine)")
+    assert kept.strategy.lone and kept.strategy.room == pytest.approx(2.0)
+    text = "\n".join(kept.strategy.describe(kept.spec, kept.resolution.layout))
+    assert "kernel load bursts at 0.42 of memcpy" in text and "no lone-load exception" not in text
+    from hicache_core.backends.direct import DirectStrategy
+
+    monkeypatch.setattr(DirectStrategy, "supports", lambda self, spec, layout: "no batch copy API here")
+    alone = _pool(tmp_path, monkeypatch, 0.42).strategy
+    assert alone.direct is None and alone.kernel is not None
+    assert alone.kernel_room == 1.0 and alone.room == 1.0 and alone.lone
+    pool = _pool(tmp_path, monkeypatch, 0.42)
+    assert "kernel load bursts at" not in "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
+
+
 def test_explain_says_what_the_kernel_room_does(tmp_path, monkeypatch):
     st = _pool(tmp_path, monkeypatch, 0.42).strategy
     if st.kernel is None:

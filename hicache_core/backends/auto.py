@@ -146,7 +146,8 @@ class AutoStrategy:
 
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
     :param lone: send a lone one-layer load to a kernel whose fast load paths take the layer (the module docstring);
-        ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``).
+        ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``, or, but
+        with ``forward="watch"``, a calibration measured this machine's kernel loads slow: :meth:`drops_lone`).
     :param pace: on CUDA pools, let the host's measured submission speed (the copier's :class:`~.pace.HostPace` of
         the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
         (:func:`~.auto_rules.fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
@@ -183,6 +184,9 @@ class AutoStrategy:
         self.forward = mode
         #: How many times its transfer time a backup's submission may take and still go to the copy engine.
         self.backup_room = backup_room_option(backup_room)
+        #: Whether the lone-load rule is on by default here (``lone`` not passed, ``forward`` other than ``memory``):
+        #: only then may a calibration that measured slow kernel loads drop it (:meth:`drops_lone`).
+        self._lone_by_default = lone is None and mode != "memory"
         if lone is None:
             lone = mode != "memory"
         for name, value in (("lone", lone), ("pace", pace), ("prefetch", prefetch), ("reprobe", reprobe)):
@@ -250,6 +254,16 @@ class AutoStrategy:
             base = self.watch.room() if self.watch is not None else 1.0
         return max(base, self.kernel_room)
 
+    def kernel_room_of(self, cal: Calibration) -> float:
+        """The room ``cal``'s measure of the kernels' load bursts gives this pool's loads
+        (:func:`~.auto_rules.kernel_room`): 1 where there is no decision to make (no kernel, or no copy engine)."""
+        return kernel_room(cal) if self.kernel is not None and self.direct is not None else 1.0
+
+    def drops_lone(self, room: float) -> bool:
+        """Whether a kernel room of ``room`` drops the lone-load rule: from :data:`~.auto_rules.SLOW_KERNEL_ROOM`, where
+        the rule is on by default (an explicit ``lone=True`` keeps it; ``forward="watch"`` times lone loads itself)."""
+        return room >= SLOW_KERNEL_ROOM and self._lone_by_default and self.forward != "watch"
+
     def use_registry(self, registry: Registry) -> None:
         """Resolve the kernel candidate in ``registry`` (the one resolving this strategy), not the default."""
         self._registry = registry
@@ -280,8 +294,8 @@ class AutoStrategy:
                                str(exc).splitlines()[0])
                 self.kernel, self.kernel_name = None, ""
         self.calibration = load_calibration(binding.device)
-        self.kernel_room = kernel_room(self.calibration) if self.kernel is not None else 1.0
-        if self.kernel_room >= SLOW_KERNEL_ROOM and self.lone and self.forward != "watch":
+        self.kernel_room = self.kernel_room_of(self.calibration)
+        if self.lone and self.drops_lone(self.kernel_room):
             # the kernel's lone loads win only at its usual speed; watch times them itself
             logger.info("hicache auto: the calibration measured this machine's kernel loads at %.2f of memcpy: loads "
                         "take the copy engine with %.2fx room, lone loads included", self.calibration.kernel_load_ratio,

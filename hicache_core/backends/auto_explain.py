@@ -14,7 +14,7 @@ from ..calibration import DEFAULT, Calibration, load_calibration
 from ..layout import Layout
 from ..spec import PoolSpec
 from . import pace as _pace
-from .auto_rules import FED_SHARE, KERNEL_LOAD_USUAL, MEMORY_KERNEL_SHARE, SLOW_KERNEL_ROOM, allowed_us, fed, kernel_room
+from .auto_rules import FED_SHARE, KERNEL_LOAD_USUAL, MEMORY_KERNEL_SHARE, allowed_us, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
 from .reprobe import DROP
@@ -74,13 +74,12 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
                      f"{auto.room:.1f}x the time the rule above allows (at the calibration's costs: "
                      f"{auto.room:.1f}x the transfer time at link speed; at a measured pace: "
                      f"{FED_SHARE * auto.room:.0%} of it)" + ("" if auto.lone else ", lone loads included"))
-    kroom = kernel_room(cal) if auto.kernel_name else 1.0
+    kroom = auto.kernel_room_of(cal)
     if kroom > 1.0:
         lines.append(f"auto: the calibration measured this machine's kernel load bursts at {cal.kernel_load_ratio:.2f} "
                      f"of memcpy (usual: {KERNEL_LOAD_USUAL:.2f} or more): a load's submission may take {kroom:.2f}x "
                      "the time the rule above allows"
-                     + (", lone loads included (no lone-load exception)"
-                        if kroom >= SLOW_KERNEL_ROOM and auto.forward != "watch" else ""))
+                     + (", lone loads included (no lone-load exception)" if auto.drops_lone(kroom) else ""))
     if auto.prefetch:
         lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
                      "first decided load, so a copy plan made later in the burst waits for that read only")
@@ -90,8 +89,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
                      "the kernel's own calls are timed, and the host is measured again "
                      f"once they run {DROP:.0%} faster than just after that decision"
                      + ("" if auto.use_pace else " (no effect here: pace=False measures no host)"))
-    if auto.lone and getattr(auto.kernel, "fast_load", None) is not None and not (
-            kroom >= SLOW_KERNEL_ROOM and auto.forward != "watch"):
+    if auto.lone and getattr(auto.kernel, "fast_load", None) is not None and not auto.drops_lone(kroom):
         lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
                      f"{auto.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
                      "whole-page loads)")
@@ -106,7 +104,7 @@ def _estimate(auto: AutoStrategy, spec: PoolSpec, layout: Layout, cal: Calibrati
 
     cpu = replace(spec, device=torch.device("cpu"))
     rows = cpu.capacity
-    room = max(auto.room, kernel_room(cal) if auto.kernel_name else 1.0)  # a pool's, once prepared
+    room = max(auto.room, auto.kernel_room_of(cal))  # a pool's, once prepared
     # uninitialised: only submissions are planned, nothing is copied (zeroed rows of a model's pool took gigabytes)
     bufs = {c.name: [torch.empty(rows, c.row_bytes, dtype=torch.uint8) if i in cpu.layer_map.device_layers else None
                      for i in range(cpu.layer_map.num_device_layers)] for c in cpu.components}
