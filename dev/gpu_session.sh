@@ -209,8 +209,10 @@ for step in "$@"; do
       # them on purpose): hicache calibrate measures them (kernel_load_ratio), then pace probes of KR_SHAPES with that
       # calibration and with the same one less kernel_load_ratio, in turn, new and reused indices (KR_SECONDS per cell)
       export HICACHE_KERNEL_PROGRAMS=${KR_PROGRAMS:-2}
-      HICACHE_CALIBRATION=$OUT/cal_kr.json timeout 150 hicache calibrate >"$W/kr_calibrate.log" 2>&1
-      note "kernelroom calibrate (programs $HICACHE_KERNEL_PROGRAMS): $(result $?) $(grep -h 'kernel load bursts' "$W/kr_calibrate.log" | tr '\n' ';')"
+      HICACHE_CALIBRATION=$OUT/cal_kr.json timeout 150 hicache calibrate >"$W/kr_calibrate.log" 2>&1; r=$?
+      note "kernelroom calibrate (programs $HICACHE_KERNEL_PROGRAMS): $(result $r) $(grep -h 'kernel load bursts' "$W/kr_calibrate.log" | tr '\n' ';')"
+      if [ $r != 0 ] || ! grep -q kernel_load_ratio "$OUT/cal_kr.json" 2>/dev/null; then
+        note "kernelroom: no kernel_load_ratio measured: no probes (see kr_calibrate.log)"; unset HICACHE_KERNEL_PROGRAMS; continue; fi
       python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [e.pop('kernel_load_ratio', None) for e in d.values()]; json.dump(d, open(sys.argv[2], 'w'))" \
         "$OUT/cal_kr.json" "$OUT/cal_kr_without.json"
       for mode in reuse fresh; do for cal in with without; do

@@ -345,7 +345,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--out", default=None, help=f"file to update (default {ENV_CALIBRATION} or ~/.cache/hicache/calibration.json)")
     p.add_argument("--no-kernel", dest="kernel", action="store_false",
                    help="skip the measure of the layout kernels' load bursts (kernel_load_ratio; by default measured "
-                        "where a layout plugin's kernel is installed)")
+                        "where a layout plugin's kernel is installed; the GPU's entry is replaced whole, so one "
+                        "measured before is dropped)")
     p.set_defaults(func=_cmd)
 
 

@@ -28,6 +28,7 @@ def test_kernel_room_is_the_usual_speed_over_the_measured_one(ratio, room):
     assert kernel_room(_cal(ratio)) == pytest.approx(room)
     # the room scales what a load's submission may take; backups keep theirs
     assert allowed_us(55_000, _cal(ratio), False, kernel_room(_cal(ratio))) == pytest.approx(room)
+    assert allowed_us(55_000, _cal(ratio), True, kernel_room(_cal(ratio)), backup_room=1.0) == pytest.approx(1.0)
     assert kernel_room(DEFAULT) == 1.0
 
 
@@ -97,7 +98,10 @@ def test_explain_says_what_the_kernel_room_does(tmp_path, monkeypatch):
     pool = _pool(tmp_path, monkeypatch, 0.42)
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
     assert "kernel load bursts at 0.42 of memcpy" in text and "2.00x" in text and "lone loads included" in text
-    assert "except a lone one-layer load" not in text
+    assert "except a lone one-layer load" not in text and "the larger of that room and theirs" not in text
+    pool = _pool(tmp_path, monkeypatch, 0.42, forward="memory")
+    text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
+    assert "2.00x the time the rule above allows (with forward='memory' or 'watch', the larger of that room" in text
     pool = _pool(tmp_path, monkeypatch, None)
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
     assert "kernel load bursts at" not in text

@@ -79,6 +79,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         lines.append(f"auto: the calibration measured this machine's kernel load bursts at {cal.kernel_load_ratio:.2f} "
                      f"of memcpy (usual: {KERNEL_LOAD_USUAL:.2f} or more): a load's submission may take {kroom:.2f}x "
                      "the time the rule above allows"
+                     + (" (with forward='memory' or 'watch', the larger of that room and theirs, not both)"
+                        if auto.forward != "compute" else "")
                      + (", lone loads included (no lone-load exception)" if auto.drops_lone(kroom) else ""))
     if auto.prefetch:
         lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
