@@ -57,6 +57,7 @@ def test_auto_takes_the_kernel_room_from_the_calibration(tmp_path, monkeypatch, 
     if st.kernel is None:
         pytest.skip("no kernel candidate here (Triton cannot run the layout kernel on this machine)")
     assert st.kernel_room == pytest.approx(2.0) and st.room == pytest.approx(2.0) and not st.lone
+    assert not st._clocked  # no lone-load clock either (on a GPU it would be on: its lane inlines the lone rule)
     assert "kernel loads at 0.42 of memcpy" in caplog.text
     memory = _pool(tmp_path, monkeypatch, 0.42, forward="memory").strategy
     assert memory.room == pytest.approx(max(2.0, 1 / 0.45)) and not memory.lone
