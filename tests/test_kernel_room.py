@@ -99,10 +99,10 @@ def test_explain_says_what_the_kernel_room_does(tmp_path, monkeypatch):
     pool = _pool(tmp_path, monkeypatch, 0.42)
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
     assert "kernel load bursts at 0.42 of memcpy" in text and "2.00x" in text and "lone loads included" in text
-    assert "except a lone one-layer load" not in text and "the larger of that room and theirs" not in text
+    assert "except a lone one-layer load" not in text and "the larger of this room" not in text
     pool = _pool(tmp_path, monkeypatch, 0.42, forward="memory")
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
-    assert "2.00x the time the rule above allows (with forward='memory' or 'watch', the larger of that room" in text
+    assert "2.00x the time the rule above allows (with forward='memory', the larger of this room and forward's" in text
     pool = _pool(tmp_path, monkeypatch, None)
     text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
     assert "kernel load bursts at" not in text
@@ -130,3 +130,23 @@ def test_the_kernel_measure_passes_over_a_layout_whose_kernel_key_is_in_conflict
     reg = create_registry(env=env, plugins=[("apage", layouts_plugin(APage())), *plugins])
     assert [c.kind for c in reg.conflicts] == ["key"] and sorted(reg.layouts)[0] == "apage"
     assert kernel_layout(reg, spec) == "page_head"
+
+
+def test_explain_says_how_the_kernel_room_meets_forward_and_when_a_load_is_lone(tmp_path, monkeypatch):
+    """Beside ``forward="memory"`` the larger room applies (``AutoStrategy.room``: a max, not a product), and the
+    lone-load line gives both conditions of a lone load (the 50 us gap too), as docs/io-backends.md does."""
+    st = _pool(tmp_path, monkeypatch, 0.6).strategy
+    if st.kernel is None:
+        pytest.skip("no kernel candidate here (Triton cannot run the layout kernel on this machine)")
+    pool = _pool(tmp_path, monkeypatch, 0.6, forward="memory")
+    assert pool.strategy.room == pytest.approx(max(KERNEL_LOAD_USUAL / 0.6, 1 / 0.45))
+    text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
+    assert "with forward='memory', the larger of this room and forward's applies, not their product" in text
+    pool = _pool(tmp_path, monkeypatch, 0.6)
+    text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
+    assert "kernel load bursts at 0.60" in text and "the larger of this room" not in text
+    pool = _pool(tmp_path, monkeypatch, None)
+    if getattr(pool.strategy.kernel, "fast_load", None) is None:
+        pytest.skip("the kernel here has no fast load paths: explain names no lone-load rule")
+    text = "\n".join(pool.strategy.describe(pool.spec, pool.resolution.layout))
+    assert "not within 50 us of its previous call's end" in text

@@ -17,6 +17,7 @@ from . import pace as _pace
 from .auto_rules import FED_SHARE, KERNEL_LOAD_USUAL, MEMORY_KERNEL_SHARE, allowed_us, fed
 from .direct import DirectStrategy
 from .forward import FAST_SHARE, IDLE_SHARE, MAX_ROOM, MIN_TIMED_BYTES, RENEW_S, SLOW_SHARE
+from .memcpy import TIGHT_GAP_US
 from .reprobe import DROP
 from .staging import LAUNCH_US
 
@@ -79,9 +80,11 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         lines.append(f"auto: the calibration measured this machine's kernel load bursts at {cal.kernel_load_ratio:.2f} "
                      f"of memcpy (usual: {KERNEL_LOAD_USUAL:.2f} or more): a load's submission may take {kroom:.2f}x "
                      "the time the rule above allows"
-                     + (" (with forward='memory' or 'watch', the larger of that room and theirs, not both)"
-                        if auto.forward != "compute" else "")
-                     + (", lone loads included (no lone-load exception)" if auto.drops_lone(kroom) else ""))
+                     + ("" if auto.forward == "compute" else
+                        f" (with forward={auto.forward!r}, the larger of this room and forward's applies, not their "
+                        "product)")
+                     + (", lone loads included (no lone-load exception)"
+                        if auto.drops_lone(kroom) else ""))
     if auto.prefetch:
         lines.append("auto: prefetch: a new index pair's GPU-resident device indices start back to the host at its "
                      "first decided load, so a copy plan made later in the burst waits for that read only")
@@ -92,7 +95,8 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
                      f"once they run {DROP:.0%} faster than just after that decision"
                      + ("" if auto.use_pace else " (no effect here: pace=False measures no host)"))
     if auto.lone and getattr(auto.kernel, "fast_load", None) is not None and not auto.drops_lone(kroom):
-        lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running), which "
+        lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running, and "
+                     f"not within {TIGHT_GAP_US:g} us of its previous call's end), which "
                      f"{auto.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
                      "whole-page loads)")
     try:
