@@ -153,7 +153,8 @@ def load_calibration(device: torch.device, *, warn_other_gpu: bool = True) -> Ca
     path = calibration_path()
     named = bool(os.environ.get(ENV_CALIBRATION))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    fix = "run `hicache calibrate` on this GPU, or fix the file"
+    fix = ("run `hicache calibrate` on this GPU, or fix the file" if device.type == "cuda" else
+           "fix the file: CPU pools read its \"cpu\" entry, written by hand (`hicache calibrate` needs a CUDA GPU)")
     try:
         data = _read_json(path)
     except FileNotFoundError:

@@ -97,6 +97,8 @@ def test_a_named_file_that_gives_nothing_for_this_device_is_warned_about(cal_fil
         assert load_calibration(CPU) == DEFAULT
         assert load_calibration(CPU) == DEFAULT  # pools load it one by one: warned once
     assert why in caplog.text and len(caplog.records) == 1
+    # a CPU pool's fix is the file's "cpu" entry: `hicache calibrate` cannot run without a GPU
+    assert "on this GPU" not in caplog.text and 'its "cpu" entry, written by hand' in caplog.text
 
 
 def test_a_null_entry_is_malformed_not_missing(cal_file, caplog):
