@@ -721,7 +721,9 @@ def _calibration_line() -> str:
     from .calibration import calibration_path, load_calibration
 
     cal = load_calibration(torch.device("cuda", 0), warn_other_gpu=False)  # the line below says it, once
-    text = f"{cal.gpu}, {cal.source} (file: {calibration_path()})"
+    text = (f"{cal.gpu}, {cal.source} (file: {calibration_path()}): copy engine from {cal.d2h_min_block} B blocks "
+            f"(backups) / {cal.h2d_min_block} B (loads), {cal.submit_us:.2f} us per descriptor, {cal.call_us:g} us per "
+            f"call, link {cal.link_gbps:.1f} GB/s")
     if cal.kernel_load_ratio is not None:
         from .backends.auto_rules import kernel_room
 
