@@ -107,7 +107,8 @@ def test_a_gap_cell_falls_back_to_direct_when_its_strategy_cannot_serve_the_pool
 def test_a_taken_over_cell_whose_io_backend_is_not_installed_stays_sglangs(hooked, monkeypatch, stock_kernels, tmp_path,
                                                                            caplog):
     """The table took the cell over for one hicache io_backend (measured for it alone); where that one has no strategy
-    here (``vendorx``), SGLang keeps the cell, with a warning, rather than an unmeasured hicache route serving it."""
+    here (``vendorx``, or a misspelt ``dirct``), SGLang keeps the cell, with a warning that names the table file, the
+    field and the io_backends installed for the layout, rather than an unmeasured hicache route serving it."""
     table = write_table(tmp_path, [entry(op="backup", hicache_io_backend="vendorx")])
     monkeypatch.setenv("HICACHE_SGLANG", "measured")
     monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
@@ -119,6 +120,9 @@ def test_a_taken_over_cell_whose_io_backend_is_not_installed_stays_sglangs(hooke
             pytest.raises(NameError, match="transfer_kv_all_layer_mla"):  # SGLang's stock kernel (absent on CPU)
         host.backup_from_device_all_layer(dev, h, d1, "kernel")
     assert "no 'vendorx' strategy for layout 'layer_first'" in caplog.text
+    (warning,) = [r.getMessage() for r in caplog.records if "vendorx" in r.getMessage()]
+    assert str(table) in warning and "hicache_io_backend" in warning
+    assert "'direct'" in warning and "'kernel'" in warning  # installed for layer_first
     assert not getattr(host, "_hicache_bridges", {})
 
 

@@ -305,24 +305,3 @@ def test_docs_table_example_and_its_error_agree(tmp_path):
     with pytest.raises(TakeoverTableError) as err:
         load_table(path)
     assert str(err.value) == " ".join(documented.split()).replace("/etc/t.json", str(path))
-
-
-def test_a_table_naming_an_io_backend_nobody_registers_warns_naming_the_table(hooked, monkeypatch, stock_kernels,
-                                                                              tmp_path, caplog):
-    """A misspelt ``hicache_io_backend`` (``dirct``) in a user's table: the cell stays SGLang's, and the warning names
-    the table file, the field and the io_backends installed for the layout, so the fix is plain."""
-    from hicache_core.integrations.sglang import hooks
-
-    table = write_table(tmp_path, [entry(op="backup", hicache_io_backend="dirct")])
-    monkeypatch.setenv("HICACHE_SGLANG", "measured")
-    monkeypatch.setenv("HICACHE_SGLANG_TABLE", str(table))
-    hooks._resolved.clear()
-    hooks._decided.clear()
-    dev, host = make_pools("mla", "layer_first")
-    h, d1, _ = slots(host, dev)
-    with caplog.at_level(logging.WARNING, logger="hicache_core"), \
-            pytest.raises(NameError, match="transfer_kv_all_layer_mla"):  # SGLang's own routine (CPU: unbound)
-        host.backup_from_device_all_layer(dev, h, d1, "kernel")
-    (warning,) = [r.getMessage() for r in caplog.records if "dirct" in r.getMessage()]
-    assert str(table) in warning and "hicache_io_backend" in warning
-    assert "'direct'" in warning and "'kernel'" in warning  # installed for layer_first
