@@ -96,6 +96,8 @@ def calibration_path() -> str:
 _EXTRA_KEYS = {"measurements", "kernel_measurements"}
 #: The largest ``kernel_load_ratio`` an entry may hold (a ratio to memcpy far above 1 is a measuring or writing slip).
 MAX_KERNEL_LOAD_RATIO = 2.0
+
+
 def _warn_once(message: str) -> None:
     """Log ``message`` at WARNING the first time (pools load the calibration one by one)."""
     log_once(logger, logging.WARNING, message)

@@ -9,8 +9,8 @@ unless the calibration says otherwise (:func:`~hicache_core.backends.auto_rules.
 The measure: a load burst (every layer in turn, new device rows of random pages) of MLA 576-element rows in bf16
 (1152-byte rows: the TMA path on Hopper-class GPUs) and in fp8 (576-byte rows: whole-page loads), 61 layers, 4096
 tokens, pages of 64, through the kernel of the first installed layout (by name) that serves the pool, bit-exact
-checked first; its ratio to a pinned memcpy of the same bytes (each the fastest of three medians, alternating).  The core names no
-layout: any layout plugin's kernel may serve.
+checked first; its ratio to a pinned memcpy of the same bytes (each the fastest of three medians, alternating).  The
+core names no layout: any layout plugin's kernel may serve.
 """
 
 from __future__ import annotations

@@ -146,8 +146,9 @@ class AutoStrategy:
 
     :param staging, staging_bytes, pitched: passed to :class:`DirectStrategy`.
     :param lone: send a lone one-layer load to a kernel whose fast load paths take the layer (the module docstring);
-        ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``, or, but
-        with ``forward="watch"``, a calibration measured this machine's kernel loads slow: :meth:`drops_lone`).
+        ``False`` keeps the block-size rule for every call (default: ``True`` unless ``forward="memory"``; a
+        calibration that measured this machine's kernel loads slow turns the default off, but for ``forward="watch"``:
+        :meth:`drops_lone`).
     :param pace: on CUDA pools, let the host's measured submission speed (the copier's :class:`~.pace.HostPace` of
         the call's direction) send calls to the copy engine that the calibrated margin alone would give the kernel
         (:func:`~.auto_rules.fed`), measuring it where no recent measure exists (:meth:`pick`); ``False``: the calibration
