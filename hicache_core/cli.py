@@ -718,7 +718,7 @@ def _copy_engine_runtime() -> str:
 
 def _calibration_line() -> str:
     """The calibration ``auto`` reads for the first GPU, and whether it was measured on another model."""
-    from .calibration import calibration_path, load_calibration
+    from .calibration import DEFAULT, calibration_path, load_calibration
 
     cal = load_calibration(torch.device("cuda", 0), warn_other_gpu=False)  # the line below says it, once
     text = (f"{cal.gpu}, {cal.source} (file: {calibration_path()}): copy engine from {cal.d2h_min_block} B blocks "
@@ -730,6 +730,8 @@ def _calibration_line() -> str:
         room = kernel_room(cal)
         text += (f"; kernels' load bursts {cal.kernel_load_ratio:.2f} of memcpy"
                  + (f": auto's loads get {room:.2f}x room on the copy engine" if room > 1.0 else ""))
+    elif cal is not DEFAULT:  # a file's entry written before calibrate measured the kernels, or with --no-kernel
+        text += "; kernels' load speed not measured (taken as usual): `hicache calibrate` measures it"
     here = torch.cuda.get_device_name(0)
     if cal.gpu != here:
         text += f"; measured on another GPU than this {here}: run `hicache calibrate` here"
