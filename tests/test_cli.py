@@ -757,7 +757,7 @@ def test_doctor(capsys, monkeypatch, tmp_path):
         ]
         assert lines[7:] == [
             "verify on cpu: 8 of 16 cells will run, 8 will be skipped:",
-            f"  8 cells (page_head/auto, page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
+            "  8 cells (page_head/auto, page_head/direct, page_head/fakedma, page_head/reference): layout page_head: "
             "page_head stores per-head rows of MHA pools only; this pool is 'mla'",
         ]
 
