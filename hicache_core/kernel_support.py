@@ -128,9 +128,6 @@ class SegmentTable:
     token: int
     rows: int  # device rows of the shortest layer (kernels mask indices against it)
 
-    def entry_positions(self, layer: int | None) -> list[int]:
-        return self.segment.entries(layer)
-
 
 def segment_tables(binding: PoolBinding, *, max_word: int = 8) -> list[SegmentTable]:
     """Build (once per pool) a :class:`SegmentTable` per bound segment."""
