@@ -36,7 +36,7 @@ from types import ModuleType
 
 from .envflags import check_switch, env_on
 
-__all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "MAX_PARAMS", "module", "c_launch_enabled", "set_c_launch"]
+__all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "MAX_PARAMS", "module", "set_c_launch"]
 
 logger = logging.getLogger(__name__)
 
@@ -181,11 +181,6 @@ def _env() -> bool:
 _ON = [_env()]
 _MOD: list[ModuleType | None] = []  # [] until first asked; then [the module or None]
 _LOCK = threading.Lock()
-
-
-def c_launch_enabled() -> bool:
-    """Whether driver launches may take the compiled call (``HICACHE_C_LAUNCH`` not ``0``, or :func:`set_c_launch`)."""
-    return _ON[0]
 
 
 def set_c_launch(enabled: bool | None = None) -> bool:
