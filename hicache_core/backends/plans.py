@@ -425,8 +425,8 @@ class Plan:
             self._waits.timed(torch.cuda.current_stream(t.device).synchronize)
         return as_long(t, "cpu", copy=copy)
 
-    def _read_d(self, device_indices: torch.Tensor, copy: bool = False) -> torch.Tensor:
-        d = self._to_host(device_indices, copy=copy)
+    def _read_d(self, device_indices: torch.Tensor) -> torch.Tensor:
+        d = self._to_host(device_indices)
         if d.numel() and (self._facts is None or not self._facts.device_read) and not _within(d, self._rows):
             rng = f"in 0..{self._rows - 1}" if self._rows else "nowhere (the shortest device layer has no rows)"
             raise IndexRangeError(f"direct: device_indices must lie {rng}; nothing was copied")
