@@ -90,7 +90,7 @@ def _common_checks(host: Any) -> None:
         raise Unsupported(f"decode context parallelism (dcp_size={host.dcp_size}) is left to SGLang")
 
 
-def _owned_range(device_pool: Any, layer_num: int) -> tuple[int, int] | None:
+def _owned_range(device_pool: Any) -> tuple[int, int] | None:
     if device_pool is None or not getattr(device_pool, "layer_shard_enabled", False):
         return None
     start, end = device_pool._owned_local_layer_range()
@@ -106,7 +106,7 @@ def _describe_mla(host: Any, device_pool: Any) -> Described:
     if device_pool is not None:
         if device_pool.layer_num != n_dev:
             raise Unsupported(f"device pool has {device_pool.layer_num} layers, the host pool was built for {n_dev}")
-        rng = _owned_range(device_pool, n_dev)
+        rng = _owned_range(device_pool)
         if bool(rng) != sharded or (rng and tuple(range(*rng)) != owned):
             raise Unsupported(f"device pool ownership {rng} disagrees with the host pool's layers {owned}")
         if sharded and host.target_layer_num != math.ceil(n_dev / device_pool.layer_shard_size):

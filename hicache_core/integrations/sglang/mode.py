@@ -140,7 +140,7 @@ def _mla_cell(layout: str, io_backend: str, sharded: bool, op: str, can_use_jit:
     return False
 
 
-def _mha_cell(layout: str, io_backend: str, sharded: bool, op: str) -> bool:
+def _mha_cell(layout: str, io_backend: str) -> bool:
     if io_backend == "kernel":
         return layout in ("layer_first", "page_first", "page_head")
     if io_backend == "direct":
@@ -180,7 +180,7 @@ def stock_serves(
     if kind == "mla":
         return _mla_cell(layout, io_backend, sharded, op, can_use_jit)
     if kind == "mha":
-        return _mha_cell(layout, io_backend, sharded, op)
+        return _mha_cell(layout, io_backend)
     if kind == "dsa_indexer":
         return _indexer_cell(layout, io_backend, sharded, op) and (rows_packed or io_backend != "kernel")
     return False
