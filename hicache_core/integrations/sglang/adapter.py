@@ -246,14 +246,15 @@ class Bridge:
 def _validate_level() -> str:
     """The bridged pools' validation level: ``$HICACHE_VALIDATE`` (:func:`~hicache_core.pool.validate_level`), default
     :data:`ENV_VALIDATE_DEFAULT`; ``strict`` counts as ``full`` (SGLang allocates the host slots itself, so none is
-    ever in hicache's allocator).
-
-    :raises ConfigError: the variable names no level."""
+    ever in hicache's allocator).  A value that names no level counts as the default, logged once at ERROR (as the
+    bridge's other settings: a cell SGLang cannot serve keeps being served, rather than failing every call)."""
     raw = os.environ.get(ENV_VALIDATE, "")
     try:
         level = validate_level(raw.strip() or ENV_VALIDATE_DEFAULT)
-    except SpecError as exc:
-        raise ConfigError(f"{ENV_VALIDATE}={raw!r}: use 'shapes', 'full' or 'strict'") from exc
+    except SpecError:
+        log_once(logger, logging.ERROR, f"hicache: {ENV_VALIDATE}={raw!r} is not a level: use 'shapes', 'full' or "
+                 f"'strict'; bridged pools use {ENV_VALIDATE_DEFAULT!r}")
+        return ENV_VALIDATE_DEFAULT
     if level == "strict":
         log_once(logger, logging.WARNING, f"hicache: {ENV_VALIDATE}=strict checks host slots against hicache's "
                  "allocator, but SGLang allocates them: bridged pools use 'full'")
