@@ -221,6 +221,10 @@ def _contract_problem(value: object, what: str) -> str | None:
             "reason (str)")
 
 
+#: How a resolution that names a strategy (``override``) refuses one whose registration has no candidate for the key.
+NOT_A_CANDIDATE = "not a candidate for this key"
+
+
 def did_you_mean(name: str, options: Iterable[str]) -> str:
     """``"did you mean: a, b?"`` naming up to three of ``options`` close to ``name``, or ``""``."""
     near = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
@@ -601,7 +605,7 @@ class Registry:
         else:
             picked = [c for c in cands if c.name == override]
             if not picked:
-                refusal = f"not a candidate for this key; candidates: {[c.name for c in cands]}"
+                refusal = f"{NOT_A_CANDIDATE}; candidates: {[c.name for c in cands]}"
                 if not cands:
                     refusal += f" ({self._no_candidate(layout, io_backend, key_sharded)})"
                 return None, [(override, refusal)]

@@ -370,3 +370,35 @@ def test_the_kit_checks_the_plan_addresses_not_only_agreement_with_the_reference
     monkeypatch.setattr(binding_mod, "_bind_segment", swapped)
     with pytest.raises(AssertionError, match="is not where the plan's addressing puts it"):
         check_strategy(reg, case, "layer_first", "direct")
+
+
+def test_cases_outside_a_strategys_registration_are_counted_and_reported(monkeypatch) -> None:
+    """A strategy registered for unsharded pools only: its sharded cases are skipped (the registration declares it),
+    but counted, and the run's summary says they were not tested and how to register them, so a forgotten
+    ``sharded=(False, True)`` does not pass silently."""
+    from hicache_core.testing import plugin as kit_plugin
+    from hicache_core.testing import test_conformance
+
+    monkeypatch.setattr(kit_plugin, "_UNREGISTERED_SKIPS", type(kit_plugin._UNREGISTERED_SKIPS)())
+    reg = create_registry(env=ENV, plugins=[("unsharded", plugin(StrategyInfo("t.flat", "flat", ("layer_first",),
+                                                                               DirectStrategy, (False,))))])
+    cases = [c for c in CASES if c.build(torch.device("cpu")).sharded][:2] + [
+        next(c for c in CASES if not c.build(torch.device("cpu")).sharded)]
+    served = []
+    for case in cases:
+        try:
+            test_conformance._run(lambda *a, **k: served.append(case.id), reg, case,
+                                  ("layer_first", "flat", "t.flat"), "cpu")
+        except pytest.skip.Exception as skip:
+            assert "not a candidate for this key" in str(skip)
+    assert served == [cases[2].id]
+    assert dict(kit_plugin._UNREGISTERED_SKIPS) == {("t.flat", "sharded"): 2}
+    lines = []
+
+    class Reporter:
+        def write_line(self, line: str, **markup: bool) -> None:
+            lines.append(line)
+
+    kit_plugin.pytest_terminal_summary(Reporter())
+    assert ("hicache conformance kit: t.flat registers no key for sharded pools: its 2 sharded cases were skipped, "
+            "not tested (where it serves them, add True to its registration's sharded)") in lines

@@ -25,7 +25,7 @@ from ..binding import BoundSegment
 from ..kernel_support import kernel_unsupported_reason
 from ..layout import strided_reach
 from ..pool import HostKVPool
-from ..registry import LOAD_FAILED, Registry
+from ..registry import LOAD_FAILED, NOT_A_CANDIDATE, Registry
 from ..spec import Component, LayerMap, PoolSpec
 
 __all__ = ["Case", "CASES", "INDEX_VARIANTS", "DEVICE_PLACEMENTS", "make_device_buffers", "check_strategy",
@@ -548,7 +548,7 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
     if res is not None:
         return None
     for name, why in rejected:
-        if name.startswith("layout ") or "not a candidate" in why:  # the layout's check, or the strategy's registration
+        if name.startswith("layout ") or NOT_A_CANDIDATE in why:  # the layout's check, or the strategy's registration
             return Rejection("declared", why, by_layout=name.startswith("layout "))
         if name != strategy:
             continue

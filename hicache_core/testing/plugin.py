@@ -37,9 +37,19 @@ _ENVIRONMENT_SKIPS: Counter[tuple[str, str]] = Counter()
 _STATE: dict[str, bool] = {"interpreter_set": False}
 
 
+#: (strategy, "sharded" / "unsharded") -> cases skipped because the strategy registers no key for such pools.
+_UNREGISTERED_SKIPS: Counter[tuple[str, str]] = Counter()
+
+
 def record_environment_skip(strategy: str, reason: str) -> None:
     """Count a case skipped because ``strategy`` cannot run on this machine (reported at the end)."""
     _ENVIRONMENT_SKIPS[(strategy, reason)] += 1
+
+
+def record_unregistered_skip(strategy: str, sharded: bool) -> None:
+    """Count a case skipped because ``strategy``'s registration has no key for its pool's sharding (reported at the
+    end: a strategy that forgot ``sharded=(False, True)`` would otherwise pass with its sharded half untested)."""
+    _UNREGISTERED_SKIPS[(strategy, "sharded" if sharded else "unsharded")] += 1
 
 
 def _use_interpreter_without_gpu() -> None:
@@ -122,6 +132,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(
             "hicache conformance kit: no CUDA device, so it set TRITON_INTERPRET=1: kernel strategies ran in "
             "Triton's CPU interpreter (correctness only; run on a GPU for the real kernels)", yellow=True, bold=True)
+    for (strategy, what), n in sorted(_UNREGISTERED_SKIPS.items()):
+        terminalreporter.write_line(
+            f"hicache conformance kit: {strategy} registers no key for {what} pools: its {n} {what} cases were "
+            f"skipped, not tested (where it serves them, add {what == 'sharded'} to its registration's sharded)",
+            yellow=True)
     if _ENVIRONMENT_SKIPS:
         terminalreporter.write_line(
             "hicache conformance kit: WARNING: these strategies could not run on this machine and were NOT tested:",
