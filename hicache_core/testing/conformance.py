@@ -408,7 +408,8 @@ def _assert_same(what: str, got: dict[str, list[torch.Tensor | None]], want: dic
             if not torch.equal(g.view(torch.uint8) if g.dim() else g, w.view(torch.uint8) if w.dim() else w):
                 bad = (g.reshape(g.shape[0], -1).view(torch.uint8) != w.reshape(w.shape[0], -1).view(torch.uint8))
                 rows = bad.any(1).nonzero().flatten()[:5].tolist()
-                stray = [] if named is None else [r for r in rows if r not in set(named.tolist())]
+                given = set() if named is None else set(named.tolist())
+                stray = [r for r in rows if r not in given] if named is not None else []
                 hint = (f" ({'rows' if len(stray) > 1 else 'row'} {stray} not among the call's device_indices: the "
                         "strategy wrote device rows it was not given)") if stray else ""
                 raise AssertionError(f"{what}: {k}[layer {i}] differs from {against} at rows {rows}{hint}")
@@ -538,6 +539,8 @@ class Rejection:
     reason: str
     #: The layout's own check refused the case (its pools), before any strategy was asked.
     by_layout: bool = False
+    #: ``"sharded"`` / ``"unsharded"`` where the strategy's registration has no key for the case's pool (declared).
+    unregistered: str | None = None
 
 
 def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: str, strategy: str,
@@ -548,8 +551,10 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
     if res is not None:
         return None
     for name, why in rejected:
-        if name.startswith("layout ") or NOT_A_CANDIDATE in why:  # the layout's check, or the strategy's registration
-            return Rejection("declared", why, by_layout=name.startswith("layout "))
+        if name.startswith("layout "):  # the layout's check
+            return Rejection("declared", why, by_layout=True)
+        if NOT_A_CANDIDATE in why:  # the strategy's registration
+            return Rejection("declared", why, unregistered="sharded" if spec.sharded else "unsharded")
         if name != strategy:
             continue
         if why == kernel_unsupported_reason(spec):

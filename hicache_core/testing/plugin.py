@@ -46,10 +46,11 @@ def record_environment_skip(strategy: str, reason: str) -> None:
     _ENVIRONMENT_SKIPS[(strategy, reason)] += 1
 
 
-def record_unregistered_skip(strategy: str, sharded: bool) -> None:
-    """Count a case skipped because ``strategy``'s registration has no key for its pool's sharding (reported at the
-    end: a strategy that forgot ``sharded=(False, True)`` would otherwise pass with its sharded half untested)."""
-    _UNREGISTERED_SKIPS[(strategy, "sharded" if sharded else "unsharded")] += 1
+def record_unregistered_skip(strategy: str, what: str) -> None:
+    """Count a case skipped because ``strategy``'s registration has no key for its pool's sharding (``what``:
+    ``"sharded"`` or ``"unsharded"``; reported at the end: a strategy that forgot ``sharded=(False, True)`` would
+    otherwise pass with its sharded half untested)."""
+    _UNREGISTERED_SKIPS[(strategy, what)] += 1
 
 
 def _use_interpreter_without_gpu() -> None:

@@ -10,9 +10,7 @@ rejection fails.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from hicache_core.registry import NOT_A_CANDIDATE
 from hicache_core.testing.conformance import check_load_all, check_strategy, classify_rejection
 from hicache_core.testing.plugin import record_environment_skip, record_unregistered_skip
 
@@ -26,8 +24,8 @@ def _run(fn, registry, case, target, device, **kw):
         pytest.fail(rejection.reason)
     if rejection.kind == "environment":
         record_environment_skip(strategy, rejection.reason)
-    elif rejection.kind == "declared" and rejection.reason.startswith(NOT_A_CANDIDATE):
-        record_unregistered_skip(strategy, case.build(torch.device("cpu")).sharded)
+    elif rejection.unregistered:
+        record_unregistered_skip(strategy, rejection.unregistered)
     who = f"layout {layout}" if rejection.by_layout else strategy
     pytest.skip(f"{who} does not serve {case.id}: {rejection.reason}")
 
