@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import os
+import gc
 import statistics
 import sys
 import time
@@ -133,6 +134,19 @@ def _median_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: 
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def _release_memory() -> None:
+    """Hand the device memory and the pinned host memory that a measurement freed back to the driver and the OS: torch's
+    caching allocators keep both otherwise (a calibration's pinned buffers, hundreds of MB, stayed until the process
+    ended).  Blocks still referenced are kept; call it once the measurement's tensors are gone (a pool's cycles, if
+    any, are collected here first)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    empty_host = getattr(torch._C, "_host_emptyCache", None)  # torch's own call for this; no public name yet
+    if empty_host is not None:
+        empty_host()
 
 
 def _host_us(fn: Callable[[], object], reps: int) -> float:

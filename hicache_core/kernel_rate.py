@@ -54,36 +54,46 @@ def measure_kernel_loads(reps: int = 20, registry: Registry | None = None,
     pinned memcpy's of the same bytes), ``burst_ms``, ``memcpy_ms``.  Needs CUDA.
 
     :raises AssertionError: a burst's bytes differ from the source rows (the round trip is checked before timing)."""
-    from .bench import _check, _median_ms, _workload
-    from .pool import HostKVPool
+    from .bench import _release_memory
 
     reg = registry or default_registry()
     rows: list[dict[str, Any]] = []
     for shape in shapes:
-        spec, dev, h, s, d = _workload(shape)
-        layout = kernel_layout(reg, spec)
-        if layout is None:
-            logger.info("hicache calibrate: no installed layout's kernel serves %s: not measured", shape)
-            continue
-        pool = HostKVPool(spec, layout, "kernel", dev, registry=reg)
-        _check(pool, dev, h, s, d)
-        layers = spec.layer_map.device_layers
-
-        def burst() -> None:
-            for layer in layers:
-                pool.load_layer(layer, h, d)
-
-        nbytes = spec.bytes_per_token * h.numel()
-        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        target = torch.empty(nbytes, dtype=torch.uint8, device=spec.device)
-        # each the fastest of three medians, alternating: the host's drift between them weighs on neither alone
-        memcpy, bursts = [], []
-        for _ in range(3):
-            memcpy.append(_median_ms(lambda: target.copy_(pinned, non_blocking=True), reps))
-            bursts.append(_median_ms(burst, reps))
-        memcpy_ms, burst_ms = min(memcpy), min(bursts)
-        rows.append({"shape": shape, "layout": layout, "ratio": memcpy_ms / burst_ms, "burst_ms": burst_ms,
-                     "memcpy_ms": memcpy_ms})
-        del pool, dev, pinned, target
-        torch.cuda.empty_cache()
+        try:
+            row = _measure_shape(reg, shape, reps)
+        finally:
+            _release_memory()  # the pool's pinned buffers and the device rows: hundreds of MB, cached until handed back
+        if row is not None:
+            rows.append(row)
     return rows
+
+
+def _measure_shape(reg: Registry, shape: str, reps: int) -> dict[str, Any] | None:
+    """:func:`measure_kernel_loads`'s row for ``shape``; ``None`` where no installed layout's kernel serves it."""
+    from .bench import _check, _median_ms, _workload
+    from .pool import HostKVPool
+
+    spec, dev, h, s, d = _workload(shape)
+    layout = kernel_layout(reg, spec)
+    if layout is None:
+        logger.info("hicache calibrate: no installed layout's kernel serves %s: not measured", shape)
+        return None
+    pool = HostKVPool(spec, layout, "kernel", dev, registry=reg)
+    _check(pool, dev, h, s, d)
+    layers = spec.layer_map.device_layers
+
+    def burst() -> None:
+        for layer in layers:
+            pool.load_layer(layer, h, d)
+
+    nbytes = spec.bytes_per_token * h.numel()
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=spec.device)
+    # each the fastest of three medians, alternating: the host's drift between them weighs on neither alone
+    memcpy, bursts = [], []
+    for _ in range(3):
+        memcpy.append(_median_ms(lambda: target.copy_(pinned, non_blocking=True), reps))
+        bursts.append(_median_ms(burst, reps))
+    memcpy_ms, burst_ms = min(memcpy), min(bursts)
+    return {"shape": shape, "layout": layout, "ratio": memcpy_ms / burst_ms, "burst_ms": burst_ms,
+            "memcpy_ms": memcpy_ms}

@@ -308,6 +308,32 @@ def test_doctor_reports_another_gpus_calibration_in_its_line_alone(tmp_path, mon
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_measures_hand_their_memory_back():
+    """``hicache calibrate``'s measures allocate hundreds of MB of pinned host memory and device memory (a pool's host
+    buffers, device rows, a memcpy's source and target); once each returns, torch's caching allocators hold no more
+    than before, give or take a few MB (they kept it all until the process ended)."""
+    import gc
+
+    from hicache_core import kernel_rate
+    from hicache_core.bench import _release_memory
+
+    def held() -> tuple[int, int]:
+        return torch.cuda.memory_reserved(), torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+    gc.collect()
+    _release_memory()
+    slack = 16 << 20
+    before = held()
+    rows = kernel_rate.measure_kernel_loads(reps=2, shapes=("mla61x576-fp8",))
+    after_kernel = held()
+    calibration.measure([65536], 64 << 20, reps=2)
+    after_copy = held()
+    assert rows and rows[0]["ratio"] > 0, "the layout plugins' kernels serve this pool: it was measured"
+    for after in (after_kernel, after_copy):
+        assert after[0] <= before[0] + slack and after[1] <= before[1] + slack, (before, after_kernel, after_copy)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_measure_keeps_the_faster_memcpy_timing_and_rates_blocks_against_the_link(monkeypatch):
     """On a GPU: ``measure`` times the memcpy of each direction before and after its blocks and keeps the faster (each
     direction's first timing made 4x slower here, as a passing disturbance would); every ratio is ``gbps`` over the
