@@ -97,7 +97,8 @@ class PageAllocator:
                 "these slots do not belong to this pool"
             )
         if idx.numel() % self.page_size:
-            raise AllocSizeError(f"free(indices): {idx.numel()} slots is not a multiple of page_size={self.page_size}")
+            raise AllocSizeError(f"free(indices): {idx.numel()} slots is not a multiple of page_size={self.page_size}; "
+                                 "free whole pages as alloc returned them")
         pages = idx.view(-1, self.page_size)
         expected = pages[:, :1] + torch.arange(self.page_size)
         if not torch.equal(pages, expected) or bool((pages[:, 0] % self.page_size).ne(0).any()):

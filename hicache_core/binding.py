@@ -35,7 +35,8 @@ def device_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     Only the token axis may be strided; everything after it must be contiguous.
     """
     if t.dim() < 1:
-        raise DeviceBufferError(f"device buffer {name} must have a token axis, got a 0-d tensor")
+        raise DeviceBufferError(f"device buffer {name} must have a token axis, got a 0-d tensor; pass the layer's "
+                                "[tokens, ...] tensor")
     if t.dim() > 1 and not _inner_contiguous(t):
         raise DeviceBufferError(
             f"device buffer {name}: each token's row must be contiguous (only the token axis may be "
@@ -212,13 +213,15 @@ def _bind_segment(
         t = layers[d]
         label = f"device_buffers[{name!r}][{d}]"
         if t is None:
-            raise DeviceBufferError(f"{label} is None but the layer map owns device layer {d}")
+            raise DeviceBufferError(f"{label} is None but the layer map owns device layer {d}; pass that layer's tensor "
+                                    "(None only for layers the map does not own)")
         if t.device != spec.device:
             raise DeviceBufferError(f"{label} is on {t.device}, the pool spec says {spec.device}; move it or fix the spec")
         r = device_rows(t, label)
         if r.shape[1] != need_bytes:
             raise DeviceBufferError(
-                f"{label} rows are {r.shape[1]} bytes, the spec's {name!r} rows are {need_bytes} bytes"
+                f"{label} rows are {r.shape[1]} bytes, the spec's {name!r} rows are {need_bytes} bytes; pass tensors "
+                f"whose rows match the spec (head count, head dim, dtype) or fix the spec"
             )
         rows.append(r[:, offset : offset + seg.width])
     hflat = flat_bytes(host)

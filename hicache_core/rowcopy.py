@@ -382,6 +382,9 @@ class RowKernelStrategy(DirectionalStrategy):
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
                                                                                      "backup_programs")
+        if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
+                                       or num_stages < 1):  # (Tuning's own check would name its field, stages)
+            raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
         self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),

@@ -28,7 +28,7 @@ def as_int(value: object, name: str, error: type[Exception] = SpecError) -> int:
     Floats, strings, ``None`` and bools are refused rather than truncated or guessed.
     """
     if isinstance(value, bool):
-        raise error(f"{name} must be an int, got bool {value!r}")
+        raise error(f"{name} must be an int, got bool {value!r}; pass a whole number")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:

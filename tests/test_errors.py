@@ -25,6 +25,7 @@ from hicache_core.errors import (
     ResolutionError,
     SpecError,
     TransferArgumentError,
+    UnallocatedSlotError,
     UnknownLayoutError,
 )
 
@@ -142,6 +143,16 @@ INDEX_CASES: list[tuple[str, Any, Any, type[Exception], str]] = [
      r"host_indices is on meta; pass it on the CPU or on the pool's device cpu"),
     ("device-indices-on-other-device", AR(0, 4), AR(0, 4, device="meta"), IndexDeviceError,
      r"device_indices is on meta; pass it on the CPU or on the pool's device cpu"),
+    ("bool-device-indices", AR(0, 4), torch.ones(4, dtype=torch.bool), IndexDtypeError,
+     r"device_indices must be int32 or int64, got torch\.bool; convert with \.long\(\)"),
+    ("sparse-host-indices", AR(0, 4).to_sparse(), AR(0, 4), IndexDtypeError,
+     r"host_indices must be a dense \(strided\) tensor of int32 or int64, got layout torch\.sparse_coo; convert it "
+     r"with \.to_dense\(\)"),
+    ("lazily-negated-device-indices", AR(0, 4), torch._neg_view(-AR(8, 12)), IndexDtypeError,
+     r"device_indices is a lazily negated view \(is_neg\(\)\): its memory holds other values than it reads as; "
+     r"pass device_indices\.resolve_neg\(\)"),
+    ("zero-tensor-host-indices", torch._efficientzerotensor(PS, dtype=torch.int64), AR(0, 4), IndexDtypeError,
+     r"host_indices is a zero tensor without memory of its own; pass a materialised tensor \(e\.g\. torch\.zeros\)"),
 ]
 
 OPS: dict[str, Callable[[HostKVPool, Any, Any], Any]] = {
@@ -199,6 +210,51 @@ def test_layer_ids_are_taken_as_the_allocator_takes_ints(pool: HostKVPool, op: s
     assert_unchanged(before, pool.host_buffers, _device(pool))
 
 
+@pytest.mark.parametrize("op", list(OPS))
+def test_rows_a_transfer_writes_twice_are_refused_and_nothing_moves(pool: HostKVPool, op: str,
+                                                                    index_check_path: str) -> None:
+    """A backup naming one host page twice, a load naming one device row twice: DuplicateIndexError, no byte
+    written. The same indices the other way round only read a row twice, and go through."""
+    page = AR(4, 8)
+    twice_host = (torch.cat([page, page]), AR(0, 8))
+    twice_dev = (AR(0, 8), torch.tensor([0, 1, 1, 2, 3, 4, 5, 6]))
+    backup = op.startswith("backup")
+    h, d = twice_host if backup else twice_dev
+    pattern = (r"^host_indices repeat the pages starting at slots \[4\]; a backup would write them twice \(the last "
+               r"write would win, kernels would race\): pass each host page once$" if backup else
+               r"^device_indices repeat rows \[1\]; a load would write them twice \(the last write would win, kernels "
+               r"would race\): pass each device row once$")
+    before = snapshot(pool.host_buffers, _device(pool))
+    with pytest.raises(DuplicateIndexError, match=pattern) as info:
+        OPS[op](pool, h, d)
+    assert type(info.value) is DuplicateIndexError
+    assert_unchanged(before, pool.host_buffers, _device(pool))
+    OPS[op](pool, *(twice_dev if backup else twice_host))  # repeats where the transfer only reads
+
+
+def test_strict_validation_refuses_unallocated_host_pages_and_writes_nothing(target: tuple[str, str]) -> None:
+    layout, backend = target
+    spec = make_spec()
+    p = HostKVPool(spec, layout, backend, make_device(spec), pin_memory=False, validate="strict")
+    fill_random(p.host_buffers)
+    slots = p.alloc(PS)  # page 0
+    before = snapshot(p.host_buffers, _device(p))
+    for op in OPS.values():
+        with pytest.raises(UnallocatedSlotError, match=r"^host_indices name pages \[1\] that this pool has not "
+                                                       r"allocated \(freed or never allocated; validate='strict'\); "
+                                                       r"use slots from alloc\(\), or validate='full' when the engine "
+                                                       r"allocates host slots itself$"):
+            op(p, torch.cat([slots, AR(4, 8)]), AR(0, 8))
+    for call in (lambda: p.get_page(1), lambda: p.page_pointers(1),
+                 lambda: p.set_page(1, torch.zeros(p.page_bytes, dtype=torch.uint8))):
+        with pytest.raises(UnallocatedSlotError, match=r"^page 1 is not allocated in this pool \(freed or never "
+                                                       r"allocated; validate='strict'\); use pages of slots from "
+                                                       r"alloc\(\)$"):
+            call()
+    assert_unchanged(before, p.host_buffers, _device(p))
+    p.backup_all_layers(slots, AR(0, PS))  # an allocated page goes through
+
+
 def test_good_call_after_bad_ones_still_works(pool: HostKVPool) -> None:
     """The control: the same pool with valid arguments does write (so 'unchanged' above means something)."""
     before = snapshot(pool.host_buffers)
@@ -254,15 +310,18 @@ def _mutate(name: str) -> Callable[[dict[str, list[Any]]], dict[str, list[Any]]]
 
 
 DEVICE_CASES = [
-    ("wrong_row", r"device_buffers\['k'\]\[1\] rows are 12 bytes, the spec's 'k' rows are 16 bytes"),
+    ("wrong_row", r"device_buffers\['k'\]\[1\] rows are 12 bytes, the spec's 'k' rows are 16 bytes; pass tensors "
+                  r"whose rows match the spec \(head count, head dim, dtype\) or fix the spec$"),
     ("missing", r"device_buffers has no entry for 'v'; it has \['k'\]\. Pass one per-layer tensor list per component"),
-    ("none_layer", r"device_buffers\['v'\]\[2\] is None but the layer map owns device layer 2"),
+    ("none_layer", r"device_buffers\['v'\]\[2\] is None but the layer map owns device layer 2; pass that layer's "
+                   r"tensor \(None only for layers the map does not own\)$"),
     ("wrong_device", r"device_buffers\['k'\]\[0\] is on meta, the pool spec says cpu; move it or fix the spec"),
     ("non_contiguous_rows", r"device_buffers\['k'\]\[1\]: each token's row must be contiguous .*Pass a view with contiguous rows"),
     ("too_few_layers", r"device_buffers\['k'\] has 2 layers but the layer map reads device layer 2; pass one tensor per device layer id"),
     ("too_many_layers", r"device_buffers\['k'\] has 4 layers but the spec has 3 device layers "
                         r"\(layer_map\.num_device_layers\); pass one tensor per device layer id, or fix the layer map"),
-    ("zero_dim", r"device_buffers\['v'\]\[0\] must have a token axis, got a 0-d tensor"),
+    ("zero_dim", r"device_buffers\['v'\]\[0\] must have a token axis, got a 0-d tensor; pass the layer's "
+                 r"\[tokens, \.\.\.\] tensor$"),
     ("expanded_rows", r"device_buffers\['k'\]\[1\]: token rows overlap .*token stride 0 elements"),
     ("overlapping_rows", r"device_buffers\['v'\]\[1\]: token rows overlap .*not an expand\(\)ed or as_strided\(\) view"),
 ]

@@ -94,7 +94,8 @@ def test_tile_invariants():
     (LayerFirstKernelStrategy, {"tile_bytes": 0}, "tile_bytes"),
     (LayerFirstKernelStrategy, {"tile_bytes": 1 << 24}, "at most 1048576"),  # Triton's largest tensor
     (Tuning, {"tile_bytes": (1 << 20) + 1}, "tile_bytes must be at most"),
-    (LayerFirstKernelStrategy, {"num_stages": 0}, "stages"),
+    *[(LayerFirstKernelStrategy, {"num_stages": bad}, rf"^num_stages must be a positive int, got {bad!r}$")
+      for bad in (0, True, 2.5)],
     *[(LayerFirstKernelStrategy, {"maxnreg": bad}, "maxnreg") for bad in (0, True, 32.0)]])
 def test_tuning_and_options_are_validated(make, kw, match):
     with pytest.raises(ConfigError, match=match):  # a ValueError too
