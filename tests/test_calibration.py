@@ -363,7 +363,7 @@ def test_doctor_prints_the_files_problems(cal_file, monkeypatch):
     """``hicache doctor`` names the file and a PROBLEM line per bad entry (a report: it exits 0)."""
     from hicache_core import cli, create_registry
 
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cal_file.write_text(json.dumps({"cpu": GOOD, "NVIDIA A": {**GOOD, "h2d_min_block": 0}}))
     lines = cli.doctor_lines(create_registry(plugins=[]))
     at = lines.index(f"calibration file: {cal_file}, entries for ['NVIDIA A', 'cpu']")

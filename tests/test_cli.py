@@ -135,7 +135,7 @@ class _RaisingPlugin:
 
 
 def test_plugins_lists_broken_plugin(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
     rc, out, _ = run(capsys, "plugins")
     assert rc == 1  # a script checking the installation fails as verify would
     lines = out.splitlines()
@@ -149,7 +149,7 @@ def test_plugins_lists_broken_plugin(capsys, monkeypatch):
 def test_verify_and_doctor_fail_on_a_plugin_that_registered_nothing(capsys, monkeypatch):
     """A layout plugin whose hook raised leaves no cell behind to FAIL: verify names it and exits 1 (it exited 0
     with every remaining cell passing), JSON included; doctor says verify will fail."""
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("raiser", _RaisingPlugin())]))
     broken = "plugin raiser (<local> -) is BROKEN and registered nothing: registration failed: RuntimeError: boom"
     rc, out, _ = run(capsys, "verify", "--no-timing", "--io-backend", "reference", "--kind", "mha", "--device", "cpu")
     lines = out.splitlines()
@@ -180,7 +180,7 @@ def test_verify_fails_when_no_layout_is_loaded_and_a_plugin_is_broken(capsys, mo
         make = lambda: create_registry(entry_points=False, plugins=[("core", core), ("raiser", _RaisingPlugin())])  # noqa: E731
         why = (f"no layout is loaded: {broken}; mend that, or where no layout plugin is installed, ",
                cli.INSTALL_LAYOUTS)
-    monkeypatch.setattr(cli, "_registry", make)
+    monkeypatch.setattr(cli.shared, "_registry", make)
     rc, out, err = run(capsys, "verify", "--no-timing")
     assert rc == 1 and out == "" and err.startswith(f"hicache verify: {why[0]}") and err.endswith(f"{why[1]}\n")
     rc, out, _ = run(capsys, "verify", "--no-timing", "--json")
@@ -274,7 +274,7 @@ def test_matrix_json(capsys):
 
 
 def test_matrix_uses_the_environment_strategy_pick(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("second", _SecondDirect())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("second", _SecondDirect())]))
     rc, out, _ = run(capsys, "matrix", "--kind", "mha", "--io-backend", "direct", "--json")
     assert {c["strategy"] for c in json.loads(out)["cells"]} == {"core.direct"}
     monkeypatch.setenv("HICACHE_STRATEGY", "zz.direct")
@@ -367,7 +367,7 @@ def test_explain_near_misses(capsys):
 
 
 def test_explain_override_and_environment_pick(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("second", _SecondDirect())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("second", _SecondDirect())]))
     rc, out, _ = run(capsys, "explain", "--layout", "page_head", "--io-backend", "direct")
     assert rc == 0 and out.splitlines()[-3:] == [
         "  1. core.direct (generic; hicache-core 0.1.0): chosen",
@@ -422,7 +422,7 @@ def test_verify_without_timing(capsys):
 
 
 def test_verify_without_the_core_plugin_names_the_fix(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(env={"HICACHE_PLUGINS": "page_head"}))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(env={"HICACHE_PLUGINS": "page_head"}))
     rc, out, err = run(capsys, "verify", "--device", "cpu", "--no-timing")
     assert rc == 2 and out == ""
     assert err == ("hicache verify: no reference io_backend to compare with: hicache's own plugin is not loaded; add "
@@ -439,7 +439,7 @@ def test_a_layout_installed_twice_is_named_disabled_not_unknown(capsys, monkeypa
         def hicache_register_layouts(self, register):  # type: ignore[no-untyped-def]
             register(page_head)  # the same name again, from another plugin
 
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("twice", _Twice())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("twice", _Twice())]))
     for cmd in ("verify", "matrix"):
         rc, out, err = run(capsys, cmd, "--device", "cpu", "--layout", "page_head", *(("--no-timing",) if
                                                                                           cmd == "verify" else ()))
@@ -506,7 +506,7 @@ class _LossyPlugin:
 
 
 def test_verify_fails_a_wrong_strategy(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("lossy", _LossyPlugin())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("lossy", _LossyPlugin())]))
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--io-backend", "lossy", "--kind", "mha", "--no-timing")
     assert rc == 1
     assert out == f"""\
@@ -536,7 +536,7 @@ def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
 
             register(StrategyInfo("acme.dma", "acmedma", ("page_head",), factory, (False, True)))
 
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", _Broken())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("acme", _Broken())]))
     rc, out, _ = run(capsys, "verify", "--io-backend", "acmedma", "--kind", "mha", "--no-timing", "--device", "cpu")
     lines = out.splitlines()
     assert rc == 1
@@ -545,9 +545,9 @@ def test_verify_fails_a_strategy_that_fails_to_load(capsys, monkeypatch):
     assert lines[7:9] == ["[1] acme.dma: failed to load: SyntaxError: invalid syntax (engine.py, line 3)",
                           "(-vv shows each failure's traceback)"]
     assert lines[-1] == "verify on cpu: 2 cells, 0 passed, 2 failed, 0 skipped"
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)  # doctor says so before verify runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # doctor says so before verify runs
     monkeypatch.setenv("HICACHE_PLUGINS", "core,page_head")
-    doctor = [ln for ln in cli.doctor_lines(cli._registry()) if ln.startswith("verify on")]
+    doctor = [ln for ln in cli.doctor_lines(cli.shared._registry()) if ln.startswith("verify on")]
     assert doctor == ["verify on cpu: 6 of 16 cells will run, 8 will be skipped, 2 will fail:"]
 
 
@@ -563,7 +563,7 @@ def test_verify_kernel_cells_on_cpu_need_the_interpreter(capsys, monkeypatch):
 
             register(StrategyInfo("fake.kernel", "kernel", ("*",), _K, (False, True)))
 
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("k", _FakeKernelPlugin())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("k", _FakeKernelPlugin())]))
     # its "kernel" is the copy engine: no Triton interpreter runs it, whatever Triton is installed (3.6's cannot)
     monkeypatch.setattr(kernel_support, "interpreter_problem", lambda: None)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -589,7 +589,7 @@ def test_verify_refuses_missing_cuda(capsys):
 def test_bench_hook_only_when_the_module_exists(monkeypatch):
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
     assert ("bench" in sub.choices) == (importlib.util.find_spec("hicache_core.bench") is not None)
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
     assert sorted(sub.choices) == ["calibrate", "doctor", "explain", "matrix", "plugins", "verify"]
 
@@ -717,7 +717,7 @@ class _Tty(io.StringIO):
 
 def test_verify_progress_on_a_terminal(capsys, monkeypatch):
     tty = _Tty()
-    monkeypatch.setattr(cli.sys, "stderr", tty)
+    monkeypatch.setattr(sys, "stderr", tty)
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--no-timing", "--kind", "mha", "--io-backend", "direct")
     assert rc == 0 and out.splitlines()[-1] == "verify on cpu: 2 cells, 2 passed, 0 failed, 0 skipped"
     first = "[1/2] verifying page_head/direct/unsharded/mha"
@@ -726,8 +726,8 @@ def test_verify_progress_on_a_terminal(capsys, monkeypatch):
 
 
 def test_verify_interpreter_without_numpy(capsys, monkeypatch):
-    real = cli.importlib.util.find_spec
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "numpy" else real(name, *a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numpy" else real(name, *a))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rc, out, err = run(capsys, "verify", "--device", "cpu")
     assert rc == 2 and out == ""
@@ -868,7 +868,7 @@ def test_plugins_lists_a_layout_two_plugins_register_as_disabled(capsys, monkeyp
         def hicache_register_layouts(self, register: Callable[[object], None]) -> None:
             register(PageHeadLayout())
 
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("copycat", Copycat())]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("copycat", Copycat())]))
     rc, out, err = run(capsys, "plugins")
     assert rc == 1 and "Traceback" not in err
     assert "  layout page_head: DISABLED, layout 'page_head' is registered by " in out
@@ -891,7 +891,7 @@ def test_plugins_lists_a_key_two_plugins_register_as_disabled(capsys, monkeypatc
     from hicache_core.testing import strategies_plugin
 
     acme = strategies_plugin(StrategyInfo("acme.dma", "fakedma", ("page_head",), DirectStrategy, (False,)))
-    monkeypatch.setattr(cli, "_registry", lambda: create_registry(plugins=[("acme", acme)]))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: create_registry(plugins=[("acme", acme)]))
     rc, out, _ = run(capsys, "plugins")
     assert rc == 1
     line = ("  key (layout='page_head', io_backend='fakedma', sharded=False): DISABLED, key (layout='page_head', "
@@ -912,6 +912,6 @@ def test_a_closed_output_pipe_ends_quietly_with_its_own_exit_code():
 
     code = ("import sys\nfrom hicache_core import cli\n"
             "def closed():\n    raise BrokenPipeError(32, 'Broken pipe')\n"
-            "cli._registry = closed\nsys.exit(cli.main(['plugins']))")
+            "cli.shared._registry = closed\nsys.exit(cli.main(['plugins']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == cli.BROKEN_PIPE == 141 and "Traceback" not in out.stderr and out.stdout == ""

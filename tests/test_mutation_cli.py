@@ -143,7 +143,7 @@ class _Tty(io.StringIO):
 
 def test_verify_json_shows_no_progress_on_a_terminal(capsys, monkeypatch):
     tty = _Tty()
-    monkeypatch.setattr(cli.sys, "stderr", tty)
+    monkeypatch.setattr(sys, "stderr", tty)
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--no-timing", "--kind", "mha", "--io-backend", "direct",
                      "--json")
     assert rc == 0 and [r["result"] for r in json.loads(out)["rows"]] == ["PASS", "PASS"]
@@ -154,7 +154,7 @@ def test_verify_a_failing_timed_pool_fails_the_cell(capsys, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(cli, "_throughput", boom)
+    monkeypatch.setattr(cli.verify, "_throughput", boom)
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--kind", "mha", "--io-backend", "direct", "--json")
     rows = json.loads(out)["rows"]
     assert rc == 1
@@ -188,7 +188,7 @@ class _UnshardedPlugin:
 
 def test_doctor_leaves_out_cells_without_candidates(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     lines = cli.doctor_lines(create_registry(plugins=[("unsharded", _UnshardedPlugin())]))
     assert lines[next(i for i, line in enumerate(lines) if line.startswith("verify on")):] == [  # a cell whose strategy serves the other kind of pool only is a skip that says so
         "verify on cpu: 9 of 20 cells will run, 11 will be skipped:",
@@ -201,17 +201,17 @@ def test_doctor_leaves_out_cells_without_candidates(monkeypatch):
 
 def test_doctor_on_cuda_does_not_report_the_cpu_interpreter_problem(monkeypatch, tmp_path):
     monkeypatch.setenv("HICACHE_CALIBRATION", str(tmp_path / "none.json"))  # whatever this machine calibrated
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cli.torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(cli.torch.cuda, "get_device_name", lambda *a: "Fake GPU")
-    monkeypatch.setattr(cli.torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(cli, "_interpreter_problem", lambda: "PROBLEM")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(cli.doctor, "_interpreter_problem", lambda: "PROBLEM")
     from hicache_core.backends import cudart
 
     rt = types.SimpleNamespace(path="/x/libcudart.so.12", version=12080, driver_version=12090, has_batch=True)
     monkeypatch.setattr(cudart, "runtime", lambda: rt)
     monkeypatch.setattr(cudart, "loaded_cudart_paths", lambda: ["/o/libcudart.so.11.0", rt.path])
-    monkeypatch.setattr(cli, "matrix_cells", lambda reg, device: [])  # (resolving CUDA pools needs a CUDA build)
+    monkeypatch.setattr(cli.doctor, "matrix_cells", lambda reg, device: [])  # (resolving CUDA pools needs a CUDA build)
     lines = cli.doctor_lines(create_registry())
     assert lines[1] == "CUDA: available, 1 device (Fake GPU)"
     assert lines[2] == ("copy engine (direct): CUDA runtime /x/libcudart.so.12 (runtime 12080, driver 12090: batched "
@@ -257,7 +257,7 @@ def test_doctor_does_not_list_the_bound_runtime_as_another_one_through_a_link(mo
 def test_plugins_with_no_plugin_loaded_says_so(capsys, monkeypatch):
     from hicache_core.registry import Registry
 
-    monkeypatch.setattr(cli, "_registry", lambda: Registry(env={}))
+    monkeypatch.setattr(cli.shared, "_registry", lambda: Registry(env={}))
     rc, out, _ = run(capsys, "plugins")
     assert rc == 0 and out.splitlines()[0] == "no hicache plugin is loaded"
 
@@ -294,7 +294,7 @@ def test_a_missing_block_size_is_named(cal_file, caplog):
 
 def test_verify_passes_tokens_and_reps_to_the_timed_pool(capsys, monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "_throughput", lambda reg, cell, device, tokens, reps: seen.append((tokens, reps)) or (1.0, 2.0))
+    monkeypatch.setattr(cli.verify, "_throughput", lambda reg, cell, device, tokens, reps: seen.append((tokens, reps)) or (1.0, 2.0))
     rc, out, _ = run(capsys, "verify", "--device", "cpu", "--kind", "mha", "--io-backend", "direct", "--tokens", "48",
                      "--reps", "3", "--json")
     assert rc == 0 and seen == [(48, 3), (48, 3)] and json.loads(out)["tokens"] == 48

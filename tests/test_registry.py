@@ -428,7 +428,7 @@ installed io_backends:
 
 # -- the core names no layout ----------------------------------------------------------------
 LAYOUT_NAMES = ("layer_first", "page_first", "kv_split")
-EXEMPT = {"cli.py", "integrations", "testing"}
+EXEMPT = {"cli", "integrations", "testing"}
 
 
 def _code_words(path: Path) -> list[tuple[int, str]]:
