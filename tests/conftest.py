@@ -28,3 +28,27 @@ def _log_once_forgotten() -> None:
     from hicache_core.logonce import forget_logged
 
     forget_logged()
+
+
+@pytest.fixture(scope="session")
+def _empty_home(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("home"))
+
+
+@pytest.fixture(autouse=True)
+def _shipped_calibration(monkeypatch: pytest.MonkeyPatch, _empty_home: str) -> None:
+    """``auto``'s decisions under test assume the shipped calibration, whatever this machine calibrated: neither
+    ``$HICACHE_CALIBRATION`` nor a file at the default path (``~/.cache/hicache/calibration.json``, which ``hicache
+    calibrate`` writes, or a hand-written ``"cpu"`` entry) may change them.  ``HOME`` is an empty folder of the session
+    (a test that reads a calibration names its own file); Triton's kernel cache and Python's user site stay where
+    ``HOME`` put them."""
+    from pathlib import Path
+
+    monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
+    if "TRITON_CACHE_DIR" not in os.environ and "TRITON_HOME" not in os.environ:
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
+    if "PYTHONUSERBASE" not in os.environ:
+        import site
+
+        monkeypatch.setenv("PYTHONUSERBASE", site.getuserbase())
+    monkeypatch.setenv("HOME", _empty_home)
