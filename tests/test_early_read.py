@@ -32,11 +32,13 @@ def _pool() -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor]:
                         page_size=PS, capacity=PS * PAGES, row_bytes=ROW)
     dev = {"kv": [torch.full((2 * PS * PAGES, 1, ROW), 0xA5, dtype=torch.uint8) for _ in range(2)]}
     pool = HostKVPool(spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct")
+    gen = torch.Generator().manual_seed(5)  # the same bytes and pages whatever ran before (a failure reproduces)
     for seg in pool.binding.segments:
-        seg.host_flat.copy_(torch.randint(0, 256, seg.host_flat.shape, dtype=torch.uint8))
-    pages = torch.randperm(PAGES)[:4]
+        seg.host_flat.copy_(torch.randint(0, 256, seg.host_flat.shape, dtype=torch.uint8, generator=gen))
+    pages = torch.randperm(PAGES, generator=gen)[:4]
     h = (pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(4)).to(torch.int64)
-    d = (torch.randperm(PAGES)[:4].repeat_interleave(PS) * PS + torch.arange(PS).repeat(4) + PS * PAGES)
+    d_pages = torch.randperm(PAGES, generator=gen)[:4]
+    d = d_pages.repeat_interleave(PS) * PS + torch.arange(PS).repeat(4) + PS * PAGES
     return pool, dev, h, d
 
 
@@ -214,7 +216,7 @@ def test_loads_after_an_early_read_on_the_gpu_are_bit_exact(hicache_device, back
     options = {"prefetch": True, "lone": False} if backend == "auto" else {}
     pool, dev = _cuda_pool(hicache_device, backend, **options)
     host = pool.binding.segments[0].host_flat
-    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(6)))
     _, _, h, d_cpu = _pool()
     d = d_cpu.to(hicache_device)
     stream = torch.cuda.current_stream(hicache_device).cuda_stream

@@ -187,8 +187,9 @@ def test_a_chunk_that_fails_to_submit_says_which_pages_the_chunks_before_it_move
     chunk stay untouched.  A failure in the first chunk is the runtime's own error, unchanged."""
     from hicache_core.backends.cudart import BatchSubmitError
 
-    pool = HostKVPool(_mla(3), "page_first", "direct",
-                      {"kv": [torch.randint(-9, 9, (8 * PS, 1, 576)).to(torch.bfloat16) for _ in range(3)]},
+    gen = torch.Generator().manual_seed(14)
+    dev_rows = [torch.randint(-9, 9, (8 * PS, 1, 576), generator=gen).to(torch.bfloat16) for _ in range(3)]
+    pool = HostKVPool(_mla(3), "page_first", "direct", {"kv": dev_rows},
                       registry=REG, strategy="core.direct", strategy_options={"staging": "always", "staging_bytes": 1},
                       pin_memory=False)
     b = pool.binding
