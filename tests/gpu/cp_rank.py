@@ -1,7 +1,8 @@
 """One context-parallel rank of the two-GPU test: run by ``test_two_rank_cp.py``, one process per GPU.
 
 ``python tests/gpu/cp_rank.py --rank R --world 2 --port P --out DIR``.  The rank
-joins an NCCL group (``tcp://127.0.0.1:P``), owns its contiguous shard of a
+joins an NCCL group (``tcp://127.0.0.1:P``, or ``file://FILE`` with ``--rendezvous FILE``
+instead of ``--port``: no port to race for), owns its contiguous shard of a
 61-layer MLA model (576 bf16 rows, 64-token pages) plus one MTP draft layer,
 and for every strategy the registry can pick:
 
@@ -107,7 +108,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--port", type=int, required=True)
+    meet = ap.add_mutually_exclusive_group(required=True)
+    meet.add_argument("--port", type=int, help="join at tcp://127.0.0.1:PORT")
+    meet.add_argument("--rendezvous", help="join through this file (file://; the ranks share it, no port needed)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=200.0, help="watchdog: dump stacks and exit after this")
     ap.add_argument("--cpu", action="store_true", help="smoke-test the script itself on CPU (gloo, no GPU)")
@@ -122,8 +125,9 @@ def main() -> int:
         torch.cuda.set_device(rank)
         device, backend = torch.device("cuda", rank), "nccl"
         name = torch.cuda.get_device_name(device)
-    print(f"rank {rank}: {name}, joining tcp://127.0.0.1:{args.port} ({backend})", flush=True)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
+    init = f"file://{os.path.abspath(args.rendezvous)}" if args.rendezvous else f"tcp://127.0.0.1:{args.port}"
+    print(f"rank {rank}: {name}, joining {init} ({backend})", flush=True)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     result: dict = {"rank": rank, "world": world, "device": str(device)}
     try:

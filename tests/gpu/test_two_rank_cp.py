@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -43,12 +42,6 @@ def _why_not() -> str | None:
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path, n: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else "(no log)"
 
@@ -58,14 +51,13 @@ def ranks(tmp_path_factory) -> list[dict]:
     """Run both ranks once for the module; fail (with their log tails) if either did not finish."""
     out = tmp_path_factory.mktemp("cp")
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1")
-    port = _free_port()
     logs = [out / f"rank{r}.log" for r in range(WORLD)]
     procs = []
     for r in range(WORLD):
         with open(logs[r], "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--rank", str(r), "--world", str(WORLD), "--port", str(port),
-                 "--out", str(out), "--timeout", str(max(10.0, TIMEOUT_S - 20))],
+                [sys.executable, str(SCRIPT), "--rank", str(r), "--world", str(WORLD),
+                 "--rendezvous", str(out / "rendezvous"), "--out", str(out), "--timeout", str(max(10.0, TIMEOUT_S - 20))],
                 stdout=log, stderr=subprocess.STDOUT, env=env))
     deadline = time.monotonic() + TIMEOUT_S
     timed_out = False
