@@ -272,7 +272,7 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     if bad:
         raise ValueError(f"measure(block_sizes): {bad[:4]} outside 1..total_bytes={total_bytes}; pass block sizes of at "
                          "least one byte that fit total_bytes at least once, or a larger total_bytes")
-    from .bench import _release_memory
+    from .bench.timing import _release_memory
 
     try:
         return _measure(block_sizes, total_bytes, reps)
@@ -283,7 +283,7 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
 def _measure(block_sizes: list[int], total_bytes: int, reps: int) -> list[dict[str, float]]:
     """:func:`measure`'s timing, its arguments checked."""
     from .backends.cudart import runtime
-    from .bench import _median_ms
+    from .bench.timing import _median_ms
 
     rt = runtime()
     host = torch.empty(total_bytes, dtype=torch.uint8, pin_memory=True)

@@ -54,7 +54,7 @@ def measure_kernel_loads(reps: int = 20, registry: Registry | None = None,
     pinned memcpy's of the same bytes), ``burst_ms``, ``memcpy_ms``.  Needs CUDA.
 
     :raises AssertionError: a burst's bytes differ from the source rows (the round trip is checked before timing)."""
-    from .bench import _release_memory
+    from .bench.timing import _release_memory
 
     reg = registry or default_registry()
     rows: list[dict[str, Any]] = []
@@ -70,7 +70,8 @@ def measure_kernel_loads(reps: int = 20, registry: Registry | None = None,
 
 def _measure_shape(reg: Registry, shape: str, reps: int) -> dict[str, Any] | None:
     """:func:`measure_kernel_loads`'s row for ``shape``; ``None`` where no installed layout's kernel serves it."""
-    from .bench import _check, _median_ms, _workload
+    from .bench.timing import _median_ms
+    from .bench.workload import _check, _workload
     from .pool import HostKVPool
 
     spec, dev, h, s, d = _workload(shape)

@@ -1,4 +1,4 @@
-"""CPU tests of ``hicache bench``'s harness (hicache_core/bench.py): the data check, argument checks, and the
+"""CPU tests of ``hicache bench``'s harness (hicache_core/bench/): the data check, argument checks, and the
 order in which a row's fields are gathered.  Nothing here times anything; GPU parts are replaced by fakes (but for one
 GPU test, skipped on the CPU, which times real copies and asserts only how the harness combines the timings)."""
 
@@ -80,7 +80,7 @@ def test_check_passes_a_good_strategy_for_every_op(cell):
 
 
 def test_tokens_must_be_whole_pages_before_anything_is_measured(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured a grid with a partial page"))
+    monkeypatch.setattr(bench.run, "run_bench", lambda **kw: pytest.fail("measured a grid with a partial page"))
     rc = bench.main(["--out", str(tmp_path), "--tokens", "4096,100", "--page-sizes", "16,64"])
     err = capsys.readouterr().err
     assert rc == 2 and "100 tokens at page size 16, 100 tokens at page size 64" in err
@@ -102,24 +102,24 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setitem(bench.SHAPES, "cpu-tiny", lambda n, ps, device: bench.SHAPES[SHAPE](n, ps, torch.device("cpu")))
-    monkeypatch.setattr(bench, "_indices", _cpu_indices)
-    monkeypatch.setattr(bench, "allocate_host_buffers", lambda plan, pin_memory: allocate_host_buffers(plan, pin_memory=False))
-    monkeypatch.setattr(bench, "_LinkWarmer", lambda: (lambda: log.append("warm")))
+    monkeypatch.setattr(bench.workload, "_indices", _cpu_indices)
+    monkeypatch.setattr(bench.run, "allocate_host_buffers", lambda plan, pin_memory: allocate_host_buffers(plan, pin_memory=False))
+    monkeypatch.setattr(bench.timing, "_LinkWarmer", lambda: (lambda: log.append("warm")))
 
     class Memcpy:
         def gbps(self, nbytes, to_host, reps):
             log.append("memcpy")
             return 50.0
 
-    monkeypatch.setattr(bench, "_Memcpy", Memcpy)
-    monkeypatch.setattr(bench, "_median_ms", lambda fn, reps, **kw: log.append("time") or 2.0)
-    monkeypatch.setattr(bench, "_host_us", lambda fn, reps: log.append("host") or 30.0)
-    monkeypatch.setattr(bench, "_burst_host_us", lambda calls, reps: log.append("host") or 30.0)
-    monkeypatch.setattr(bench, "_gemm_slowdown", lambda fn: log.append("gemm") or 0.01)
-    monkeypatch.setattr(bench, "_hbm_reader", lambda: "reader")
-    monkeypatch.setattr(bench, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
-    monkeypatch.setattr(bench, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
-    monkeypatch.setattr(bench, "_served_by", lambda *a, **k: log.append("served") or ("who", None))
+    monkeypatch.setattr(bench.timing, "_Memcpy", Memcpy)
+    monkeypatch.setattr(bench.timing, "_median_ms", lambda fn, reps, **kw: log.append("time") or 2.0)
+    monkeypatch.setattr(bench.timing, "_host_us", lambda fn, reps: log.append("host") or 30.0)
+    monkeypatch.setattr(bench.timing, "_burst_host_us", lambda calls, reps: log.append("host") or 30.0)
+    monkeypatch.setattr(bench.timing, "_gemm_slowdown", lambda fn: log.append("gemm") or 0.01)
+    monkeypatch.setattr(bench.timing, "_hbm_reader", lambda: "reader")
+    monkeypatch.setattr(bench.timing, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
+    monkeypatch.setattr(bench.timing, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
+    monkeypatch.setattr(bench.run, "_served_by", lambda *a, **k: log.append("served") or ("who", None))
     return log
 
 
@@ -232,7 +232,7 @@ def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monk
         return 2.0
 
     monkeypatch.setattr(ReferenceStrategy, "load", load)
-    monkeypatch.setattr(bench, "_median_ms", median_ms)
+    monkeypatch.setattr(bench.timing, "_median_ms", median_ms)
     (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                              layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=4)
     assert row.served_by == f"who ({4 + bench.WARMUP} lone loads by the kernel in {4 + bench.WARMUP} calls)"
@@ -441,7 +441,7 @@ def test_the_memcpy_reference_is_the_best_of_its_tries_and_cached(monkeypatch):
         timed.append(next(medians))
         return timed[-1] * 4 if len(timed) == 1 else timed[-1]
 
-    monkeypatch.setattr(bench, "_median_ms", disturbed)
+    monkeypatch.setattr(bench.timing, "_median_ms", disturbed)
     memcpy, nbytes = bench._Memcpy(), 4 << 20
     first = memcpy.gbps(nbytes, True, 3)
     assert len(timed) == bench._Memcpy.TRIES and first == nbytes / min(4 * timed[0], *timed[1:]) / 1e6

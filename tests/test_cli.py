@@ -789,8 +789,8 @@ def test_listing_commands_never_import_triton():
 def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
     bench = pytest.importorskip("hicache_core.bench")
     seen: dict = {}
-    monkeypatch.setattr(bench, "run_bench", lambda **kw: seen.update(kw) or [])
-    monkeypatch.setattr(bench, "plot", lambda rows, path: False)
+    monkeypatch.setattr(bench.run, "run_bench", lambda **kw: seen.update(kw) or [])
+    monkeypatch.setattr(bench.command, "plot", lambda rows, path: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -804,7 +804,7 @@ def test_bench_passes_the_neighbour_flags_to_the_runner(monkeypatch, tmp_path):
 
 def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(monkeypatch, tmp_path, capsys):
     bench = pytest.importorskip("hicache_core.bench")
-    monkeypatch.setattr(bench, "run_bench", lambda **kw: pytest.fail("measured with a bad option"))
+    monkeypatch.setattr(bench.run, "run_bench", lambda **kw: pytest.fail("measured with a bad option"))
     for argv, says in ((["--tokens", "4k"], "--tokens: must be a comma list of whole numbers >= 1, got '4k'"),
                        (["--page-sizes", "0"], "--page-sizes: must be a comma list of whole numbers >= 1"),
                        (["--shapes", "mla61x576"], "--shapes: 'mla61x576' not among mha32x8x128-bf16"),
@@ -822,7 +822,7 @@ def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(mon
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: type("P", (), {"multi_processor_count": 100 + i}))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(bench, "plot", lambda rows, path: False)
+    monkeypatch.setattr(bench.command, "plot", lambda rows, path: False)
     rows = [{"op": "load_layer", "shape": "s", "strategy": "x", "page_size": 1, "tokens": 8, "ratio": 0.5}]
     written = []
 
@@ -830,8 +830,8 @@ def test_bench_checks_its_options_before_measuring_and_writes_its_rows_whole(mon
         kw["sink"](object())  # one measured row (asdict below gives its fields)
         written.append(json.loads((tmp_path / "bench.json").read_text()))
 
-    monkeypatch.setattr(bench, "asdict", lambda row: dict(rows[0]))
-    monkeypatch.setattr(bench, "run_bench", fake_run)
+    monkeypatch.setattr(bench.command, "asdict", lambda row: dict(rows[0]))
+    monkeypatch.setattr(bench.run, "run_bench", fake_run)
     assert bench.main(["--out", str(tmp_path), "--io-backends", "direct"]) == 0
     assert written == [{"meta": written[0]["meta"], "rows": rows}]
     assert written[0]["meta"]["sms"] == 101

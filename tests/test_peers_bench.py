@@ -510,7 +510,7 @@ def test_hicache_bench_peers_runs_the_peer_benchmark_with_its_arguments(monkeypa
             seen.append(argv)
             return 0
 
-    monkeypatch.setattr(bench, "peers_module", lambda: Fake)
+    monkeypatch.setattr(bench.command, "peers_module", lambda: Fake)
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--out", str(tmp_path), "--peers", "--peers-args", "--time-budget 60 --cells mla"])

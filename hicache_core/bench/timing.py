@@ -1,0 +1,224 @@
+"""The benchmark's clocks: event-timed medians (:func:`_median_ms`), host time per call, the pinned memcpy every ratio
+divides by (:class:`_Memcpy`), the link warm-up, the slowdown of a GEMM or a memory-bound neighbour on another stream
+while a transfer runs, and the hand-back of the memory a measurement freed (:func:`_release_memory`)."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .shapes import HBM_READ_BYTES, WARMUP
+
+
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: bool = False,
+               before: Callable[[], object] | None = None) -> float:
+    """Median event-timed milliseconds of ``fn``; ``idle``: each call starts on an idle GPU (a lone call),
+    else calls follow each other as soon as the last one's end event is reached.  ``before`` (then a
+    synchronise: the call is lone) runs ahead of each timed call, untimed."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        if idle or before is not None:
+            torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _release_memory() -> None:
+    """Hand the device memory and the pinned host memory that a measurement freed back to the driver and the OS: torch's
+    caching allocators keep both otherwise (a calibration's pinned buffers, hundreds of MB, stayed until the process
+    ended).  Blocks still referenced are kept; call it once the measurement's tensors are gone (a pool's cycles, if
+    any, are collected here first)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    empty_host = getattr(torch._C, "_host_emptyCache", None)  # torch's own call for this; no public name yet
+    if empty_host is not None:
+        empty_host()
+
+
+def _host_us(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _burst_host_us(calls: Sequence[Callable[[], object]], reps: int) -> float:
+    """Median host time of one call inside back-to-back bursts (no synchronisation between calls)."""
+    times = []
+    for _ in range(reps):
+        for fn in calls:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+class _LinkWarmer:
+    """Pinned copies both ways until the host link and copy engines are warm (buffers made once per run).
+
+    Measured on an H200: the first transfer strategy timed in a process ran up to 10 points below
+    the same strategy timed after another one (docs/performance.md, "bench order"); every row now
+    starts from the same state."""
+
+    def __init__(self, nbytes: int = 64 << 20, rounds: int = 8) -> None:
+        self.nbytes, self.rounds = nbytes, rounds
+        self._bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self) -> None:
+        if self._bufs is None:
+            self._bufs = (torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True),
+                          torch.empty(self.nbytes, dtype=torch.uint8, device="cuda"))
+        host, dev = self._bufs
+        for _ in range(self.rounds):
+            host.copy_(dev, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+
+class _Memcpy:
+    """Pinned ``copy_`` of ``n`` bytes, cached per size and direction: the best of :attr:`TRIES` medians, so that a
+    passing disturbance of the one measure every ratio of a run divides by does not inflate them all (``hicache
+    calibrate`` once timed a 64 MB D2H memcpy at 38.9 GB/s on a host whose batched copies reached 54.2)."""
+
+    #: Medians of ``reps`` calls timed per size and direction; the fastest is kept.
+    TRIES = 3
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, bool], float] = {}
+
+    def gbps(self, nbytes: int, to_host: bool, reps: int) -> float:
+        key = (nbytes, to_host)
+        if key not in self.cache:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            dst, src = (host, dev) if to_host else (dev, host)
+            ms = min(_median_ms(lambda: dst.copy_(src, non_blocking=True), reps) for _ in range(self.TRIES))
+            self.cache[key] = nbytes / ms / 1e6
+        return self.cache[key]
+
+
+def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 6, gemms: int = 4) -> float:
+    """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` runs on another stream
+    (:func:`_neighbor_slowdown`)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    return _neighbor_slowdown(transfer, lambda: a @ b, reps, gemms)
+
+
+@functools.lru_cache(maxsize=1)
+def _hbm_reader(nbytes: int = HBM_READ_BYTES) -> Callable[[], object]:
+    """A memory-bound neighbour: one reduction over ``nbytes`` of device memory (what a decode step's
+    attention over the KV cache does: reads at the memory's speed, little arithmetic, almost no writes).
+    One buffer per process, made on first use."""
+    x = torch.ones(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.sum(x, dtype=torch.float32)
+
+
+def _neighbor_slowdown(transfer: Callable[[], object], work: Callable[[], object], reps: int = 6,
+                       per_window: int = 4) -> float:
+    """Relative slowdown of ``work`` (a GPU op, timed in windows of ``per_window``) while ``transfer`` runs
+    on another stream.
+
+    Both run on their own non-default streams.  Windows are timed alternately alone and with enough
+    back-to-back transfers queued first to cover the window, so clock drift hits both sides alike;
+    medians compared.
+    """
+    work_stream, side, transfer_ms = _two_streams(transfer)
+
+    def window(busy: bool) -> float:
+        torch.cuda.synchronize()
+        if busy:
+            head = max(2, int(per_window * alone_est / max(transfer_ms, 1e-3)) + 2)
+            start = time.perf_counter()
+            _queue(side, transfer, head)
+        e0, e1 = _queue(work_stream, work, per_window, timed=True)
+        if busy:  # a transfer whose host time nears its GPU time drains what was queued before the window ends
+            with torch.cuda.stream(side):
+                _keep_busy(transfer, e1.query, head * transfer_ms, transfer_ms, start)
+        e1.synchronize()
+        side.synchronize()
+        return e0.elapsed_time(e1) / per_window
+
+    alone_est = 2.0
+    alone_est = window(False)  # warm-up, and the window length estimate
+    alone, busy = [], []
+    for _ in range(reps):
+        alone.append(window(False))
+        busy.append(window(True))
+    return statistics.median(busy) / statistics.median(alone) - 1.0
+
+
+def _keep_busy(transfer: Callable[[], object], done: Callable[[], bool], queued_ms: float, transfer_ms: float,
+               start: float, now: Callable[[], float] = time.perf_counter) -> int:
+    """Issue ``transfer`` until ``done()`` (the neighbour's window has ended), whenever the GPU time queued since
+    ``start`` (``queued_ms``, ``transfer_ms`` more per call) no longer leads the host's clock by a call: the
+    transfer stream never runs dry during the window, however slowly the host submits, and a fast host does
+    not pile up transfers past it.  Returns the calls issued."""
+    calls = 0
+    while not done():
+        if queued_ms <= (now() - start) * 1e3 + transfer_ms:
+            transfer()
+            queued_ms += transfer_ms
+            calls += 1
+    return calls
+
+
+def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps: int = 5, calls: int = 3) -> float:
+    """Median milliseconds of one ``transfer`` while ``work`` runs without pause on another stream.
+
+    Each sample queues enough ``work`` to outlast ``calls`` transfers, then times those transfers
+    back to back (events on their own stream) and waits for both streams.
+    """
+    work_stream, side, transfer_ms = _two_streams(transfer)
+    with torch.cuda.stream(work_stream):
+        work_ms = _median_ms(work, 3, warmup=1)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        _queue(work_stream, work, int(1.5 * calls * transfer_ms / max(work_ms, 1e-3)) + 2)
+        e0, e1 = _queue(side, transfer, calls, timed=True)
+        e1.synchronize()
+        work_stream.synchronize()
+        times.append(e0.elapsed_time(e1) / calls)
+    return statistics.median(times)
+
+
+def _two_streams(transfer: Callable[[], object]) -> tuple[torch.cuda.Stream, torch.cuda.Stream, float]:
+    """A neighbour's stream, the transfer's stream, and the transfer's median milliseconds there."""
+    work_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        transfer_ms = _median_ms(transfer, 3, warmup=1)
+    return work_stream, side, transfer_ms
+
+
+def _queue(stream: torch.cuda.Stream, fn: Callable[[], object], n: int, timed: bool = False) -> Any:
+    """Enqueue ``n`` calls of ``fn`` on ``stream``; ``timed``: between two recorded timing events (returned)."""
+    e0, e1 = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if timed else (None, None)
+    with torch.cuda.stream(stream):
+        if e0 is not None:
+            e0.record()
+        for _ in range(n):
+            fn()
+        if e1 is not None:
+            e1.record()
+    return e0, e1
