@@ -260,6 +260,9 @@ def measure(block_sizes: list[int], total_bytes: int, reps: int = 10) -> list[di
     host measured 38.9 GB/s D2H for it once, against 54.2 for 256 KB blocks), must not let small blocks
     pass the target nor understate the link (:func:`rated`).
 
+    After measuring (also when measuring fails), the process's cached device memory and cached pinned host memory are handed back
+    (:func:`hicache_core.bench.timing._release_memory`): its buffers would otherwise stay cached until exit.
+
     :raises ValueError: ``total_bytes`` or ``reps`` is not a whole number >= 1, or a block size is not a whole number
         in ``1..total_bytes`` (checked before anything is allocated).
     """

@@ -52,6 +52,8 @@ def measure_kernel_loads(reps: int = 20, registry: Registry | None = None,
                          shapes: tuple[str, ...] = SHAPES) -> list[dict[str, Any]]:
     """One row per shape a layout's kernel serves here: ``shape``, ``layout``, ``ratio`` (the burst's speed over a
     pinned memcpy's of the same bytes), ``burst_ms``, ``memcpy_ms``.  Needs CUDA.
+    After each shape the process's cached device memory and cached pinned host memory are handed back
+    (:func:`hicache_core.bench.timing._release_memory`): a pool's host buffers and device rows, hundreds of MB.
 
     :raises AssertionError: a burst's bytes differ from the source rows (the round trip is checked before timing)."""
     from .bench.timing import _release_memory
