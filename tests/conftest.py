@@ -40,15 +40,11 @@ def _shipped_calibration(monkeypatch: pytest.MonkeyPatch, _empty_home: str) -> N
     """``auto``'s decisions under test assume the shipped calibration, whatever this machine calibrated: neither
     ``$HICACHE_CALIBRATION`` nor a file at the default path (``~/.cache/hicache/calibration.json``, which ``hicache
     calibrate`` writes, or a hand-written ``"cpu"`` entry) may change them.  ``HOME`` is an empty folder of the session
-    (a test that reads a calibration names its own file); Triton's kernel cache, the compiled C launcher's cache
-    (:mod:`hicache_core.claunch`) and Python's user site stay where ``HOME`` put them."""
+    (a test that reads a calibration names its own file); Triton's kernel cache and Python's user site stay where
+    ``HOME`` put them."""
     from pathlib import Path
 
-    from hicache_core.claunch import ENV_CACHE_DIR
-
     monkeypatch.delenv("HICACHE_CALIBRATION", raising=False)
-    if ENV_CACHE_DIR not in os.environ:  # the launcher is compiled once per machine, not once per test session
-        monkeypatch.setenv(ENV_CACHE_DIR, str(Path.home() / ".cache" / "hicache"))
     if "TRITON_CACHE_DIR" not in os.environ and "TRITON_HOME" not in os.environ:
         monkeypatch.setenv("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
     if "PYTHONUSERBASE" not in os.environ:
