@@ -17,6 +17,9 @@ if not _cuda:
     except ImportError:  # pragma: no cover - Triton-less runs skip the kernel tests
         pass
 
+#: The HICACHE_* variables of the calling shell (before the cache directory below is set): the header names them.
+_SHELL_SETTINGS = {k: v for k, v in os.environ.items() if k.startswith("HICACHE_")}
+
 # The compiled launch call (hicache_core/claunch.py) is built by the first test that needs it: into a directory of
 # this session, not the user's cache (a build there would outlive the tests).
 if "HICACHE_CACHE_DIR" not in os.environ:
@@ -50,11 +53,21 @@ def _interpreter_note() -> str | None:
     return f"hicache: {problem}: the kernel tests fail on this machine" if problem else None
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
-    return _interpreter_note()
+def _environment_note() -> str | None:
+    """The ``HICACHE_*`` variables the calling shell sets: the code under test reads them (CI sets none; tests/ clears
+    ``HICACHE_AUTO_FORWARD``, ``HICACHE_AUTO_BACKUP_ROOM`` and ``HICACHE_CALIBRATION`` for its own tests), so a result
+    that differs from CI's may come from one of them."""
+    if not _SHELL_SETTINGS:
+        return None
+    return "hicache: set in this environment, and read by the code under test: " + ", ".join(
+        f"{k}={v!r}" for k, v in sorted(_SHELL_SETTINGS.items()))
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [note for note in (_interpreter_note(), _environment_note()) if note]
 
 
 def pytest_terminal_summary(terminalreporter: "pytest.TerminalReporter") -> None:
-    note = _interpreter_note()  # again at the end, where a -q run's reader looks
-    if note:
-        terminalreporter.write_line(note, yellow=True, bold=True)
+    for note in (_interpreter_note(), _environment_note()):  # again at the end, where a -q run's reader looks
+        if note:
+            terminalreporter.write_line(note, yellow=True, bold=True)
