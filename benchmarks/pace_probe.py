@@ -219,6 +219,8 @@ TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=w
 #: A call slower than this many microseconds counts as a stall in the summary (a read of GPU indices behind queued
 #: loads took 20-38 ms on the H200).
 STALL_US = 10_000.0
+#: How many of a burst's first calls the summary times one by one (``call_us_first``).
+FIRST_CALLS = 4
 
 
 def _by(name: str) -> str:
@@ -288,6 +290,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             row[name] = round(base / ms, 4)
             row[name + "_host_us"] = round(host_us, 1)
             row[name + "_call_us_median_max"] = [round(statistics.median(CALL_US), 1), round(max(CALL_US), 1)]
+            row[name + "_call_us_first"] = [round(u, 1) for u in CALL_US[:FIRST_CALLS]]
             CALL_US.clear()
             lc = lanes[name]
             row[name + "_lane_declined"] = lc["declined"]
@@ -334,6 +337,12 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
                                      for n in names},
         # per candidate: cycles whose burst had a call over STALL_US, and in which cycles (the first ones: warm-up)
         "stalls": {n: [i for i, c in enumerate(cycles) if c[n + "_call_us_median_max"][1] > STALL_US] for n in names},
+        # per candidate: the host microseconds of a burst's first calls, one by one (median over cycles), then the
+        # median call's (where a new batch's decisions and plans cost the host, against its steady lane)
+        "call_us_first": {n: [round(statistics.median(c[n + "_call_us_first"][i] for c in cycles), 1)
+                              for i in range(min(FIRST_CALLS, len(layers)))] for n in names},
+        "call_us_median": {n: round(statistics.median(c[n + "_call_us_median_max"][0] for c in cycles), 1)
+                           for n in names},
     }
     for name in (n for n in names if n in TAGS):
         tag, other = TAGS[name], [c[name] - b for c, b in zip(cycles, better)]

@@ -23,7 +23,7 @@ GPU_SCRIPTS = {
     "flat_rows_probe": [], "fresh_indices": [], "gate_probe": [], "host_time": [],
     "knob_ab": ["--out", "{out}/knob", "--knob", "hicache_core.backends.memcpy:TIGHT_GAP_US", "--values", "1"],
     "launch_cost": [], "launch_floor": [], "lone_load_probe": [], "lone_probe": ["--out", "{out}/lone.json"],
-    "pace_probe": ["--out", "{out}/pace"], "pace_trace": ["--out", "{out}/trace"], "parallel_submit_probe": [],
+    "pace_probe": ["--out", "{out}/pace"], "head_cost": ["--out", "{out}/head"], "pace_trace": ["--out", "{out}/trace"], "parallel_submit_probe": [],
     "peers": [], "profile_kernel": [], "row_pieces_probe": [], "sched_stall": [], "stage_probe": [],
     "staged_timeline": [], "tma_flat_probe": [], "tma_load_probe": [], "tma_span_probe": [], "tune_tiles": [],
     "two_gpu": [], "watch_cost": [],
