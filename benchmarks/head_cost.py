@@ -35,9 +35,9 @@ from hicache_core.registry import create_registry  # noqa: E402
 #: Positions in the burst reported one by one; later calls are reported together as ``rest``.
 HEAD = 3
 #: The parts timed on an ``auto`` strategy (methods looked up on the instance at call time), and on its candidates.
-AUTO_PARTS = ("load", "pick", "_decide", "_lone", "_serve", "_least_blocks", "_may_feed", "_refuse_unread",
+AUTO_PARTS = ("load", "_serve", "pick", "_decide", "_lone", "_least_blocks", "_may_feed", "_refuse_unread",
               "_planned", "_book", "_fast", "_use", "_pace_moved", "_block_bound")
-CANDIDATE_PARTS = ("load", "submission")
+CANDIDATE_PARTS = ("load", "transfer", "submission")
 
 
 class Timer:
@@ -64,7 +64,7 @@ class Timer:
 def _instrument(pool: HostKVPool, timer: Timer) -> None:
     """Wrap the pool's lane, index check and strategy parts (on the instances: other pools are untouched)."""
     st = pool.strategy
-    if pool.strategy_name == "auto":
+    if hasattr(st, "kernel") and hasattr(st, "direct"):  # auto (its name carries its plugin's prefix)
         for part in AUTO_PARTS:
             if callable(getattr(st, part, None)):
                 setattr(st, part, timer.wrap("auto." + part, getattr(st, part)))
@@ -75,6 +75,13 @@ def _instrument(pool: HostKVPool, timer: Timer) -> None:
                     setattr(cand, part, timer.wrap(f"{tag}.{part}", getattr(cand, part)))
     else:
         st.load = timer.wrap("kernel.load", st.load)  # type: ignore[method-assign]
+        st.transfer = timer.wrap("kernel.transfer", st.transfer)  # type: ignore[method-assign]
+    kernel = getattr(st, "kernel", st)
+    prep = pool.binding.scratch.get(getattr(kernel, "name", ""))
+    replays = getattr(prep, "replays", None)
+    if replays is not None:  # the kernel's replays: a batch made or matched, a layer's recorded launches replayed
+        for part in ("batch", "run"):
+            setattr(replays, part, timer.wrap("replays." + part, getattr(replays, part)))
     pool._check = timer.wrap("pool._check", pool._check)  # type: ignore[method-assign]
     lane = pool._lanes[0]  # type: ignore[attr-defined]
     if lane is not None:
