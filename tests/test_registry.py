@@ -32,6 +32,7 @@ from hicache_core import (
     hookimpl,
 )
 from hicache_core import registry as registry_module
+from hicache_core.registry import discovery  # where the registry lists entry points: the name to replace
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.backends.reference import ReferenceStrategy
 from hicache_core.testing import layouts_plugin
@@ -71,7 +72,7 @@ def extra_entry_points(monkeypatch):
     """Add entry points (name -> plugin object or exception to raise on import) next to the installed ones."""
 
     def install(**plugins: object) -> None:
-        real = registry_module.entry_points
+        real = discovery.entry_points
         eps = []
         for name, plugin in plugins.items():
             mod = types.ModuleType(f"hicache_test_ep_{name}")
@@ -83,17 +84,17 @@ def extra_entry_points(monkeypatch):
                 mod.plugin = plugin  # type: ignore[attr-defined]
             monkeypatch.setitem(sys.modules, mod.__name__, mod)
             eps.append(EntryPoint(name, f"{mod.__name__}:plugin", "hicache"))
-        monkeypatch.setattr(registry_module, "entry_points", lambda group: [*eps, *real(group=group)])
+        monkeypatch.setattr(discovery, "entry_points", lambda group: [*eps, *real(group=group)])
 
     return install
 
 
 # -- order ---------------------------------------------------------------------------
 def test_entry_points_load_in_name_order_whatever_the_install_order(monkeypatch):
-    real = registry_module.entry_points
+    real = discovery.entry_points
     orders = []
     for flip in (False, True):
-        monkeypatch.setattr(registry_module, "entry_points",
+        monkeypatch.setattr(discovery, "entry_points",
                             lambda group, flip=flip: sorted(real(group=group), key=lambda e: e.name, reverse=flip))
         reg = create_registry(env=BASE)
         orders.append(([p.name for p in reg.plugins], reg.inventory(), reg.io_backends))

@@ -14,7 +14,7 @@ import torch
 from hicache_core import (Addressing, BufferSpec, Component, DuplicateRegistrationError, HostPlan, LayerMap, Part,
                           PoolSpec, Segment, SpecError, StrategyInfo,
                           create_registry, hookimpl)
-from hicache_core import registry as registry_module
+from hicache_core.registry import discovery  # where the registry lists entry points: the name to replace
 from hicache_core.backends.direct import DirectStrategy
 from hicache_core.pool import HostKVPool
 from hicache_core.testing import layouts_plugin
@@ -237,9 +237,9 @@ def test_an_entry_point_whose_distribution_has_no_metadata_still_loads(monkeypat
         version = None
 
     plugin = layouts(Lay("lonely"))
-    real = registry_module.entry_points
+    real = discovery.entry_points
     ep = types.SimpleNamespace(name="core", dist=NoMeta(), load=lambda: plugin)
-    monkeypatch.setattr(registry_module, "entry_points", lambda group: [ep, *real(group=group)])
+    monkeypatch.setattr(discovery, "entry_points", lambda group: [ep, *real(group=group)])
     reg = create_registry(env=BASE)
     assert "lonely" in reg.layouts and "page_head" in reg.layouts and "core.direct" in reg.strategies
     assert reg.layouts["lonely"][1].label == "<unknown> ?"
