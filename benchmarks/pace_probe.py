@@ -2,7 +2,7 @@
 
 Usage (GPU): ``python benchmarks/pace_probe.py --out FILE.json [--shapes mla61x576-fp8,mla61x656-fp8]
 [--layouts layer_first,page_first_direct] [--seconds 30] [--reuse] [--with-memory] [--with-watch] [--with-prefetch]
-[--hbm] [--profile DIR] [--lane-detail] [--with-lone-off] [--with-direct-only] [--with-reprobe] [--with-ahead-off]``.
+[--hbm] [--profile DIR] [--lane-detail] [--with-lone-off] [--with-direct-only] [--with-reprobe]``.
 
 Per shape and layout, three pools share the device layers (4096 tokens, page 64, separately allocated layers,
 random pages): the layout's kernel, ``direct`` and ``auto`` (and ``auto`` with ``pace=False`` where
@@ -15,9 +15,7 @@ a pinned copy of the burst's bytes timed in the same cycle.  With ``--reuse`` ev
 side.  The summary gives, per cell, how often ``auto`` was within 3 points of the better of kernel and ``direct``.
 ``--with-memory`` adds ``auto`` with ``forward="memory"``, ``--with-watch`` with ``forward="watch"``,
 ``--with-prefetch`` ``auto`` with ``prefetch=True`` (and ``forward="watch"`` with it, with ``--with-watch``),
-``--with-reprobe`` ``auto`` with ``reprobe=True`` (its re-probes so far, per cycle: ``reprobes``),
-``--with-ahead-off`` ``auto`` that does not decide a lone load's new pair ahead (the burst's next call decides, as
-before that rule); ``--hbm``
+``--with-reprobe`` ``auto`` with ``reprobe=True`` (its re-probes so far, per cycle: ``reprobes``); ``--hbm``
 runs every burst beside a memory-bound reduction on another stream (``hicache bench --hbm``'s neighbour, queued to
 outlast the burst), against the idle pinned copy.  The summary's ``stalls`` lists, per candidate, the cycles whose
 burst had a call over :data:`STALL_US`.  ``--profile DIR`` cProfiles each candidate's bursts (their host time grows
@@ -59,8 +57,7 @@ def _count_decisions(strategy: object) -> dict[str, int]:
 
     def counted(*args: object, **kwargs: object) -> object:
         pick = decide(*args, **kwargs)
-        if pick is not None:  # None: left open by a decision ahead of the pair's calls (nothing taken)
-            counts["direct" if pick is strategy.direct else "kernel"] += 1  # type: ignore[attr-defined]
+        counts["direct" if pick is strategy.direct else "kernel"] += 1  # type: ignore[attr-defined]
         return pick
 
     strategy._decide = counted  # type: ignore[attr-defined]
@@ -214,11 +211,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "auto prefetch": {"forward": "compute", "prefetch": True},
     "auto forward=watch prefetch": {"forward": "watch", "prefetch": True},
     "auto lone=off": {"forward": "compute", "lone": False}, "auto direct-only": {"forward": "compute"},
-    "auto reprobe": {"forward": "compute", "reprobe": True}, "auto ahead=off": {"forward": "compute"}}
+    "auto reprobe": {"forward": "compute", "reprobe": True}}
 #: The optional ones: label -> the tag of their summary keys.
 TAGS = {"auto pace=off": "off", "auto forward=memory": "memory", "auto forward=watch": "watch",
         "auto prefetch": "prefetch", "auto forward=watch prefetch": "watch_prefetch", "auto lone=off": "lone_off",
-        "auto direct-only": "direct_only", "auto reprobe": "reprobe", "auto ahead=off": "ahead_off"}
+        "auto direct-only": "direct_only", "auto reprobe": "reprobe"}
 #: A call slower than this many microseconds counts as a stall in the summary (a read of GPU indices behind queued
 #: loads took 20-38 ms on the H200).
 STALL_US = 10_000.0
@@ -234,7 +231,7 @@ def _by(name: str) -> str:
 def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: bool = False, with_memory: bool = False,
              hbm: bool = False, with_watch: bool = False, with_prefetch: bool = False, profile: str | None = None,
              lane_detail: bool = False, with_lone_off: bool = False, with_direct_only: bool = False,
-             with_reprobe: bool = False, with_ahead_off: bool = False) -> dict:
+             with_reprobe: bool = False) -> dict:
     reg = create_registry()
     spec, dev, h, s, d = _workload(shape)
     layers = list(spec.layer_map.device_layers)
@@ -243,8 +240,7 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
     target = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     chosen = {"auto pace=off": with_off, "auto forward=memory": with_memory, "auto forward=watch": with_watch,
               "auto prefetch": with_prefetch, "auto forward=watch prefetch": with_prefetch and with_watch,
-              "auto lone=off": with_lone_off, "auto direct-only": with_direct_only, "auto reprobe": with_reprobe,
-              "auto ahead=off": with_ahead_off}
+              "auto lone=off": with_lone_off, "auto direct-only": with_direct_only, "auto reprobe": with_reprobe}
     names = ["kernel", "direct", "auto"] + [n for n, on in chosen.items() if on]
     neighbour = _Neighbour() if hbm else None
     last_ms = 20.0  # the neighbour covers twice this many ms (then: the slowest recent burst)
@@ -258,8 +254,6 @@ def run_cell(shape: str, layout: str, seconds: float, with_off: bool, reuse: boo
             st = pools[name].strategy
             st.kernel, st._clocked = None, False  # type: ignore[attr-defined]
             _relane(pools[name])
-        if name == "auto ahead=off":  # a lone load's new pair is decided by the burst's next call, as before the rule
-            setattr(pools[name].strategy, "_decide_ahead", lambda *args: None)
         _check(pools[name], dev, h, s, d)
     auto = pools["auto"].strategy
     counts = {name: _count_decisions(pools[name].strategy) for name in names if name.startswith("auto")}
@@ -402,8 +396,6 @@ def main() -> None:
     p.add_argument("--with-reprobe", action="store_true",
                    help="also auto with reprobe=True (a burst held on the kernel by a slow host is measured again once "
                         "the kernel's calls speed up)")
-    p.add_argument("--with-ahead-off", action="store_true",
-                   help="also auto that does not decide a lone load's new index pair ahead of the burst's next call")
     p.add_argument("--lane-detail", action="store_true",
                    help="per auto burst: its candidates' lane calls and declines inside auto's lane, and what pick() "
                         "returned on the normal path (the cycle's auto_inner); the other pools' lanes get the same "
@@ -438,7 +430,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             cell = run_cell(shape, layout, args.seconds, args.with_off, args.reuse, args.with_memory, args.hbm,
                             args.with_watch, args.with_prefetch, args.profile, args.lane_detail,
-                            args.with_lone_off, args.with_direct_only, args.with_reprobe, args.with_ahead_off)
+                            args.with_lone_off, args.with_direct_only, args.with_reprobe)
             print(json.dumps(cell["summary"]), flush=True)
             out.append(cell)
     Path(args.out).write_text(json.dumps(out, indent=1))

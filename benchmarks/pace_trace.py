@@ -133,8 +133,6 @@ def main() -> int:
     def decide(self: Any, binding: Any, host_indices: Any, device_indices: Any, layer: Any, to_host: bool,
                reused: bool, *rest: Any) -> Any:
         pick = real_decide(self, binding, host_indices, device_indices, layer, to_host, reused, *rest)
-        if pick is None:
-            return None  # left open (a decision ahead of the pair's calls that would need its plan): none taken
         group = self.warm_paces if reused and self.warm_paces is not None else self.paces
         pace = group[to_host] if group is not None else None
         decisions.append({"row": _STATE["row"], "phase": _STATE["phase"], "layer": layer, "to_host": to_host,

@@ -1390,7 +1390,7 @@ class _AutoWorld:
         from hicache_core.backends import auto as auto_mod
         from hicache_core.backends.memcpy import DRAIN_BYTES_PER_US
 
-        self.monkeypatch, self.served, self.t, self.ahead = monkeypatch, [], [100.0], []
+        self.monkeypatch, self.served, self.t = monkeypatch, [], [100.0]
         spec = types.SimpleNamespace(bytes_per_token=4 * 1152, layer_map=types.SimpleNamespace(device_layers=range(4)))
         self.binding = types.SimpleNamespace(device=torch.device("cuda", 0), spec=spec, scratch={})
         self.on_cpu = types.SimpleNamespace(device=torch.device("cpu"), spec=spec, scratch={})
@@ -1408,8 +1408,6 @@ class _AutoWorld:
         auto.clock = QueueClock(now=lambda: self.t[0])
         auto._arm(where or self.binding)  # what prepare does after preparing both candidates
         self.monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
-        # a decision ahead after a lone load (tests/test_pace.py tests it on a real pool): recorded, not run
-        self.monkeypatch.setattr(auto, "_decide_ahead", lambda b, hh, dd, layer: self.ahead.append(layer))
         return auto
 
 
@@ -1427,7 +1425,6 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
     for layer in range(4):  # a burst: the first load finds the stream idle, the others follow it at once
         auto.load(binding, h, d, layer)
     assert served == [("kernel", 0), ("direct", 1), ("direct", 2), ("direct", 3)] and auto.lone_kernel_loads == 1
-    assert w.ahead == [0]  # the lone load's pair decided ahead for the rest of the burst, once
     t[0] += 3.5 * w.layer_s  # not all four layers' bytes drained yet
     auto.load(binding, h, d, 1)
     t[0] += 2 * w.layer_s  # now they have, but the last call ended microseconds ago: a loop of calls
@@ -1436,7 +1433,6 @@ def test_auto_sends_a_lone_tma_load_to_the_kernel_and_the_rest_of_a_burst_by_its
     auto.load(binding, h, d, 1)
     auto.load(binding, h, d, None)  # all layers: the rule, even right after a lone load is done
     assert served[4:] == [("direct", 1), ("direct", 1), ("kernel", 1), ("direct", None)]
-    assert w.ahead == [0, 1]  # after each lone load only
     t[0] += 10 * w.layer_s
     auto.backup(binding, h, d, 2)
     auto.load(binding, h, d, 3)  # idle, but the kernel would load layer 3 with its row kernel

@@ -202,7 +202,6 @@ def _watched(monkeypatch, t: list, served: list, forward: str = "watch"):  # typ
     auto.clock = QueueClock(now=lambda: t[0])
     auto._arm(binding)
     monkeypatch.setattr(auto, "pick", lambda b, hh, dd, layer, to_host: auto.direct)
-    monkeypatch.setattr(auto, "_decide_ahead", lambda b, hh, dd, layer: None)  # a real decision needs a real pool
     ms, done, log = [0.0], [False], []
     if forward == "watch":
         auto.watch = ForwardWatch(55.0, now=lambda: t[0], event=lambda: FakeEvent(log, done, ms), stream=lambda i: i,

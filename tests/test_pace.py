@@ -487,45 +487,6 @@ def test_an_old_measure_restarts_with_the_next_decision_and_gpu_resident_indices
     assert not auto._refuse_unread(h.numel(), DEFAULT, loads)
 
 
-def test_a_lone_loads_pair_is_decided_ahead_only_where_no_plan_is_needed():
-    """After a lone load (served by the kernel), ``auto`` decides the pair's candidate for the rest of the burst, but
-    only by the rules that plan nothing: where they refuse the copy engine (GPU-resident host indices and a last plan
-    of as many positions too many blocks for the host) the kernel is memoised, no plan made, and the next call of the
-    pair is served from the memo without deciding again; where a plan would decide, nothing is memoised or planned
-    (the call that serves the pair plans, so its copies measure the host's planning pace), and the lone call still
-    counts as one of the pair's.  A pair already memoised, or a strategy with one candidate, is left alone."""
-    pool, h, d = _fp8_pool()
-    slow = replace(DEFAULT, submit_us=0.84)  # refuses these loads without measuring (the test above)
-    w = _Paces()
-    auto = auto_over(pool, w)
-    auto.clock = QueueClock(now=lambda: w.t[0])
-    auto.calibration = slow
-    auto._layers = 8  # these calls are one burst's (no reuse to decide again for)
-    def planned() -> int:
-        return len(getattr(pool.binding.scratch.get("direct.plans"), "_slots", ()))
-    on_gpu = h.to("meta")  # stands for GPU-resident host indices: never read for a bound
-    auto._load_blocks[h.numel()] = (64, 64 * 64 * 656, auto.clock.now())  # the last plan of as many positions
-    auto._decide_ahead(pool.binding, on_gpu, d, 1)
-    key = pick_key(on_gpu, d, 1, False)
-    assert auto._picks[key] is auto.kernel and auto.decisions == 1 and auto._uses[key][0] == 1
-    assert planned() == 0  # nothing planned
-    assert auto.pick(pool.binding, on_gpu, d, 1, to_host=False) is auto.kernel and auto.decisions == 1  # the memo
-    auto._decide_ahead(pool.binding, on_gpu, d, 1)  # memoised already: not counted again
-    assert auto._uses[key][0] == 2 and auto.decisions == 1
-    auto.calibration = DEFAULT  # the shipped calibration: a plan decides these loads
-    fresh = h.clone()
-    auto._decide_ahead(pool.binding, fresh, d, 1)
-    key = pick_key(fresh, d, 1, False)
-    assert key not in auto._picks and auto._uses[key][0] == 1 and auto.decisions == 1
-    assert planned() == 0
-    assert auto.pick(pool.binding, fresh, d, 1, to_host=False) is not None and auto.decisions == 2
-    assert auto._uses[key][0] == 2 and planned() == 1  # planned by the call that serves the pair
-    only = auto_over(pool, w)
-    only.kernel = None
-    only._decide_ahead(pool.binding, h.clone(), d, 1)
-    assert not only._uses and not only._picks
-
-
 def test_a_calibration_that_refuses_without_measuring_reads_no_gpu_resident_indices():
     """A calibration whose host is too slow both to feed these loads and to be worth measuring for them (0.84 us per
     descriptor, as an H100 host's ``hicache calibrate`` wrote): no measure ever starts, so a new batch with

@@ -336,12 +336,6 @@ class AutoStrategy:
         to the kernel is decided again at its first reuse, so indices reused batch after batch are not held to the
         pace of their first burst (which planned every layer).
         """
-        return cast(Strategy, self._pick(binding, host_indices, device_indices, layer, to_host, True))
-
-    def _pick(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-              layer: int | None, to_host: bool, plan: bool) -> Strategy | None:
-        """:meth:`pick`; with ``plan=False``, ``None`` (nothing memoised) where deciding needs the pair's copy plan
-        (:meth:`_decide`)."""
         if self.kernel is None:
             assert self.direct is not None
             return self.direct
@@ -365,10 +359,7 @@ class AutoStrategy:
         gens = (self._pace_gen[to_host], self._watch_gen)
         if self.reprobe_watch is not None and not to_host:
             self.reprobe_watch.disarm()  # a load decided again: armed anew below only where a slow host gives it the kernel
-        pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early, plan)
-        if pick is None:
-            return None  # the call that serves the pair decides (and plans)
-        self.decisions += 1
+        pick = self._decide(binding, host_indices, device_indices, layer, to_host, reused, early)
         # memoised only if nothing another thread did while deciding made it stale: dropped the picks because a
         # measure or the watch moved (this pick read the old one), or dropped the use counts (its tensors with them)
         if key is not None and (self._pace_gen[to_host], self._watch_gen) == gens and key in self._uses:
@@ -463,13 +454,12 @@ class AutoStrategy:
         return entry[0] > limit, entry[0] == limit + 1
 
     def _decide(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                layer: int | None, to_host: bool, reused: bool, early: bool = False,
-                plan: bool = True) -> Strategy | None:
+                layer: int | None, to_host: bool, reused: bool, early: bool = False) -> Strategy:
         """The candidate for a call not memoised (:meth:`pick`); ``reused``: judged at the host's pace of calls that
         reuse their plans (:attr:`warm_paces`), else at that of calls that plan; ``early``: a new pair's first load
-        with ``prefetch`` (its device indices start back unless the layout alone gives the call to the kernel);
-        ``plan=False``: ``None`` where the rules that plan nothing (the kernel, each of them) leave it open."""
+        with ``prefetch`` (its device indices start back unless the layout alone gives the call to the kernel)."""
         assert self.direct is not None and self.kernel is not None
+        self.decisions += 1
         paces = self.warm_paces if reused and self.warm_paces is not None else self.paces
         pace = paces[to_host] if paces is not None else None
         desc_us = pace.fresh() if pace is not None else None
@@ -489,8 +479,6 @@ class AutoStrategy:
                 self._refuse_unread(host_indices.numel(), cal, pace) and not self._planned(binding, host_indices,
                                                                                                device_indices):
             return self._slow(watch)  # GPU-resident indices, too many blocks lately for the host: no device read
-        if not plan:
-            return None
         sub = self.direct.submission(binding, host_indices, device_indices, layer)
         if layer is not None and not to_host:
             if len(self._load_blocks) >= _PICKS:
@@ -682,25 +670,6 @@ class AutoStrategy:
         else:
             self._serve(binding, host_indices, device_indices, layer, False)
         self._book(stream, n, layer, now)
-        if lone:
-            self._decide_ahead(binding, host_indices, device_indices, cast(int, layer))
-
-    def _decide_ahead(self, binding: PoolBinding, host_indices: torch.Tensor, device_indices: torch.Tensor,
-                      layer: int) -> None:
-        """After a lone load the kernel served through the normal path (a new index pair: the kernel's lane knew
-        none): decide the pair's candidate for the rest of its burst now, while the GPU runs that load, where the
-        rules that plan nothing decide it (the kernel, each of them: :meth:`_decide` with ``plan=False``).  The
-        burst's next call then finds it memoised in :meth:`lane` instead of deciding in front of its own launch
-        (H100, fp8 MLA rows, new indices every batch: that call took 62-92 us of host time where the kernel's own
-        pool took 15-22, and the GPU waited for it).  A decision that needs the pair's plan is left to that call, as
-        before (it reads the indices back and plans, and its own copies then measure the host's planning pace).
-        The lone call counts as one of the pair's calls (:meth:`_use`)."""
-        if self.direct is None or self.kernel is None:
-            return
-        key = pick_key(host_indices, device_indices, layer, False)
-        if key is None or key in self._picks:
-            return
-        self._pick(binding, host_indices, device_indices, layer, False, False)
 
     def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> tuple[bool, bool]:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
