@@ -36,7 +36,7 @@ from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import bench  # noqa: E402
 from hicache_core.backends import auto as auto_mod  # noqa: E402
 from hicache_core.backends import memcpy  # noqa: E402
-from hicache_core.backends.cudart import runtime  # noqa: E402
+from hicache_core.backends.cudart import runtime, schedule_calls  # noqa: E402
 from hicache_core.backends.pace import HostPace  # noqa: E402
 
 _STATE: dict[str, Any] = {"row": "", "phase": "setup", "to_host": None, "warm": False,
@@ -123,7 +123,7 @@ def main() -> int:
                         "busy_start": _STATE["busy_start"], "busy_end": busy_end,
                         "row": _STATE["row"], "phase": _STATE["phase"], "to_host": bool(_STATE["to_host"]),
                         "pace": "reused" if _STATE["warm"] else "planning", "ops": ops, "calls": calls,
-                        "eager": calls > len(memcpy.batch_schedule(ops, False)),  # split: an idle engine
+                        "eager": calls > schedule_calls(ops, False),  # split: an idle engine
                         "desc_us": round(self.samples()[-1], 4), "host_us": round(host_us, 2),
                         "estimate_us": self.desc_us})
 

@@ -464,6 +464,20 @@ def test_every_pace_probe_variant_is_a_valid_auto_and_every_optional_one_has_a_t
     assert pace_probe.VARIANTS["auto reprobe"].get("reprobe") is True
 
 
+def test_decision_cost_times_new_pairs_decided_for_the_kernel_without_a_plan(tmp_path):
+    """benchmarks/decision_cost.py: both paths decide every new pair (for the kernel, no probe, no plan: checked by
+    the script itself) and the figures are written (timings are not checked)."""
+    from benchmarks import decision_cost
+
+    out = tmp_path / "decision.json"
+    assert decision_cost.main(["--calls", "3", "--rounds", "1", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert {"gpu_indices_us", "gpu_indices_tensor_us", "cpu_indices_us", "cpu_indices_tensor_us"} <= set(got)
+    assert all(got[k] > 0 for k in ("gpu_indices_us", "cpu_indices_us"))
+    with pytest.raises(SystemExit):
+        decision_cost.main(["--rounds", "0"])
+
+
 def test_lane_cost_times_the_three_lanes_through_direct_and_restores_what_it_replaced(tmp_path):
     """benchmarks/lane_cost.py: each lane submits through direct once before it is timed, the figures are written, and
     the copier's copy and auto's stream lookup are put back (timings are not checked)."""

@@ -29,7 +29,7 @@ GPU_SCRIPTS = {
     "two_gpu": [], "watch_cost": [],
 }
 #: Scripts that run on a CPU (or read files), and modules other scripts import.
-CPU_OR_LIBRARY = {"lane_cost", "pace_bins", "stress", "tables", "needs_cuda", "peer_check", "peer_lmcache",
+CPU_OR_LIBRARY = {"lane_cost", "decision_cost", "pace_bins", "stress", "tables", "needs_cuda", "peer_check", "peer_lmcache",
                   "peer_sglang"}
 
 

@@ -921,6 +921,17 @@ def test_pool_hands_its_check_to_the_plan_of_the_same_call(monkeypatch):
     assert pool.binding.checked is None
 
 
+def test_schedule_calls_counts_the_schedules_runtime_calls_without_building_it():
+    """``schedule_calls(n, eager)`` is ``len(batch_schedule(n, eager))`` for every count, both schedules (``auto``
+    counts calls with it in each decision); an empty or negative count makes no call."""
+    from hicache_core.backends.cudart import batch_schedule, schedule_calls
+
+    for n in [*range(-2, 2200), 3904, 31232, 100_000]:
+        for eager in (True, False):
+            assert schedule_calls(n, eager) == len(batch_schedule(n, eager)), (n, eager)
+    assert schedule_calls(1024, False) == 2 and schedule_calls(1025, False) == 3 and schedule_calls(64) == 4
+
+
 def test_host_time_estimate_counts_descriptors_and_runtime_calls():
     """The model ``auto`` feeds: ~0.5 us per descriptor plus ~6 us per runtime call of the batch schedule."""
     from hicache_core.backends.cudart import batch_calls, batch_schedule

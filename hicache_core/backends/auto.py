@@ -56,7 +56,7 @@ from ..spec import PoolSpec
 from ..strategy import Strategy
 from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, SLOW_KERNEL_ROOM, allowed_us,
                          backup_room_option, fed, kernel_room, pick_key, worth_measuring)
-from .cudart import batch_calls, batch_schedule
+from .cudart import batch_calls, schedule_calls
 from .direct import DirectStrategy
 from .forward import ForwardWatch
 from .memcpy import BatchCopier, QueueClock
@@ -592,7 +592,7 @@ class AutoStrategy:
         for a plan of :data:`~.pace.MIN_OPS` blocks where the bound is fewer; else a plan's own count."""
         link_us = allowed_us(nbytes, cal, to_host, self.room, self.backup_room)
         desc_us = pace.fresh() if pace is not None else None
-        burst_us = len(batch_schedule(blocks, eager=False)) * MODEL_CALL_US
+        burst_us = schedule_calls(blocks, eager=False) * MODEL_CALL_US
         if desc_us is not None:
             if blocks * desc_us + burst_us <= FED_SHARE * link_us:
                 return True
@@ -605,7 +605,7 @@ class AutoStrategy:
         if pace is None or desc_us is not None:
             return False
         m = max(blocks, MIN_OPS) if least else blocks
-        return m >= MIN_OPS and m * cal.submit_us + len(batch_schedule(m, eager=False)) * MODEL_CALL_US <= \
+        return m >= MIN_OPS and m * cal.submit_us + schedule_calls(m, eager=False) * MODEL_CALL_US <= \
             FED_SHARE * link_us
 
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:

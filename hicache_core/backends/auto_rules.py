@@ -15,7 +15,7 @@ import torch
 
 from ..calibration import Calibration
 from ..errors import ConfigError
-from .cudart import batch_schedule
+from .cudart import schedule_calls
 from .forward import MAX_ROOM
 from .pace import MIN_OPS, MODEL_CALL_US
 from .plans import Submission
@@ -131,7 +131,7 @@ def allowed_us(nbytes: int, cal: Calibration, to_host: bool, room: float, backup
 def burst_us(sub: Submission, desc_us: float) -> float:
     """Host time of submitting plain ``sub`` in a burst (the fewest runtime calls) at ``desc_us`` per descriptor."""
     n = int(sub.lens.numel())
-    return n * desc_us + len(batch_schedule(n, eager=False)) * MODEL_CALL_US
+    return n * desc_us + schedule_calls(n, eager=False) * MODEL_CALL_US
 
 
 def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host: bool = True,

@@ -27,7 +27,7 @@ import torch
 from .pitched import OP_WORDS
 
 __all__ = ["CudaRuntime", "runtime", "runtime_unavailable_reason", "STREAM_PER_THREAD", "batch_schedule", "batch_calls",
-           "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL", "loaded_cudart_paths"]
+           "schedule_calls", "submit_in_schedule", "BatchSubmitError", "MAX_PER_CALL", "loaded_cudart_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,26 @@ def batch_schedule(n: int, eager: bool = True) -> list[int]:
     return out
 
 
+def schedule_calls(n: int, eager: bool = True) -> int:
+    """``len(batch_schedule(n, eager))``, without building the list (``auto`` counts runtime calls for each decision
+    it makes; a new batch's decision is on the path to its first launch)."""
+    if n <= 0:
+        return 0
+    if not eager:
+        return -(-n // _MAX_CHUNK)
+    calls, chunk = 0, _FIRST_CHUNK
+    while n > 0:
+        n -= chunk
+        calls += 1
+        if calls >= _EVEN_CALLS:
+            chunk = min(_MAX_CHUNK, chunk * 4)
+    return calls
+
+
 def batch_calls(n: int) -> int:
     """Runtime calls :meth:`CudaRuntime.copy_batch` makes for ``n`` descriptors on an idle stream (each
     costs ~6 us of host time)."""
-    return len(batch_schedule(n))
+    return schedule_calls(n)
 
 
 class BatchSubmitError(RuntimeError):

@@ -11,7 +11,7 @@ import torch
 
 from ..kernel_support import current_device_index, current_stream_handle
 from .cudart import MAX_PER_CALL as _ONE_CALL
-from .cudart import BatchSubmitError, batch_schedule, runtime, runtime_unavailable_reason
+from .cudart import BatchSubmitError, runtime, runtime_unavailable_reason, schedule_calls
 from .pace import MAX_BACKLOG_US, MIN_OPS, HostPace, WaitLog
 from .pitched import Pitched, expand
 
@@ -194,7 +194,7 @@ class BatchCopier:
         if measured:
             pace = (self.warm_paces if warm else self.paces)[to_host]
             waited = self.waits.take(t0)
-            pace.record((self.clock.now() - t0 - waited) * 1e6, n, len(batch_schedule(n, eager)))
+            pace.record((self.clock.now() - t0 - waited) * 1e6, n, schedule_calls(n, eager))
 
     def copy_pitched(self, p: Pitched, ops: Callable[[], torch.Tensor], *, to_host: bool, stream: int | None = None,
                      nbytes: int | None = None) -> None:
