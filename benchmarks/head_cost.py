@@ -9,7 +9,8 @@ decide and plan what the rest reuse, and the GPU waits for the first launch: the
 burst's time that the link does not hide.  Each part of a call (the pool's lane, its index check, ``auto``'s
 ``load``, ``pick``, ``_decide`` and the rules it runs, the kernel's ``load``) is timed inclusively by a wrapper on the
 pool's own objects, per position in the burst (the first :data:`HEAD` calls, then the rest together).  The report
-gives per part and position the median microseconds over the cycles where the part ran, and how often it ran.
+gives per part and position the median microseconds over the cycles where the part ran (for ``rest``: its time per
+call over all of the burst's later calls), and the share of cycles it ran in.
 The wrappers cost about a microsecond each: compare parts, not totals with ``pace_probe.py``'s.
 """
 
