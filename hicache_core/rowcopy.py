@@ -19,6 +19,11 @@ and ``tuning`` (:class:`KernelTuning`, per direction).  Everything else is here:
 Launch values are passed to the kernel **by name**: a kernel declares the
 parameters it uses from :data:`LAUNCH_VALUES`, in any order.  Nothing here
 imports Triton.
+
+This module keeps :class:`RowKernelStrategy`; the rest of the host side lives by role in
+:mod:`hicache_core.rowcopy_tuning` (tunings, tiles), :mod:`hicache_core.rowcopy_groups` (row groups) and
+:mod:`hicache_core.rowcopy_launch` (launch values, the prepared record, routing and launch helpers), and every
+name is importable from here too.
 """
 
 from __future__ import annotations
@@ -26,27 +31,24 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, ClassVar, cast
 
 import torch
 
 from . import claunch, replay
 from .binding import PoolBinding
-from .errors import ConfigError, HostBufferError
+from .errors import ConfigError
 from .kernel_support import (
-    SegmentTable,
-    access_word,
     interpreting,
     kernel_unsupported_reason,
     on_pool_device,
     require_pinned,
-    segment_tables,
     sm_budget,
     transfer_indices,
 )
 from .layout import Layout
-from .replay import Batch, Lane, Replays, Step, replay_enabled, step as replay_step
+from .replay import Batch, Lane, Replays, Step, replay_enabled
 from .spec import PoolSpec
 from .strategy import DirectionalStrategy
 from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, DYNAMIC as TMA_DYNAMIC,
@@ -54,289 +56,20 @@ from .rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_RO
 from .validate import parse_programs
 from . import rowcopy_pages
 
+# Every name of the former single module stays importable from here.  Names the strategy uses are looked up here (a
+# test that replaces tma_mode or interpreting patches them here); the launcher cache _LAUNCHERS is rowcopy_launch's.
+from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
+from .rowcopy_launch import (  # noqa: F401
+    DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep, _Launch, _launcher,
+    _route, _Run, _tma_plan)
+from .rowcopy_tuning import (  # noqa: F401
+    MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
+    Tuning, _pow2_ceil, _pow2_floor, tile)
+
 __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "RowGroup", "RowKernelStrategy",
            "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
-
-#: Widest column step of a tile; longer rows take several steps.
-MAX_BLOCK_BYTES = 4096
-#: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
-MAX_TOKENS = 256
-#: Widest access the kernels are told about through ``tl.multiple_of``.
-MAX_VECTOR_BYTES = 16
-
-#: Every name a row-copy kernel may declare, and what the launch passes for it.
-LAUNCH_VALUES = {
-    "anchor": "tensor typed as the access word: every address is anchor + int64 word offset",
-    "host_idx": "int32|int64 [n] host slots (on the pool's device)",
-    "dev_idx": "int32|int64 [n] device rows, paired with host_idx",
-    "n": "index positions",
-    "ents": "int64 [n_ents] entry positions this launch moves",
-    "n_ents": "entries this launch moves",
-    "dev_off": "int64 [entries] words from anchor to device row 0 of the entry's layer tensor",
-    "dev_stride": "int64 [entries] device token stride (words)",
-    "host_off": "int64 [entries] words from anchor to host slot 0 of the entry's host layer",
-    "host_page": "int64 [entries] host page stride (words)",
-    "host_tok": "int64 [entries] host token stride (words)",
-    "host_off_b": "as host_off, for the row's second part (fused groups; else host_off)",
-    "host_page_b": "as host_page, second part",
-    "host_tok_b": "as host_tok, second part",
-    "page_size": "tokens per page",
-    "capacity": "host slots: host indices outside 0..capacity-1 move nothing",
-    "dev_rows": "device rows of the shortest layer: device indices outside move nothing",
-    "WIDTH": "constexpr: row words (both parts; page loads: the words of the host part loaded)",
-    "SPLIT": "constexpr: words of the first part (== WIDTH when the group has one part)",
-    "BLOCK": "constexpr: column step (words, power of two) of the first part",
-    "BLOCK_B": "constexpr: column step of the second part",
-    "TOKENS": "constexpr: index positions per tile (power of two)",
-    "VEC": "constexpr: every row base is a multiple of VEC words",
-    "TO_HOST": "constexpr: True backup (device to host), False load",
-    "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
-    "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
-    "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
-    "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces)",
-    "PARTS": "constexpr: whole parts per page",
-    "R1": "constexpr: words of the page's first piece after its parts (0: none)",
-    "R2": "constexpr: second piece (0: none)",
-    "R3": "constexpr: third piece (0: none)",
-    "R4": "constexpr: masked tail piece covering the rest of the page (0: none)",
-    "STRIDED": "constexpr: page loads: device rows are wider than the part loaded (dev_stride != WIDTH)",
-}
-#: The launch values that change from call to call (the rest is fixed per pool, group and direction).
-DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
-
-
-#: The largest ``tile_bytes``: a page load's piece is ``tile_bytes`` over the access word (1 byte at the least) words,
-#: and Triton refuses a tensor of more than 2**20 elements (16x the page loads' default, 64 KiB).
-MAX_TILE_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """Launch shape of one direction: programs (the persistent grid, an SM budget), warps per program,
-    the bytes one program moves per tile, and how many work items the loop keeps in flight
-    (``stages``, software pipelining); ``maxnreg`` caps registers per thread."""
-
-    programs: int
-    num_warps: int
-    tile_bytes: int
-    stages: int = 1
-    maxnreg: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("programs", "num_warps", "tile_bytes", "stages"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
-        if self.tile_bytes > MAX_TILE_BYTES:
-            raise ConfigError(f"tile_bytes must be at most {MAX_TILE_BYTES} (a page load's piece of more than 2**20 "
-                              f"elements exceeds Triton's largest tensor), got {self.tile_bytes}")
-        if self.num_warps & (self.num_warps - 1):
-            raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
-        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
-                                         or self.maxnreg < 1):
-            raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")
-
-
-@dataclass(frozen=True)
-class KernelTuning:
-    """A strategy's :class:`Tuning` per direction; ``tma_load``: per-layer loads through tensor
-    descriptors (``None``: the strategy has no TMA loads); ``page_load``: loads of whole pages as flat
-    words (``tile_bytes``: the largest part of a page one work item reads; ``None``: no page loads)."""
-
-    backup: Tuning
-    load: Tuning
-    tma_load: Tuning | None = None
-    page_load: Tuning | None = None
-
-    def direction(self, to_host: bool) -> Tuning:
-        return self.backup if to_host else self.load
-
-
-#: Launch shape of the shared TMA load kernel (``kernel_lib.PAGED_TMA_LOAD``), for a plugin's
-#: ``KernelTuning.tma_load``.  H200 2026-11-30 (docs/performance.md, "TMA loads for every host layout";
-#: sweeps in docs/perf/tune-tma-*-2026-11-30.json): 4 programs move a load burst of 1152- or 2048-byte rows
-#: as fast as the row kernel at 16, with a GEMM beside them -0.9% to +1% instead of up to +6%; boxes of
-#: ~20 KiB (16 rows of 1152 bytes, 8 of 2 KiB) beat ~40 KiB by 0.01-0.025 at the same GEMM cost.
-TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
-#: Launch shape of the shared page load kernel (``kernel_lib.PAGE_LOAD``), for a plugin's
-#: ``KernelTuning.page_load``: parts of up to 64 KiB (a 64 x 656-byte page is one item).
-PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
-
-
-def tile(width: int, split: int, word: int, tile_bytes: int) -> tuple[int, int, int]:
-    """``(BLOCK, BLOCK_B, TOKENS)`` for rows of ``width`` words (``split`` in the first part).
-
-    Column steps are the next power of two of each part, capped at
-    :data:`MAX_BLOCK_BYTES`; ``TOKENS`` fills ``tile_bytes`` (capped at
-    :data:`MAX_TOKENS`).  All powers of two (Triton block shapes).
-    """
-    cap = _pow2_floor(MAX_BLOCK_BYTES // word)
-    block = min(_pow2_ceil(split), cap)
-    block_b = min(_pow2_ceil(max(1, width - split)), cap)
-    step = block + (block_b if split < width else 0)
-    return block, block_b, max(1, min(MAX_TOKENS, _pow2_floor(tile_bytes // (step * word))))
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """Segments moved by one launch, as per-entry tables (int64, on the pool's device, words from ``anchor``).
-
-    An entry is one (segment, device layer).  ``split < width``: a fused row;
-    words ``0..split-1`` of a device row go to ``host_*`` and the rest to
-    ``host_*_b``.  ``layers[e]`` is entry ``e``'s device layer and ``hosts[e]``
-    its segment's host buffer (flat bytes).
-    """
-
-    names: tuple[str, ...]
-    anchor: torch.Tensor
-    word: int
-    width: int
-    split: int
-    vec: int
-    rows: int
-    tables: dict[str, torch.Tensor]  # dev_off, dev_stride, host_off, host_page, host_tok and the _b parts
-    all_layers: torch.Tensor
-    per_layer: dict[int, torch.Tensor]
-    layers: tuple[int, ...]
-    hosts: tuple[torch.Tensor, ...]
-
-    def entries(self, layer: int | None) -> torch.Tensor | None:
-        """Entry positions a transfer of ``layer`` (``None``: every owned layer) moves, or ``None``."""
-        ents = self.all_layers if layer is None else self.per_layer.get(layer)
-        return ents if ents is not None and ents.numel() else None
-
-
-def _fusable(a: SegmentTable, b: SegmentTable) -> bool:
-    """Whether ``b`` is the part right after ``a`` in the same device rows."""
-    sa, sb = a.segment, b.segment
-    if sa.segment.component != sb.segment.component or sa.segment.part is None or sb.segment.part is None:
-        return False
-    if not sa.device_layers or sa.device_layers != sb.device_layers or sa.dev_strides != sb.dev_strides:
-        return False
-    return all(pb == pa + sa.width for pa, pb in zip(sa.dev_ptrs, sb.dev_ptrs))
-
-
-def _host_tables(t: SegmentTable, shift: int) -> dict[str, torch.Tensor]:
-    n = t.dev_off.numel()
-    full = lambda v: torch.full((n,), v, dtype=torch.int64, device=t.dev_off.device)  # noqa: E731
-    return {"host_off": t.host_off + shift, "host_page": full(t.page), "host_tok": full(t.token)}
-
-
-def _group(members: list[tuple[SegmentTable, SegmentTable | None]]) -> RowGroup:
-    """One group from ``(part a, part b or None)`` members sharing word and widths."""
-    a0, b0 = members[0]
-    word, anchor = a0.word, a0.anchor
-    base = anchor.data_ptr()
-    parts: dict[str, list[torch.Tensor]] = {}
-    layers: list[int] = []
-    hosts: list[torch.Tensor] = []
-    names: list[str] = []
-    quantities = [base, a0.width * word]
-    for a, b in members:
-        shift = (a.anchor.data_ptr() - base) // word  # anchors are word-aligned
-        cols = {"dev_off": a.dev_off + shift, "dev_stride": a.dev_stride, **_host_tables(a, shift)}
-        bt = _host_tables(b, (b.anchor.data_ptr() - base) // word) if b is not None else _host_tables(a, shift)
-        cols.update({k + "_b": v for k, v in bt.items()})
-        for k, v in cols.items():
-            parts.setdefault(k, []).append(v)
-            quantities += [int(x) * word for x in v.tolist()]
-        layers += list(a.segment.device_layers)
-        hosts += [a.segment.host_flat] * len(a.segment.device_layers)
-        names += [a.segment.segment.buffer] + ([b.segment.segment.buffer] if b is not None else [])
-    width = a0.width + (b0.width if b0 is not None else 0)
-    quantities.append(width * word)
-    vec = access_word(*quantities, max_word=max(MAX_VECTOR_BYTES, word)) // word
-    device = a0.dev_off.device
-    per_layer = {d: torch.tensor([i for i, x in enumerate(layers) if x == d], dtype=torch.int64, device=device)
-                 for d in sorted(set(layers))}
-    # device rows every member with device layers here has (a member holding no layer of this rank, e.g. a component
-    # of other layers on a sharded rank, moves nothing and bounds nothing: its 0 rows would mask the whole group)
-    rows = min((min(a.rows, b.rows if b is not None else a.rows) for a, b in members if a.segment.device_layers),
-               default=0)
-    return RowGroup(names=tuple(names), anchor=anchor, word=word, width=width, split=a0.width, vec=vec, rows=rows,
-                    tables={k: torch.cat(v) for k, v in parts.items()},
-                    all_layers=torch.arange(len(layers), dtype=torch.int64, device=device), per_layer=per_layer,
-                    layers=tuple(layers), hosts=tuple(hosts))
-
-
-def build_groups(binding: PoolBinding, *, fuse_parts: bool, strategy: str) -> tuple[RowGroup, ...]:
-    """The launch groups of ``binding``: fused part pairs (when ``fuse_parts``), then other segments
-    merged by (access word, width), in first-seen order.
-
-    :raises HostBufferError: a segment whose rows are not whole and contiguous in host memory.
-    """
-    tables = segment_tables(binding)
-    for t in tables:
-        if t.chunk != t.width:
-            raise HostBufferError(
-                f"{strategy}: segment {t.segment.segment.buffer!r} splits rows into chunks of {t.chunk} words; "
-                "this kernel moves whole rows, use io_backend 'direct'")
-    members: dict[tuple, list[tuple[SegmentTable, SegmentTable | None]]] = {}
-    i = 0
-    while i < len(tables):
-        a = tables[i]
-        if fuse_parts and i + 1 < len(tables) and _fusable(a, tables[i + 1]):
-            b = tables[i + 1]
-            if a.word != b.word:  # one access word for the whole row
-                narrow = segment_tables(binding, max_word=min(a.word, b.word))
-                a, b = narrow[i], narrow[i + 1]
-            members.setdefault(("fused", i), []).append((a, b))
-            i += 2
-            continue
-        members.setdefault((a.word, a.width), []).append((a, None))
-        i += 1
-    return tuple(_group(m) for m in members.values())
-
-
-#: One Launcher (compiled-handle cache) per kernel object, shared by every pool.
-_LAUNCHERS: dict[Any, Any] = {}
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """A group's fixed launch for one direction: static key, tuning, tokens per tile.
-
-    ``args`` is the kernel's positional argument list with the per-call values
-    unset; ``slots`` maps each per-call name the kernel declares to its position
-    (a transfer copies the list and fills those slots: no dict work per call).
-    """
-
-    tokens: int
-    key: int
-    tuning: Tuning
-    args: tuple
-    slots: tuple[tuple[str, int], ...]
-    packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What :meth:`RowKernelStrategy.prepare` leaves in ``binding.scratch[strategy.name]``."""
-
-    groups: tuple[RowGroup, ...]
-    launches: tuple[dict[bool, _Launch], ...]  # per group, by to_host
-    launcher: Any  # hicache_core.launch.Launcher of the plugin's kernel
-    dynamic: tuple[int, ...]
-    tuning: KernelTuning
-    tma: tuple[dict[int, tuple[TmaLaunch, ...]] | None, ...] = ()  # per group: TMA loads by layer, or None
-    tma_launcher: Any = None
-    tma_dynamic: tuple[int, ...] = ()
-    tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
-    replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
-    pages: tuple[tuple[tuple[_Launch, int], ...] | None, ...] = ()  # per group: page loads (one per host part, with
-    #                                                                  its parts per page), or None
-    page_launcher: Any = None
-    page_dynamic: tuple[int, ...] = ()
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -659,91 +392,3 @@ class RowKernelStrategy(DirectionalStrategy):
             used = prep.tma_launcher(_grid(t.programs, n, lv.tokens, 1), args, **kw)
             steps = _keep(steps, used, prep.tma_launcher, args, lv.slots, t.programs, lv.tokens, 1, kw)
         return steps
-
-
-def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
-    """The programs a launch runs: its budget, capped by its work items (tiles of ``tokens`` positions of ``n``,
-    ``per_tile`` items each), at least one."""
-    return max(1, min(programs, -(-n // tokens) * per_tile))
-
-
-_Run = tuple["_Launch", Any, tuple[int, ...], int]  # launch, launcher, dynamic positions, work items per tile
-
-
-def _route(prep: Prepared, gi: int, n: int, layer: int | None,
-           to_host: bool) -> tuple[tuple[TmaLaunch, ...] | None, tuple[_Run, ...], torch.Tensor | None] | None:
-    """How group ``gi`` moves a call of ``n`` positions of ``layer`` (``None``: every layer): ``(tma, (), None)``
-    with the group's TMA launches of the layer, ``(None, runs, entries)`` with its row or page launches and the
-    entries they cover, or ``None`` where the group holds no row of the layer.  :meth:`RowKernelStrategy.transfer`
-    launches what this names."""
-    plan = _tma_plan(prep, gi, n) if layer is not None and not to_host else None
-    if plan is not None:
-        return plan.get(cast(int, layer), ()), (), None
-    ents = prep.groups[gi].entries(layer)
-    if ents is None:
-        return None
-    n_ents = ents.numel()
-    pages = prep.pages[gi] if prep.pages and not to_host else None
-    if pages is None:
-        return None, ((prep.launches[gi][to_host], prep.launcher, prep.dynamic, n_ents),), ents
-    # work items: parts of each page of each entry, one launch per host part of the rows
-    return None, tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages), ents
-
-
-def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], t: Tuning) -> dict[str, Any]:
-    """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
-    return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
-                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, VEC=g.vec, STAGES=t.stages)
-
-
-def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:
-    """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots."""
-    args = launcher.bind(values)
-    slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
-
-
-def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:
-    """Group ``gi``'s TMA load launches by layer when TMA takes a per-layer load of ``n`` positions, else ``None``."""
-    plan = prep.tma[gi] if prep.tma else None
-    limit = prep.tma_rows[gi] if plan is not None else None
-    return plan if plan is not None and (limit is None or n <= limit) else None
-
-
-def _keep(steps: list[Step] | None, used: Any, launcher: Any, args: list, slots: tuple[tuple[str, int], ...],
-          programs: int, tokens: int, per_tile: int, kw: dict) -> list[Step] | None:
-    """``steps`` with this launch's :class:`~hicache_core.replay.Step` appended, or ``None`` when it did not
-    go through the driver (``used`` is ``None``) or does not take all three batch values."""
-    if steps is None or used is None:
-        return None
-    pos = dict(slots)
-    if not {"host_idx", "dev_idx", "n"} <= pos.keys():
-        return None
-    steps.append(replay_step(used, launcher, args, (pos["host_idx"], pos["dev_idx"], pos["n"]), programs=programs,
-                             tokens=tokens, per_tile=per_tile, fallback=kw))
-    return steps
-
-
-def _fill(fixed: tuple, slots: tuple[tuple[str, int], ...], call: dict[str, Any]) -> list:
-    """A launch's positional arguments: ``fixed`` with each per-call slot set from ``call``."""
-    args = list(fixed)
-    for name, i in slots:
-        args[i] = call[name]
-    return args
-
-
-def _launcher(kernel: Any, names: dict[str, str], where: str, table: str) -> Any:
-    """The shared :class:`~hicache_core.launch.Launcher` of ``kernel``, after checking its parameter names."""
-    from .launch import Launcher
-
-    launcher = _LAUNCHERS.get(kernel)
-    if launcher is None:
-        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
-    unknown = set(launcher.arg_names) - set(names)
-    if unknown:
-        from .registry import did_you_mean
-
-        hints = [h for u in sorted(unknown) if (h := did_you_mean(u, names))]
-        raise ConfigError(f"{where} declares {sorted(unknown)}, which the row-copy launch does not provide; "
-                          f"use names from hicache_core.{table}" + "".join(f" ({h})" for h in hints))
-    return launcher

@@ -29,7 +29,7 @@ from .envflags import OFF, ON
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .rowcopy import RowGroup
+    from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "PagePart", "pages_enabled", "page_parts", "strided", "group_reason",
            "pieces"]

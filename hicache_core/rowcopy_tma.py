@@ -45,7 +45,8 @@ from .errors import ConfigError
 from .kernel_support import interpreting, word_anchor
 
 if TYPE_CHECKING:
-    from .rowcopy import RowGroup, Tuning
+    from .rowcopy_groups import RowGroup
+    from .rowcopy_tuning import Tuning
 
 __all__ = ["ENV_TMA", "AUTO_MIN_ROW_BYTES", "AUTO_MIN_BOX_BYTES", "AUTO_MAX_STRIDED_ROWS", "TMA_VALUES", "TmaLaunch",
            "tma_mode", "group_reason", "row_limit", "box_shape", "descriptor_rows", "plan_group"]

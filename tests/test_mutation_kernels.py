@@ -123,7 +123,7 @@ def test_access_word_divides_every_host_stride(token, page, layer, word):
         assert torch.equal(b.cpu(), w)
 
 
-# -- rowcopy._group: members of one group each keep their own anchor's offsets ------------------------------------
+# -- rowcopy_groups._group: members of one group each keep their own anchor's offsets -------------------------------
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_k_and_v_share_a_launch_with_offsets_from_one_anchor(layout):
     """MHA ``k`` and ``v`` (separate device tensors, one launch group): both move exactly through the row kernel,
@@ -138,7 +138,7 @@ def test_k_and_v_share_a_launch_with_offsets_from_one_anchor(layout):
     _round_trip(p, torch.tensor([6, 1, 4, 3]), torch.tensor([0, 13, 7, 2]), 1)
 
 
-# -- kernel_support.segment_tables / rowcopy._group: device indices bounded by the shortest layer ------------------
+# -- kernel_support.segment_tables / rowcopy_groups._group: device indices bounded by the shortest layer ------------
 def _uneven_pools(lens: dict[str, list[int]], gen: torch.Generator, layout: str = "layer_first"):
     """MHA ``k``/``v`` device layers of the given row counts (each between canaries), a kernel pool (row kernel) and a
     reference pool on copies of the same bytes."""
@@ -215,7 +215,7 @@ def test_strided_index_views_on_the_pool_device_are_made_contiguous(dtype):
     assert guards_intact(p)
 
 
-# -- rowcopy._fusable: parts fuse only where both share the device token stride ------------------------------------
+# -- rowcopy_groups._fusable: parts fuse only where both share the device token stride ------------------------------
 @pytest.mark.skipif("page_first_kv_split" not in REGISTRY.layouts, reason="needs the kv_split layout plugin")
 def test_parts_right_after_each_other_but_of_other_strides_do_not_fuse():
     """MLA ``rope`` row 0 starts right after ``latent`` row 0 on every layer, but rope rows are half as far apart
@@ -260,7 +260,7 @@ def test_parts_right_after_each_other_but_of_other_strides_do_not_fuse():
         assert torch.equal(b.cpu().view(torch.uint8), r.cpu().view(torch.uint8))
 
 
-# -- rowcopy._prepare_pages / _route: page load launch shape -----------------------------------------------------
+# -- rowcopy._prepare_pages / rowcopy_launch._route: page load launch shape -----------------------------------------
 def test_page_loads_launch_a_program_per_part_page_and_entry(monkeypatch):
     """Pages read in several parts: with a budget above the work, a page load's grid is pages x parts x entries (a
     layer: one entry; every layer: three), ``PAGE_TOKENS`` the next power of two of the page and the gather tile no
@@ -307,7 +307,7 @@ def test_page_loads_launch_a_program_per_part_page_and_entry(monkeypatch):
     assert (values["TOKENS"], values["PAGE_TOKENS"]) == (4, 4)
 
 
-# -- rowcopy._route: TMA plans are per layer ---------------------------------------------------------------------
+# -- rowcopy_launch._route: TMA plans are per layer -----------------------------------------------------------------
 @pytest.mark.parametrize("pages", [True, False])
 def test_load_all_layers_with_tma_plans_moves_every_layer(pages):
     """Forced TMA (the interpreter emulates descriptors): per-layer loads go through the TMA kernel, and a load of

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from hicache_core import (Addressing, BufferSpec, Component, HostBufferError, HostKVPool, HostPlan, LayerMap,  # noqa
-                          PoolSpec, Segment, StrategyInfo, create_registry, kernel_lib as kl, rowcopy)
+                          PoolSpec, Segment, StrategyInfo, create_registry, kernel_lib as kl, rowcopy_launch)
 from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.kernel_support import ENV_PROGRAMS  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
@@ -191,7 +191,7 @@ def test_launch_values_are_bound_by_parameter_name(monkeypatch):
         assert names <= set(LAUNCH_VALUES) and set(DYNAMIC_VALUES) <= names, cls.name
     # RowKernelStrategy.prepare refuses a kernel declaring a parameter the launch does not provide
     monkeypatch.setitem(sys.modules, "fake_row_kernels", types.SimpleNamespace(KERNEL=_FakeKernel("anchor", "bogus")))
-    monkeypatch.setattr(rowcopy, "_LAUNCHERS", {})
+    monkeypatch.setattr(rowcopy_launch, "_LAUNCHERS", {})  # the launcher cache, where _launcher looks it up
 
     class Bogus(LayerFirstKernelStrategy):
         name, kernel_module = "test.bogus", "fake_row_kernels"

@@ -1,0 +1,193 @@
+"""Launches of the row-copy kernel strategies: the launch values a kernel may declare (:data:`LAUNCH_VALUES`), the
+fixed launches a pool prepares (``_Launch``, the :class:`Prepared` record), how a call's groups are routed to row, page
+or TMA launches (``_route``), and the helpers that bind, fill and record them.
+
+Part of the row-copy toolkit whose public face is :mod:`hicache_core.rowcopy` (every name here is importable from
+there too); :class:`hicache_core.rowcopy.RowKernelStrategy` prepares and launches what this names.  Nothing here
+imports Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from .errors import ConfigError
+from .replay import Replays, Step, step as replay_step
+from .rowcopy_groups import RowGroup
+from .rowcopy_tma import TmaLaunch
+from .rowcopy_tuning import KernelTuning, Tuning
+from .spec import PoolSpec
+
+__all__ = ["LAUNCH_VALUES", "DYNAMIC_VALUES", "Prepared"]
+
+#: Every name a row-copy kernel may declare, and what the launch passes for it.
+LAUNCH_VALUES = {
+    "anchor": "tensor typed as the access word: every address is anchor + int64 word offset",
+    "host_idx": "int32|int64 [n] host slots (on the pool's device)",
+    "dev_idx": "int32|int64 [n] device rows, paired with host_idx",
+    "n": "index positions",
+    "ents": "int64 [n_ents] entry positions this launch moves",
+    "n_ents": "entries this launch moves",
+    "dev_off": "int64 [entries] words from anchor to device row 0 of the entry's layer tensor",
+    "dev_stride": "int64 [entries] device token stride (words)",
+    "host_off": "int64 [entries] words from anchor to host slot 0 of the entry's host layer",
+    "host_page": "int64 [entries] host page stride (words)",
+    "host_tok": "int64 [entries] host token stride (words)",
+    "host_off_b": "as host_off, for the row's second part (fused groups; else host_off)",
+    "host_page_b": "as host_page, second part",
+    "host_tok_b": "as host_tok, second part",
+    "page_size": "tokens per page",
+    "capacity": "host slots: host indices outside 0..capacity-1 move nothing",
+    "dev_rows": "device rows of the shortest layer: device indices outside move nothing",
+    "WIDTH": "constexpr: row words (both parts; page loads: the words of the host part loaded)",
+    "SPLIT": "constexpr: words of the first part (== WIDTH when the group has one part)",
+    "BLOCK": "constexpr: column step (words, power of two) of the first part",
+    "BLOCK_B": "constexpr: column step of the second part",
+    "TOKENS": "constexpr: index positions per tile (power of two)",
+    "VEC": "constexpr: every row base is a multiple of VEC words",
+    "TO_HOST": "constexpr: True backup (device to host), False load",
+    "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
+    "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
+    "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
+    "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces)",
+    "PARTS": "constexpr: whole parts per page",
+    "R1": "constexpr: words of the page's first piece after its parts (0: none)",
+    "R2": "constexpr: second piece (0: none)",
+    "R3": "constexpr: third piece (0: none)",
+    "R4": "constexpr: masked tail piece covering the rest of the page (0: none)",
+    "STRIDED": "constexpr: page loads: device rows are wider than the part loaded (dev_stride != WIDTH)",
+}
+#: The launch values that change from call to call (the rest is fixed per pool, group and direction).
+DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
+
+
+#: One Launcher (compiled-handle cache) per kernel object, shared by every pool.
+_LAUNCHERS: dict[Any, Any] = {}
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A group's fixed launch for one direction: static key, tuning, tokens per tile.
+
+    ``args`` is the kernel's positional argument list with the per-call values
+    unset; ``slots`` maps each per-call name the kernel declares to its position
+    (a transfer copies the list and fills those slots: no dict work per call).
+    """
+
+    tokens: int
+    key: int
+    tuning: Tuning
+    args: tuple
+    slots: tuple[tuple[str, int], ...]
+    packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`hicache_core.rowcopy.RowKernelStrategy.prepare` leaves in ``binding.scratch[strategy.name]``."""
+
+    groups: tuple[RowGroup, ...]
+    launches: tuple[dict[bool, _Launch], ...]  # per group, by to_host
+    launcher: Any  # hicache_core.launch.Launcher of the plugin's kernel
+    dynamic: tuple[int, ...]
+    tuning: KernelTuning
+    tma: tuple[dict[int, tuple[TmaLaunch, ...]] | None, ...] = ()  # per group: TMA loads by layer, or None
+    tma_launcher: Any = None
+    tma_dynamic: tuple[int, ...] = ()
+    tma_rows: tuple[int | None, ...] = ()  # per group: most index positions a call loads through TMA (None: any)
+    replays: Replays | None = None  # CUDA pools with index memos: repeated driver launches (hicache_core.replay)
+    pages: tuple[tuple[tuple[_Launch, int], ...] | None, ...] = ()  # per group: page loads (one per host part, with
+    #                                                                  its parts per page), or None
+    page_launcher: Any = None
+    page_dynamic: tuple[int, ...] = ()
+
+
+def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
+    """The programs a launch runs: its budget, capped by its work items (tiles of ``tokens`` positions of ``n``,
+    ``per_tile`` items each), at least one."""
+    return max(1, min(programs, -(-n // tokens) * per_tile))
+
+
+_Run = tuple["_Launch", Any, tuple[int, ...], int]  # launch, launcher, dynamic positions, work items per tile
+
+
+def _route(prep: Prepared, gi: int, n: int, layer: int | None,
+           to_host: bool) -> tuple[tuple[TmaLaunch, ...] | None, tuple[_Run, ...], torch.Tensor | None] | None:
+    """How group ``gi`` moves a call of ``n`` positions of ``layer`` (``None``: every layer): ``(tma, (), None)``
+    with the group's TMA launches of the layer, ``(None, runs, entries)`` with its row or page launches and the
+    entries they cover, or ``None`` where the group holds no row of the layer.
+    :meth:`hicache_core.rowcopy.RowKernelStrategy.transfer` launches what this names."""
+    plan = _tma_plan(prep, gi, n) if layer is not None and not to_host else None
+    if plan is not None:
+        return plan.get(cast(int, layer), ()), (), None
+    ents = prep.groups[gi].entries(layer)
+    if ents is None:
+        return None
+    n_ents = ents.numel()
+    pages = prep.pages[gi] if prep.pages and not to_host else None
+    if pages is None:
+        return None, ((prep.launches[gi][to_host], prep.launcher, prep.dynamic, n_ents),), ents
+    # work items: parts of each page of each entry, one launch per host part of the rows
+    return None, tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages), ents
+
+
+def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], t: Tuning) -> dict[str, Any]:
+    """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
+    return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
+                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, VEC=g.vec, STAGES=t.stages)
+
+
+def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:
+    """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots."""
+    args = launcher.bind(values)
+    slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
+    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
+
+
+def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:
+    """Group ``gi``'s TMA load launches by layer when TMA takes a per-layer load of ``n`` positions, else ``None``."""
+    plan = prep.tma[gi] if prep.tma else None
+    limit = prep.tma_rows[gi] if plan is not None else None
+    return plan if plan is not None and (limit is None or n <= limit) else None
+
+
+def _keep(steps: list[Step] | None, used: Any, launcher: Any, args: list, slots: tuple[tuple[str, int], ...],
+          programs: int, tokens: int, per_tile: int, kw: dict) -> list[Step] | None:
+    """``steps`` with this launch's :class:`~hicache_core.replay.Step` appended, or ``None`` when it did not
+    go through the driver (``used`` is ``None``) or does not take all three batch values."""
+    if steps is None or used is None:
+        return None
+    pos = dict(slots)
+    if not {"host_idx", "dev_idx", "n"} <= pos.keys():
+        return None
+    steps.append(replay_step(used, launcher, args, (pos["host_idx"], pos["dev_idx"], pos["n"]), programs=programs,
+                             tokens=tokens, per_tile=per_tile, fallback=kw))
+    return steps
+
+
+def _fill(fixed: tuple, slots: tuple[tuple[str, int], ...], call: dict[str, Any]) -> list:
+    """A launch's positional arguments: ``fixed`` with each per-call slot set from ``call``."""
+    args = list(fixed)
+    for name, i in slots:
+        args[i] = call[name]
+    return args
+
+
+def _launcher(kernel: Any, names: dict[str, str], where: str, table: str) -> Any:
+    """The shared :class:`~hicache_core.launch.Launcher` of ``kernel``, after checking its parameter names."""
+    from .launch import Launcher
+
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = Launcher(kernel)
+    unknown = set(launcher.arg_names) - set(names)
+    if unknown:
+        from .registry import did_you_mean
+
+        hints = [h for u in sorted(unknown) if (h := did_you_mean(u, names))]
+        raise ConfigError(f"{where} declares {sorted(unknown)}, which the row-copy launch does not provide; "
+                          f"use names from hicache_core.{table}" + "".join(f" ({h})" for h in hints))
+    return launcher

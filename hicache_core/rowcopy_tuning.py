@@ -1,0 +1,102 @@
+"""Launch shapes of the row-copy kernel strategies: :class:`Tuning` per direction (:class:`KernelTuning`), the shared
+TMA and page load tunings, and the tile a group of rows is moved in (:func:`tile`).
+
+Part of the row-copy toolkit whose public face is :mod:`hicache_core.rowcopy` (every name here is importable from
+there too).  Nothing here imports Triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "tile", "MAX_BLOCK_BYTES", "MAX_TOKENS",
+           "MAX_VECTOR_BYTES", "MAX_TILE_BYTES"]
+
+#: Widest column step of a tile; longer rows take several steps.
+MAX_BLOCK_BYTES = 4096
+#: Most tokens per tile (rows of tiny components would otherwise make huge tiles).
+MAX_TOKENS = 256
+#: Widest access the kernels are told about through ``tl.multiple_of``.
+MAX_VECTOR_BYTES = 16
+
+
+#: The largest ``tile_bytes``: a page load's piece is ``tile_bytes`` over the access word (1 byte at the least) words,
+#: and Triton refuses a tensor of more than 2**20 elements (16x the page loads' default, 64 KiB).
+MAX_TILE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shape of one direction: programs (the persistent grid, an SM budget), warps per program,
+    the bytes one program moves per tile, and how many work items the loop keeps in flight
+    (``stages``, software pipelining); ``maxnreg`` caps registers per thread."""
+
+    programs: int
+    num_warps: int
+    tile_bytes: int
+    stages: int = 1
+    maxnreg: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("programs", "num_warps", "tile_bytes", "stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        if self.tile_bytes > MAX_TILE_BYTES:
+            raise ConfigError(f"tile_bytes must be at most {MAX_TILE_BYTES} (a page load's piece of more than 2**20 "
+                              f"elements exceeds Triton's largest tensor), got {self.tile_bytes}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
+        if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
+                                         or self.maxnreg < 1):
+            raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """A strategy's :class:`Tuning` per direction; ``tma_load``: per-layer loads through tensor
+    descriptors (``None``: the strategy has no TMA loads); ``page_load``: loads of whole pages as flat
+    words (``tile_bytes``: the largest part of a page one work item reads; ``None``: no page loads)."""
+
+    backup: Tuning
+    load: Tuning
+    tma_load: Tuning | None = None
+    page_load: Tuning | None = None
+
+    def direction(self, to_host: bool) -> Tuning:
+        return self.backup if to_host else self.load
+
+
+#: Launch shape of the shared TMA load kernel (``kernel_lib.PAGED_TMA_LOAD``), for a plugin's
+#: ``KernelTuning.tma_load``.  H200 2026-11-30 (docs/performance.md, "TMA loads for every host layout";
+#: sweeps in docs/perf/tune-tma-*-2026-11-30.json): 4 programs move a load burst of 1152- or 2048-byte rows
+#: as fast as the row kernel at 16, with a GEMM beside them -0.9% to +1% instead of up to +6%; boxes of
+#: ~20 KiB (16 rows of 1152 bytes, 8 of 2 KiB) beat ~40 KiB by 0.01-0.025 at the same GEMM cost.
+TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
+#: Launch shape of the shared page load kernel (``kernel_lib.PAGE_LOAD``), for a plugin's
+#: ``KernelTuning.page_load``: parts of up to 64 KiB (a 64 x 656-byte page is one item).
+PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+def tile(width: int, split: int, word: int, tile_bytes: int) -> tuple[int, int, int]:
+    """``(BLOCK, BLOCK_B, TOKENS)`` for rows of ``width`` words (``split`` in the first part).
+
+    Column steps are the next power of two of each part, capped at
+    :data:`MAX_BLOCK_BYTES`; ``TOKENS`` fills ``tile_bytes`` (capped at
+    :data:`MAX_TOKENS`).  All powers of two (Triton block shapes).
+    """
+    cap = _pow2_floor(MAX_BLOCK_BYTES // word)
+    block = min(_pow2_ceil(split), cap)
+    block_b = min(_pow2_ceil(max(1, width - split)), cap)
+    step = block + (block_b if split < width else 0)
+    return block, block_b, max(1, min(MAX_TOKENS, _pow2_floor(tile_bytes // (step * word))))
