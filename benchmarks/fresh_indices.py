@@ -9,11 +9,12 @@ stream, with the indices on the CPU and on the GPU, median of ``--reps``.  Every
 bit-exact first (``hicache_core.bench``'s check).
 
 ``--ab DIR`` compares this code with an older tree's index checks and plan helpers in the same
-process, call by call (``DIR/hicache_core/validate.py`` and ``.../backends/plans.py`` loaded beside the
-current package; their ``check_indices``, ``coalesce``, ``_page_runs`` and ``Plan`` swapped in for the "old"
-calls; the older ``Plan`` runs its own module's helpers and the current package's everything else): host time
-per call on these machines drifts by up to 2x over seconds, so two processes run one after the other do not
-compare.  Results: ``<out>/fresh_indices-<label>.json``.
+process, call by call (``DIR/hicache_core/validate.py`` and ``.../backends/plans.py``, or ``plans_plan.py``
+where that tree has it, loaded beside the current package; their ``check_indices``, ``coalesce``, ``_page_runs``
+and ``Plan`` swapped in for the "old" calls, where the current ``Plan`` and ``PlanCache`` look them up; the older
+``Plan`` runs its own module's helpers and the current package's everything else, so an older ``plans_plan.py``
+brings its ``Plan`` alone): host time per call on these machines drifts by up to 2x over seconds, so two processes
+run one after the other do not compare.  Results: ``<out>/fresh_indices-<label>.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from types import ModuleType
 import torch
 
 import hicache_core.pool as pool_mod
-from hicache_core.backends import plans
+from hicache_core.backends import plans_cache, plans_plan
 from hicache_core.bench import _check, _workload
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
@@ -55,12 +56,14 @@ class _Versions:
     """Swaps an older tree's index checks and plan helpers in and out (``--ab``)."""
 
     def __init__(self, old_tree: str | None) -> None:
-        self.new = {"check": pool_mod.check_indices, "coalesce": plans.coalesce, "page_runs": plans._page_runs,
-                    "within": getattr(plans, "_within", None), "plan": plans.Plan}
+        self.new = {"check": pool_mod.check_indices, "coalesce": plans_plan.coalesce,
+                    "page_runs": plans_plan._page_runs, "within": plans_plan._within, "plan": plans_plan.Plan}
         self.old = None
         if old_tree:
             v = _load_beside(os.path.join(old_tree, "hicache_core", "validate.py"), "hicache_core._old_validate")
-            p = _load_beside(os.path.join(old_tree, "hicache_core", "backends", "plans.py"), "hicache_core.backends._old_plans")
+            backends = os.path.join(old_tree, "hicache_core", "backends")
+            plan_file = "plans_plan.py" if os.path.exists(os.path.join(backends, "plans_plan.py")) else "plans.py"
+            p = _load_beside(os.path.join(backends, plan_file), "hicache_core.backends._old_plans")
             old_runs = p._page_runs
             # an older check may return nothing (no facts for the plan) and an older _page_runs take no facts
             self.old = {"check": v.check_indices, "coalesce": p.coalesce,
@@ -72,9 +75,10 @@ class _Versions:
         fns = self.new if which == "new" else self.old
         assert fns is not None
         pool_mod.check_indices = fns["check"]
-        plans.coalesce, plans._page_runs, plans.Plan = fns["coalesce"], fns["page_runs"], fns["plan"]
-        if fns["within"] is not None:
-            plans._within = fns["within"]
+        # where the current code looks them up: Plan its helpers in plans_plan, PlanCache the Plan class in plans_cache
+        plans_plan.coalesce, plans_plan._page_runs = fns["coalesce"], fns["page_runs"]
+        plans_plan._within = fns["within"]
+        plans_cache.Plan = fns["plan"]
 
 
 def _fresh_us(call, h: torch.Tensor, d: torch.Tensor, reps: int, versions: _Versions) -> dict[str, float]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hicache_core.backends.plans as plans_mod
+import hicache_core.backends.plans_plan as plans_plan
 import hicache_core.pool as pool_mod
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends.auto_rules import pick_key
@@ -46,7 +46,7 @@ def _race_in_check(monkeypatch: pytest.MonkeyPatch, h: torch.Tensor) -> None:
 
 
 def _race_before_plan_copy(monkeypatch: pytest.MonkeyPatch, h: torch.Tensor) -> None:
-    real, fired = plans_mod.as_long, []
+    real, fired = plans_plan.as_long, []
 
     def racing(t, device, copy=False):  # type: ignore[no-untyped-def]
         if t is h and not fired:
@@ -54,7 +54,7 @@ def _race_before_plan_copy(monkeypatch: pytest.MonkeyPatch, h: torch.Tensor) -> 
             h.add_(CAP)  # lands after the pool's check, before the plan copies the values
         return real(t, device, copy)
 
-    monkeypatch.setattr(plans_mod, "as_long", racing)
+    monkeypatch.setattr(plans_plan, "as_long", racing)
 
 
 @pytest.mark.parametrize("lanes", ["0", "1"])

@@ -158,9 +158,9 @@ def test_auto_stages_page_runs_into_whole_pages_where_submitting_them_costs_the_
     # 64-token pages: plain runs of 73.7 KB (large enough for the copy engine), 768 of them.  Staged,
     # a page_first_direct page is one 1.2 MB block over 16 layers; a layer_first page stays 16 blocks
     # (packed, the same sizes: staging would only cut host time, and moved less than plain on the GPU)
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
-    monkeypatch.setattr(plans, "STAGE_HOST_US", threshold)
+    monkeypatch.setattr(plans_plan, "STAGE_HOST_US", threshold)
     pool, h, d = _layer_major_backup(layout=layout, ps=64)
     sub = _submission(pool, h, d, None)
     assert (sub.staged is not None) == staged
@@ -176,7 +176,7 @@ def test_auto_stages_page_major_layouts_without_building_plain_runs(monkeypatch,
     """Where every page image block joins several layers, no plain run can beat the staged blocks:
     the route is decided from the images alone (a split layout's plain runs are 64-byte rope rows,
     tens of milliseconds of host time to build for a large batch)."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     pool, h, d = _layer_major_backup(layout=layout, ps=64)
     plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
@@ -185,7 +185,7 @@ def test_auto_stages_page_major_layouts_without_building_plain_runs(monkeypatch,
     assert plan._tables == {}  # no plain run was built
     _check_backup_bytes(pool, h, d, pool.test_device_buffers)
     # device indices on the GPU (here: told so) are not read back for it
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     unread = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
     assert unread.submission(None).staged is not None and not unread.d_read
 
@@ -195,7 +195,7 @@ def test_auto_stages_padded_draft_shard_without_reading_device_indices(monkeypat
     """SGLang's context-parallel rank with padding and a draft layer: the page image's blocks do not
     all join layers (the draft slot), but no plain run can leave its page, so the staged route is
     still decided without reading GPU-resident device indices."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     ps, pages = 16, 8
     lmap = LayerMap.sharded_cp(9, 2, 1, draft_layers=1, pad_to_largest=True)
@@ -207,7 +207,7 @@ def test_auto_stages_padded_draft_shard_without_reading_device_indices(monkeypat
     pool = HostKVPool(spec, "page_first", "direct", dev, registry=REG, strategy="core.direct")
     h = (torch.tensor([3, 6, 0]).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
     d = (torch.tensor([11, 2, 7]).unsqueeze(1) * ps + torch.arange(ps)).reshape(-1)
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     plan = Plan(pool.binding, h, d, "auto", 1 << 30, pitched=True)
     assert plan.submission(None).staged is not None and not plan.d_read
 
@@ -271,18 +271,18 @@ def test_plan_range_checks_device_values():
 def test_staged_route_never_reads_device_resident_indices(monkeypatch):
     """A staged backup indexes with the device copy of GPU-resident indices and never reads their
     values on the host (on CUDA that read waits for the work queued before the call); a plain route
-    reads and range-checks them on first need.  On this CPU pool, :func:`.plans.defer_device_read`
+    reads and range-checks them on first need.  On this CPU pool, :func:`.plans_plan.defer_device_read`
     is told to treat the device indices as GPU-resident."""
     pytest.importorskip("triton")
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", "kernel")
     pool, h, d = _layer_major_backup(staging="always")
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     read = []
-    real = plans.as_long
-    monkeypatch.setattr(plans, "as_long", lambda t, device, **kw: (read.append(t is not h), real(t, device, **kw))[1])
+    real = plans_plan.as_long
+    monkeypatch.setattr(plans_plan, "as_long", lambda t, device, **kw: (read.append(t is not h), real(t, device, **kw))[1])
     plan = Plan(pool.binding, h, d, "always", 1 << 30, pitched=True)
     staged = plan.submission(None)
     assert staged.staged is not None and not plan.d_read and read == [False]  # the host indices only
@@ -303,24 +303,24 @@ def test_staged_route_never_reads_device_resident_indices(monkeypatch):
 def test_device_indices_come_back_with_device_resident_host_indices(monkeypatch):
     """Where both index tensors live on the pool's device, the device indices are queued back before the host indices
     are read (one wait for both); the plain route then takes its values from that copy, range-checked, and a rewrite
-    of the caller's tensor after the call changes nothing.  On this CPU pool, :func:`.plans.defer_device_read` is told
-    to treat the indices as device-resident."""
-    from hicache_core.backends import plans
+    of the caller's tensor after the call changes nothing.  On this CPU pool, :func:`.plans_plan.defer_device_read` is
+    told to treat the indices as device-resident."""
+    from hicache_core.backends import plans_plan
 
     pool = _mla_pool(LAYOUTS[0], staging="never")
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     h, d = torch.arange(32, 64), torch.arange(96, 128).flip(0)
     plan = Plan(pool.binding, h, d, "never", 1)
     assert plan._d_early is not None and not plan.d_read
     d.fill_(0)  # behind the plan's back: it reads its own copy
     sub = plan.submission(1)
     assert plan.d_read and torch.equal(plan.d, torch.arange(96, 128).flip(0))
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: False)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: False)
     ref = Plan(pool.binding, h, torch.arange(96, 128).flip(0), "never", 1)
     assert ref._d_early is None
     want = ref.submission(1)
     assert torch.equal(sub.host, want.host) and torch.equal(sub.dev, want.dev) and torch.equal(sub.lens, want.lens)
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     bad = Plan(pool.binding, h, torch.arange(120, 152), "never", 1)  # rows past the device buffers' 128
     with pytest.raises(IndexRangeError, match="device_indices must lie in 0..127; nothing was copied"):
         bad.submission(1)
@@ -332,10 +332,10 @@ def test_staged_route_with_unread_out_of_range_rows(monkeypatch):
     indices): the kernel relayout moves nothing for them and nothing outside the buffers; a torch
     relayout reads and checks them first and raises before any pool byte moves."""
     pytest.importorskip("triton")
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: True)
     for relayout in ("kernel", "torch"):
         monkeypatch.setenv("HICACHE_STAGED_RELAYOUT", relayout)
         pool, h, d = _layer_major_backup(staging="always")
@@ -787,15 +787,15 @@ def test_page_run_fast_path_equals_row_coalescing(layout, case):
 def test_page_run_fast_path_on_contiguous_rows(layout, monkeypatch):
     """Contiguous device rows (the common pool): layouts whose page holds a layer's rows back to back take the
     per-page path, and it equals per-row coalescing."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     pool = _mla_pool(layout, staging="never", ps=16, layers=4, pages=8)
     gen = torch.Generator().manual_seed(5)
     offs = torch.arange(16)
     h, d = ((torch.randperm(8, generator=gen)[:5].unsqueeze(1) * 16 + offs).reshape(-1) for _ in range(2))
     used = []
-    real = plans.coalesce
-    monkeypatch.setattr(plans, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
+    real = plans_plan.coalesce
+    monkeypatch.setattr(plans_plan, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
     fast, slow = Plan(pool.binding, h, d, "never", 1), Plan(pool.binding, h, d, "never", 1)
     slow._page_runs = (None,)
     a, b = fast.submission(None), slow.submission(None)
@@ -810,14 +810,14 @@ def test_plan_from_the_pools_check_equals_a_plan_that_reads_the_indices(layout, 
     """What the pool's check read of an index pair (ranges, page runs) stands in for a plan's own reads of the very
     tensors it checked, and the plan's descriptors are the same; device values the check did not read are still
     range-checked by the plan."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
     from hicache_core.errors import HicacheError
     from hicache_core.validate import CheckedPair, check_indices
 
     spec, pool, patterns = _fast_path_pool(layout, case, 4)
     reads = []
-    real = plans._within
-    monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
+    real = plans_plan._within
+    monkeypatch.setattr(plans_plan, "_within", lambda t, n: reads.append(n) or real(t, n))
     checked = 0
     for name, (h, d) in patterns.items():
         for device_values in (True, False):
@@ -899,15 +899,15 @@ def test_check_facts_are_only_of_the_checked_tensors_unchanged():
 def test_pool_hands_its_check_to_the_plan_of_the_same_call(monkeypatch):
     """A load with new CPU index tensors checks their values once: the plan reads no range again; a call whose
     check the pool skipped (the same tensors again) leaves the plan to read what it needs."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans_plan
 
     pool = _mla_pool(LAYOUTS[0], staging="never")
     reads = []
-    real = plans._within
-    monkeypatch.setattr(plans, "_within", lambda t, n: reads.append(n) or real(t, n))
+    real = plans_plan._within
+    monkeypatch.setattr(plans_plan, "_within", lambda t, n: reads.append(n) or real(t, n))
     seen = []  # what a new plan finds in the binding
-    real_init = plans.Plan.__init__
-    monkeypatch.setattr(plans.Plan, "__init__",
+    real_init = plans_plan.Plan.__init__
+    monkeypatch.setattr(plans_plan.Plan, "__init__",
                         lambda self, binding, *a, **k: (seen.append(binding.checked), real_init(self, binding, *a, **k))[1])
     h, d = torch.arange(32, 64), torch.arange(96, 128)
     assert pool.load_layer(1, h, d)
@@ -1355,7 +1355,7 @@ def test_transfers_vet_each_submission_once(monkeypatch):
 def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
     """Short descriptor lists are merged in Python, long ones with torch: the same runs either way
     (random orders, runs of every length, nothing merging, one copy)."""
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans, plans_submission
 
     gen = torch.Generator().manual_seed(nbytes)
     for trial in range(200):
@@ -1363,9 +1363,9 @@ def test_coalesce_small_and_vectorised_paths_agree(monkeypatch, nbytes):
         step = torch.where(torch.rand(n, generator=gen) < (trial % 4) / 4, nbytes, 3 * nbytes).to(torch.int64)
         dst = torch.cumsum(step, 0) + 1000
         src = torch.cumsum(torch.where(torch.rand(n, generator=gen) < 0.8, step, 2 * nbytes), 0)
-        monkeypatch.setattr(plans, "SMALL_COALESCE", 512)
+        monkeypatch.setattr(plans_submission, "SMALL_COALESCE", 512)
         small = plans.coalesce(dst, src, nbytes)
-        monkeypatch.setattr(plans, "SMALL_COALESCE", 0)
+        monkeypatch.setattr(plans_submission, "SMALL_COALESCE", 0)
         wide = plans.coalesce(dst, src, nbytes)
         assert all(torch.equal(a, b) and a.dtype == torch.int64 for a, b in zip(small, wide))
         assert int(small[2].sum()) == n * nbytes
@@ -2018,12 +2018,12 @@ def test_a_row_of_one_chunk_with_an_odd_chunk_stride_is_a_whole_row(monkeypatch)
         return HostKVPool(spec, layout, "direct", dev, registry=reg, strategy="core.direct",
                           strategy_options={"staging": "auto"})
 
-    from hicache_core.backends import plans
+    from hicache_core.backends import plans, plans_plan
 
     h, d = torch.arange(128, 192), torch.arange(64, 128)
     used: list[int] = []
-    real = plans.coalesce
-    monkeypatch.setattr(plans, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
+    real = plans_plan.coalesce
+    monkeypatch.setattr(plans_plan, "coalesce", lambda dst, src, nbytes: used.append(nbytes) or real(dst, src, nbytes))
     odd, plain = (_submission(pool(name), h, d, None) for name in ("layer_first_odd_stride", "layer_first"))
     assert used == [64 * 1152] * 2  # each a page per block from the page runs, not row by row
     assert odd.staged is None and odd.mean_block == plain.mean_block == 64 * 1152

@@ -3,7 +3,8 @@ to the host at its first decided load, and a copy plan made later in the burst t
 the stream.
 
 On these CPU pools, :func:`hicache_core.backends.plans.defer_device_read` is told to treat the device indices as
-GPU-resident (as tests/test_direct.py does); a CPU early read has no event, so what is checked here is which values a
+GPU-resident (as tests/test_direct.py does; :func:`_gpu_resident` patches it where plans and their cache look it up); a
+CPU early read has no event, so what is checked here is which values a
 plan takes, the bytes it moves, and when ``auto`` starts a read.  The CUDA side (the event a plan waits for) runs
 with ``--hicache-device cuda`` on a GPU: the last tests here.
 """
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
-from hicache_core.backends import plans
+from hicache_core.backends import plans, plans_cache, plans_plan
 from hicache_core.backends.auto import AutoStrategy
 from hicache_core.backends.auto_rules import pick_key
 from hicache_core.backends.plans import EarlyRead, Plan
@@ -23,6 +24,13 @@ from hicache_core.errors import ConfigError, IndexRangeError
 
 REG = create_registry()
 PS, PAGES, ROW = 16, 8, 96
+
+
+def _gpu_resident(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Tell plans (``Plan``) and their cache (``PlanCache.read_early``) whether to treat device indices as GPU-resident:
+    ``defer_device_read`` replaced in both modules that look it up."""
+    for module in (plans_plan, plans_cache):
+        monkeypatch.setattr(module, "defer_device_read", lambda binding: on)
 
 
 def _pool() -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor]:
@@ -46,7 +54,7 @@ def test_a_plan_takes_the_early_read_of_its_device_indices(monkeypatch):
     """A plan made after an early read of the same tensor (unchanged) takes its snapshot and its device copy: values
     rewritten behind torch's version counter after the read change nothing; its submission is the one a plan of the
     snapshot's values builds.  An in-place change the counter sees drops the read."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, _, h, d = _pool()
     cache = pool.binding.scratch["direct.plans"]
     early = cache.read_early(d, 0)
@@ -60,11 +68,11 @@ def test_a_plan_takes_the_early_read_of_its_device_indices(monkeypatch):
     assert cache.early_of(d, 0) is None  # taken: the plan holds it
     sub = plan.submission(1)
     assert plan.d_read and torch.equal(plan.d, want)
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: False)
+    _gpu_resident(monkeypatch, False)
     ref = Plan(pool.binding, h, want, "never", 1)
     ref_sub = ref.submission(1)
     assert torch.equal(sub.host, ref_sub.host) and torch.equal(sub.dev, ref_sub.dev) and torch.equal(sub.lens, ref_sub.lens)
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     d.add_(0)  # the counter moves: the read is of other values now
     assert cache.early_of(d, 0) is None
     assert cache.get(h, d, 0)._early is None
@@ -73,7 +81,7 @@ def test_a_plan_takes_the_early_read_of_its_device_indices(monkeypatch):
 def test_a_load_planned_from_an_early_read_writes_what_the_reference_writes(monkeypatch):
     """Bytes through the pool: a load whose plan took an early read writes the rows the reference backend writes, and
     the device rows it does not name keep their canaries."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, dev, h, d = _pool()
     assert pool.binding.scratch["direct.plans"].read_early(d, 0) is not None
     canary = [rows[: PS * PAGES].clone() for rows in dev["kv"]]
@@ -92,7 +100,7 @@ def test_a_load_planned_from_an_early_read_writes_what_the_reference_writes(monk
 
 def test_an_early_read_of_rows_out_of_range_raises_before_any_byte_moves(monkeypatch):
     """The early read's values are range-checked when the plan reads them, as a plan's own read is."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, dev, h, _ = _pool()
     bad = torch.arange(2 * PS * PAGES - 32, 2 * PS * PAGES - 32 + h.numel())  # runs past the device rows
     cache = pool.binding.scratch["direct.plans"]
@@ -108,7 +116,7 @@ def test_a_full_check_of_newer_values_does_not_vouch_for_an_early_reads_values(m
     """``validate="full"`` checks the values a tensor holds at the call; a plan taking an early read uses the values of
     the read.  Where those were rewritten behind the version counter in between (out of range at the read, in range
     at the check), the plan range-checks its own values: it raises, and no byte moves."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, dev, h, _ = _pool()
     pool = HostKVPool(pool.spec, "layer_first", "direct", dev, registry=REG, strategy="core.direct", validate="full")
     bad = torch.arange(2 * PS * PAGES - 32, 2 * PS * PAGES - 32 + h.numel())  # runs past the device rows
@@ -143,7 +151,7 @@ def test_auto_prefetch_starts_one_read_at_a_new_pairs_first_decided_load(monkeyp
     """With ``prefetch=True``, a new pair's first decided load starts one early read; later calls of the pair, backups
     and all-layer calls start none, nor do pairs whose host indices live off the CPU or that have a plan already.
     Without the option, nothing is read early."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, _, h, d = _pool()
     cache = pool.binding.scratch["direct.plans"]
     auto = _auto(pool, prefetch=True)
@@ -252,7 +260,7 @@ def test_explain_tells_whether_auto_reads_early():
 def test_an_early_read_is_not_taken_after_a_data_swap(monkeypatch):
     """``d.data = other`` keeps the object and its version counter: the read compares address, length and dtype, so a
     plan made after the swap reads the new values itself."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, _, h, d = _pool()
     cache = pool.binding.scratch["direct.plans"]
     assert cache.read_early(d, 0) is not None
@@ -265,7 +273,7 @@ def test_an_early_read_is_not_taken_after_a_data_swap(monkeypatch):
 def test_no_early_read_where_the_layout_alone_gives_the_load_to_the_kernel(monkeypatch):
     """One layer of a token-major (``page_first``) host page is rows of 96 bytes: the layout alone bounds the copy
     blocks under the calibrated size, so the kernel serves every such load and no plan will want the values."""
-    monkeypatch.setattr(plans, "defer_device_read", lambda binding: True)
+    _gpu_resident(monkeypatch, True)
     pool, dev, h, d = _pool()
     page_first = HostKVPool(pool.spec, "page_first", "direct", dev, registry=REG, strategy="core.direct")
     auto = _auto(page_first, prefetch=True)

@@ -10,11 +10,11 @@ import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
 from hicache_core.backends import memcpy as memcpy_mod
-from hicache_core.backends import plans as plans_mod
+from hicache_core.backends import plans_plan
 from hicache_core.backends.cudart import batch_schedule
 from hicache_core.backends.memcpy import BatchCopier, QueueClock
 from hicache_core.backends.pace import MODEL_CALL_US, WaitLog
-from hicache_core.backends.plans import Plan
+from hicache_core.backends.plans import Plan, PlanCache
 
 REG = create_registry()
 
@@ -123,8 +123,8 @@ def test_a_plan_waits_for_the_stream_apart_before_reading_gpu_resident_values(mo
             synced.append(self.device)
             t[0] += 0.007
 
-    monkeypatch.setattr(plans_mod.torch.cuda, "current_stream", lambda device: _Stream(device))
-    monkeypatch.setattr(plans_mod, "as_long", lambda x, device, copy=False: torch.arange(4))
+    monkeypatch.setattr(plans_plan.torch.cuda, "current_stream", lambda device: _Stream(device))
+    monkeypatch.setattr(plans_plan, "as_long", lambda x, device, copy=False: torch.arange(4))
     assert torch.equal(plan._to_host(_GpuLike()), torch.arange(4))  # type: ignore[arg-type]
     assert synced == [torch.device("cuda", 0)]
     assert log.take(-1.0) == pytest.approx(0.007)
@@ -139,7 +139,7 @@ def test_a_plans_deferred_reads_of_device_indices_are_logged_as_waits(monkeypatc
     t = [0.0]
     log = WaitLog(lambda: t[0])
     pool = _pool()
-    cache = plans_mod.PlanCache(pool.binding, "never", 1, waits=log)
+    cache = PlanCache(pool.binding, "never", 1, waits=log)
     h, d = torch.arange(16), torch.arange(16)
     assert cache.get(h, d, 0)._waits is log
 
@@ -147,8 +147,8 @@ def test_a_plans_deferred_reads_of_device_indices_are_logged_as_waits(monkeypatc
         def synchronize(self) -> None:
             t[0] += 0.004
 
-    monkeypatch.setattr(plans_mod.torch.cuda, "current_stream", lambda device: _Stream())
-    monkeypatch.setattr(plans_mod, "as_long", lambda x, device, copy=False: torch.arange(4))
+    monkeypatch.setattr(plans_plan.torch.cuda, "current_stream", lambda device: _Stream())
+    monkeypatch.setattr(plans_plan, "as_long", lambda x, device, copy=False: torch.arange(4))
     plan = Plan(pool.binding, h, d, "never", 1, waits=log)
     plan._d, plan._d_dev, plan._d_early = None, _GpuLike(), None  # type: ignore[assignment]  # as on a CUDA pool
     assert torch.equal(plan.d, torch.arange(4)) and log.take(-1.0) == pytest.approx(0.004)
