@@ -20,10 +20,7 @@ making of the new index tensor included (``tensor_us``: that alone).  Timings on
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.lane_cost import _time, timing_main  # noqa: E402
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry  # noqa: E402
 from hicache_core.backends.auto import AutoStrategy  # noqa: E402
 from hicache_core.backends.memcpy import QueueClock  # noqa: E402
@@ -59,16 +57,6 @@ def _auto() -> tuple[AutoStrategy, HostKVPool, torch.Tensor, torch.Tensor]:
     return auto, pool, h, torch.arange(PAGE * PAGES)
 
 
-def _time(fn: Callable[[], object], calls: int, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-    return round(best, 3)
-
-
 def measure(calls: int, rounds: int) -> dict[str, Any]:
     """Per path, the host time of one new pair's decision (microseconds), and of making its tensor alone."""
     auto, pool, h, d = _auto()
@@ -91,18 +79,7 @@ def measure(calls: int, rounds: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=None, help="write the figures here (JSON)")
-    p.add_argument("--calls", type=int, default=3000, help="calls per round")
-    p.add_argument("--rounds", type=int, default=7, help="rounds; the least mean is kept")
-    args = p.parse_args(argv)
-    if args.calls < 1 or args.rounds < 1:
-        p.error("--calls and --rounds must be >= 1")
-    out = measure(args.calls, args.rounds)
-    print(json.dumps(out))
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
-    return 0
+    return timing_main(__doc__.splitlines()[0], measure, argv, 3000)
 
 
 if __name__ == "__main__":

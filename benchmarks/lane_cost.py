@@ -117,10 +117,13 @@ def measure(calls: int, rounds: int) -> dict[str, Any]:
         auto_mod.current_stream_handle = real_handle
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_main(description: str, measure: Callable[[int, int], dict[str, Any]], argv: list[str] | None,
+                calls: int) -> int:
+    """The command line of a CPU timing script (this one, ``decision_cost.py``): ``--out``, ``--calls`` (default
+    ``calls``), ``--rounds``; prints ``measure(calls, rounds)`` as JSON and writes it to ``--out``."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", default=None, help="write the figures here (JSON)")
-    p.add_argument("--calls", type=int, default=20000, help="calls per round")
+    p.add_argument("--calls", type=int, default=calls, help="calls per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds; the least mean is kept")
     args = p.parse_args(argv)
     if args.calls < 1 or args.rounds < 1:
@@ -130,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return timing_main(__doc__.splitlines()[0], measure, argv, 20000)
 
 
 if __name__ == "__main__":
