@@ -13,7 +13,6 @@ version counter (inference mode) are never memoised.
 
 from __future__ import annotations
 
-import logging
 
 # The modules, by role: plans_submission (Submission, coalesce, warn_small_blocks), plans_runs (the helpers plans are
 # built with: per-pool address tables, auto staging's facts, index reads), plans_early (EarlyRead), plans_plan (Plan,
@@ -33,4 +32,3 @@ from .plans_submission import (  # noqa: F401
 
 __all__ = ["coalesce", "Submission", "Plan", "PlanCache", "EarlyRead", "MEMO_SLOTS", "WARN_MEAN_BLOCK", "WARN_BLOCKS"]
 
-logger = logging.getLogger(__name__)

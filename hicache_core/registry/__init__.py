@@ -26,7 +26,6 @@ pool asks for them; everything else keeps working.
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Iterable, Mapping
 
@@ -47,7 +46,6 @@ from .records import (  # noqa: F401
 __all__ = ["ENTRY_POINT_GROUP", "PluginRecord", "Conflict", "Resolution", "Registry", "create_registry",
            "default_registry", "reset_default_registry", "ENV_ALLOW", "ENV_BLOCK", "ENV_STRATEGY", "ENV_TRACE"]
 
-logger = logging.getLogger(__name__)
 
 
 def create_registry(
