@@ -3,7 +3,7 @@ to the host at its first decided load, and a copy plan made later in the burst t
 the stream.
 
 On these CPU pools, :func:`hicache_core.backends.plans.defer_device_read` is told to treat the device indices as
-GPU-resident (as tests/test_direct.py does; :func:`_gpu_resident` patches it where plans and their cache look it up); a
+GPU-resident (as tests/test_direct.py does; :func:`_gpu_resident` patches it in plans_plan, where plans and their cache look it up); a
 CPU early read has no event, so what is checked here is which values a
 plan takes, the bytes it moves, and when ``auto`` starts a read.  The CUDA side (the event a plan waits for) runs
 with ``--hicache-device cuda`` on a GPU: the last tests here.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry
-from hicache_core.backends import plans, plans_cache, plans_plan
+from hicache_core.backends import plans, plans_plan
 from hicache_core.backends.auto import AutoStrategy
 from hicache_core.backends.auto_rules import pick_key
 from hicache_core.backends.plans import EarlyRead, Plan
@@ -28,9 +28,8 @@ PS, PAGES, ROW = 16, 8, 96
 
 def _gpu_resident(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     """Tell plans (``Plan``) and their cache (``PlanCache.read_early``) whether to treat device indices as GPU-resident:
-    ``defer_device_read`` replaced in both modules that look it up."""
-    for module in (plans_plan, plans_cache):
-        monkeypatch.setattr(module, "defer_device_read", lambda binding: on)
+    ``defer_device_read`` replaced in plans_plan, where both look it up."""
+    monkeypatch.setattr(plans_plan, "defer_device_read", lambda binding: on)
 
 
 def _pool() -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor]:

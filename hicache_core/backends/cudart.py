@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import _ctypes
 import glob
+import functools
 import logging
 import os
 import threading
@@ -78,20 +79,12 @@ def batch_schedule(n: int, eager: bool = True) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def schedule_calls(n: int, eager: bool = True) -> int:
-    """``len(batch_schedule(n, eager))``, without building the list (``auto`` counts runtime calls for each decision
-    it makes; a new batch's decision is on the path to its first launch)."""
-    if n <= 0:
-        return 0
-    if not eager:
-        return -(-n // _MAX_CHUNK)
-    calls, chunk = 0, _FIRST_CHUNK
-    while n > 0:
-        n -= chunk
-        calls += 1
-        if calls >= _EVEN_CALLS:
-            chunk = min(_MAX_CHUNK, chunk * 4)
-    return calls
+    """``len(batch_schedule(n, eager))``, remembered per count (``auto`` counts a burst's runtime calls several times in
+    each decision it makes, and a new batch's decision is on the path to its first launch; the counts a pool meets
+    are few).  The rule lives in :func:`batch_schedule` alone."""
+    return len(batch_schedule(n, eager))
 
 
 def batch_calls(n: int) -> int:

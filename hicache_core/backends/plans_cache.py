@@ -18,7 +18,8 @@ from ..kernel_support import index_memos
 from ..validate import pair_where, tensor_version
 from .pace import WaitLog
 from .plans_early import EarlyRead
-from .plans_plan import Plan, defer_device_read
+from . import plans_plan
+from .plans_plan import Plan
 
 __all__ = ["PlanCache", "MEMO_SLOTS"]
 
@@ -54,7 +55,7 @@ class PlanCache:
         (:class:`EarlyRead`), where they live on the pool's CUDA device, have a version counter and have no early read
         on that stream yet; the read, else ``None``."""
         if not (isinstance(device_indices, torch.Tensor) and device_indices.device == self.binding.device
-                and defer_device_read(self.binding) and tensor_version(device_indices) is not None):
+                and plans_plan.defer_device_read(self.binding) and tensor_version(device_indices) is not None):
             return None
         if self.early_of(device_indices, stream) is not None:
             return None

@@ -5,7 +5,8 @@ reads GPU-resident device indices back (:func:`defer_device_read`).
 Part of the copy plans whose public face is :mod:`hicache_core.backends.plans` (every name here is importable from
 there too).  The helpers a plan uses are looked up here: a test that replaces ``coalesce``, ``_page_runs``,
 ``_within``, ``as_long``, ``defer_device_read`` or a ``STAGE_*`` threshold for plans patches it in this module
-(:class:`~hicache_core.backends.plans_cache.PlanCache` looks up ``Plan`` and ``defer_device_read`` in its own).
+(:class:`~hicache_core.backends.plans_cache.PlanCache` looks up ``Plan`` in its own module, ``defer_device_read`` in
+this one).
 """
 
 from __future__ import annotations
