@@ -10,7 +10,7 @@ a stand-in kernel), unclocked (a CPU pool's lane) and clocked (a CUDA pool's: th
 booking, with the stream's handle read as a constant and the stand-in never taking the load as a lone one).  Each
 figure is the least over ``--rounds`` rounds of the mean over ``--calls`` calls, in microseconds per call.
 
-On an H100 host ``auto``'s bursts on the copy engine ran ~4 us per layer behind ``direct``'s (docs/performance.md,
+On an H100 host ``auto``'s bursts on the copy engine ran ~4 us per layer behind ``direct``'s (docs/perf/runs.md,
 fifth H100 run); this prices the Python part of that gap on whatever host runs it.  Timings only: nothing here is a
 pass/fail check.
 """

@@ -165,7 +165,7 @@ def load_calibration(device: torch.device, *, warn_other_gpu: bool = True) -> Ca
                        f"{fix}")
         elif warn_other_gpu and device.type == "cuda" and gpu != DEFAULT.gpu:
             # the shipped numbers are one GPU's and its host's: elsewhere auto's line between the copy engine and the
-            # kernel may sit several points off the better route (docs/performance.md, the H100 run)
+            # kernel may sit several points off the better route (docs/perf/runs.md, the H100 runs)
             _warn_once(f"hicache: no calibration for {gpu!r} ({path} does not exist); auto uses the shipped one, "
                        f"measured on an {DEFAULT.gpu}; run `hicache calibrate` on this GPU")
         return DEFAULT

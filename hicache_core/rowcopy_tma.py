@@ -124,7 +124,7 @@ def tma_mode(option: bool | None, device: torch.device) -> str | None:
     :data:`AUTO_MIN_ROW_BYTES` and whose boxes at least
     :data:`AUTO_MIN_BOX_BYTES` (:func:`group_reason`), where 4 TMA programs
     move a load burst at least as fast as 16 register-staged ones and slow a
-    GEMM less (docs/performance.md, "TMA loads").
+    GEMM less (docs/perf/runs.md, "TMA loads").
     """
     if option is not None:
         return "all" if option else None

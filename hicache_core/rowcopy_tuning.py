@@ -70,7 +70,7 @@ class KernelTuning:
 
 
 #: Launch shape of the shared TMA load kernel (``kernel_lib.PAGED_TMA_LOAD``), for a plugin's
-#: ``KernelTuning.tma_load``.  H200 2026-11-30 (docs/performance.md, "TMA loads for every host layout";
+#: ``KernelTuning.tma_load``.  H200 2026-11-30 (docs/perf/runs.md, "TMA loads for every host layout";
 #: sweeps in docs/perf/tune-tma-*-2026-11-30.json): 4 programs move a load burst of 1152- or 2048-byte rows
 #: as fast as the row kernel at 16, with a GEMM beside them -0.9% to +1% instead of up to +6%; boxes of
 #: ~20 KiB (16 rows of 1152 bytes, 8 of 2 KiB) beat ~40 KiB by 0.01-0.025 at the same GEMM cost.

@@ -1080,7 +1080,7 @@ def test_queue_clock_submits_in_one_call_only_while_the_engine_is_certainly_busy
 
 
 def test_queue_clock_keeps_a_host_bound_burst_in_whole_calls_with_a_caller_between_submissions():
-    """The H100 case (docs/performance.md, second H100 run): one-layer loads of 4.7 MB, each submission taking 95 us of
+    """The H100 case (docs/perf/runs.md, second H100 run): one-layer loads of 4.7 MB, each submission taking 95 us of
     host time (longer than the clock's drain estimate of its copies, ~74 us) and ``auto``'s lane around each adding
     ~30 us between one submission's end and the next one's start.  Every submission after the first stays in one
     runtime call (with a 20 us tight gap all 60 would start with small calls here; on the H100 host about 59 of 61

@@ -73,7 +73,7 @@ FORWARD_MODES = ("compute", "memory", "watch")
 ENV_FORWARD = "HICACHE_AUTO_FORWARD"
 #: Share of their idle speed that SM-driven load bursts keep beside memory-bound work: H200, a reduction over 2 GiB
 #: of device memory on another stream, hicache's, SGLang 0.5.23's and LMCache's kernels alike: 0.35-0.59 of memcpy
-#: against 0.73-0.91 idle (MLA 576 bf16: 0.40 of 0.87), while copy-engine bursts held 0.90-0.98 (docs/performance.md,
+#: against 0.73-0.91 idle (MLA 576 bf16: 0.40 of 0.87), while copy-engine bursts held 0.90-0.98 (docs/perf/runs.md,
 #: "transfers beside a memory-bound kernel").  With ``forward="memory"``, the host may take up to 1 / this as long to
 #: submit a load as with ``"compute"`` before the kernel is judged faster.
 MEMORY_KERNEL_SHARE = 0.45
@@ -85,7 +85,7 @@ MEMORY_KERNEL_SHARE = 0.45
 #: on small pages (576- and 656-byte rows, 64-token pages).  H100 hosts, fp8 656 B rows in a layer-major layout, 4096
 #: tokens, all layers: where this room moved the backup to the copy engine, it ran at +0.0-1.0% GEMM, faster than the
 #: kernel on two hosts (0.911 against 0.799, 0.938 against 0.909, the kernel at +17-20%) and slower on another (0.700
-#: against 0.879, its host submitting for 1.22x the link time); docs/performance.md, fourth H100 run.  At 1.0 a backup
+#: against 0.879, its host submitting for 1.22x the link time); docs/perf/runs.md, fourth H100 run.  At 1.0 a backup
 #: must fit within its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets
 #: it per pool.
 BACKUP_ROOM = 1.2

@@ -2,7 +2,7 @@
 
 Beside a model's GEMMs (a prefill) an SM kernel's load runs at its idle speed (H200: 0.85-0.96 of memcpy for a
 lone load of one layer); beside memory-bound kernels (decode steps, whose attention reads the KV cache) it keeps
-only 0.12-0.48 while the copy engine keeps most of its speed (docs/performance.md, twelfth run).  With
+only 0.12-0.48 while the copy engine keeps most of its speed (docs/perf/runs.md, twelfth run).  With
 ``forward="watch"``, ``auto`` times its lone kernel loads (two CUDA events on the stream, made once) and
 :class:`ForwardWatch` turns the timings into a verdict: a load under :data:`SLOW_SHARE` of the link marks the
 forward pass memory-bound, and one at :data:`FAST_SHARE` or more marks it compute-bound again (a timing in between

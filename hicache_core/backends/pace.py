@@ -53,7 +53,7 @@ STALE_S = 1.0
 #: The same for the measures of calls that reused a plan (``warm`` paces).  A measure stops getting samples once
 #: ``auto`` sends the calls to the kernel, so one slow stretch of the host holds the kernel until the measure ages;
 #: measuring again costs a few copy-engine calls of a reused plan (cheap, unlike a new batch's planning).  On an
-#: H200 (docs/performance.md, 2026-12-02: 16 paired probe cells in two runs) 0.25 s instead of 1 s moved ``auto``'s
+#: H200 (docs/perf/runs.md, 2026-12-02: 16 paired probe cells in two runs) 0.25 s instead of 1 s moved ``auto``'s
 #: gap to the better route on reused-index bursts by a median +1.75 points where the copy engine was the better
 #: route (7 of 8 cells) and -0.15 where the kernel was (a weak effect: one of the two runs alone is level); the
 #: planning measures keep 1 s (re-measuring a new batch's planning is not cheap).

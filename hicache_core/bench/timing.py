@@ -77,7 +77,7 @@ class _LinkWarmer:
     """Pinned copies both ways until the host link and copy engines are warm (buffers made once per run).
 
     Measured on an H200: the first transfer strategy timed in a process ran up to 10 points below
-    the same strategy timed after another one (docs/performance.md, "bench order"); every row now
+    the same strategy timed after another one (docs/perf/runs.md, `perf/bench-order-2026-11-30.log`); every row now
     starts from the same state."""
 
     def __init__(self, nbytes: int = 64 << 20, rounds: int = 8) -> None:
