@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -54,6 +54,7 @@ from ..layout import Layout
 from ..replay import Lane
 from ..spec import PoolSpec
 from ..strategy import Strategy
+from .auto_lane import make_lane
 from .auto_rules import (ENV_FORWARD, FED_SHARE, FORWARD_MODES, MEMORY_KERNEL_SHARE, SLOW_KERNEL_ROOM, allowed_us,
                          backup_room_option, fed, kernel_room, pick_key, worth_measuring)
 from .cudart import batch_calls, schedule_calls
@@ -125,7 +126,6 @@ _FAST_MEMO = 256
 #: Index pairs whose calls are counted per pool (:meth:`AutoStrategy._use`).
 _USES = 32
 #: Stands for an absent measure in :meth:`AutoStrategy.lane` (never sampled: generation 0, never aged).
-_STILL = HostPace()
 
 
 def host_measures(binding: PoolBinding, copier: BatchCopier | None) -> tuple[tuple[HostPace, HostPace] | None,
@@ -673,9 +673,10 @@ class AutoStrategy:
 
     def _lone(self, binding: PoolBinding, layer: int | None, n: int, stream: int, now: float) -> tuple[bool, bool]:
         """Whether a load of ``layer`` (``None``: all) moving ``n`` positions is a lone one the kernel serves (the
-        module docstring), and whether the watch times it; only on a clocked pool.  :meth:`lane` holds an inlined copy
-        of this rule (a lone load's launch waits on it): change both together.  With a watch, a lone load beside
-        memory-bound work goes by the rule of the rest, but for one whose timing would renew the verdict."""
+        module docstring), and whether the watch times it; only on a clocked pool.  The lane (:mod:`.auto_lane`) holds
+        an inlined copy of this rule (a lone load's launch waits on it): change both together.  With a watch, a lone
+        load beside memory-bound work goes by the rule of the rest, but for one whose timing would renew the
+        verdict."""
         if not (layer is not None and self.clock.lone(stream, now) and self._fast(binding, layer, n)):
             return False, False
         watch = self.watch
@@ -684,113 +685,16 @@ class AutoStrategy:
         return timing or watch is None or not watch.memory_bound(), timing
 
     def _book(self, stream: int, n: int, layer: int | None, now: float) -> None:
-        """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (:meth:`lane` inlines
-        it: change both together)."""
+        """Put a call of ``n`` positions (one layer, or all) that started at ``now`` on the clock (the lane,
+        :mod:`.auto_lane`, inlines it: change both together)."""
         self.clock.queued(stream, n * (self._layer_token_bytes if layer is not None else self._token_bytes), now)
 
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
         """The fast path of a repeated call (see :class:`~hicache_core.strategy.Strategy`): the lane of the
         candidate :meth:`load` / :meth:`backup` would send the call to (the kernel for a lone load, else the
         candidate memoised for these index tensors); ``False`` where that candidate has no lane, declines, or no
-        decision is memoised.  ``None`` where neither candidate has a lane."""
-        def inner(cand: Any) -> Lane | None:
-            make = getattr(cand, "lane", None)
-            return make(binding, to_host) if callable(make) else None
-        k_lane, d_lane = inner(self.kernel), inner(self.direct)
-        if k_lane is None and d_lane is None:
-            return None
-        clock, index, picks, clocked, uses = self.clock, self._index, self._picks, self._clocked, self._uses
-        # this direction's measures, unrolled (an absent group reads as one that never changes): what pick() checks
-        # first, at a few attribute reads per call
-        measured = self.paces is not None or self.warm_paces is not None
-        here_c = self.paces[to_host] if self.paces is not None else _STILL
-        here_w = self.warm_paces[to_host] if self.warm_paces is not None else _STILL
-        pace_gen, side = self._pace_gen, int(to_host)
-        pace_now = here_c.now if self.paces is not None else here_w.now  # a copier's measures share its clock
-        # where that clock is this strategy's own (both time.perf_counter by default), a clocked lane's reading of it
-        # serves the measures' check too: one clock read less per call
-        pace_same = clocked and pace_now is clock.now
-        direct, kernel, layers = self.direct, self.kernel, self._layers
-        queued, layer_bytes, token_bytes = clock.queued, self._layer_token_bytes, self._token_bytes
-        only = d_lane if kernel is None else k_lane if direct is None else None  # one candidate: no decision
-        rp = self.reprobe_watch if not to_host else None  # reprobe: the kernel route's one-layer loads time the host
-        # a lone load's launch waits on everything before it (a lone load is timed from the call): what _lone
-        # decides, inlined, with the fast-load answer from its memo
-        lone_loads, now_of, lone_at, fast_memo = clocked and not to_host, clock.now, clock.lone, self._fast_memo
-        watch = self.watch  # with one, lone loads follow its verdict, and those due for timing are timed here too
-        # direct's submissions are sampled from this lane's start, as the normal path samples them from the call's
-        # (_serve): the host's measured pace through auto holds auto's own time per call
-        # (a lane that says it takes them: DirectStrategy's, not a wrapper of the plain three-argument kind)
-        copier = binding.scratch.get("direct.copier")
-        began = copier.clock.now if getattr(d_lane, "takes_since", False) and isinstance(copier, BatchCopier) \
-            else None
-        same = began is not None and began is now_of  # one clock: auto's own reading of it serves as the start
-        d_since = cast(Callable[..., bool], d_lane)
-
-        def lane(layer: Any, host_indices: torch.Tensor, device_indices: torch.Tensor) -> bool:
-            since = began() if began is not None and not (clocked and same) else None
-            stream, handed = 0, None  # the stream, read once where clocked, and handed to direct's lane
-            if not (isinstance(host_indices, torch.Tensor) and isinstance(device_indices, torch.Tensor)):
-                return False
-            n = host_indices.numel()
-            if clocked:
-                now, stream = now_of(), current_stream_handle(index)
-                handed = stream
-                if same:
-                    since = now
-                if lone_loads and layer is not None and lone_at(stream, now) and (
-                        fast if (fast := fast_memo.get((layer, n))) is not None else self._fast(binding, layer, n)):
-                    timing = watch is not None and watch.due(n * layer_bytes)
-                    if timing or watch is None or not watch.memory_bound():
-                        if k_lane is None:
-                            return False  # load() would send it to the kernel: its normal path
-                        if timing:  # the watch times this load (load() does the same)
-                            go = cast(ForwardWatch, watch).timed(
-                                lambda: k_lane(layer, host_indices, device_indices), n * layer_bytes, index)
-                        else:
-                            go = k_lane(layer, host_indices, device_indices)
-                        if not go:
-                            return False  # the kernel's lane declined: the normal path
-                        self.lone_kernel_loads += 1
-                        self._book(stream, n, layer, now)
-                        return True
-                    # beside memory-bound work (the watch's verdict) a lone load goes by the rule of the rest, below
-            entry = None
-            if direct is None or kernel is None:
-                route = only
-            elif measured and (here_c.generation + here_w.generation != pace_gen[side]  # aged(), inlined:
-                               or ((t := now if pace_same else pace_now()) > here_c.ages_at
-                                   and here_c.desc_us is not None)
-                               or (t > here_w.ages_at and here_w.desc_us is not None)):
-                return False  # the host's speed moved, or its measure aged: the normal path decides again
-            elif watch is not None and watch.generation != self._watch_gen:
-                return False  # the verdict on the forward pass changed: the normal path decides again
-            else:
-                try:  # pick_key(), inlined
-                    key = (id(host_indices), host_indices._version, id(device_indices), device_indices._version, n,
-                           layer is None, to_host)
-                except RuntimeError:  # a tensor without a version counter: never memoised
-                    return False
-                pick = picks.get(key)
-                entry = None if pick is None else uses.get(key)  # type: ignore[arg-type]
-                if entry is not None and pick is kernel and entry[0] == (1 if layer is None else layers):
-                    return False  # the pair's first reuse: pick() decides again at the pace of reused plans
-                route = d_lane if pick is direct else k_lane if pick is kernel else None
-            if rp is not None and route is not None and route is k_lane and layer is not None:
-                t0 = now if clocked else now_of()  # (clocked: read at the lane's start)
-                if not route(layer, host_indices, device_indices):
-                    return False  # the normal path serves (and counts) the call
-                rp.record((now_of() - t0) * 1e6)
-            elif route is None or not (d_since(layer, host_indices, device_indices, since, handed) if route is d_lane
-                                       and since is not None else route(layer, host_indices, device_indices)):
-                return False  # the normal path serves (and counts) the call
-            if entry is not None:  # counted as pick() counts (_use), once served here
-                entry[0] += 1
-            if clocked:  # _book, inlined
-                queued(stream, n * (layer_bytes if layer is not None else token_bytes), now)
-            return True
-
-        return lane
+        decision is memoised.  ``None`` where neither candidate has a lane (:func:`.auto_lane.make_lane`)."""
+        return make_lane(self, binding, to_host, current_stream_handle)
 
     def _fast(self, binding: PoolBinding, layer: int, n: int) -> bool:
         """The kernel's ``fast_load(binding, layer, n)``, memoised per layer and count."""
