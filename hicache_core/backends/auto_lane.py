@@ -3,7 +3,7 @@
 The lane sends a call to the lane of the candidate ``AutoStrategy.load`` / ``backup`` would pick, with what those
 methods decide inlined (the lone-load rule, the measures' check, the memoised pick, the clock's booking): a lone load's
 launch waits on every instruction before it.  Any rule changed in :mod:`.auto` changes here too (each inlined piece
-names the method it copies); the tests run both paths on the same calls.
+names the method it copies); tests/test_direct.py and tests/test_pace.py drive calls through both paths.
 """
 
 from __future__ import annotations
