@@ -18,7 +18,9 @@ seen: what each new batch pays for per-pair plans and index copies), ``backup_ne
 (``backup_all_layers`` likewise).  Per row: GB/s, ratio to a pinned ``copy_`` of the same bytes and
 direction, CTAs/programs, slowdown of a bf16 GEMM on another stream while the operation
 runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time per
-call (per layer call for bursts), bit-exact.  Rows go to ``<out>/peers.json`` after
+call (per layer call for bursts), bit-exact.  The targets of a layout are timed in turns:
+each operation's timed calls are split into ``--rounds`` rounds, every target running its
+share in each, so that the host's drift reaches them alike (:func:`_measure_op`).  Rows go to ``<out>/peers.json`` after
 every row; a markdown table is printed at the end.  ``--time-budget`` seconds after the
 start, remaining targets are recorded as skipped.
 
@@ -33,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -51,6 +54,7 @@ from hicache_core.backends.auto import FORWARD_MODES  # noqa: E402
 from hicache_core.backends.auto_rules import BACKUP_ROOM  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
     SHAPES,
+    WARMUP,
     _device_buffers,
     _gemm_slowdown,
     _hbm_reader,
@@ -58,8 +62,8 @@ from hicache_core.bench import (  # noqa: E402
     _ms_beside,
     _neighbor_slowdown,
     _indices,
-    _median_ms,
     _Memcpy,
+    _samples_ms,
     _served_by,
     _targets,
 )
@@ -76,6 +80,10 @@ DEFAULT_LAYOUTS = "layer_first,page_first"
 #: Index tensor pairs ``load_burst_new`` cycles through: more than any per-pool memo keeps.
 NEW_INDEX_PAIRS = 32
 JSON_NAME = "peers.json"
+#: Rounds an operation's timed calls are split into (``--rounds``): the host's speed drifts over seconds, so targets
+#: timed one after another were compared at different speeds (identical kernel routes measured up to 5.7 points apart,
+#: docs/perf/runs.md, 2026-12-06); taking turns, every target's calls sample the whole window.
+DEFAULT_ROUNDS = 3
 
 
 @dataclass
@@ -152,6 +160,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the GEMM slowdown is measured, also measure a memory-bound reduction's slowdown and the "
                         "transfer's ratio while it runs (hicache bench --hbm)")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="rounds each operation's timed calls are split into, the targets of a layout taking turns in "
+                        "each (1: each target's calls back to back, one target after another)")
     p.add_argument("--op-budget-ms", type=float, default=1500.0, help="fewer reps (>= 3) for slow operations")
     p.add_argument("--slow-ms", type=float, default=1000.0, help="an operation slower than this per call is not timed")
     p.add_argument("--time-budget", type=float, default=400.0, help="seconds; later targets are recorded as skipped")
@@ -165,6 +176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--ops {unknown}: choose from {list(ALL_OPS)}")
     if unknown := [f for f in args.auto_forward if f not in FORWARD_MODES]:
         p.error(f"--auto-forward {unknown}: choose from {', '.join(FORWARD_MODES)}")
+    if args.rounds < 1 or args.reps < 1:
+        p.error(f"--rounds {args.rounds} and --reps {args.reps} must be at least 1")
     return args
 
 
@@ -297,19 +310,73 @@ def _describe(spec: PoolSpec) -> str:
     return f"{spec.kind} {len(spec.layer_map.device_layers)}x" + "+".join(f"{c.row_bytes}B" for c in spec.components)
 
 
-def _measure(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes: int, to_host: bool,
-             memcpy: _Memcpy, gemm: bool) -> dict[str, Any]:
+#: One operation of one target: (the call, calls per call (layers of a burst), bytes per call, to the host).
+OpCall = tuple[Callable[[], Any], int, int, bool]
+
+
+def _probe_ms(fn: Callable[[], Any]) -> float:
+    """Wall milliseconds of one call of ``fn`` after one untimed call (the GPU idle before and after each)."""
     fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    probe_ms = (time.perf_counter() - t0) * 1e3
-    if probe_ms > args.slow_ms:
-        return {"status": "skipped", "gbps": nbytes / probe_ms / 1e6, "ms": probe_ms,
-                "note": f"one call took {probe_ms:.0f} ms (> --slow-ms); GB/s from that call, not timed further"}
-    reps = max(3, min(args.reps, int(args.op_budget_ms / max(probe_ms, 1e-3))))
-    ms = _median_ms(fn, reps)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _shares(reps: int, rounds: int) -> list[int]:
+    """``reps`` timed calls spread over ``rounds`` rounds, as evenly as they go (earlier rounds take the rest)."""
+    return [reps // rounds + (1 if r < reps % rounds else 0) for r in range(rounds)]
+
+
+def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy,
+                gemm: bool) -> list[dict[str, Any] | Exception]:
+    """Time one operation of several targets of one layout: per target, its result fields (``status`` ok or skipped)
+    or the exception its calls raised.
+
+    Each target is probed (one call timed; slower than ``--slow-ms``: skipped) and given its number of timed calls
+    (``--reps``, fewer for slow ones, never under 3).  Those calls are split over ``--rounds`` rounds, and in each round
+    every target runs its share in turn (the order rotated by one each round), so that the host's drift over the
+    operation's window reaches every target alike; the median of all of a target's calls gives its speed.  Host time
+    and the GEMM slowdown are then measured per target, one after the other."""
+    out: list[dict[str, Any] | Exception | None] = [None] * len(calls)
+    reps: dict[int, int] = {}
+    for i, (fn, _, nbytes, _) in enumerate(calls):
+        try:
+            probe = _probe_ms(fn)
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+            continue
+        if probe > args.slow_ms:
+            out[i] = {"status": "skipped", "gbps": nbytes / probe / 1e6, "ms": probe,
+                      "note": f"one call took {probe:.0f} ms (> --slow-ms); GB/s from that call, not timed further"}
+            continue
+        reps[i] = max(3, min(args.reps, int(args.op_budget_ms / max(probe, 1e-3))))
+    times: dict[int, list[float]] = {i: [] for i in reps}
+    order = list(reps)
+    for r in range(args.rounds):
+        for i in order[r % len(order):] + order[:r % len(order)] if order else []:
+            share = _shares(reps[i], args.rounds)[r]
+            if out[i] is not None or not share:
+                continue  # failed in an earlier round, or no call of its own in this one
+            try:  # a round after the first warms up with one call: the targets before it ran meanwhile
+                times[i] += _samples_ms(calls[i][0], share, WARMUP if r == 0 else 1)
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+    for i in reps:
+        if out[i] is not None:
+            continue
+        fn, n_calls, nbytes, to_host = calls[i]
+        try:
+            out[i] = _result(args, fn, n_calls, nbytes, to_host, memcpy, gemm, statistics.median(times[i]), reps[i])
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+    return [x if x is not None else RuntimeError("not measured") for x in out]
+
+
+def _result(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes: int, to_host: bool, memcpy: _Memcpy,
+            gemm: bool, ms: float, reps: int) -> dict[str, Any]:
+    """A timed target's fields: its speed from ``ms``, then its host time and GEMM slowdown, measured now."""
     base = memcpy.gbps(nbytes, to_host, args.reps)
     gbps = nbytes / ms / 1e6
     out = {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
@@ -322,7 +389,6 @@ def _measure(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes
     return out
 
 
-
 class _Writer:
     """Rewrites ``<out>/peers.json`` after every row, so a killed run keeps its rows."""
 
@@ -333,9 +399,18 @@ class _Writer:
 
     def add(self, row: PeerRow) -> None:
         self.rows.append(asdict(row))
+        self._write()
+        self.progress(_line(self.rows[-1]))
+
+    def regroup(self, first: int, key: Callable[[dict[str, Any]], int]) -> None:
+        """Order the rows from ``first`` on by ``key``, stably (the runner writes a layout's rows as each operation
+        ends: this puts each target's rows together again), and write them."""
+        self.rows[first:] = sorted(self.rows[first:], key=key)
+        self._write()
+
+    def _write(self) -> None:
         with open(self.path, "w") as f:
             json.dump({"meta": self.meta, "rows": self.rows}, f, indent=1, default=str)
-        self.progress(_line(self.rows[-1]))
 
 
 def _line(r: dict[str, Any]) -> str:
@@ -348,8 +423,18 @@ def _line(r: dict[str, Any]) -> str:
     return f"{head}: {r['gbps']:.1f} GB/s ratio {r['ratio']:.3f} CTAs {r['ctas']} host {r['host_us']:.0f}us{gemm}"
 
 
-def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, torch.Tensor],
-                memcpy: _Memcpy, base: dict[str, Any], writer: _Writer, deadline: float) -> None:
+@dataclass
+class _Live:
+    """A target that passed its bit-exact check, with its operations' calls (:data:`OpCall`)."""
+
+    target: Any
+    base: dict[str, Any]
+    calls: dict[str, OpCall]
+
+
+def _build_target(ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, torch.Tensor], base: dict[str, Any],
+                  writer: _Writer) -> _Live | None:
+    """Build ``ts`` on the shared buffers and check it bit-exact; a target that fails either gets its row here."""
     spec = ctx.spec
     try:
         target = ts.build(ctx)
@@ -357,10 +442,10 @@ def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostK
         check_bit_exact(target, truth, ctx.dev, h, idx["s"], idx["d"], label=f"{ts.peer} {ts.variant}")
     except PeerMismatch as e:
         writer.add(PeerRow(**base, op="-", status="mismatch", bit_exact=False, error=str(e)))
-        return
+        return None
     except Exception as e:  # noqa: BLE001
         writer.add(PeerRow(**base, op="-", status="error", error=f"{type(e).__name__}: {e}"))
-        return
+        return None
     layers = spec.layer_map.device_layers
     mid = layers[len(layers) // 2]
     total = spec.bytes_per_token * spec.capacity
@@ -385,28 +470,37 @@ def _run_target(args: argparse.Namespace, ts: TargetSpec, ctx: Ctx, truth: HostK
         hn, sn = next(turn_backup)
         target.backup_all_layers(hn, sn)
 
-    calls = {
+    return _Live(target, base, {
         "backup_all_layers": (lambda: target.backup_all_layers(h, idx["s"]), 1, total, True),
         "load_layer": (lambda: target.load_layer(mid, h, idx["d"]), 1, total // len(layers), False),
         "load_burst": (burst, len(layers), total, False),
         "load_burst_new": (burst_new, len(layers), total, False),
         "backup_new": (backup_new, 1, total, True),
-    }
-    for op in args.ops:
-        if op not in target.ops_supported:
-            writer.add(PeerRow(**base, op=op, status="unsupported", note=f"{ts.peer} has no {op} here"))
+    })
+
+
+def _run_op(args: argparse.Namespace, op: str, live: list[_Live], spec: PoolSpec, memcpy: _Memcpy, writer: _Writer,
+            deadline: float) -> None:
+    """One operation of every live target of a layout, timed in turns (:func:`_measure_op`), a row per target."""
+    timed = []
+    for t in live:
+        if op not in t.target.ops_supported:
+            writer.add(PeerRow(**t.base, op=op, status="unsupported", note=f"{t.base['peer']} has no {op} here"))
+        elif time.monotonic() > deadline:
+            writer.add(PeerRow(**t.base, op=op, status="skipped", bit_exact=True, note="time budget"))
+        else:
+            timed.append(t)
+    if not timed:
+        return
+    gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
+    results = _measure_op(args, [t.calls[op] for t in timed], memcpy, gemm)
+    for t, m in zip(timed, results):
+        if isinstance(m, Exception):
+            writer.add(PeerRow(**t.base, op=op, status="error", bit_exact=True, error=f"{type(m).__name__}: {m}"))
             continue
-        if time.monotonic() > deadline:
-            writer.add(PeerRow(**base, op=op, status="skipped", bit_exact=True, note="time budget"))
-            continue
-        fn, n_calls, nbytes, to_host = calls[op]
-        gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
-        try:
-            m = _measure(args, fn, n_calls, nbytes, to_host, memcpy, gemm)
-            note = "; ".join(x for x in (getattr(target, "note", None), m.pop("note")) if x) or None
-            writer.add(PeerRow(**base, op=op, ctas=target.ctas(op), bytes=nbytes, bit_exact=True, note=note, **m))
-        except Exception as e:  # noqa: BLE001
-            writer.add(PeerRow(**base, op=op, status="error", bit_exact=True, error=f"{type(e).__name__}: {e}"))
+        note = "; ".join(x for x in (getattr(t.target, "note", None), m.pop("note")) if x) or None
+        writer.add(PeerRow(**t.base, op=op, ctas=t.target.ctas(op), bytes=t.calls[op][2], bit_exact=True, note=note,
+                           **m))
 
 
 def _meta(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
@@ -492,13 +586,23 @@ def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec
     truth = HostKVPool(spec, layout, "reference", dev, host_buffers=allocate_host_buffers(plan, pin_memory=False),
                        registry=reg)
     ctx = Ctx(spec, layout, dev, host, reg)
+    first = len(writer.rows)
+    live: list[_Live] = []
     for ts in targets:
         base = {"peer": ts.peer, "variant": ts.variant, **common}
         if time.monotonic() > deadline:
             writer.add(PeerRow(**base, op="-", status="skipped", note="time budget"))
             continue
-        _run_target(args, ts, ctx, truth, idx, memcpy, base, writer, deadline)
+        built = _build_target(ts, ctx, truth, idx, base, writer)
         sync(spec.device)
+        if built is not None:
+            live.append(built)
+    for op in args.ops:
+        _run_op(args, op, live, spec, memcpy, writer, deadline)
+        sync(spec.device)
+    # the rows of this layout, one target's after another's (as the targets were listed), each in --ops order
+    rank = {(ts.peer, ts.variant): n for n, ts in enumerate(targets)}
+    writer.regroup(first, lambda row: rank.get((row["peer"], row["variant"]), len(rank)))
 
 
 # -- output ---------------------------------------------------------------------------

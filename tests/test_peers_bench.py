@@ -358,27 +358,109 @@ def test_markdown_table_and_lines_show_the_memory_bound_neighbour_where_it_ran()
 
 
 # -- the runner's bookkeeping (timing replaced: it needs CUDA) ------------------------------
-def _fake_measure(args, fn, calls, nbytes, to_host, memcpy, gemm):
-    fn()
-    return {"status": "ok", "ms": 1.0, "gbps": nbytes / 1e6, "memcpy_gbps": 50.0, "ratio": nbytes / 5e7,
-            "host_us": 3.0, "gemm_slowdown": 0.1 if gemm else None, "note": None}
+class _Clocks:
+    """The runner's CUDA clocks replaced: every call runs (on CPU tensors) and takes 1 ms; ``log`` holds each timed
+    share as (operation call, calls, warm-up calls)."""
+
+    def __init__(self, monkeypatch, fail=None):
+        self.log = []
+        self.fail = fail  # a call (an OpCall's first item) that raises when timed in its second round
+
+        def samples(fn, reps, warmup):
+            if fn is self.fail and any(f is fn for f, _, _ in self.log):
+                raise RuntimeError("second round failed")
+            self.log.append((fn, reps, warmup))
+            for _ in range(reps + warmup):
+                fn()
+            return [1.0] * reps
+
+        def probe(fn):
+            fn()
+            return 1.0
+
+        monkeypatch.setattr(P, "_probe_ms", probe)
+        monkeypatch.setattr(P, "_samples_ms", samples)
+        monkeypatch.setattr(P, "_host_us", lambda fn, reps: 3.0)
+        monkeypatch.setattr(P, "_gemm_slowdown", lambda fn: 0.1)
+
+    @staticmethod
+    def gbps(nbytes, to_host, reps):  # the memcpy reference
+        return 50.0
 
 
-def _run_layout(tmp_path, monkeypatch, argv, layout, *, kit=None, lm=None, deadline=float("inf")):
-    monkeypatch.setattr(P, "_measure", _fake_measure)
+def _run_layout(tmp_path, monkeypatch, argv, layout, *, kit=None, lm=None, deadline=float("inf"), clocks=None):
+    clocks = clocks or _Clocks(monkeypatch)
     args = P.parse_args(["--out", str(tmp_path), *argv])
     spec = _mla()
     dev = _dev(spec)
     h, s, d = _idx()
     idx = {"h": h, "s": s, "d": d, "h_contig": torch.arange(CAP)}
     writer = P._Writer(str(tmp_path), {}, lambda _: None)
-    P._run_layout(args, create_registry(), kit, lm, spec, "mla-test", layout, dev, idx, None, writer, deadline)
+    lm = lm(dev) if callable(lm) else lm  # LMCache's fake ops resolve pointers to the device tensors made here
+    P._run_layout(args, create_registry(), kit, lm, spec, "mla-test", layout, dev, idx, clocks, writer, deadline)
     return [(r["peer"], r["variant"], r["op"], r["status"], r["bit_exact"], r["error"] or r["note"]) for r in writer.rows]
 
 
 def test_runner_checks_then_times_every_op(tmp_path, monkeypatch):
     rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference,nope", "--peers", "hicache"], "page_first")
     assert rows == [("hicache", "reference core.reference", op, "ok", True, None) for op in P.ALL_OPS]
+
+
+def test_measure_op_gives_every_target_its_share_of_each_round_in_turn(monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    calls = {name: (lambda: None) for name in "abc"}
+    names = {id(fn): name for name, fn in calls.items()}
+    slow = lambda: None  # noqa: E731
+    monkeypatch.setattr(P, "_probe_ms", lambda fn: 2000.0 if fn is slow else 1.0)
+    args = P.parse_args(["--reps", "4", "--rounds", "3"])
+    out = P._measure_op(args, [(calls["a"], 2, 1000, True), (slow, 1, 1000, True), (calls["b"], 1, 1000, True),
+                               (calls["c"], 1, 1000, True)], clocks, gemm=True)
+    # 4 calls over 3 rounds (2, 1, 1), the order rotated each round; the first round warms up as a lone call would
+    assert [(names[id(fn)], n, w) for fn, n, w in clocks.log] == [
+        ("a", 2, 3), ("b", 2, 3), ("c", 2, 3), ("b", 1, 1), ("c", 1, 1), ("a", 1, 1), ("c", 1, 1), ("a", 1, 1),
+        ("b", 1, 1)]
+    assert out[1]["status"] == "skipped" and out[1]["note"].startswith("one call took 2000 ms (> --slow-ms)")
+    a, b = out[0], out[2]
+    assert (a["status"], a["ms"], a["ratio"], a["host_us"], a["gemm_slowdown"], a["note"]) == \
+        ("ok", 1.0, 1000 / 1.0 / 1e6 / 50.0, 1.5, 0.1, None)  # host time per layer call of the burst
+    assert b["host_us"] == 3.0
+
+
+def test_measure_op_records_a_target_that_fails_in_a_later_round_and_times_the_others(monkeypatch):
+    bad, good = (lambda: None), (lambda: None)
+    clocks = _Clocks(monkeypatch, fail=bad)
+    out = P._measure_op(P.parse_args(["--rounds", "2", "--reps", "4"]),
+                        [(bad, 1, 8, False), (good, 1, 8, False)], clocks, gemm=False)
+    assert isinstance(out[0], RuntimeError) and str(out[0]) == "second round failed"
+    assert out[1]["status"] == "ok" and out[1]["gemm_slowdown"] is None
+    assert [n for fn, n, _ in clocks.log if fn is good] == [2, 2]
+
+
+def test_one_round_times_each_target_alone():
+    assert P._shares(10, 1) == [10] and P._shares(10, 3) == [4, 3, 3] and P._shares(3, 5) == [1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("bad", ["--rounds=0", "--reps=0"])
+def test_rounds_and_reps_must_be_positive(bad, capsys):
+    with pytest.raises(SystemExit):
+        P.parse_args([bad])
+    assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_runner_lets_a_layouts_targets_take_turns_and_writes_each_targets_rows_together(tmp_path, monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference", "--peers", "hicache,lmcache", "--ops",
+                                               "backup_all_layers,load_layer", "--rounds", "2"], "layer_first",
+                       lm=lambda dev: (_FakeLmcacheOps(dev), None), clocks=clocks)
+    ours, theirs = ("hicache", "reference core.reference"), ("lmcache", "multi_layer_kv_transfer_unilateral")
+    assert [r[:4] for r in rows] == [(*ours, "backup_all_layers", "ok"), (*ours, "load_layer", "ok"),
+                                     (*theirs, "backup_all_layers", "ok"), (*theirs, "load_layer", "ok")]
+    # per operation, two rounds of both targets (the second starting with lmcache): 4 shares per operation
+    assert len(clocks.log) == 8 and [n for _, n, _ in clocks.log] == [5] * 8
+    firsts = [fn for fn, _, _ in clocks.log]
+    assert firsts[0] is not firsts[1] and firsts[2] is firsts[1] and firsts[3] is firsts[0]
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert [(r["peer"], r["op"]) for r in data["rows"]] == [(p, op) for p, _, op, *_ in rows]  # the file regrouped too
 
 
 def test_runner_records_peers_that_cannot_run(tmp_path, monkeypatch):
@@ -474,7 +556,8 @@ def test_run_peers_writes_every_cell_in_order(tmp_path, monkeypatch):
     """The whole loop with the CUDA-only parts replaced: a CPU shape, CPU indices, fake timing."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(P, "_meta", lambda args, notes: {"notes": notes})
-    monkeypatch.setattr(P, "_measure", _fake_measure)
+    _Clocks(monkeypatch)
+    monkeypatch.setattr(P, "_Memcpy", lambda: types.SimpleNamespace(gbps=_Clocks.gbps))
     monkeypatch.setattr(P, "_indices", lambda spec, gen: _idx())
     monkeypatch.setitem(P.SHAPES, "tiny-mla", lambda n, ps, device: _mla())
     monkeypatch.setitem(P.SHAPES, "tiny-huge", lambda n, ps, device: _mla())

@@ -27,7 +27,7 @@ from .run import _configs, _served_by, _targets, _timed_calls, _uneven, run_benc
 from .shapes import (DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES, MAX_DIRECT_COPIES, OPS,
                      SHAPES, WARMUP, BenchRow, _mha, _mla)
 from .timing import (_burst_host_us, _gemm_slowdown, _hbm_reader, _host_us, _keep_busy, _LinkWarmer, _median_ms, _Memcpy,
-                     _ms_beside, _neighbor_slowdown, _queue, _release_memory, _two_streams)
+                     _ms_beside, _neighbor_slowdown, _queue, _release_memory, _samples_ms, _two_streams)
 from .workload import _check, _compare, _device_buffers, _indices, _scramble, _workload
 
 __all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
@@ -39,5 +39,5 @@ _REEXPORTED = (DEFAULT_BACKENDS, DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_L
                MAX_DIRECT_COPIES, OPS, PLOT_KEYS, WARMUP, peers_module, plot, _burst_host_us, _check, _cmd, _compare,
                _configs, _device_buffers, _gemm_slowdown, _hbm_reader, _host_us, _indices, _int_list, _keep_busy,
                _LinkWarmer, _median_ms, _Memcpy, _mha, _mla, _ms_beside, _name_list, _neighbor_slowdown, _plot_rows,
-               _progress_printer, _queue, _release_memory, _scramble, _served_by, _targets, _timed_calls, _two_streams,
+               _progress_printer, _queue, _release_memory, _samples_ms, _scramble, _served_by, _targets, _timed_calls, _two_streams,
                _uneven, _workload)

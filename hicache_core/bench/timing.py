@@ -1,6 +1,7 @@
-"""The benchmark's clocks: event-timed medians (:func:`_median_ms`), host time per call, the pinned memcpy every ratio
-divides by (:class:`_Memcpy`), the link warm-up, the slowdown of a GEMM or a memory-bound neighbour on another stream
-while a transfer runs, and the hand-back of the memory a measurement freed (:func:`_release_memory`)."""
+"""The benchmark's clocks: event-timed calls and their medians (:func:`_samples_ms`, :func:`_median_ms`), host time
+per call, the pinned memcpy every ratio divides by (:class:`_Memcpy`), the link warm-up, the slowdown of a GEMM or a
+memory-bound neighbour on another stream while a transfer runs, and the hand-back of the memory a measurement freed
+(:func:`_release_memory`)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ from .shapes import HBM_READ_BYTES, WARMUP
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: bool = False,
                before: Callable[[], object] | None = None) -> float:
-    """Median event-timed milliseconds of ``fn``; ``idle``: each call starts on an idle GPU (a lone call),
-    else calls follow each other as soon as the last one's end event is reached.  ``before`` (then a
-    synchronise: the call is lone) runs ahead of each timed call, untimed."""
+    """Median event-timed milliseconds of ``fn`` (:func:`_samples_ms`)."""
+    return statistics.median(_samples_ms(fn, reps, warmup, idle, before))
+
+
+def _samples_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: bool = False,
+                before: Callable[[], object] | None = None) -> list[float]:
+    """Event-timed milliseconds of ``reps`` calls of ``fn``, after ``warmup`` untimed ones; ``idle``: each call starts
+    on an idle GPU (a lone call), else calls follow each other as soon as the last one's end event is reached.
+    ``before`` (then a synchronise: the call is lone) runs ahead of each timed call, untimed."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -35,7 +42,7 @@ def _median_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle: 
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return times
 
 
 def _release_memory() -> None:
