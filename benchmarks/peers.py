@@ -20,8 +20,8 @@ direction, CTAs/programs, slowdown of a bf16 GEMM on another stream while the op
 runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time per
 call (per layer call for bursts), bit-exact.  The targets of a layout are timed in turns:
 each operation's timed calls are split into ``--rounds`` rounds, every target running its
-share in each, so that the host's drift reaches them alike (:func:`_measure_op`).  Rows go to ``<out>/peers.json`` after
-every row; a markdown table is printed at the end.  ``--time-budget`` seconds after the
+share in each, so that the host's drift reaches them alike (:func:`_measure_op`).  Rows go
+to ``<out>/peers.json`` after every row; a markdown table is printed at the end.  ``--time-budget`` seconds after the
 start, remaining targets are recorded as skipped.
 
 Usage (CUDA machine, SGLang/LMCache installed as ``dev/gpu_peers.sh`` does)::
