@@ -21,8 +21,9 @@ runs back to back (``--gemm-ops``, cells up to ``--gemm-max-tokens``), host time
 call (per layer call for bursts), bit-exact.  The targets of a layout are timed in turns:
 each operation's timed calls are split into ``--rounds`` rounds, every target running its
 share in each, so that the host's drift reaches them alike (:func:`_measure_op`).  Rows go
-to ``<out>/peers.json`` after every row; a markdown table is printed at the end.  ``--time-budget`` seconds after the
-start, remaining targets are recorded as skipped.
+to ``<out>/peers.json`` after every row (a layout's in the order its operations end, then regrouped per target); a
+markdown table is printed at the end.  ``--time-budget`` seconds after the start, the operations and targets not yet
+begun are recorded as skipped (an operation that has begun finishes for every target of its layout).
 
 Usage (CUDA machine, SGLang/LMCache installed as ``dev/gpu_peers.sh`` does)::
 
@@ -40,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -159,13 +160,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hbm", action="store_true",
                    help="where the GEMM slowdown is measured, also measure a memory-bound reduction's slowdown and the "
                         "transfer's ratio while it runs (hicache bench --hbm)")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=10,
+                   help="timed calls per target and operation (at least 3; fewer for slow operations: --op-budget-ms)")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                    help="rounds each operation's timed calls are split into, the targets of a layout taking turns in "
-                        "each (1: each target's calls back to back, one target after another)")
+                        "each (1: each target's timed calls back to back, one target after another)")
     p.add_argument("--op-budget-ms", type=float, default=1500.0, help="fewer reps (>= 3) for slow operations")
     p.add_argument("--slow-ms", type=float, default=1000.0, help="an operation slower than this per call is not timed")
-    p.add_argument("--time-budget", type=float, default=400.0, help="seconds; later targets are recorded as skipped")
+    p.add_argument("--time-budget", type=float, default=400.0, help="seconds; operations and targets not yet begun then are recorded as skipped")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -329,6 +331,16 @@ def _shares(reps: int, rounds: int) -> list[int]:
     return [reps // rounds + (1 if r < reps % rounds else 0) for r in range(rounds)]
 
 
+def _turn(order: list[int], r: int) -> list[int]:
+    """The order of round ``r``: reversed every other round and rotated by one every two (abc, cba, bca, acb, ...), so
+    that each target goes first in turn and follows a different one from round to round."""
+    if not order:
+        return []
+    k = r // 2 % len(order)
+    turn = order[k:] + order[:k]
+    return turn[::-1] if r % 2 else turn
+
+
 def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy,
                 gemm: bool) -> list[dict[str, Any] | Exception]:
     """Time one operation of several targets of one layout: per target, its result fields (``status`` ok or skipped)
@@ -336,7 +348,7 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy,
 
     Each target is probed (one call timed; slower than ``--slow-ms``: skipped) and given its number of timed calls
     (``--reps``, fewer for slow ones, never under 3).  Those calls are split over ``--rounds`` rounds, and in each round
-    every target runs its share in turn (the order rotated by one each round), so that the host's drift over the
+    every target runs its share in turn (:func:`_turn` orders each round), so that the host's drift over the
     operation's window reaches every target alike; the median of all of a target's calls gives its speed.  Host time
     and the GEMM slowdown are then measured per target, one after the other."""
     out: list[dict[str, Any] | Exception | None] = [None] * len(calls)
@@ -355,7 +367,7 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy,
     times: dict[int, list[float]] = {i: [] for i in reps}
     order = list(reps)
     for r in range(args.rounds):
-        for i in order[r % len(order):] + order[:r % len(order)] if order else []:
+        for i in _turn(order, r):
             share = _shares(reps[i], args.rounds)[r]
             if out[i] is not None or not share:
                 continue  # failed in an earlier round, or no call of its own in this one
@@ -396,16 +408,21 @@ class _Writer:
         os.makedirs(out, exist_ok=True)
         self.path = os.path.join(out, JSON_NAME)
         self.meta, self.rows, self.progress = meta, [], progress
+        self._groups: list[int] = []  # per row, the target it belongs to (regroup); -1: none named
 
-    def add(self, row: PeerRow) -> None:
+    def add(self, row: PeerRow, group: int = -1) -> None:
         self.rows.append(asdict(row))
+        self._groups.append(group)
         self._write()
         self.progress(_line(self.rows[-1]))
 
-    def regroup(self, first: int, key: Callable[[dict[str, Any]], int]) -> None:
-        """Order the rows from ``first`` on by ``key``, stably (the runner writes a layout's rows as each operation
-        ends: this puts each target's rows together again), and write them."""
-        self.rows[first:] = sorted(self.rows[first:], key=key)
+    def regroup(self, first: int) -> None:
+        """Order the rows from ``first`` on by the ``group`` they were added with, stably (the runner writes a layout's
+        rows as each operation ends: this puts each target's rows together again, in operation order), and write
+        them."""
+        order = sorted(range(first, len(self.rows)), key=lambda i: self._groups[i])
+        self.rows[first:] = [self.rows[i] for i in order]
+        self._groups[first:] = [self._groups[i] for i in order]
         self._write()
 
     def _write(self) -> None:
@@ -425,15 +442,17 @@ def _line(r: dict[str, Any]) -> str:
 
 @dataclass
 class _Live:
-    """A target that passed its bit-exact check, with its operations' calls (:data:`OpCall`)."""
+    """A target that passed its bit-exact check, with its operations' calls (:data:`OpCall`); ``group``: its place in
+    the layout's list of targets (its rows are regrouped by it)."""
 
     target: Any
     base: dict[str, Any]
     calls: dict[str, OpCall]
+    group: int
 
 
 def _build_target(ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, torch.Tensor], base: dict[str, Any],
-                  writer: _Writer) -> _Live | None:
+                  writer: _Writer, group: int) -> _Live | None:
     """Build ``ts`` on the shared buffers and check it bit-exact; a target that fails either gets its row here."""
     spec = ctx.spec
     try:
@@ -441,10 +460,10 @@ def _build_target(ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, to
         h = idx["h_contig"] if target.contiguous_host else idx["h"]
         check_bit_exact(target, truth, ctx.dev, h, idx["s"], idx["d"], label=f"{ts.peer} {ts.variant}")
     except PeerMismatch as e:
-        writer.add(PeerRow(**base, op="-", status="mismatch", bit_exact=False, error=str(e)))
+        writer.add(PeerRow(**base, op="-", status="mismatch", bit_exact=False, error=str(e)), group)
         return None
     except Exception as e:  # noqa: BLE001
-        writer.add(PeerRow(**base, op="-", status="error", error=f"{type(e).__name__}: {e}"))
+        writer.add(PeerRow(**base, op="-", status="error", error=f"{type(e).__name__}: {e}"), group)
         return None
     layers = spec.layer_map.device_layers
     mid = layers[len(layers) // 2]
@@ -454,21 +473,27 @@ def _build_target(ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, to
         for layer in layers:
             target.load_layer(layer, h, idx["d"])
 
-    # the same values in tensors the target has not seen (more pairs than any memo keeps), as each batch brings
-    fresh = [(h.clone(), idx["d"].clone()) for _ in range(NEW_INDEX_PAIRS)]
-    turn = itertools.cycle(fresh)
+    def turns(d: torch.Tensor) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The same values in tensors the target has not seen (more pairs than any memo keeps), as each batch brings
+        them, made at the first call: a target holds them only for the operations that run."""
+        pairs: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+        def take() -> tuple[torch.Tensor, torch.Tensor]:
+            nonlocal pairs
+            if pairs is None:
+                pairs = itertools.cycle([(h.clone(), d.clone()) for _ in range(NEW_INDEX_PAIRS)])
+            return next(pairs)
+        return take
+
+    load_pair, backup_pair = turns(idx["d"]), turns(idx["s"])
 
     def burst_new() -> None:
-        hn, dn = next(turn)
+        hn, dn = load_pair()
         for layer in layers:
             target.load_layer(layer, hn, dn)
 
-    fresh_backup = [(h.clone(), idx["s"].clone()) for _ in range(NEW_INDEX_PAIRS)]
-    turn_backup = itertools.cycle(fresh_backup)
-
     def backup_new() -> None:
-        hn, sn = next(turn_backup)
-        target.backup_all_layers(hn, sn)
+        target.backup_all_layers(*backup_pair())
 
     return _Live(target, base, {
         "backup_all_layers": (lambda: target.backup_all_layers(h, idx["s"]), 1, total, True),
@@ -476,7 +501,7 @@ def _build_target(ts: TargetSpec, ctx: Ctx, truth: HostKVPool, idx: dict[str, to
         "load_burst": (burst, len(layers), total, False),
         "load_burst_new": (burst_new, len(layers), total, False),
         "backup_new": (backup_new, 1, total, True),
-    })
+    }, group)
 
 
 def _run_op(args: argparse.Namespace, op: str, live: list[_Live], spec: PoolSpec, memcpy: _Memcpy, writer: _Writer,
@@ -485,9 +510,10 @@ def _run_op(args: argparse.Namespace, op: str, live: list[_Live], spec: PoolSpec
     timed = []
     for t in live:
         if op not in t.target.ops_supported:
-            writer.add(PeerRow(**t.base, op=op, status="unsupported", note=f"{t.base['peer']} has no {op} here"))
+            writer.add(PeerRow(**t.base, op=op, status="unsupported", note=f"{t.base['peer']} has no {op} here"),
+                       t.group)
         elif time.monotonic() > deadline:
-            writer.add(PeerRow(**t.base, op=op, status="skipped", bit_exact=True, note="time budget"))
+            writer.add(PeerRow(**t.base, op=op, status="skipped", bit_exact=True, note="time budget"), t.group)
         else:
             timed.append(t)
     if not timed:
@@ -495,12 +521,15 @@ def _run_op(args: argparse.Namespace, op: str, live: list[_Live], spec: PoolSpec
     gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
     results = _measure_op(args, [t.calls[op] for t in timed], memcpy, gemm)
     for t, m in zip(timed, results):
-        if isinstance(m, Exception):
-            writer.add(PeerRow(**t.base, op=op, status="error", bit_exact=True, error=f"{type(m).__name__}: {m}"))
-            continue
-        note = "; ".join(x for x in (getattr(t.target, "note", None), m.pop("note")) if x) or None
-        writer.add(PeerRow(**t.base, op=op, ctas=t.target.ctas(op), bytes=t.calls[op][2], bit_exact=True, note=note,
-                           **m))
+        try:  # the CTA count asks the target (auto: its pick for the last call), which may raise too
+            if isinstance(m, Exception):
+                raise m
+            note = "; ".join(x for x in (getattr(t.target, "note", None), m.pop("note")) if x) or None
+            row = PeerRow(**t.base, op=op, ctas=t.target.ctas(op), bytes=t.calls[op][2], bit_exact=True, note=note,
+                          **m)
+        except Exception as e:  # noqa: BLE001
+            row = PeerRow(**t.base, op=op, status="error", bit_exact=True, error=f"{type(e).__name__}: {e}")
+        writer.add(row, t.group)
 
 
 def _meta(args: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
@@ -588,21 +617,21 @@ def _run_layout(args: argparse.Namespace, reg: Registry, kit: Any, lm: Any, spec
     ctx = Ctx(spec, layout, dev, host, reg)
     first = len(writer.rows)
     live: list[_Live] = []
-    for ts in targets:
-        base = {"peer": ts.peer, "variant": ts.variant, **common}
-        if time.monotonic() > deadline:
-            writer.add(PeerRow(**base, op="-", status="skipped", note="time budget"))
-            continue
-        built = _build_target(ts, ctx, truth, idx, base, writer)
-        sync(spec.device)
-        if built is not None:
-            live.append(built)
-    for op in args.ops:
-        _run_op(args, op, live, spec, memcpy, writer, deadline)
-        sync(spec.device)
-    # the rows of this layout, one target's after another's (as the targets were listed), each in --ops order
-    rank = {(ts.peer, ts.variant): n for n, ts in enumerate(targets)}
-    writer.regroup(first, lambda row: rank.get((row["peer"], row["variant"]), len(rank)))
+    try:
+        for group, ts in enumerate(targets):
+            base = {"peer": ts.peer, "variant": ts.variant, **common}
+            if time.monotonic() > deadline:
+                writer.add(PeerRow(**base, op="-", status="skipped", note="time budget"), group)
+                continue
+            built = _build_target(ts, ctx, truth, idx, base, writer, group)
+            sync(spec.device)
+            if built is not None:
+                live.append(built)
+        for op in args.ops:
+            _run_op(args, op, live, spec, memcpy, writer, deadline)
+            sync(spec.device)
+    finally:  # the rows of this layout, one target's after another's (as the targets were listed), each in --ops order
+        writer.regroup(first)
 
 
 # -- output ---------------------------------------------------------------------------

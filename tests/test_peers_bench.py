@@ -415,10 +415,10 @@ def test_measure_op_gives_every_target_its_share_of_each_round_in_turn(monkeypat
     args = P.parse_args(["--reps", "4", "--rounds", "3"])
     out = P._measure_op(args, [(calls["a"], 2, 1000, True), (slow, 1, 1000, True), (calls["b"], 1, 1000, True),
                                (calls["c"], 1, 1000, True)], clocks, gemm=True)
-    # 4 calls over 3 rounds (2, 1, 1), the order rotated each round; the first round warms up as a lone call would
+    # 4 calls over 3 rounds (2, 1, 1), each round in its own order; the first round warms up as a lone call would
     assert [(names[id(fn)], n, w) for fn, n, w in clocks.log] == [
-        ("a", 2, 3), ("b", 2, 3), ("c", 2, 3), ("b", 1, 1), ("c", 1, 1), ("a", 1, 1), ("c", 1, 1), ("a", 1, 1),
-        ("b", 1, 1)]
+        ("a", 2, 3), ("b", 2, 3), ("c", 2, 3), ("c", 1, 1), ("b", 1, 1), ("a", 1, 1), ("b", 1, 1), ("c", 1, 1),
+        ("a", 1, 1)]
     assert out[1]["status"] == "skipped" and out[1]["note"].startswith("one call took 2000 ms (> --slow-ms)")
     a, b = out[0], out[2]
     assert (a["status"], a["ms"], a["ratio"], a["host_us"], a["gemm_slowdown"], a["note"]) == \
@@ -434,6 +434,71 @@ def test_measure_op_records_a_target_that_fails_in_a_later_round_and_times_the_o
     assert isinstance(out[0], RuntimeError) and str(out[0]) == "second round failed"
     assert out[1]["status"] == "ok" and out[1]["gemm_slowdown"] is None
     assert [n for fn, n, _ in clocks.log if fn is good] == [2, 2]
+
+
+def test_each_round_has_its_own_order_and_every_target_goes_first_in_turn():
+    assert [P._turn([0, 1, 2], r) for r in range(4)] == [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1]]
+    assert [P._turn([0, 1], r) for r in range(4)] == [[0, 1], [1, 0], [1, 0], [0, 1]]
+    assert P._turn([], 3) == []
+
+
+def test_measure_op_skips_a_target_in_rounds_without_a_share_of_its_calls(monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    a, b = (lambda: None), (lambda: None)
+    out = P._measure_op(P.parse_args(["--reps", "3", "--rounds", "5"]), [(a, 1, 8, False), (b, 1, 8, False)], clocks,
+                        gemm=False)
+    assert [r["status"] for r in out] == ["ok", "ok"]
+    assert [(fn is a, n) for fn, n, _ in clocks.log] == [(True, 1), (False, 1), (False, 1), (True, 1), (False, 1),
+                                                         (True, 1)]  # rounds 0-2; rounds 3 and 4 hold no call
+
+
+def test_measure_op_records_a_probe_or_a_measure_that_raises_and_times_the_others(monkeypatch):
+    clocks = _Clocks(monkeypatch)
+    broken, unmeasurable, good = (lambda: 1 / 0), (lambda: None), (lambda: None)
+    monkeypatch.setattr(P, "_host_us", lambda fn, reps: 1 / 0 if fn is unmeasurable else 3.0)
+    out = P._measure_op(P.parse_args(["--rounds", "2"]),
+                        [(broken, 1, 8, False), (unmeasurable, 1, 8, False), (good, 1, 8, False)], clocks, gemm=False)
+    assert isinstance(out[0], ZeroDivisionError) and isinstance(out[1], ZeroDivisionError)
+    assert out[2]["status"] == "ok"
+    assert all(fn is not broken for fn, _, _ in clocks.log)  # never timed after its probe failed
+
+
+def test_runner_gives_a_target_whose_cta_count_fails_an_error_row_and_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(P.Ours, "ctas", lambda self, op: 1 / 0 if op == "load_layer" else 0)
+    rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference", "--peers", "hicache,lmcache", "--ops",
+                                               "load_layer,load_burst"], "layer_first",
+                       lm=lambda dev: (_FakeLmcacheOps(dev), None))
+    assert [r[2:4] for r in rows] == [("load_layer", "error"), ("load_burst", "ok"), ("load_layer", "ok"),
+                                      ("load_burst", "ok")]
+    assert rows[0][:2] == ("hicache", "reference core.reference") and rows[0][5] == "ZeroDivisionError: division by zero"
+
+
+def test_runner_skips_the_operations_not_begun_when_the_time_budget_ends(tmp_path, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(P, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # the runner's budget clock
+    clocks = _Clocks(monkeypatch)
+    real = P._samples_ms
+    monkeypatch.setattr(P, "_samples_ms", lambda fn, reps, warmup: (now.__setitem__(0, 2.0), real(fn, reps, warmup))[1])
+    rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference", "--peers", "hicache,lmcache", "--ops",
+                                               "load_layer,load_burst"], "layer_first",
+                       lm=lambda dev: (_FakeLmcacheOps(dev), None), deadline=1.0, clocks=clocks)
+    assert [(r[0], r[2], r[3]) for r in rows] == [
+        ("hicache", "load_layer", "ok"), ("hicache", "load_burst", "skipped"),
+        ("lmcache", "load_layer", "ok"), ("lmcache", "load_burst", "skipped")]
+    assert rows[1][5] == rows[3][5] == "time budget"
+
+
+def test_writer_regroups_rows_by_target_even_where_two_targets_share_a_name(tmp_path):
+    w = P._Writer(str(tmp_path), {}, lambda _: None)
+    w.add(_row(op="x", status="unsupported"))
+    for op in ("load_layer", "load_burst"):
+        for group in (0, 1):
+            w.add(_row(op=op, status="unsupported", note=f"target {group}"), group)
+    w.regroup(1)
+    assert [(r["op"], r["note"]) for r in w.rows] == [
+        ("x", None), ("load_layer", "target 0"), ("load_burst", "target 0"), ("load_layer", "target 1"),
+        ("load_burst", "target 1")]
+    assert json.loads((tmp_path / "peers.json").read_text())["rows"] == w.rows
 
 
 def test_one_round_times_each_target_alone():

@@ -39,5 +39,5 @@ _REEXPORTED = (DEFAULT_BACKENDS, DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_L
                MAX_DIRECT_COPIES, OPS, PLOT_KEYS, WARMUP, peers_module, plot, _burst_host_us, _check, _cmd, _compare,
                _configs, _device_buffers, _gemm_slowdown, _hbm_reader, _host_us, _indices, _int_list, _keep_busy,
                _LinkWarmer, _median_ms, _Memcpy, _mha, _mla, _ms_beside, _name_list, _neighbor_slowdown, _plot_rows,
-               _progress_printer, _queue, _release_memory, _samples_ms, _scramble, _served_by, _targets, _timed_calls, _two_streams,
-               _uneven, _workload)
+               _progress_printer, _queue, _release_memory, _samples_ms, _scramble, _served_by, _targets, _timed_calls,
+               _two_streams, _uneven, _workload)
