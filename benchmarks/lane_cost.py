@@ -7,8 +7,11 @@ descriptors per layer, as the pace probes load them) is served by ``direct``; it
 Then :meth:`BatchCopier.copy <hicache_core.backends.memcpy.BatchCopier.copy>` is replaced by a no-op, so what is timed
 is Python: ``direct``'s lane alone, and ``auto``'s lane routing the same calls to it (the pair memoised to ``direct``,
 a stand-in kernel), unclocked (a CPU pool's lane) and clocked (a CUDA pool's: the lone-load check and the clock's
-booking, with the stream's handle read as a constant and the stand-in never taking the load as a lone one).  Each
-figure is the least over ``--rounds`` rounds of the mean over ``--calls`` calls, in microseconds per call.
+booking, with the stream's handle read as a constant and the stand-in never taking the load as a lone one).  Then a
+lone load: ``auto``'s clocked lane sending every call to the stand-in kernel's lane as a lone load (its clock reads a
+time that moves a second per reading, so every call finds the stream idle), beside that stand-in lane called alone
+(``kernel_us``): what ``auto`` adds in front of a lone load's launch, which the load waits for.  Each figure is the
+least over ``--rounds`` rounds of the mean over ``--calls`` calls, in microseconds per call.
 
 On an H100 host ``auto``'s bursts on the copy engine ran ~4 us per layer behind ``direct``'s (docs/perf/runs.md,
 fifth H100 run); this prices the Python part of that gap on whatever host runs it.  Timings only: nothing here is a
@@ -18,6 +21,7 @@ pass/fail check.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -32,20 +36,28 @@ from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry  # noqa
 from hicache_core.backends import auto as auto_mod  # noqa: E402
 from hicache_core.backends.auto import AutoStrategy  # noqa: E402
 from hicache_core.backends.auto_rules import pick_key  # noqa: E402
-from hicache_core.backends.memcpy import BatchCopier  # noqa: E402
+from hicache_core.backends.memcpy import BatchCopier, QueueClock  # noqa: E402
 from hicache_core.calibration import DEFAULT  # noqa: E402
 
 LAYERS, PAGE, PAGES, ROW = 4, 64, 64, 656
 
 
 class _Kernel:
-    """The stand-in kernel candidate: a lane that serves every call at once, no fast load paths taken."""
+    """The stand-in kernel candidate: a lane that serves every call at once; ``fast``: whether its loads take a fast
+    path (``auto`` gives lone loads only to such a kernel)."""
+
+    def __init__(self, fast: bool = False) -> None:
+        self.fast = fast
+        self.served = 0
 
     def lane(self, binding: object, to_host: bool) -> Callable[..., bool]:
-        return lambda layer, h, d: True
+        def serve(layer: object, h: object, d: object) -> bool:
+            self.served += 1
+            return True
+        return serve
 
     def fast_load(self, binding: object, layer: int, n: int) -> bool:
-        return False
+        return self.fast
 
 
 def _pool() -> tuple[HostKVPool, torch.Tensor, torch.Tensor]:
@@ -61,10 +73,15 @@ def _pool() -> tuple[HostKVPool, torch.Tensor, torch.Tensor]:
     return pool, h, d
 
 
-def _auto_lane(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, clocked: bool) -> Callable[..., bool]:
-    """``auto``'s load lane over ``pool``'s ``direct``, the pair memoised to it (beyond its first burst)."""
+def _auto_lane(pool: HostKVPool, h: torch.Tensor, d: torch.Tensor, clocked: bool,
+               kernel: _Kernel | None = None) -> Callable[..., bool]:
+    """``auto``'s load lane over ``pool``'s ``direct``, the pair memoised to it (beyond its first burst); with a
+    ``kernel`` whose loads are fast, a clock on which every call is a lone load (it serves them)."""
     auto = AutoStrategy()
-    auto.direct, auto.kernel, auto.calibration = pool.strategy, _Kernel(), DEFAULT  # type: ignore[assignment]
+    auto.direct, auto.kernel, auto.calibration = pool.strategy, kernel or _Kernel(), DEFAULT  # type: ignore[assignment]
+    if kernel is not None and kernel.fast:
+        ticks = itertools.count()
+        auto.clock = QueueClock(now=lambda: float(next(ticks)))  # a second between readings: the stream idle
     copier = pool.binding.scratch["direct.copier"]
     auto.paces, auto.warm_paces = copier.paces, copier.warm_paces  # measures, as on a CUDA pool (none form here)
     auto._layers, auto._layer_token_bytes, auto._token_bytes = LAYERS, ROW, ROW * LAYERS
@@ -111,6 +128,14 @@ def measure(calls: int, rounds: int) -> dict[str, Any]:
             out[name + "_us"] = _time(lambda: lane(1, h, d), calls, rounds)
         for name in ("auto", "auto clocked"):
             out[name.replace(" ", "_") + "_extra_us"] = round(out[name + "_us"] - out["direct_us"], 3)
+        kernel = _Kernel(fast=True)
+        alone, lone = kernel.lane(pool.binding, False), _auto_lane(pool, h, d, True, kernel)
+        before = submitted[0], kernel.served
+        if not lone(1, h, d) or (submitted[0], kernel.served) != (before[0], before[1] + 1):
+            raise RuntimeError("auto's lane did not send a lone load to the kernel: nothing like a lone load to time")
+        out["kernel_us"] = _time(lambda: alone(1, h, d), calls, rounds)
+        out["auto_lone_us"] = _time(lambda: lone(1, h, d), calls, rounds)
+        out["auto_lone_extra_us"] = round(out["auto_lone_us"] - out["kernel_us"], 3)
         return out
     finally:
         BatchCopier.copy = real_copy  # type: ignore[method-assign]
