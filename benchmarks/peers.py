@@ -167,7 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each (1: each target's timed calls back to back, one target after another)")
     p.add_argument("--op-budget-ms", type=float, default=1500.0, help="fewer reps (>= 3) for slow operations")
     p.add_argument("--slow-ms", type=float, default=1000.0, help="an operation slower than this per call is not timed")
-    p.add_argument("--time-budget", type=float, default=400.0, help="seconds; operations and targets not yet begun then are recorded as skipped")
+    p.add_argument("--time-budget", type=float, default=400.0,
+                   help="seconds; operations and targets not yet begun then are recorded as skipped")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
