@@ -10,8 +10,9 @@ a stand-in kernel), unclocked (a CPU pool's lane) and clocked (a CUDA pool's: th
 booking, with the stream's handle read as a constant and the stand-in never taking the load as a lone one).  Then a
 lone load: ``auto``'s clocked lane sending every call to the stand-in kernel's lane as a lone load (its clock reads a
 time that moves a second per reading, so every call finds the stream idle), beside that stand-in lane called alone
-(``kernel_us``): what ``auto`` adds in front of a lone load's launch, which the load waits for.  Each figure is the
-least over ``--rounds`` rounds of the mean over ``--calls`` calls, in microseconds per call.
+(``kernel_us``): what ``auto`` adds to a lone load's call, the part in front of the launch (which the load waits for)
+and the count and clock booking after it.  Each figure is the least over ``--rounds`` rounds of the mean over
+``--calls`` calls, in microseconds per call.
 
 On an H100 host ``auto``'s bursts on the copy engine ran ~4 us per layer behind ``direct``'s (docs/perf/runs.md,
 fifth H100 run); this prices the Python part of that gap on whatever host runs it.  Timings only: nothing here is a
