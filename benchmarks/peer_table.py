@@ -27,6 +27,7 @@ table needs is refused with one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -99,11 +100,17 @@ def _metrics(rows_by_op: dict[str, dict[str, Any] | None], op: str) -> dict[str,
 
 def _side(rows: list[dict[str, Any]], shape: str, tokens: int, layout: str, op: str,
           who: Any) -> dict[str, dict[str, Any] | None]:
-    """Per peer op of ``op``, the first row ``who(row)`` accepts (SGLang's loads: its TMA kernel before its JIT one)."""
+    """Per peer op of ``op``, the row of one target: the first that ``who(row)`` accepts for the first peer op
+    (SGLang's loads: its TMA kernel before its JIT one), and that target's rows of the others."""
     out: dict[str, dict[str, Any] | None] = {}
+    target = None
     for peer_op, *_ in SOURCES[op]:
         found = [r for r in _ok(rows, shape, tokens, layout, peer_op) if who(r)]
         found.sort(key=lambda r: r.get("peer") != "sglang-tma")
+        if target is not None:
+            found = [r for r in found if (r.get("peer"), r.get("variant")) == target]
+        elif found:
+            target = (found[0].get("peer"), found[0].get("variant"))
         out[peer_op] = found[0] if found else None
     return out
 
@@ -140,6 +147,11 @@ def build(data: dict[str, Any], shapes: list[str] | None = None, tokens: int | N
         raise Refused("not a peers.json result: expected an object whose 'rows' is a list of row objects")
     meta = data.get("meta") or {}
     date, gpu = str(meta.get("date", ""))[:10], meta.get("gpu", "an unnamed GPU")
+    try:
+        datetime.date.fromisoformat(date)
+    except ValueError:
+        raise Refused(f"the results' meta.date is {meta.get('date')!r}, not a date a table entry can carry "
+                      "(benchmarks/peers.py writes 'YYYY-MM-DD HH:MM')") from None
     entries = []
     for kind, shape, n in _pick(list(shapes or []), rows, tokens):
         layouts = list(dict.fromkeys(str(r["layout"]) for r in rows if r.get("shape") == shape
@@ -214,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             write(table, args.out)
         else:
+            with tempfile.TemporaryDirectory() as folder:  # checked as a written table is
+                write(table, os.path.join(folder, "table.json"))
             print(json.dumps(table, indent=2))
     except (OSError, ValueError, Refused, TakeoverTableError) as e:
         print(f"{PROG}: {args.results}: {e}", file=sys.stderr)

@@ -83,6 +83,14 @@ def test_one_metric_worse_keeps_the_cell_sglangs():
     assert load["note"] == "hicache kernel is worse on burst_gemm_slowdown_pct 1.5 vs SGLang 1"
 
 
+def test_each_side_of_an_operation_is_one_target():
+    """SGLang's load_layer row from its TMA kernel: its load_burst row too, never its JIT kernel's."""
+    rows = [r for r in _cell(kernel=(0.90, 6, 0.5)) if not (r["peer"] == "sglang-tma" and r["op"] == "load_burst")]
+    load = _entries(T.build(_data(rows)))["mla", "layer_first", "load"]
+    assert load["sglang"] == {"copy_ratio": 0.85, "host_us": 6}  # the burst metrics dropped on both sides
+    assert load["hicache"] == {"copy_ratio": 0.9, "host_us": 6} and load["take_over"] is True
+
+
 def test_the_table_holds_one_shape_per_kind_and_says_which_operations_it_left_out():
     rows = _cell() + _cell(shape=FP8) + _cell(shape=MHA)
     heard: list[str] = []
@@ -130,9 +138,24 @@ def test_main_writes_the_table_and_refuses_what_is_not_a_result(tmp_path, capsys
     assert T.main([str(tmp_path / "x.json")]) == 2
     assert "not a peers.json result" in capsys.readouterr().err
     assert T.main([str(tmp_path / "missing.json")]) == 2
+    undated = _data(_cell())
+    del undated["meta"]["date"]
+    (tmp_path / "undated.json").write_text(json.dumps(undated))
+    assert T.main([str(tmp_path / "undated.json")]) == 2
+    assert "undated.json: the results' meta.date is None, not a date a table entry can carry" in capsys.readouterr().err
     (tmp_path / "none.json").write_text(json.dumps(_data([r for r in _cell() if r["peer"] != "hicache"])))
     assert T.main([str(tmp_path / "none.json")]) == 2
     assert "nothing to put in a table" in capsys.readouterr().err
+
+
+def test_a_printed_table_is_checked_as_a_written_one_is(tmp_path, monkeypatch, capsys):
+    bad = T.build(_data(_cell()))
+    bad["entries"][0]["take_over"] = True
+    monkeypatch.setattr(T, "build", lambda *a, **k: bad)
+    (tmp_path / "p.json").write_text(json.dumps(_data(_cell())))
+    assert T.main([str(tmp_path / "p.json")]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and "take_over is true but hicache is worse" in out.err
 
 
 @pytest.mark.parametrize("name", ["peers-h100-turns-24ce7d8-2026-12-06.json", "peers-h100-b6e0065-2026-12-06.json",
