@@ -414,7 +414,9 @@ def test_measure_op_gives_every_target_its_share_of_each_round_in_turn(monkeypat
     monkeypatch.setattr(P, "_probe_ms", lambda fn: 2000.0 if fn is slow else 1.0)
     args = P.parse_args(["--reps", "4", "--rounds", "3"])
     out = P._measure_op(args, [(calls["a"], 2, 1000, True), (slow, 1, 1000, True), (calls["b"], 1, 1000, True),
-                               (calls["c"], 1, 1000, True)], clocks, gemm=True)
+                               (calls["c"], 1, 1000, True)], clocks, gemm=True,
+                        served=[lambda n=n: n for n in range(4)])
+    assert [r["ctas"] for r in out] == [0, 1, 2, 3]  # the skipped target's too
     # 4 calls over 3 rounds (2, 1, 1), each round in its own order; the first round warms up as a lone call would
     assert [(names[id(fn)], n, w) for fn, n, w in clocks.log] == [
         ("a", 2, 3), ("b", 2, 3), ("c", 2, 3), ("c", 1, 1), ("b", 1, 1), ("a", 1, 1), ("b", 1, 1), ("c", 1, 1),
@@ -472,6 +474,18 @@ def test_runner_gives_a_target_whose_cta_count_fails_an_error_row_and_goes_on(tm
                                       ("load_burst", "ok")]
     assert rows[0][:2] == ("hicache", "reference core.reference")
     assert rows[0][5] == "ZeroDivisionError: division by zero"
+
+
+def test_runner_asks_what_served_the_timed_calls_before_the_host_time_calls_run(tmp_path, monkeypatch):
+    """auto may route a pair anew during the host-time and GEMM calls: the CTA column is read before them."""
+    route = [4]
+    monkeypatch.setattr(P.Ours, "ctas", lambda self, op: route[0])
+    clocks = _Clocks(monkeypatch)
+    monkeypatch.setattr(P, "_host_us", lambda fn, reps: (route.__setitem__(0, 0), 3.0)[1])
+    args = ["--io-backends", "reference", "--peers", "hicache", "--ops", "load_layer,load_burst"]
+    _run_layout(tmp_path, monkeypatch, args, "layer_first", clocks=clocks)
+    rows = json.loads((tmp_path / "peers.json").read_text())["rows"]
+    assert [(r["op"], r["ctas"]) for r in rows] == [("load_layer", 4), ("load_burst", 0)]  # the second op: after
 
 
 def test_runner_skips_the_operations_not_begun_when_the_time_budget_ends(tmp_path, monkeypatch):
