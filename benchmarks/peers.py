@@ -33,6 +33,7 @@ Usage (CUDA machine, SGLang/LMCache installed as ``dev/gpu_peers.sh`` does)::
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -41,7 +42,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 
@@ -346,8 +347,8 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, 
                 served: list[Callable[[], Any]] | None = None) -> list[dict[str, Any] | Exception]:
     """Time one operation of several targets of one layout: per target, its result fields (``status`` ok or skipped)
     or the exception its calls raised; with ``served`` (per target, what served its last call: the CTAs a target
-    reports), also ``ctas``, asked once the target's timed calls are over (or its probe, where it is skipped), before
-    its host-time and GEMM calls run (``auto`` may route the pair anew meanwhile).
+    reports), also ``ctas``, asked of every target once the timed calls are over, before any host-time or GEMM call
+    runs (``auto`` may route the pair anew during those).
 
     Each target is probed (one call timed; slower than ``--slow-ms``: skipped) and given its number of timed calls
     (``--reps``, fewer for slow ones, never under 3).  Those calls are split over ``--rounds`` rounds, and in each round
@@ -365,7 +366,6 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, 
         if probe > args.slow_ms:
             out[i] = {"status": "skipped", "gbps": nbytes / probe / 1e6, "ms": probe,
                       "note": f"one call took {probe:.0f} ms (> --slow-ms); GB/s from that call, not timed further"}
-            _ask(served, i, out)
             continue
         reps[i] = max(3, min(args.reps, int(args.op_budget_ms / max(probe, 1e-3))))
     times: dict[int, list[float]] = {i: [] for i in reps}
@@ -379,32 +379,28 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, 
                 times[i] += _samples_ms(calls[i][0], share, WARMUP if r == 0 else 1)
             except Exception as e:  # noqa: BLE001
                 out[i] = e
-    seen = {i: _ask(served, i, out) for i in reps if out[i] is None}  # every target's, before any host-time call
+    ctas: dict[int, Any] = {}
+    for i, x in enumerate(out if served is not None else []):  # timed (None here) or skipped (a dict) targets'
+        if isinstance(x, Exception):
+            continue
+        try:
+            ctas[i] = served[i]()  # type: ignore[index]
+        except Exception as e:  # noqa: BLE001
+            out[i] = e
+            continue
+        if x is not None:  # a skipped target's fields
+            x["ctas"] = ctas[i]
     for i in reps:
         if out[i] is not None:
             continue
         fn, n_calls, nbytes, to_host = calls[i]
         try:
             m = _result(args, fn, n_calls, nbytes, to_host, memcpy, gemm, statistics.median(times[i]), reps[i])
-            out[i] = m if served is None else {**m, "ctas": seen[i]}
+            out[i] = {**m, "ctas": ctas[i]} if i in ctas else m
         except Exception as e:  # noqa: BLE001
             out[i] = e
-    return [x if x is not None else RuntimeError("not measured") for x in out]
-
-
-def _ask(served: list[Callable[[], Any]] | None, i: int, out: list[Any]) -> Any:
-    """``served[i]()``, put into ``out[i]``'s fields where those are a skipped target's; an exception it raises
-    becomes ``out[i]`` (the target's result)."""
-    if served is None:
-        return None
-    try:
-        ctas = served[i]()
-    except Exception as e:  # noqa: BLE001
-        out[i] = e
-        return None
-    if isinstance(out[i], dict):
-        out[i]["ctas"] = ctas
-    return ctas
+    assert all(x is not None for x in out)  # every target timed, skipped or failed
+    return cast(list[dict[str, Any] | Exception], out)
 
 
 def _result(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes: int, to_host: bool, memcpy: _Memcpy,
@@ -542,7 +538,7 @@ def _run_op(args: argparse.Namespace, op: str, live: list[_Live], spec: PoolSpec
     gemm = op in args.gemm_ops and spec.capacity <= args.gemm_max_tokens
     # the CTA count asks the target (auto: its route for the last call), which may raise: an error row, as a call's
     results = _measure_op(args, [t.calls[op] for t in timed], memcpy, gemm,
-                          served=[lambda t=t: t.target.ctas(op) for t in timed])
+                          served=[functools.partial(t.target.ctas, op) for t in timed])
     for t, m in zip(timed, results):
         if isinstance(m, Exception):
             row = PeerRow(**t.base, op=op, status="error", bit_exact=True, error=f"{type(m).__name__}: {m}")
