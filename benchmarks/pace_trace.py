@@ -144,7 +144,7 @@ def main() -> int:
     memcpy.BatchCopier.copy = traced_copy  # type: ignore[method-assign]
     HostPace.record = record  # type: ignore[method-assign]
     # replaced in the modules run_bench looks them up in (hicache_core/bench/__init__.py says why)
-    for module, name in ((bench.timing, "_median_ms"), (bench.timing, "_gemm_slowdown"), (bench.timing, "_burst_host_us"),
+    for module, name in ((bench.timing, "_samples_ms"), (bench.timing, "_gemm_slowdown"), (bench.timing, "_burst_host_us"),
                          (bench.workload, "_check"), (bench.timing, "_host_us"), (bench.run, "_served_by")):
         setattr(module, name, _phased(name.strip("_"), getattr(module, name)))
 
@@ -157,10 +157,10 @@ def main() -> int:
         rows.append(asdict(row))
 
     real_configs = bench.run._configs
+    only = [""]  # the one variant each run_bench call below builds
 
     def configs(backend: str, programs: Any, direct_variants: Any) -> Any:
-        out = real_configs(backend, programs, direct_variants)
-        return [(v, o) for v, o in out if backend != "auto" or v in ("", "lone=off")]
+        return [(v, o) for v, o in real_configs(backend, programs, direct_variants) if v == only[0]]
     bench.run._configs = configs  # type: ignore[assignment]
 
     real_init = bench.run.HostKVPool.__init__
@@ -170,9 +170,15 @@ def main() -> int:
         real_init(self, *a, **kw)
     bench.run.HostKVPool.__init__ = init  # type: ignore[method-assign]
 
-    bench.run_bench(shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[args.layout],
-                    backends=args.io_backends.split(","), ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
-                    progress=progress, sink=sink)
+    # one pool per run_bench call: a layout's pools are all built before any is timed, and the trace names the row
+    # by the pool built last
+    for backend in args.io_backends.split(","):
+        for variant in [v for v, _ in real_configs(backend, [None], ["auto"])
+                        if backend != "auto" or v in ("", "lone=off")]:
+            only[0] = variant
+            bench.run_bench(shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None],
+                            layouts=[args.layout], backends=[backend], ops=args.ops.split(","), reps=args.reps,
+                            gemm=args.gemm, progress=progress, sink=sink)
     groups: dict[tuple[str, str, bool, str], list[float]] = defaultdict(list)
     for s in samples:
         groups[(s["row"], s["phase"], s["to_host"], f"{s['pace']}{' eager' if s['eager'] else ''}")].append(s["desc_us"])

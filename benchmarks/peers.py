@@ -55,6 +55,7 @@ from benchmarks.peer_check import ALL_OPS, PeerMismatch, check_bit_exact, sync  
 from hicache_core.backends.auto import FORWARD_MODES  # noqa: E402
 from hicache_core.backends.auto_rules import BACKUP_ROOM  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
+    DEFAULT_ROUNDS,
     SHAPES,
     WARMUP,
     _device_buffers,
@@ -67,7 +68,9 @@ from hicache_core.bench import (  # noqa: E402
     _Memcpy,
     _samples_ms,
     _served_by,
+    _shares,
     _targets,
+    _turn,
 )
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import Registry, create_registry  # noqa: E402
@@ -82,10 +85,6 @@ DEFAULT_LAYOUTS = "layer_first,page_first"
 #: Index tensor pairs ``load_burst_new`` cycles through: more than any per-pool memo keeps.
 NEW_INDEX_PAIRS = 32
 JSON_NAME = "peers.json"
-#: Rounds an operation's timed calls are split into (``--rounds``): the host's speed drifts over seconds, so targets
-#: timed one after another were compared at different speeds (identical kernel routes measured up to 5.7 points apart,
-#: docs/perf/runs.md, 2026-12-06); taking turns, every target's calls sample the whole window.
-DEFAULT_ROUNDS = 3
 
 
 @dataclass
@@ -326,21 +325,6 @@ def _probe_ms(fn: Callable[[], Any]) -> float:
     fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
-
-
-def _shares(reps: int, rounds: int) -> list[int]:
-    """``reps`` timed calls spread over ``rounds`` rounds, as evenly as they go (earlier rounds take the rest)."""
-    return [reps // rounds + (1 if r < reps % rounds else 0) for r in range(rounds)]
-
-
-def _turn(order: list[int], r: int) -> list[int]:
-    """The order of round ``r``: reversed every other round and rotated by one every two (abc, cba, bca, acb, ...), so
-    that each target goes first in turn and follows a different one from round to round."""
-    if not order:
-        return []
-    k = r // 2 % len(order)
-    turn = order[k:] + order[:k]
-    return turn[::-1] if r % 2 else turn
 
 
 def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, gemm: bool,

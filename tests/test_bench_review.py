@@ -112,7 +112,7 @@ def fake_gpu(monkeypatch):
             return 50.0
 
     monkeypatch.setattr(bench.timing, "_Memcpy", Memcpy)
-    monkeypatch.setattr(bench.timing, "_median_ms", lambda fn, reps, **kw: log.append("time") or 2.0)
+    monkeypatch.setattr(bench.timing, "_samples_ms", lambda fn, reps, warmup=bench.WARMUP, **kw: log.append("time") or [2.0] * reps)
     monkeypatch.setattr(bench.timing, "_host_us", lambda fn, reps: log.append("host") or 30.0)
     monkeypatch.setattr(bench.timing, "_burst_host_us", lambda calls, reps: log.append("host") or 30.0)
     monkeypatch.setattr(bench.timing, "_gemm_slowdown", lambda fn: log.append("gemm") or 0.01)
@@ -124,15 +124,20 @@ def fake_gpu(monkeypatch):
 
 
 def test_served_by_is_asked_before_the_neighbours_run(fake_gpu):
-    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
-                           layouts=["layer_first"], backends=["reference"], ops=["backup_all_layers", "load_layer"],
-                           reps=4, gemm=True, hbm=True)
-    assert [r.served_by for r in rows] == ["who", "who"]
-    for start in [i for i, x in enumerate(fake_gpu) if x == "time"]:
-        row_log = fake_gpu[start:fake_gpu.index("warm", start) if "warm" in fake_gpu[start:] else None]
-        assert row_log.index("served") < min(row_log.index(x) for x in ("host", "beside"))
-        if "gemm" in row_log:
-            assert row_log.index("served") < min(row_log.index("gemm"), row_log.index("hbm"))
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None, 2],
+                           layouts=["layer_first"], backends=["reference", "kernel"],
+                           ops=["backup_all_layers", "load_layer"], reps=4, gemm=True, hbm=True)
+    assert [r.served_by for r in rows] == ["who"] * 6
+    starts = [i for i, x in enumerate(fake_gpu) if x == "warm"]  # the link warmed once per operation, first
+    assert len(starts) == 2
+    for a, b in zip(starts, starts[1:] + [len(fake_gpu)]):
+        op_log = fake_gpu[a:b]
+        # every pool's timed calls (three pools, three rounds), then what served each, then each pool's host time
+        # and neighbours
+        assert op_log.count("time") == 9 and op_log.count("served") == 3
+        served = [i for i, x in enumerate(op_log) if x == "served"]
+        assert max(i for i, x in enumerate(op_log) if x == "time") < min(served)
+        assert max(served) < min(i for i, x in enumerate(op_log) if x in ("memcpy", "host", "gemm", "hbm", "beside"))
 
 
 def test_row_fields_agree(fake_gpu):
@@ -226,16 +231,17 @@ def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monk
         self.lone_kernel_loads = getattr(self, "lone_kernel_loads", 0) + 1
         return real_load(self, *a, **k)
 
-    def median_ms(fn, reps, **kw):
-        for _ in range(reps + bench.WARMUP):
+    def samples_ms(fn, reps, warmup=bench.WARMUP, **kw):
+        for _ in range(reps + warmup):
             fn()
-        return 2.0
+        return [2.0] * reps
 
     monkeypatch.setattr(ReferenceStrategy, "load", load)
-    monkeypatch.setattr(bench.timing, "_median_ms", median_ms)
+    monkeypatch.setattr(bench.timing, "_samples_ms", samples_ms)
     (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                              layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=4)
-    assert row.served_by == f"who ({4 + bench.WARMUP} lone loads by the kernel in {4 + bench.WARMUP} calls)"
+    calls = 4 + bench.WARMUP + 2  # three rounds (2, 1, 1 timed calls), the later two after one warm-up call each
+    assert row.served_by == f"who ({calls} lone loads by the kernel in {calls} calls)"
 
 
 @pytest.mark.parametrize("host_ms, expect_calls", [(2.0, 5), (0.01, None)])

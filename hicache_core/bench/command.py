@@ -18,7 +18,7 @@ from ..jsonfile import check_writable, write_json
 from ..registry import create_registry
 from . import run
 from .run import _uneven
-from .shapes import DIRECT_VARIANTS, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES, OPS, SHAPES, BenchRow
+from .shapes import DEFAULT_ROUNDS, DIRECT_VARIANTS, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES, OPS, SHAPES, BenchRow
 
 logger = logging.getLogger(__package__)  # hicache_core.bench: the name its records had before bench was a package
 
@@ -118,6 +118,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reps", type=_positive_int, default=20,
                    help="timed calls per configuration, after 3 warm-up calls; the median is reported (default: "
                         "%(default)s)")
+    p.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
+                   help="rounds each operation's timed calls are split into, the configurations of a layout taking "
+                        "turns in each (the host's speed drifts over seconds; 1: each configuration's calls back to "
+                        "back, one configuration after another) (default: %(default)s)")
     p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {' and '.join(GEMM_OPS)}")
     p.add_argument("--hbm", action="store_true",
                    help=f"during {' and '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
@@ -226,7 +230,7 @@ def _cmd(args: argparse.Namespace) -> int:
     run.run_bench(
         shapes=args.shapes, tokens=args.tokens, page_sizes=args.page_sizes,
         programs=[p or None for p in args.programs], layouts=layouts, backends=backends, ops=args.ops,
-        reps=args.reps, gemm=args.gemm, hbm=args.hbm, direct_variants=args.direct_variants, registry=reg,
+        reps=args.reps, rounds=args.rounds, gemm=args.gemm, hbm=args.hbm, direct_variants=args.direct_variants, registry=reg,
         progress=progress, sink=sink,
     )
     if not done:

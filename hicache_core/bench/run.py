@@ -1,12 +1,15 @@
 """The benchmark's runner: :func:`run_bench` over the grid of shapes, page sizes, token counts, strategies and
-their variants, with what it measures per pool (:func:`_timed_calls`) and the candidate that served it
-(:func:`_served_by`).  It calls the clocks and the workload through their modules (``timing._median_ms``,
+their variants: per cell and layout it builds and checks every pool (:func:`_build`), then times each operation of
+them all in turns (:func:`_measure`), with what it measures per pool (:func:`_timed_calls`) and the candidate that
+served it (:func:`_served_by`).  It calls the clocks and the workload through their modules (``timing._samples_ms``,
 ``workload._check``), so that replacing one there reaches every caller."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import statistics
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -16,7 +19,7 @@ from ..pool import HostKVPool, allocate_host_buffers
 from ..registry import Registry, create_registry
 from ..spec import PoolSpec
 from . import timing, workload
-from .shapes import DIRECT_VARIANTS, GEMM_OPS, HBM_LONE_OPS, MAX_DIRECT_COPIES, OPS, SHAPES, WARMUP, BenchRow
+from .shapes import DEFAULT_ROUNDS, DIRECT_VARIANTS, GEMM_OPS, HBM_LONE_OPS, MAX_DIRECT_COPIES, OPS, SHAPES, BenchRow
 
 logger = logging.getLogger(__package__)  # hicache_core.bench: the name its records had before bench was a package
 
@@ -79,6 +82,19 @@ def _uneven(tokens: Iterable[int], page_sizes: Iterable[int]) -> str:
     return f"not so for {', '.join(bad)} (a pool holds whole pages)" if bad else ""
 
 
+@dataclass
+class _Target:
+    """One pool of a cell's layout, built and checked bit-exact, with its calls (:func:`_timed_calls`)."""
+
+    backend: str
+    name: str
+    variant: str
+    budget: int | None
+    pool: HostKVPool
+    burst: list[Callable[[], Any]]
+    calls: dict[str, tuple[Callable[[], Any], int, bool, int | None]]
+
+
 def run_bench(
     *,
     shapes: list[str],
@@ -89,6 +105,7 @@ def run_bench(
     backends: list[str] = ("kernel", "direct"),  # type: ignore[assignment]
     ops: list[str] = OPS,  # type: ignore[assignment]
     reps: int = 20,
+    rounds: int = DEFAULT_ROUNDS,
     gemm: bool = False,
     hbm: bool = False,
     direct_variants: list[str] = ("auto",),  # type: ignore[assignment]
@@ -96,83 +113,143 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     sink: Callable[[BenchRow], None] | None = None,
 ) -> list[BenchRow]:
-    """Measure; see :mod:`hicache_core.bench`.  CUDA only."""
+    """Measure; see :mod:`hicache_core.bench`.  CUDA only.
+
+    Per cell (shape, page size, token count) and layout, every pool (strategy and variant) is built over the same host
+    buffers and checked bit-exact first; then per operation their ``reps`` timed calls are taken in turns over
+    ``rounds`` rounds (:func:`.timing._in_turns`), and each pool's host time and neighbours' slowdowns are measured
+    after all of them.  Rows come operation by operation, each pool's in the order the pools were built."""
     uneven = _uneven(tokens, page_sizes)
     if uneven:  # before anything is measured: the grid would stop with a SpecError at the first such cell
         raise ValueError(f"every token count must be a multiple of every page size; {uneven}")
+    if reps < 1 or rounds < 1:
+        raise ValueError(f"reps ({reps}) and rounds ({rounds}) must be at least 1")
     if not torch.cuda.is_available():
         raise RuntimeError("hicache bench needs a CUDA device")
     reg = registry or create_registry()
-    memcpy = timing._Memcpy()
-    warm_link = timing._LinkWarmer()
-    reader = timing._hbm_reader() if hbm else None
+    clocks = _Clocks(timing._Memcpy(), timing._LinkWarmer(), timing._hbm_reader() if hbm else None)
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
-    dev_cache: dict[tuple[str, int, int], Any] = {}
     for shape in shapes:
         for ps in page_sizes:
             for n in tokens:
                 spec = SHAPES[shape](n, ps, torch.device("cuda"))
-                dev_cache.clear()
                 torch.cuda.empty_cache()
                 dev = workload._device_buffers(spec, 2 * n + ps)
                 h, s, d = workload._indices(spec, gen)
-                for layout, backend, name in _targets(reg, spec, layouts, backends):
-                    copies = n // ps * spec.bytes_per_token // max(1, min(c.row_bytes for c in spec.components))
-                    if backend == "direct" and copies > MAX_DIRECT_COPIES:
-                        logger.info("skipping %s at page_size %d, %d tokens: ~%d copies per call", name, ps, n, copies)
-                        continue
-                    plan = reg.layout(layout).plan(spec)
-                    host = allocate_host_buffers(plan, pin_memory=True)
-                    for variant, opts in _configs(backend, programs, list(direct_variants)):
-                        budget = opts.get("programs") if opts else None
-                        pool = HostKVPool(spec, layout, backend, dev, host_buffers=host, strategy=name,
-                                          strategy_options=opts, registry=reg, validate="shapes")
-                        workload._check(pool, dev, h, s, d, ops)
-                        burst, calls = _timed_calls(pool, n, h, s, d)
-                        fn: Callable[[], Any] | None = None
-                        for op in ops:
-                            fn, nbytes, to_host, lay = calls[op]
-                            warm_link()  # every row from the same state, whatever ran before it
-                            lone = getattr(pool.strategy, "lone_kernel_loads", 0)
-                            ms = timing._median_ms(fn, reps)
-                            lone = getattr(pool.strategy, "lone_kernel_loads", 0) - lone
-                            # the candidate that served the timed calls, asked before anything else runs (the
-                            # neighbours below can change auto's verdict, e.g. its watch beside the reduction)
-                            served, launched = _served_by(pool, h, s if to_host else d, lay, to_host,
-                                                          lone=2 * lone > reps + WARMUP)
-                            served += f" ({lone} lone loads by the kernel in {reps + WARMUP} calls)" if lone else ""
-                            base = memcpy.gbps(nbytes, to_host, reps)
-                            gbps = nbytes / ms / 1e6
-                            # host time before the neighbours run: what they leave behind (e.g. auto's watch
-                            # verdict beside the reduction) must not reach it
-                            host_us = (timing._burst_host_us(burst, max(3, reps // 4)) if op == "load_burst"
-                                       else timing._host_us(fn, max(5, reps // 2)))
-                            slow = timing._gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
-                            hbm_slow = hbm_ratio = None
-                            if reader is not None and op in GEMM_OPS + HBM_LONE_OPS:
-                                lone_op = op in HBM_LONE_OPS
-                                hbm_slow = None if lone_op else timing._neighbor_slowdown(fn, reader)
-                                hbm_ratio = nbytes / timing._ms_beside(fn, reader, calls=1 if lone_op else 3) / 1e6 / base
-                            row = BenchRow(shape, layout, backend, name, ps, n, budget, op, nbytes, ms, gbps, base,
-                                           gbps / base, host_us, slow, variant, served,
-                                           hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio, launched_programs=launched)
+                targets = _targets(reg, spec, layouts, backends)
+                for layout in dict.fromkeys(t[0] for t in targets):
+                    cell = _Cell(shape, ps, n, spec, layout, dev, h, s, d)
+                    live = _build(reg, cell, [t[1:] for t in targets if t[0] == layout], ops, programs,
+                                  list(direct_variants))
+                    for op in ops:
+                        for row in _measure(live, op, cell, reps, rounds, gemm, clocks):
                             rows.append(row)
                             if sink:
                                 sink(row)
                             if progress:
-                                progress(f"{shape} {layout}/{backend} {variant} ps={ps} n={n} {op}: "
-                                         f"{gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
-                                         + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
-                                         + (f" hbm-reader {hbm_slow * 100:+.1f}%" if hbm_slow is not None else "")
-                                         + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
-                                         + (f" via {row.served_by}" if backend == "auto" else "")
-                                         + (f", {launched} programs" if launched else ""))
-                        fn = None  # the calls hold the pool (and its buffers): drop them all before the next one
-                        del pool, burst, calls
-                    del host
+                                progress(_line(row))
+                    del live  # the calls hold the pools and their buffers: all dropped before the next layout
                 del dev
     return rows
+
+
+@dataclass
+class _Cell:
+    """One layout of a grid cell: its shape's name, page size, token count, spec, device buffers and indices."""
+
+    shape: str
+    page_size: int
+    tokens: int
+    spec: PoolSpec
+    layout: str
+    dev: Any
+    h: torch.Tensor
+    s: torch.Tensor
+    d: torch.Tensor
+
+
+@dataclass
+class _Clocks:
+    """What every row of a run measures against: the memcpy reference, the link warm-up, the memory-bound reader."""
+
+    memcpy: Any
+    warm_link: Callable[[], object]
+    reader: Callable[[], object] | None
+
+
+def _build(reg: Registry, cell: _Cell, entries: list[tuple[str, str]], ops: list[str], programs: list[int | None],
+           direct_variants: list[str]) -> list[_Target]:
+    """The pools of one layout in a cell (``entries``: io_backend and strategy name), over one set of host buffers,
+    each checked bit-exact before any is timed (``direct`` left out where a call would take more than
+    :data:`MAX_DIRECT_COPIES` copies)."""
+    spec, n, ps, h, s, d = cell.spec, cell.tokens, cell.page_size, cell.h, cell.s, cell.d
+    copies = n // ps * spec.bytes_per_token // max(1, min(c.row_bytes for c in spec.components))
+    host = None
+    live: list[_Target] = []
+    for backend, name in entries:
+        if backend == "direct" and copies > MAX_DIRECT_COPIES:
+            logger.info("skipping %s at page_size %d, %d tokens: ~%d copies per call", name, ps, n, copies)
+            continue
+        if host is None:  # one set per layout: every strategy of it reads and writes the same host layout
+            host = allocate_host_buffers(reg.layout(cell.layout).plan(spec), pin_memory=True)
+        for variant, opts in _configs(backend, programs, direct_variants):
+            pool = HostKVPool(spec, cell.layout, backend, cell.dev, host_buffers=host, strategy=name,
+                              strategy_options=opts, registry=reg, validate="shapes")
+            workload._check(pool, cell.dev, h, s, d, ops)
+            burst, calls = _timed_calls(pool, n, h, s, d)
+            live.append(_Target(backend, name, variant, opts.get("programs") if opts else None, pool, burst, calls))
+    return live
+
+
+def _measure(live: list[_Target], op: str, cell: _Cell, reps: int, rounds: int, gemm: bool,
+             clocks: _Clocks) -> list[BenchRow]:
+    """One operation of every pool of a layout: their timed calls in turns, then what served each (asked before any
+    other call runs: the neighbours can change ``auto``'s verdict, e.g. its watch beside the reduction), then each
+    pool's host time (before its neighbours run: what they leave behind must not reach it) and neighbours."""
+    if not live:
+        return []
+    h, s, d = cell.h, cell.s, cell.d
+    clocks.warm_link()  # every operation from the same state, whatever ran before it
+    fns = [t.calls[op][0] for t in live]
+    lone0 = [getattr(t.pool.strategy, "lone_kernel_loads", 0) for t in live]
+    times, made = timing._in_turns(fns, reps, rounds)
+    served = []
+    for t, before, calls in zip(live, lone0, made):
+        _, _, to_host, lay = t.calls[op]
+        lone = getattr(t.pool.strategy, "lone_kernel_loads", 0) - before
+        who, launched = _served_by(t.pool, h, s if to_host else d, lay, to_host, lone=2 * lone > calls)
+        served.append((who + (f" ({lone} lone loads by the kernel in {calls} calls)" if lone else ""), launched))
+    rows = []
+    for t, samples, (who, launched) in zip(live, times, served):
+        fn, nbytes, to_host, _ = t.calls[op]
+        ms = statistics.median(samples)
+        base = clocks.memcpy.gbps(nbytes, to_host, reps)
+        gbps = nbytes / ms / 1e6
+        host_us = (timing._burst_host_us(t.burst, max(3, reps // 4)) if op == "load_burst"
+                   else timing._host_us(fn, max(5, reps // 2)))
+        slow = timing._gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
+        hbm_slow = hbm_ratio = None
+        if clocks.reader is not None and op in GEMM_OPS + HBM_LONE_OPS:
+            lone_op = op in HBM_LONE_OPS
+            hbm_slow = None if lone_op else timing._neighbor_slowdown(fn, clocks.reader)
+            hbm_ratio = nbytes / timing._ms_beside(fn, clocks.reader, calls=1 if lone_op else 3) / 1e6 / base
+        rows.append(BenchRow(cell.shape, cell.layout, t.backend, t.name, cell.page_size, cell.tokens, t.budget, op,
+                             nbytes, ms, gbps, base, gbps / base, host_us, slow, t.variant, who,
+                             hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio, launched_programs=launched))
+    return rows
+
+
+def _line(row: BenchRow) -> str:
+    """A row's progress line."""
+    slow, hbm_slow, hbm_ratio = row.gemm_slowdown, row.hbm_slowdown, row.hbm_ratio
+    return (f"{row.shape} {row.layout}/{row.io_backend} {row.variant} ps={row.page_size} n={row.tokens} {row.op}: "
+            f"{row.gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
+            + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
+            + (f" hbm-reader {hbm_slow * 100:+.1f}%" if hbm_slow is not None else "")
+            + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
+            + (f" via {row.served_by}" if row.io_backend == "auto" else "")
+            + (f", {row.launched_programs} programs" if row.launched_programs else ""))
 
 
 def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: torch.Tensor

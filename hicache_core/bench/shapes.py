@@ -84,3 +84,8 @@ class BenchRow:
 
 #: Untimed calls before a row's timed ones.
 WARMUP = 3
+#: Rounds an operation's timed calls are split into (``--rounds``), the targets of a cell's layout taking turns in
+#: each: the host's speed drifts over seconds, so targets timed one after another were compared at different speeds
+#: (identical kernel routes measured up to 5.7 points apart in the peer benchmark, docs/perf/runs.md, 2026-12-06);
+#: in turns, every target's calls sample the whole window (within 0.5 points there).
+DEFAULT_ROUNDS = 3

@@ -1,7 +1,7 @@
-"""The benchmark's clocks: event-timed calls and their medians (:func:`_samples_ms`, :func:`_median_ms`), host time
-per call, the pinned memcpy every ratio divides by (:class:`_Memcpy`), the link warm-up, the slowdown of a GEMM or a
-memory-bound neighbour on another stream while a transfer runs, and the hand-back of the memory a measurement freed
-(:func:`_release_memory`)."""
+"""The benchmark's clocks: event-timed calls and their medians (:func:`_samples_ms`, :func:`_median_ms`), several
+targets' calls timed in turns (:func:`_in_turns`), host time per call, the pinned memcpy every ratio divides by
+(:class:`_Memcpy`), the link warm-up, the slowdown of a GEMM or a memory-bound neighbour on another stream while a
+transfer runs, and the hand-back of the memory a measurement freed (:func:`_release_memory`)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,42 @@ def _samples_ms(fn: Callable[[], object], reps: int, warmup: int = WARMUP, idle:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return times
+
+
+def _shares(reps: int, rounds: int) -> list[int]:
+    """``reps`` timed calls spread over ``rounds`` rounds, as evenly as they go (earlier rounds take the rest)."""
+    return [reps // rounds + (1 if r < reps % rounds else 0) for r in range(rounds)]
+
+
+def _turn(order: list[int], r: int) -> list[int]:
+    """The order of round ``r``: reversed every other round and rotated by one every two (abc, cba, bca, acb, ...), so
+    that each target goes first in turn and follows a different one from round to round."""
+    if not order:
+        return []
+    k = r // 2 % len(order)
+    turn = order[k:] + order[:k]
+    return turn[::-1] if r % 2 else turn
+
+
+def _in_turns(fns: Sequence[Callable[[], object]], reps: int, rounds: int) -> tuple[list[list[float]], list[int]]:
+    """Event-timed milliseconds of ``reps`` calls of each of ``fns``, in turns: the calls are split over ``rounds``
+    rounds (:func:`_shares`), and in each round every function runs its share in that round's order (:func:`_turn`),
+    so that the host's drift over the window reaches all of them alike.  A function's first round starts with
+    :data:`~.shapes.WARMUP` untimed calls, each later one with one (the others ran meanwhile).  Returns, per
+    function, its timed samples and the calls it made in all (warm-up calls included)."""
+    if reps < 1 or rounds < 1:
+        raise ValueError(f"reps ({reps}) and rounds ({rounds}) must be at least 1")
+    times: list[list[float]] = [[] for _ in fns]
+    made = [0] * len(fns)
+    shares = _shares(reps, rounds)
+    for r, share in enumerate(shares):
+        if not share:
+            continue  # fewer calls than rounds: the last rounds have none
+        warmup = WARMUP if r == 0 else 1
+        for i in _turn(list(range(len(fns))), r):
+            times[i] += _samples_ms(fns[i], share, warmup)
+            made[i] += warmup + share
+    return times, made
 
 
 def _release_memory() -> None:

@@ -1,0 +1,115 @@
+"""CPU tests of ``hicache bench`` timing a layout's configurations in turns (hicache_core/bench/): how the timed calls
+are split and ordered, that every pool of a layout is built over the same host buffers and checked before any is
+timed, the rows' order, and the ``--rounds`` option.  The clocks are fakes: nothing here times anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_core import bench
+from test_bench_review import fake_gpu  # noqa: F401  (the fixture: run_bench on the CPU with recording fakes)
+from test_bench_review import TOKENS, PAGE
+
+
+def _recording_samples(monkeypatch):
+    """``timing._samples_ms`` replaced: each call of it records (what the function returned, timed calls, warm-up
+    calls) and gives its calls the number of the record as their milliseconds."""
+    calls: list[tuple[str, int, int]] = []
+
+    def samples(fn, reps, warmup=bench.WARMUP, idle=False, before=None):
+        calls.append((fn(), reps, warmup))
+        return [float(len(calls))] * reps
+    monkeypatch.setattr(bench.timing, "_samples_ms", samples)
+    return calls
+
+
+def test_in_turns_splits_each_target_s_calls_over_the_rounds_each_round_in_its_own_order(monkeypatch):
+    calls = _recording_samples(monkeypatch)
+    times, made = bench._in_turns([lambda: "a", lambda: "b", lambda: "c"], 7, 3)
+    # shares 3, 2, 2; orders abc, cba, bca; the first round after the full warm-up, the others after one call
+    assert calls == [("a", 3, 3), ("b", 3, 3), ("c", 3, 3), ("c", 2, 1), ("b", 2, 1), ("a", 2, 1), ("b", 2, 1),
+                     ("c", 2, 1), ("a", 2, 1)]
+    assert times == [[1.0] * 3 + [6.0] * 2 + [9.0] * 2, [2.0] * 3 + [5.0] * 2 + [7.0] * 2,
+                     [3.0] * 3 + [4.0] * 2 + [8.0] * 2]
+    assert made == [3 + 3 + 1 + 2 + 1 + 2] * 3
+
+
+def test_in_turns_with_fewer_calls_than_rounds_skips_the_empty_rounds(monkeypatch):
+    calls = _recording_samples(monkeypatch)
+    times, made = bench._in_turns([lambda: "a", lambda: "b"], 2, 4)
+    assert calls == [("a", 1, 3), ("b", 1, 3), ("b", 1, 1), ("a", 1, 1)]
+    assert [len(t) for t in times] == [2, 2] and made == [6, 6]
+
+
+@pytest.mark.parametrize("reps, rounds", [(0, 3), (5, 0)])
+def test_in_turns_refuses_no_calls_or_no_rounds(reps, rounds):
+    with pytest.raises(ValueError, match=r"reps \(\d\) and rounds \(\d\) must be at least 1"):
+        bench._in_turns([lambda: None], reps, rounds)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        bench.run_bench(shapes=[next(iter(bench.SHAPES))], tokens=[64], page_sizes=[64], programs=[None], reps=reps,
+                        rounds=rounds)
+
+
+def test_a_layout_s_pools_share_one_host_allocation_and_are_all_checked_before_any_is_timed(fake_gpu, monkeypatch):  # noqa: F811
+    allocated, checked = [], []
+    real_alloc, real_check = bench.run.allocate_host_buffers, bench.workload._check
+
+    def alloc(plan, pin_memory):
+        fake_gpu.append("alloc")
+        allocated.append(real_alloc(plan, pin_memory))
+        return allocated[-1]
+
+    def check(pool, *a, **k):
+        fake_gpu.append("check")
+        checked.append(pool)
+        return real_check(pool, *a, **k)
+    monkeypatch.setattr(bench.run, "allocate_host_buffers", alloc)
+    monkeypatch.setattr(bench.workload, "_check", check)
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None, 2],
+                           layouts=["layer_first", "page_first"], backends=["reference", "kernel"],
+                           ops=["backup_all_layers", "load_layer"], reps=3, rounds=3)
+    assert len(allocated) == 2 and len(checked) == 6  # per layout: one allocation, three pools
+    for layout, pools, host in (("layer_first", checked[:3], allocated[0]), ("page_first", checked[3:], allocated[1])):
+        assert {p.layout for p in pools} == {layout}
+        for p in pools:
+            assert {k: v.data_ptr() for k, v in p.host_buffers.items()} == {k: v.data_ptr() for k, v in host.items()}
+    # per layout: its allocation, its three checks, then its two operations' timed calls (three rounds each)
+    steps = [x for x in fake_gpu if x in ("alloc", "check", "time")]
+    per_layout = ["alloc"] + ["check"] * 3 + ["time"] * 18
+    assert steps == per_layout * 2
+    # rows: layout by layout, operation by operation, the pools in the order they were built
+    assert [(r.layout, r.op, r.io_backend, r.programs) for r in rows] == [
+        (layout, op, backend, budget) for layout in ("layer_first", "page_first")
+        for op in ("backup_all_layers", "load_layer") for backend, budget in (("reference", None), ("kernel", None),
+                                                                              ("kernel", 2))]
+
+
+def test_a_target_s_speed_is_the_median_of_all_its_rounds(fake_gpu, monkeypatch):  # noqa: F811
+    clock = iter(range(1, 100))
+
+    def samples(fn, reps, warmup=bench.WARMUP, **kw):
+        fn()
+        return [float(next(clock)) for _ in range(reps)]
+    monkeypatch.setattr(bench.timing, "_samples_ms", samples)
+    (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                             layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=5, rounds=2)
+    assert row.ms == 3.0  # rounds of 3 and 2 calls: 1, 2, 3 then 4, 5
+
+
+def test_the_rounds_option_reaches_run_bench_and_must_be_positive(monkeypatch, tmp_path, capsys):
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
+    monkeypatch.setattr(bench.run, "run_bench", lambda **kw: seen.update(kw) or [])
+    args = ["--out", str(tmp_path), "--tokens", "64", "--page-sizes", "64", "--layouts", "layer_first",
+            "--io-backends", "reference"]
+    assert bench.main(args + ["--rounds", "5"]) == 2  # no row measured: nothing written, and it says so
+    assert seen["rounds"] == 5 and "no cell of the grid could be measured" in capsys.readouterr().err
+    seen.clear()
+    bench.main(args)
+    assert seen["rounds"] == bench.DEFAULT_ROUNDS == 3
+    with pytest.raises(SystemExit):
+        bench.main(args + ["--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
