@@ -100,16 +100,23 @@ def test_a_target_s_speed_is_the_median_of_all_its_rounds(fake_gpu, monkeypatch)
 def test_the_rounds_option_reaches_run_bench_and_must_be_positive(monkeypatch, tmp_path, capsys):
     seen = {}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(bench.command, "write_json", lambda path, data: seen.update(meta=data["meta"]))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
-    monkeypatch.setattr(bench.run, "run_bench", lambda **kw: seen.update(kw) or [])
+    def run_bench(**kw):
+        seen.update(kw)
+        kw["sink"](bench.BenchRow("s", "layer_first", "reference", "r", 64, 64, None, "load_layer", 1, 1.0, 1.0, 1.0, 1.0,
+                                  1.0))
+        return []
+    monkeypatch.setattr(bench.run, "run_bench", run_bench)
+    monkeypatch.setattr(bench.command, "plot", lambda rows, path: True)
     args = ["--out", str(tmp_path), "--tokens", "64", "--page-sizes", "64", "--layouts", "layer_first",
             "--io-backends", "reference"]
-    assert bench.main(args + ["--rounds", "5"]) == 2  # no row measured: nothing written, and it says so
-    assert seen["rounds"] == 5 and "no cell of the grid could be measured" in capsys.readouterr().err
+    assert bench.main(args + ["--rounds", "5", "--reps", "7"]) == 0
+    assert seen["rounds"] == 5 and (seen["meta"]["rounds"], seen["meta"]["reps"]) == (5, 7)  # the file says how
     seen.clear()
-    bench.main(args)
-    assert seen["rounds"] == bench.DEFAULT_ROUNDS == 3
+    assert bench.main(args) == 0
+    assert seen["rounds"] == seen["meta"]["rounds"] == bench.DEFAULT_ROUNDS == 3
     with pytest.raises(SystemExit):
         bench.main(args + ["--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err

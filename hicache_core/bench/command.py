@@ -219,7 +219,8 @@ def _cmd(args: argparse.Namespace) -> int:
         return 2
     progress = _progress_printer()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count, "argv": sys.argv[1:]}
+            "sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count, "argv": sys.argv[1:],
+            "reps": args.reps, "rounds": args.rounds}
     path = os.path.join(out, "bench.json")
     done: list[dict[str, Any]] = []
 
