@@ -40,8 +40,9 @@ SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
 MAX_DIRECT_COPIES = 200_000
 
 OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst")
-#: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps).
-GEMM_OPS = ("backup_all_layers", "load_burst")
+#: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps; ``backup_layer`` as a loop of
+#: one-layer backups, as a layer-by-layer write-back issues them).
+GEMM_OPS = ("backup_all_layers", "backup_layer", "load_burst")
 #: ``--hbm``: ops whose ratio beside the reduction is measured one call at a time (each call lone), without the
 #: reduction's slowdown (one call is too short to cover its timing windows).
 HBM_LONE_OPS = ("load_layer",)
