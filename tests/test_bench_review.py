@@ -314,15 +314,19 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
     calls["load_all_layers"][0]()
     for key, b in bits.items():
         assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
-    # a backup of one layer writes that layer's host rows alone: zero the host, back up the middle layer, load all
-    for t in pool.binding.host_buffers.values():
-        t.zero_()
-    calls["backup_layer"][0]()
-    for b in bits.values():
-        b[d] = b[s].bitwise_not()
-    calls["load_all_layers"][0]()
-    for (name, lay), b in bits.items():
-        assert torch.equal(b[d], b[s] if lay == middle else torch.zeros_like(b[s])), (name, lay)
+    # a backup of one layer writes that layer's host rows alone: zero the host, back up the middle layer, load all;
+    # each later call backs up the next owned layer, round the pool
+    ring = list(owned)
+    following = ring[ring.index(middle) + 1:] + ring[:ring.index(middle)] + [middle]
+    for count, newest in enumerate([middle] + following, start=1):
+        for t in pool.binding.host_buffers.values():
+            t.zero_()
+        calls["backup_layer"][0]()
+        for b in bits.values():
+            b[d] = b[s].bitwise_not()
+        calls["load_all_layers"][0]()
+        for (name, lay), b in bits.items():
+            assert torch.equal(b[d], b[s] if lay == newest else torch.zeros_like(b[s])), (name, lay, count)
 
 
 def test_pace_probe_profiles_are_written_per_candidate_both_ways(tmp_path):

@@ -7,6 +7,7 @@ served it (:func:`_served_by`).  It calls the clocks and the workload through th
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import statistics
 from dataclasses import dataclass
@@ -255,15 +256,21 @@ def _line(row: BenchRow) -> str:
 def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: torch.Tensor
                  ) -> tuple[list[Callable[[], Any]], dict[str, tuple[Callable[[], Any], int, bool, int | None]]]:
     """The burst (one ``load_layer`` per owned layer) and, per op, its call, bytes moved, direction (to host) and the
-    layer it names (``None`` for all-layer ops), over host indices ``h``, source slots ``s`` and device slots ``d``."""
+    layer it names (``None`` for all-layer ops), over host indices ``h``, source slots ``s`` and device slots ``d``.
+
+    ``load_layer`` loads the middle owned layer every call; ``backup_layer`` backs up that layer first, then the next
+    owned layer each call, round the pool (a layer-by-layer write-back: one layer every call would read rows the L2
+    cache still holds, and the GEMM beside a loop of them would see less traffic than a write-back makes)."""
     spec = pool.spec
     owned = spec.layer_map.device_layers
-    layer0 = owned[len(owned) // 2]
+    mid = len(owned) // 2
+    layer0 = owned[mid]
     per_layer = spec.bytes_per_token // len(owned) * n
     burst: list[Callable[[], Any]] = [functools.partial(pool.load_layer, lay, h, d) for lay in owned]
+    layers = itertools.cycle(owned[mid:] + owned[:mid])
     return burst, {
         "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True, None),
-        "backup_layer": (lambda: pool.backup_layer(layer0, h, s), per_layer, True, layer0),
+        "backup_layer": (lambda: pool.backup_layer(next(layers), h, s), per_layer, True, layer0),
         "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False, layer0),
         "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False, None),
         "load_burst": (lambda: [f() for f in burst], spec.bytes_per_token * n, False, layer0),
