@@ -73,6 +73,15 @@ def test_check_covers_the_other_ops_it_will_time(cell, op, attr):
         bench._check(broken, dev, h, s, d, ["load_layer", op])
 
 
+def test_check_covers_the_backup_burst_by_its_one_layer_backups(cell):
+    pool, dev, h, s, d = cell
+    broken = pool()
+    broken.backup_layer = lambda *a: None
+    bench._check(broken, dev, h, s, d, ["load_burst"])  # no one-layer backup timed: not checked
+    with pytest.raises(AssertionError, match="bench data check failed: .*backup_layer"):
+        bench._check(broken, dev, h, s, d, ["backup_burst"])
+
+
 def test_check_passes_a_good_strategy_for_every_op(cell):
     pool, dev, h, s, d = cell
     for _ in range(2):  # twice on the same buffers, as successive pools of one cell
@@ -146,7 +155,8 @@ def test_row_fields_agree(fake_gpu):
     spec = bench.SHAPES[SHAPE](TOKENS, PAGE, torch.device("cpu"))
     whole = spec.bytes_per_token * TOKENS
     assert {r.op: r.bytes for r in rows} == {"backup_all_layers": whole, "backup_layer": whole // 32,
-                                             "load_layer": whole // 32, "load_all_layers": whole, "load_burst": whole}
+                                             "load_layer": whole // 32, "load_all_layers": whole, "load_burst": whole,
+                                             "backup_burst": whole}
     for r in rows:
         assert r.ms == 2.0 and r.gbps == pytest.approx(r.bytes / 2e6) and r.ratio == pytest.approx(r.gbps / 50.0)
         assert r.memcpy_gbps == 50.0 and r.host_us == 30.0 and r.gemm_slowdown is None
@@ -281,8 +291,8 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
     pool = make()
     spec = pool.spec
     owned = spec.layer_map.device_layers
-    burst, calls = bench._timed_calls(pool, TOKENS, h, s, d)
-    assert len(burst) == len(owned)
+    bursts, calls = bench._timed_calls(pool, TOKENS, h, s, d)
+    assert {op: len(b) for op, b in bursts.items()} == {"load_burst": len(owned), "backup_burst": len(owned)}
     per_layer = spec.bytes_per_token // len(owned) * TOKENS
     assert {op: (n, to_host, lay) for op, (_, n, to_host, lay) in calls.items()} == {
         "backup_all_layers": (spec.bytes_per_token * TOKENS, True, None),
@@ -290,6 +300,7 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
         "load_layer": (per_layer, False, owned[len(owned) // 2]),
         "load_all_layers": (spec.bytes_per_token * TOKENS, False, None),
         "load_burst": (spec.bytes_per_token * TOKENS, False, owned[len(owned) // 2]),
+        "backup_burst": (spec.bytes_per_token * TOKENS, True, owned[len(owned) // 2]),
     }
     calls["backup_all_layers"][0]()
     rest = torch.ones(len(next(iter(dev.values()))[0]), dtype=torch.bool)
@@ -327,6 +338,15 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
         calls["load_all_layers"][0]()
         for (name, lay), b in bits.items():
             assert torch.equal(b[d], b[s] if lay == newest else torch.zeros_like(b[s])), (name, lay, count)
+    # the backup burst writes every layer's host rows, one backup_layer each
+    for t in pool.binding.host_buffers.values():
+        t.zero_()
+    calls["backup_burst"][0]()
+    for b in bits.values():
+        b[d] = b[s].bitwise_not()
+    calls["load_all_layers"][0]()
+    for key, b in bits.items():
+        assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
 
 
 def test_pace_probe_profiles_are_written_per_candidate_both_ways(tmp_path):

@@ -92,7 +92,7 @@ class _Target:
     variant: str
     budget: int | None
     pool: HostKVPool
-    burst: list[Callable[[], Any]]
+    bursts: dict[str, list[Callable[[], Any]]]
     calls: dict[str, tuple[Callable[[], Any], int, bool, int | None]]
 
 
@@ -198,8 +198,8 @@ def _build(reg: Registry, cell: _Cell, entries: list[tuple[str, str]], ops: list
             pool = HostKVPool(spec, cell.layout, backend, cell.dev, host_buffers=host, strategy=name,
                               strategy_options=opts, registry=reg, validate="shapes")
             workload._check(pool, cell.dev, h, s, d, ops)
-            burst, calls = _timed_calls(pool, n, h, s, d)
-            live.append(_Target(backend, name, variant, opts.get("programs") if opts else None, pool, burst, calls))
+            bursts, calls = _timed_calls(pool, n, h, s, d)
+            live.append(_Target(backend, name, variant, opts.get("programs") if opts else None, pool, bursts, calls))
     return live
 
 
@@ -227,7 +227,7 @@ def _measure(live: list[_Target], op: str, cell: _Cell, reps: int, rounds: int, 
         ms = statistics.median(samples)
         base = clocks.memcpy.gbps(nbytes, to_host, reps)
         gbps = nbytes / ms / 1e6
-        host_us = (timing._burst_host_us(t.burst, max(3, reps // 4)) if op == "load_burst"
+        host_us = (timing._burst_host_us(t.bursts[op], max(3, reps // 4)) if op in t.bursts
                    else timing._host_us(fn, max(5, reps // 2)))
         slow = timing._gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
         hbm_slow = hbm_ratio = None
@@ -254,9 +254,10 @@ def _line(row: BenchRow) -> str:
 
 
 def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: torch.Tensor
-                 ) -> tuple[list[Callable[[], Any]], dict[str, tuple[Callable[[], Any], int, bool, int | None]]]:
-    """The burst (one ``load_layer`` per owned layer) and, per op, its call, bytes moved, direction (to host) and the
-    layer it names (``None`` for all-layer ops), over host indices ``h``, source slots ``s`` and device slots ``d``.
+                 ) -> tuple[dict[str, list[Callable[[], Any]]], dict[str, tuple[Callable[[], Any], int, bool, int | None]]]:
+    """The bursts (``load_burst``: one ``load_layer`` per owned layer; ``backup_burst``: one ``backup_layer`` per owned
+    layer) and, per op, its call, bytes moved, direction (to host) and the layer it names (``None`` for all-layer ops),
+    over host indices ``h``, source slots ``s`` and device slots ``d``.
 
     ``load_layer`` loads the middle owned layer every call; ``backup_layer`` backs up that layer first, then the next
     owned layer each call, round the pool (a layer-by-layer write-back: one layer every call would read rows the L2
@@ -266,12 +267,15 @@ def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: 
     mid = len(owned) // 2
     layer0 = owned[mid]
     per_layer = spec.bytes_per_token // len(owned) * n
-    burst: list[Callable[[], Any]] = [functools.partial(pool.load_layer, lay, h, d) for lay in owned]
+    bursts: dict[str, list[Callable[[], Any]]] = {
+        "load_burst": [functools.partial(pool.load_layer, lay, h, d) for lay in owned],
+        "backup_burst": [functools.partial(pool.backup_layer, lay, h, s) for lay in owned]}
     layers = itertools.cycle(owned[mid:] + owned[:mid])
-    return burst, {
+    return bursts, {
         "backup_all_layers": (lambda: pool.backup_all_layers(h, s), spec.bytes_per_token * n, True, None),
         "backup_layer": (lambda: pool.backup_layer(next(layers), h, s), per_layer, True, layer0),
         "load_layer": (lambda: pool.load_layer(layer0, h, d), per_layer, False, layer0),
         "load_all_layers": (lambda: pool.load_all_layers(h, d), spec.bytes_per_token * n, False, None),
-        "load_burst": (lambda: [f() for f in burst], spec.bytes_per_token * n, False, layer0),
+        "load_burst": (lambda: [f() for f in bursts["load_burst"]], spec.bytes_per_token * n, False, layer0),
+        "backup_burst": (lambda: [f() for f in bursts["backup_burst"]], spec.bytes_per_token * n, True, layer0),
     }

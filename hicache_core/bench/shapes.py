@@ -39,10 +39,10 @@ SHAPES: dict[str, Callable[[int, int, torch.device], PoolSpec]] = {
 #: measurement would take minutes per configuration (small pages), so it is skipped.
 MAX_DIRECT_COPIES = 200_000
 
-OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst")
-#: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps; ``backup_layer`` as a loop of
-#: one-layer backups, as a layer-by-layer write-back issues them).
-GEMM_OPS = ("backup_all_layers", "backup_layer", "load_burst")
+OPS = ("backup_all_layers", "backup_layer", "load_layer", "load_all_layers", "load_burst", "backup_burst")
+#: Operations whose GEMM slowdown ``--gemm`` measures (the ones a forward pass overlaps; ``backup_burst``: one-layer
+#: backups of every owned layer back to back, as a layer-by-layer write-back, e.g. a layer-sharded one, issues them).
+GEMM_OPS = ("backup_all_layers", "backup_burst", "load_burst")
 #: ``--hbm``: ops whose ratio beside the reduction is measured one call at a time (each call lone), without the
 #: reduction's slowdown (one call is too short to cover its timing windows).
 HBM_LONE_OPS = ("load_layer",)

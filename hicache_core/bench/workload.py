@@ -82,7 +82,8 @@ def _compare(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], s: tor
 def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch.Tensor, s: torch.Tensor,
            d: torch.Tensor, ops: Iterable[str] = ()) -> None:
     """Round trip ``s`` -> host ``h`` -> ``d`` bit-exact: ``backup_all_layers`` then ``load_layer`` of every
-    layer, and for the other ``ops`` to be timed (``backup_layer``, ``load_all_layers``) their own round trip,
+    layer, and for the other ``ops`` to be timed (``backup_layer`` and ``backup_burst``, ``load_all_layers``) their own
+    round trip,
     each from scrambled buffers (:func:`_scramble`)."""
     layers = pool.spec.layer_map.device_layers
 
@@ -100,7 +101,7 @@ def _check(pool: HostKVPool, dev: dict[str, list[torch.Tensor | None]], h: torch
     trips = [("backup_all_layers", backup_all, "load_layer", load_each)]
     if "load_all_layers" in ops:
         trips.append(("backup_all_layers", backup_all, "load_all_layers", lambda: pool.load_all_layers(h, d)))
-    if "backup_layer" in ops:
+    if "backup_layer" in ops or "backup_burst" in ops:
         trips.append(("backup_layer", backup_each, "load_layer", load_each))
     for backup_name, backup, load_name, load in trips:
         _scramble(pool, dev, s, d)
