@@ -51,7 +51,8 @@ def test_in_turns_refuses_no_calls_or_no_rounds(reps, rounds):
                         rounds=rounds)
 
 
-def test_a_layout_s_pools_share_one_host_allocation_and_are_all_checked_before_any_is_timed(fake_gpu, monkeypatch):  # noqa: F811
+def test_a_layout_s_pools_share_one_host_allocation_and_are_all_checked_before_any_is_timed(
+        fake_gpu, monkeypatch):  # noqa: F811
     allocated, checked = [], []
     real_alloc, real_check = bench.run.allocate_host_buffers, bench.workload._check
 
@@ -105,8 +106,8 @@ def test_the_rounds_option_reaches_run_bench_and_must_be_positive(monkeypatch, t
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: type("P", (), {"multi_processor_count": 1}))
     def run_bench(**kw):
         seen.update(kw)
-        kw["sink"](bench.BenchRow("s", "layer_first", "reference", "r", 64, 64, None, "load_layer", 1, 1.0, 1.0, 1.0, 1.0,
-                                  1.0))
+        kw["sink"](bench.BenchRow("s", "layer_first", "reference", "r", 64, 64, None, "load_layer", 1, 1.0, 1.0, 1.0,
+                                  1.0, 1.0))
         return []
     monkeypatch.setattr(bench.run, "run_bench", run_bench)
     monkeypatch.setattr(bench.command, "plot", lambda rows, path: True)

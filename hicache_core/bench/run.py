@@ -93,7 +93,7 @@ class _Target:
     budget: int | None
     pool: HostKVPool
     bursts: dict[str, list[Callable[[], Any]]]
-    calls: dict[str, tuple[Callable[[], Any], int, bool, int | None]]
+    calls: dict[str, _Call]
 
 
 def run_bench(
@@ -253,8 +253,12 @@ def _line(row: BenchRow) -> str:
             + (f", {row.launched_programs} programs" if row.launched_programs else ""))
 
 
+#: One timed call of an op: the call, the bytes it moves, whether to the host, the layer it names (None: all).
+_Call = tuple[Callable[[], Any], int, bool, int | None]
+
+
 def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: torch.Tensor
-                 ) -> tuple[dict[str, list[Callable[[], Any]]], dict[str, tuple[Callable[[], Any], int, bool, int | None]]]:
+                 ) -> tuple[dict[str, list[Callable[[], Any]]], dict[str, _Call]]:
     """The bursts (``load_burst``: one ``load_layer`` per owned layer; ``backup_burst``: one ``backup_layer`` per owned
     layer) and, per op, its call, bytes moved, direction (to host) and the layer it names (``None`` for all-layer ops),
     over host indices ``h``, source slots ``s`` and device slots ``d``.
