@@ -84,9 +84,10 @@ def main() -> int:
                 for backend in args.backends.split(","):
                     for variant, _ in real_configs(backend, [None], ["auto"]):
                         only[0] = variant
-                        bench.run_bench(shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None],
-                                        layouts=args.layouts.split(","), backends=[backend],
-                                        ops=["load_layer", "load_burst"], reps=args.reps, sink=sink)
+                        bench._one_pool_each(bench.run_bench(
+                            shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None],
+                            layouts=args.layouts.split(","), backends=[backend], ops=["load_layer", "load_burst"],
+                            reps=args.reps, sink=sink))
     cells: dict[tuple, dict[float, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r["shape"], r["layout"], r["io_backend"], r["variant"], r["op"])][r["value"]].append(r)

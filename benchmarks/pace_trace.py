@@ -176,9 +176,10 @@ def main() -> int:
         for variant in [v for v, _ in real_configs(backend, [None], ["auto"])
                         if backend != "auto" or v in ("", "lone=off")]:
             only[0] = variant
-            bench.run_bench(shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None],
-                            layouts=[args.layout], backends=[backend], ops=args.ops.split(","), reps=args.reps,
-                            gemm=args.gemm, progress=progress, sink=sink)
+            bench._one_pool_each(bench.run_bench(
+                shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[args.layout],
+                backends=[backend], ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, progress=progress,
+                sink=sink))
     groups: dict[tuple[str, str, bool, str], list[float]] = defaultdict(list)
     for s in samples:
         groups[(s["row"], s["phase"], s["to_host"], f"{s['pace']}{' eager' if s['eager'] else ''}")].append(s["desc_us"])

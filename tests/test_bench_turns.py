@@ -121,3 +121,64 @@ def test_the_rounds_option_reaches_run_bench_and_must_be_positive(monkeypatch, t
     with pytest.raises(SystemExit):
         bench.main(args + ["--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_a_cell_s_device_buffers_are_dropped_before_the_next_cell_allocates_its_own(fake_gpu, monkeypatch):  # noqa: F811
+    import weakref
+
+    first: list[weakref.ref] = []
+    alive_at_second: list[bool] = []
+    real = bench.workload._device_buffers
+
+    def device_buffers(spec, rows, placement=None):
+        if first:  # the second cell: the first cell's buffers must be gone by now
+            import gc
+            gc.collect()
+            alive_at_second.append(first[0]() is not None)
+        out = real(spec, rows, placement)
+        if not first:
+            first.append(weakref.ref(next(t for ts in out.values() for t in ts if t is not None)))
+        return out
+    monkeypatch.setattr(bench.workload, "_device_buffers", device_buffers)
+    bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS, 2 * TOKENS], page_sizes=[PAGE], programs=[None],
+                    layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=1, rounds=1)
+    assert alive_at_second == [False]
+
+
+def test_the_lone_load_label_of_a_burst_counts_its_one_layer_loads(fake_gpu, monkeypatch):  # noqa: F811
+    """lone_kernel_loads counts one-layer loads: a burst row compares them with the one-layer loads it made."""
+    from hicache_core.backends.reference import ReferenceStrategy
+
+    real_load = ReferenceStrategy.load
+    seen: list[int] = []
+
+    def load(self, binding, h, d, layer=None):  # the first layer of every burst counted as a lone load
+        if layer == binding.spec.layer_map.device_layers[0]:
+            self.lone_kernel_loads = getattr(self, "lone_kernel_loads", 0) + 1
+        return real_load(self, binding, h, d, layer)
+
+    def samples_ms(fn, reps, warmup=bench.WARMUP, **kw):
+        for _ in range(reps + warmup):
+            fn()
+        return [2.0] * reps
+
+    monkeypatch.setattr(ReferenceStrategy, "load", load)
+    monkeypatch.setattr(bench.timing, "_samples_ms", samples_ms)
+    monkeypatch.setattr(bench.run, "_served_by", lambda *a, lone=False, **k: seen.append(lone) or ("who", None))
+    (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                             layouts=["layer_first"], backends=["reference"], ops=["load_burst"], reps=4, rounds=1)
+    bursts = 4 + bench.WARMUP
+    layers = len(bench.SHAPES["cpu-tiny"](TOKENS, PAGE, torch.device("cpu")).layer_map.device_layers)
+    assert row.served_by == f"who ({bursts} lone loads by the kernel in {bursts * layers} calls)"
+    assert seen == [False]  # one load in 32 was lone: the row is not credited to the lone-load rule
+
+
+def test_one_pool_each_refuses_two_pools_of_one_layout_timed_together(fake_gpu):  # noqa: F811
+    """The check pace_trace.py and knob_ab.py put on each run_bench call, which must build one pool per layout."""
+    one = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                          layouts=["layer_first", "page_first"], backends=["reference"], ops=["load_layer"], reps=1)
+    assert bench._one_pool_each(one) == one and len(one) == 2
+    two = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None, 2],
+                          layouts=["layer_first"], backends=["kernel"], ops=["load_layer"], reps=1)
+    with pytest.raises(RuntimeError, match="two pools timed together .*'layer_first', 'load_layer'.*P=default and .*P=2"):
+        bench._one_pool_each(two)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from .command import (DEFAULT_BACKENDS, PLOT_KEYS, _cmd, _int_list, _name_list, _plot_rows, _progress_printer, add_parser,
                       main, peers_module, plot)
-from .run import _configs, _served_by, _targets, _timed_calls, _uneven, run_bench
+from .run import _configs, _one_pool_each, _served_by, _targets, _timed_calls, _uneven, run_bench
 from .shapes import (DEFAULT_ROUNDS, DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES,
                      MAX_DIRECT_COPIES, OPS, SHAPES, WARMUP, BenchRow, _mha, _mla)
 from .timing import (_burst_host_us, _gemm_slowdown, _hbm_reader, _host_us, _in_turns, _keep_busy, _LinkWarmer,
@@ -43,4 +43,4 @@ _REEXPORTED = (DEFAULT_BACKENDS, DEFAULT_ROUNDS, DIRECT_VARIANTS, ENV_PLACEMENT,
                _configs, _device_buffers, _gemm_slowdown, _hbm_reader, _host_us, _indices, _int_list, _keep_busy,
                _LinkWarmer, _median_ms, _Memcpy, _mha, _mla, _ms_beside, _name_list, _neighbor_slowdown, _plot_rows,
                _progress_printer, _queue, _release_memory, _samples_ms, _scramble, _served_by, _targets, _timed_calls,
-               _two_streams, _uneven, _workload, _in_turns, _shares, _turn)
+               _two_streams, _uneven, _workload, _in_turns, _shares, _turn, _one_pool_each)

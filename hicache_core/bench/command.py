@@ -116,8 +116,8 @@ def add_parser(subparsers: Any) -> None:
                         "%(default)s)")
     p.add_argument("--ops", type=_name_list(OPS), default=",".join(OPS), help=f"comma list of {list(OPS)} (default: all)")
     p.add_argument("--reps", type=_positive_int, default=20,
-                   help="timed calls per configuration, after 3 warm-up calls; the median is reported (default: "
-                        "%(default)s)")
+                   help="timed calls per configuration and operation, after 3 warm-up calls (and one more in each later "
+                        "round); the median is reported (default: %(default)s)")
     p.add_argument("--rounds", type=_positive_int, default=DEFAULT_ROUNDS,
                    help="rounds each operation's timed calls are split into, the configurations of a layout taking "
                         "turns in each (the host's speed drifts over seconds; 1: each configuration's calls back to "

@@ -150,7 +150,9 @@ def run_bench(
                                 sink(row)
                             if progress:
                                 progress(_line(row))
-                    del live  # the calls hold the pools and their buffers: all dropped before the next layout
+                    # the calls hold the pools and their buffers, the cell the device buffers: all dropped before the
+                    # next layout, and before the next cell allocates its own
+                    live = cell = None  # type: ignore[assignment]
                 del dev
     return rows
 
@@ -183,7 +185,8 @@ def _build(reg: Registry, cell: _Cell, entries: list[tuple[str, str]], ops: list
            direct_variants: list[str]) -> list[_Target]:
     """The pools of one layout in a cell (``entries``: io_backend and strategy name), over one set of host buffers,
     each checked bit-exact before any is timed (``direct`` left out where a call would take more than
-    :data:`MAX_DIRECT_COPIES` copies)."""
+    :data:`MAX_DIRECT_COPIES` copies).  They are all alive until the layout's operations are measured: their own
+    memory (plans, a staged route's bounded device buffer) adds up, the host and device buffers do not."""
     spec, n, ps, h, s, d = cell.spec, cell.tokens, cell.page_size, cell.h, cell.s, cell.d
     copies = n // ps * spec.bytes_per_token // max(1, min(c.row_bytes for c in spec.components))
     host = None
@@ -216,8 +219,9 @@ def _measure(live: list[_Target], op: str, cell: _Cell, reps: int, rounds: int, 
     lone0 = [getattr(t.pool.strategy, "lone_kernel_loads", 0) for t in live]
     times, made = timing._in_turns(fns, reps, rounds)
     served = []
-    for t, before, calls in zip(live, lone0, made):
+    for t, before, made_calls in zip(live, lone0, made):
         _, _, to_host, lay = t.calls[op]
+        calls = made_calls * len(t.bursts.get(op, [None]))  # one-layer calls: a burst's count as one each
         lone = getattr(t.pool.strategy, "lone_kernel_loads", 0) - before
         who, launched = _served_by(t.pool, h, s if to_host else d, lay, to_host, lone=2 * lone > calls)
         served.append((who + (f" ({lone} lone loads by the kernel in {calls} calls)" if lone else ""), launched))
@@ -253,6 +257,21 @@ def _line(row: BenchRow) -> str:
             + (f", {row.launched_programs} programs" if row.launched_programs else ""))
 
 
+def _one_pool_each(rows: list[BenchRow]) -> list[BenchRow]:
+    """``rows`` as they are, where a :func:`run_bench` call meant to build one pool per layout did (no two rows of one
+    shape, page size, token count, layout and op); else :class:`RuntimeError` naming them.  Probes that attribute what
+    they trace to the one pool being timed (benchmarks/pace_trace.py, knob_ab.py) check with it: a layout with two
+    strategies of one io_backend would give them two pools timed in turns."""
+    seen: dict[tuple, str] = {}
+    for r in rows:
+        key = (r.shape, r.page_size, r.tokens, r.layout, r.op)
+        if key in seen:
+            raise RuntimeError(f"two pools timed together for {key}: {seen[key]} and {r.strategy} {r.variant}; this "
+                               "probe needs one pool per run (name one strategy per io_backend)")
+        seen[key] = f"{r.strategy} {r.variant}"
+    return rows
+
+
 #: One timed call of an op: the call, the bytes it moves, whether to the host, the layer it names (None: all).
 _Call = tuple[Callable[[], Any], int, bool, int | None]
 
@@ -264,8 +283,8 @@ def _timed_calls(pool: HostKVPool, n: int, h: torch.Tensor, s: torch.Tensor, d: 
     over host indices ``h``, source slots ``s`` and device slots ``d``.
 
     ``load_layer`` loads the middle owned layer every call; ``backup_layer`` backs up that layer first, then the next
-    owned layer each call, round the pool (a layer-by-layer write-back: one layer every call would read rows the L2
-    cache still holds, and the GEMM beside a loop of them would see less traffic than a write-back makes)."""
+    owned layer each call, round the pool (one layer every call would read rows the L2 cache still holds).  Both name
+    the middle layer: what served a row (:func:`_served_by`) is asked for it, all layers being the same size."""
     spec = pool.spec
     owned = spec.layer_map.device_layers
     mid = len(owned) // 2
