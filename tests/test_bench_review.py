@@ -103,6 +103,13 @@ def test_run_bench_refuses_partial_pages_up_front():
         bench.run_bench(shapes=[SHAPE], tokens=[64, 96], page_sizes=[64], programs=[None])
 
 
+def calling_samples_ms(fn, reps, warmup=bench.WARMUP, **kw):
+    """A stand-in for ``timing._samples_ms`` that makes every call (warm-up ones included) and times each at 2 ms."""
+    for _ in range(reps + warmup):
+        fn()
+    return [2.0] * reps
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """run_bench on the CPU: timing, memcpy, neighbours and the served-by probe replaced by recording fakes."""
@@ -241,13 +248,8 @@ def test_the_lone_load_label_counts_the_calls_it_was_counted_over(fake_gpu, monk
         self.lone_kernel_loads = getattr(self, "lone_kernel_loads", 0) + 1
         return real_load(self, *a, **k)
 
-    def samples_ms(fn, reps, warmup=bench.WARMUP, **kw):
-        for _ in range(reps + warmup):
-            fn()
-        return [2.0] * reps
-
     monkeypatch.setattr(ReferenceStrategy, "load", load)
-    monkeypatch.setattr(bench.timing, "_samples_ms", samples_ms)
+    monkeypatch.setattr(bench.timing, "_samples_ms", calling_samples_ms)
     (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                              layouts=["layer_first"], backends=["reference"], ops=["load_layer"], reps=4)
     calls = 4 + bench.WARMUP + 2  # three rounds (2, 1, 1 timed calls), the later two after one warm-up call each
@@ -325,26 +327,25 @@ def test_timed_calls_move_the_bytes_each_row_says_they_move(cell):
     calls["load_all_layers"][0]()
     for key, b in bits.items():
         assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
-    # a backup of one layer writes that layer's host rows alone: zero the host, back up the middle layer, load all;
-    # each later call backs up the next owned layer, round the pool
-    ring = list(owned)
-    following = ring[ring.index(middle) + 1:] + ring[:ring.index(middle)] + [middle]
-    for count, newest in enumerate([middle] + following, start=1):
+    def through_host(backup: str) -> None:
+        """Zero the host, run op ``backup``, then load every layer from the host into the scrambled rows ``d``."""
         for t in pool.binding.host_buffers.values():
             t.zero_()
-        calls["backup_layer"][0]()
+        calls[backup][0]()
         for b in bits.values():
             b[d] = b[s].bitwise_not()
         calls["load_all_layers"][0]()
+
+    # a backup of one layer writes that layer's host rows alone, the middle layer first; each later call backs up the
+    # next owned layer, round the pool
+    ring = list(owned)
+    following = ring[ring.index(middle) + 1:] + ring[:ring.index(middle)] + [middle]
+    for count, newest in enumerate([middle] + following, start=1):
+        through_host("backup_layer")
         for (name, lay), b in bits.items():
             assert torch.equal(b[d], b[s] if lay == newest else torch.zeros_like(b[s])), (name, lay, count)
     # the backup burst writes every layer's host rows, one backup_layer each
-    for t in pool.binding.host_buffers.values():
-        t.zero_()
-    calls["backup_burst"][0]()
-    for b in bits.values():
-        b[d] = b[s].bitwise_not()
-    calls["load_all_layers"][0]()
+    through_host("backup_burst")
     for key, b in bits.items():
         assert torch.equal(b[d], b[s]) and torch.equal(b[rest], canaries[key]), key
 

@@ -9,7 +9,7 @@ import torch
 
 from hicache_core import bench
 from test_bench_review import fake_gpu  # noqa: F401  (the fixture: run_bench on the CPU with recording fakes)
-from test_bench_review import TOKENS, PAGE
+from test_bench_review import PAGE, TOKENS, calling_samples_ms
 
 
 def _recording_samples(monkeypatch):
@@ -157,13 +157,8 @@ def test_the_lone_load_label_of_a_burst_counts_its_one_layer_loads(fake_gpu, mon
             self.lone_kernel_loads = getattr(self, "lone_kernel_loads", 0) + 1
         return real_load(self, binding, h, d, layer)
 
-    def samples_ms(fn, reps, warmup=bench.WARMUP, **kw):
-        for _ in range(reps + warmup):
-            fn()
-        return [2.0] * reps
-
     monkeypatch.setattr(ReferenceStrategy, "load", load)
-    monkeypatch.setattr(bench.timing, "_samples_ms", samples_ms)
+    monkeypatch.setattr(bench.timing, "_samples_ms", calling_samples_ms)
     monkeypatch.setattr(bench.run, "_served_by", lambda *a, lone=False, **k: seen.append(lone) or ("who", None))
     (row,) = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                              layouts=["layer_first"], backends=["reference"], ops=["load_burst"], reps=4, rounds=1)
