@@ -152,7 +152,7 @@ def run_bench(
                                 progress(_line(row))
                     # the calls hold the pools and their buffers, the cell the device buffers: all dropped before the
                     # next layout, and before the next cell allocates its own
-                    live = cell = None  # type: ignore[assignment]
+                    del live, cell
                 del dev
     return rows
 
