@@ -60,7 +60,7 @@ class _Events:
     _NOT_READY = 600  # cudaErrorNotReady
 
     def __init__(self) -> None:
-        self.lib = None
+        self.lib: Any = None
         self.ev: dict[int, ctypes.c_void_p] = {}
 
     def _lib(self) -> Any:
@@ -140,7 +140,7 @@ def main() -> int:
                           "pick": "direct" if pick is self.direct else "kernel", "probe": self.pace_probes})
         return pick
     if args.decisions:
-        auto_mod.AutoStrategy._decide = decide  # type: ignore[method-assign]
+        auto_mod.AutoStrategy._decide = decide  # type: ignore[method-assign,assignment]
     memcpy.BatchCopier.copy = traced_copy  # type: ignore[method-assign]
     HostPace.record = record  # type: ignore[method-assign]
     # replaced in the modules run_bench looks them up in (hicache_core/bench/__init__.py says why)

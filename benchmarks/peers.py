@@ -251,6 +251,12 @@ class Ours:
         self._last_lone = counter.lone_kernel_loads != before
 
 
+def _ours(backend: str, name: str, programs: int | None, options: dict[str, Any] | None = None
+          ) -> Callable[[Ctx], Ours]:
+    """A target's builder: :class:`Ours` over the context it is given."""
+    return lambda c: Ours(c, backend, name, programs, options)
+
+
 def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout: str) -> list[TargetSpec]:
     out = []
     backends = [b for b in args.io_backends if b in reg.io_backends]
@@ -259,11 +265,11 @@ def _our_targets(args: argparse.Namespace, reg: Registry, spec: PoolSpec, layout
             for fwd in args.auto_forward:
                 variant = f"{backend} {name}" + ("" if fwd == "compute" else f" forward={fwd}")
                 pin = {"forward": fwd, "backup_room": BACKUP_ROOM}  # the default room, whatever the environment sets
-                out.append(TargetSpec("hicache", variant, lambda c, b=backend, n=name, o=pin: Ours(c, b, n, None, o)))
+                out.append(TargetSpec("hicache", variant, _ours(backend, name, None, pin)))
             continue
         for p in args.programs if backend == "kernel" else [0]:
             variant = f"{backend} {name}" + (f" P={p}" if p else " default" if backend == "kernel" else "")
-            out.append(TargetSpec("hicache", variant, lambda c, b=backend, n=name, p=p: Ours(c, b, n, p or None)))
+            out.append(TargetSpec("hicache", variant, _ours(backend, name, p or None)))
     return out
 
 
@@ -280,14 +286,14 @@ def _sglang_targets(args: argparse.Namespace, kit: peer_sglang.SglangKit | None,
     out: list[TargetSpec] = []
     if layout in peer_sglang.JIT_LAYOUTS:
         default_q, default_tma = int(kit.ops.DEFAULT_BLOCK_QUOTA), int(kit.ops.TMA_BLOCK_QUOTA)
+        def jit(tma: bool, quota: int) -> Callable[[Ctx], Any]:
+            return lambda c: peer_sglang.SglangJit(kit, tma, quota, c.spec, c.layout, c.dev, c.host)
         for q in args.sglang_quotas:
             tag = f"q={q}" + (" (default)" if q == default_q else "")
-            out.append(TargetSpec("sglang-jit", tag, lambda c, q=q: peer_sglang.SglangJit(kit, False, q, c.spec, c.layout,
-                                                                                         c.dev, c.host)))
+            out.append(TargetSpec("sglang-jit", tag, jit(False, q)))
         for q in args.sglang_tma_quotas:
             tag = f"q={q}" + (" (default)" if q == default_tma else "")
-            out.append(TargetSpec("sglang-tma", tag, lambda c, q=q: peer_sglang.SglangJit(kit, True, q, c.spec, c.layout,
-                                                                                         c.dev, c.host)))
+            out.append(TargetSpec("sglang-tma", tag, jit(True, q)))
     if layout == "page_first":
         out.append(TargetSpec("sglang-staged", "default", lambda c: peer_sglang.SglangStaged(kit, c.spec, c.layout,
                                                                                              c.dev, c.host)))
@@ -408,7 +414,8 @@ class _Writer:
     def __init__(self, out: str, meta: dict[str, Any], progress: Callable[[str], None]) -> None:
         os.makedirs(out, exist_ok=True)
         self.path = os.path.join(out, JSON_NAME)
-        self.meta, self.rows, self.progress = meta, [], progress
+        self.rows: list[dict[str, Any]] = []
+        self.meta, self.progress = meta, progress
         self._groups: list[int] = []  # per row, the target it belongs to (regroup); -1: none named
 
     def add(self, row: PeerRow, group: int = -1) -> None:
