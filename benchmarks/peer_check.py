@@ -91,7 +91,7 @@ def check_bit_exact(
         return
     layers = max(len(ts) for ts in device_buffers.values())
     for layer in range(layers):
-        tensors = {n: ts[layer] for n, ts in device_buffers.items() if ts[layer] is not None}
+        tensors = {n: t for n, ts in device_buffers.items() if (t := ts[layer]) is not None}
         for t in tensors.values():
             _randomize_rows(t, device_dst)
         before = {n: t.clone() for n, t in tensors.items()}

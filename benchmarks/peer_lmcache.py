@@ -51,7 +51,7 @@ def fused_host(spec: PoolSpec, pin: bool) -> dict[str, torch.Tensor]:
 class LmcacheMultiLayer:
     """``multi_layer_kv_transfer_unilateral`` over all layers (or one) on shared buffers."""
 
-    ops_supported = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new", "backup_new")
+    ops_supported: tuple[str, ...] = ("backup_all_layers", "load_layer", "load_burst", "load_burst_new", "backup_new")
     contiguous_host = True
     note = "LMCache: host slots contiguous (its memory object); grid over every token, no SM budget"
 

@@ -79,7 +79,7 @@ def _import_ops() -> tuple[Any, str | None]:
     """``sglang.kernels.ops.kvcache.hicache``, and why SGLang's direct path cannot run, if it cannot."""
     direct_error = None
     try:
-        import sgl_kernel.kvcacheio  # noqa: F401  (the real package, before any stub)
+        import sgl_kernel.kvcacheio  # type: ignore[import-not-found]  # noqa: F401  (the real package, before any stub)
     except Exception as e:  # noqa: BLE001
         direct_error = (f"sgl_kernel.kvcacheio.transfer_kv_direct (SGLang's direct io_backend) is in the compiled "
                         f"sglang-kernel wheel, which is not installed: {type(e).__name__}: {e}")
