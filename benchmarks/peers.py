@@ -57,20 +57,17 @@ from hicache_core.backends.auto_rules import BACKUP_ROOM  # noqa: E402
 from hicache_core.bench import (  # noqa: E402
     DEFAULT_ROUNDS,
     SHAPES,
-    WARMUP,
     _device_buffers,
     _gemm_slowdown,
     _hbm_reader,
+    _in_turns,
     _host_us,
     _ms_beside,
     _neighbor_slowdown,
     _indices,
     _Memcpy,
-    _samples_ms,
     _served_by,
-    _shares,
     _targets,
-    _turn,
 )
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import Registry, create_registry  # noqa: E402
@@ -342,7 +339,7 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, 
 
     Each target is probed (one call timed; slower than ``--slow-ms``: skipped) and given its number of timed calls
     (``--reps``, fewer for slow ones, never under 3).  Those calls are split over ``--rounds`` rounds, and in each round
-    every target runs its share in turn (:func:`_turn` orders each round), so that the host's drift over the
+    every target runs its share in turn (``bench.timing._in_turns``), so that the host's drift over the
     operation's window reaches every target alike; the median of all of a target's calls gives its speed.  Host time
     and the GEMM slowdown are then measured per target, one after the other."""
     out: list[dict[str, Any] | Exception | None] = [None] * len(calls)
@@ -358,17 +355,11 @@ def _measure_op(args: argparse.Namespace, calls: list[OpCall], memcpy: _Memcpy, 
                       "note": f"one call took {probe:.0f} ms (> --slow-ms); GB/s from that call, not timed further"}
             continue
         reps[i] = max(3, min(args.reps, int(args.op_budget_ms / max(probe, 1e-3))))
-    times: dict[int, list[float]] = {i: [] for i in reps}
-    order = list(reps)
-    for r in range(args.rounds):
-        for i in _turn(order, r):
-            share = _shares(reps[i], args.rounds)[r]
-            if out[i] is not None or not share:
-                continue  # failed in an earlier round, or no call of its own in this one
-            try:  # a round after the first warms up with one call: the targets before it ran meanwhile
-                times[i] += _samples_ms(calls[i][0], share, WARMUP if r == 0 else 1)
-            except Exception as e:  # noqa: BLE001
-                out[i] = e
+    timed, failed = list(reps), dict[int, Exception]()
+    samples, _ = _in_turns([calls[i][0] for i in timed], [reps[i] for i in timed], args.rounds, failed)
+    times = dict(zip(timed, samples))
+    for k, err in failed.items():
+        out[timed[k]] = err
     ctas: dict[int, Any] = {}
     for i, x in enumerate(out if served is not None else []):  # timed (None here) or skipped (a dict) targets'
         if isinstance(x, Exception):

@@ -177,3 +177,26 @@ def test_one_pool_each_refuses_two_pools_of_one_layout_timed_together(fake_gpu):
                           layouts=["layer_first"], backends=["kernel"], ops=["load_layer"], reps=1)
     with pytest.raises(RuntimeError, match="two pools timed together .*'layer_first', 'load_layer'.*P=default and .*P=2"):
         bench._one_pool_each(two)
+
+
+def test_in_turns_takes_a_count_per_function_and_can_leave_out_one_that_fails(monkeypatch):
+    calls = _recording_samples(monkeypatch)
+    real = bench.timing._samples_ms
+    at_once = [False]  # b raises from its first call, else from its second round
+
+    def samples(fn, reps, warmup=bench.WARMUP, **kw):
+        if fn() == "b" and (at_once[0] or len(calls) >= 3):
+            raise RuntimeError("b broke")
+        return real(fn, reps, warmup)
+    monkeypatch.setattr(bench.timing, "_samples_ms", samples)
+    failed: dict[int, Exception] = {}
+    times, made = bench._in_turns([lambda: "a", lambda: "b", lambda: "c"], [4, 2, 1], 2, failed)
+    # shares a: 2, 2; b: 1, 1 (its second round raises); c: 1, 0; round two in reverse order
+    assert calls == [("a", 2, 3), ("b", 1, 3), ("c", 1, 3), ("a", 2, 1)]
+    assert list(failed) == [1] and str(failed[1]) == "b broke"
+    assert [len(t) for t in times] == [4, 1, 1] and made == [8, 4, 4]
+    at_once[0] = True
+    with pytest.raises(RuntimeError, match="b broke"):  # without ``failed`` the exception propagates
+        bench._in_turns([lambda: "a", lambda: "b"], 2, 2)
+    with pytest.raises(ValueError, match="reps gives 2 counts for 3 functions"):
+        bench._in_turns([lambda: "a"] * 3, [1, 1], 2)

@@ -14,6 +14,7 @@ import torch
 from benchmarks import peer_lmcache, peer_sglang
 from benchmarks import peers as P
 from benchmarks.peer_check import PeerMismatch, check_bit_exact
+from hicache_core.bench import timing as bench_timing
 from hicache_core.pool import HostKVPool, allocate_host_buffers
 from hicache_core.registry import create_registry
 from hicache_core.spec import LayerMap, PoolSpec
@@ -379,7 +380,7 @@ class _Clocks:
             return 1.0
 
         monkeypatch.setattr(P, "_probe_ms", probe)
-        monkeypatch.setattr(P, "_samples_ms", samples)
+        monkeypatch.setattr(bench_timing, "_samples_ms", samples)  # what _in_turns calls
         monkeypatch.setattr(P, "_host_us", lambda fn, reps: 3.0)
         monkeypatch.setattr(P, "_gemm_slowdown", lambda fn: 0.1)
 
@@ -439,9 +440,9 @@ def test_measure_op_records_a_target_that_fails_in_a_later_round_and_times_the_o
 
 
 def test_each_round_has_its_own_order_and_every_target_goes_first_in_turn():
-    assert [P._turn([0, 1, 2], r) for r in range(4)] == [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1]]
-    assert [P._turn([0, 1], r) for r in range(4)] == [[0, 1], [1, 0], [1, 0], [0, 1]]
-    assert P._turn([], 3) == []
+    assert [bench_timing._turn([0, 1, 2], r) for r in range(4)] == [[0, 1, 2], [2, 1, 0], [1, 2, 0], [0, 2, 1]]
+    assert [bench_timing._turn([0, 1], r) for r in range(4)] == [[0, 1], [1, 0], [1, 0], [0, 1]]
+    assert bench_timing._turn([], 3) == []
 
 
 def test_measure_op_skips_a_target_in_rounds_without_a_share_of_its_calls(monkeypatch):
@@ -492,8 +493,9 @@ def test_runner_skips_the_operations_not_begun_when_the_time_budget_ends(tmp_pat
     now = [0.0]
     monkeypatch.setattr(P, "time", types.SimpleNamespace(monotonic=lambda: now[0]))  # the runner's budget clock
     clocks = _Clocks(monkeypatch)
-    real = P._samples_ms
-    monkeypatch.setattr(P, "_samples_ms", lambda fn, reps, warmup: (now.__setitem__(0, 2.0), real(fn, reps, warmup))[1])
+    real = bench_timing._samples_ms
+    monkeypatch.setattr(bench_timing, "_samples_ms",
+                        lambda fn, reps, warmup: (now.__setitem__(0, 2.0), real(fn, reps, warmup))[1])
     rows = _run_layout(tmp_path, monkeypatch, ["--io-backends", "reference", "--peers", "hicache,lmcache", "--ops",
                                                "load_layer,load_burst"], "layer_first",
                        lm=lambda dev: (_FakeLmcacheOps(dev), None), deadline=1.0, clocks=clocks)
@@ -517,7 +519,7 @@ def test_writer_regroups_rows_by_target_even_where_two_targets_share_a_name(tmp_
 
 
 def test_one_round_times_each_target_alone():
-    assert P._shares(10, 1) == [10] and P._shares(10, 3) == [4, 3, 3] and P._shares(3, 5) == [1, 1, 1, 0, 0]
+    assert bench_timing._shares(10, 1) == [10] and bench_timing._shares(10, 3) == [4, 3, 3] and bench_timing._shares(3, 5) == [1, 1, 1, 0, 0]
 
 
 @pytest.mark.parametrize("bad", ["--rounds=0", "--reps=0"])

@@ -60,23 +60,36 @@ def _turn(order: list[int], r: int) -> list[int]:
     return turn[::-1] if r % 2 else turn
 
 
-def _in_turns(fns: Sequence[Callable[[], object]], reps: int, rounds: int) -> tuple[list[list[float]], list[int]]:
-    """Event-timed milliseconds of ``reps`` calls of each of ``fns``, in turns: the calls are split over ``rounds``
-    rounds (:func:`_shares`), and in each round every function runs its share in that round's order (:func:`_turn`),
-    so that the host's drift over the window reaches all of them alike.  A function's first round starts with
-    :data:`~.shapes.WARMUP` untimed calls, each later one with one (the others ran meanwhile).  Returns, per
-    function, its timed samples and the calls it made in all (warm-up calls included)."""
-    if reps < 1 or rounds < 1:
+def _in_turns(fns: Sequence[Callable[[], object]], reps: int | Sequence[int], rounds: int,
+              failed: dict[int, Exception] | None = None) -> tuple[list[list[float]], list[int]]:
+    """Event-timed milliseconds of ``reps`` calls of each of ``fns`` (one count for all, or one per function), in
+    turns: each function's calls are split over ``rounds`` rounds (:func:`_shares`), and in each round every function
+    runs its share in that round's order (:func:`_turn`), so that the host's drift over the window reaches all of them
+    alike.  A function's first round starts with :data:`~.shapes.WARMUP` untimed calls, each later one with one (the
+    others ran meanwhile).  With ``failed``, a function whose calls raise is recorded there by its position and left
+    out of the later rounds, the others timed on; without it the exception propagates.  Returns, per function, its
+    timed samples and the calls it made in all (warm-up calls included)."""
+    counts = [reps] * len(fns) if isinstance(reps, int) else list(reps)
+    if len(counts) != len(fns):
+        raise ValueError(f"reps gives {len(counts)} counts for {len(fns)} functions: give one count, or one each")
+    if min(counts, default=1) < 1 or rounds < 1:
         raise ValueError(f"reps ({reps}) and rounds ({rounds}) must be at least 1")
     times: list[list[float]] = [[] for _ in fns]
     made = [0] * len(fns)
-    shares = _shares(reps, rounds)
-    for r, share in enumerate(shares):
-        if not share:
-            continue  # fewer calls than rounds: the last rounds have none
+    shares = [_shares(c, rounds) for c in counts]
+    for r in range(rounds):
         warmup = WARMUP if r == 0 else 1
         for i in _turn(list(range(len(fns))), r):
-            times[i] += _samples_ms(fns[i], share, warmup)
+            share = shares[i][r]
+            if not share or (failed is not None and i in failed):
+                continue  # fewer calls than rounds (the last rounds have none), or failed in an earlier round
+            try:
+                times[i] += _samples_ms(fns[i], share, warmup)
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed[i] = e
+                continue
             made[i] += warmup + share
     return times, made
 
