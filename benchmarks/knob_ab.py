@@ -68,10 +68,6 @@ def main() -> int:
         print(json.dumps({k: r[k] for k in ("value", "shape", "layout", "io_backend", "variant", "op", "ratio",
                                             "host_us", "split_calls", "whole_calls", "served_by")}), flush=True)
 
-    real_configs = bench.run._configs
-    only = [""]  # the one variant each run_bench call below builds
-    bench.run._configs = lambda backend, programs, variants: [  # type: ignore[assignment]
-        (v, o) for v, o in real_configs(backend, programs, variants) if v == only[0]]
     values = [float(v) for v in args.values.split(",")]
     for rnd in range(args.rounds):
         for v in (values if rnd % 2 == 0 else values[::-1]):
@@ -82,12 +78,11 @@ def main() -> int:
                 # one pool per run_bench call (a layout's pools are all built, then timed in turns): the split counts
                 # a row gets are its own pool's
                 for backend in args.backends.split(","):
-                    for variant, _ in real_configs(backend, [None], ["auto"]):
-                        only[0] = variant
+                    for variant, _ in bench._configs(backend, [None], ["auto"]):
                         bench._one_pool_each(bench.run_bench(
                             shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None],
-                            layouts=args.layouts.split(","), backends=[backend], ops=["load_layer", "load_burst"],
-                            reps=args.reps, sink=sink))
+                            layouts=args.layouts.split(","), backends=[backend], variants=[variant],
+                            ops=["load_layer", "load_burst"], reps=args.reps, sink=sink))
     cells: dict[tuple, dict[float, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r["shape"], r["layout"], r["io_backend"], r["variant"], r["op"])][r["value"]].append(r)

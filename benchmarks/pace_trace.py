@@ -156,13 +156,6 @@ def main() -> int:
     def sink(row: bench.BenchRow) -> None:
         rows.append(asdict(row))
 
-    real_configs = bench.run._configs
-    only = [""]  # the one variant each run_bench call below builds
-
-    def configs(backend: str, programs: Any, direct_variants: Any) -> Any:
-        return [(v, o) for v, o in real_configs(backend, programs, direct_variants) if v == only[0]]
-    bench.run._configs = configs  # type: ignore[assignment]
-
     real_init = bench.run.HostKVPool.__init__
 
     def init(self: Any, *a: Any, **kw: Any) -> None:
@@ -173,13 +166,12 @@ def main() -> int:
     # one pool per run_bench call: a layout's pools are all built before any is timed, and the trace names the row
     # by the pool built last
     for backend in args.io_backends.split(","):
-        for variant in [v for v, _ in real_configs(backend, [None], ["auto"])
+        for variant in [v for v, _ in bench._configs(backend, [None], ["auto"])
                         if backend != "auto" or v in ("", "lone=off")]:
-            only[0] = variant
             bench._one_pool_each(bench.run_bench(
                 shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[args.layout],
-                backends=[backend], ops=args.ops.split(","), reps=args.reps, gemm=args.gemm, progress=progress,
-                sink=sink))
+                backends=[backend], variants=[variant], ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
+                progress=progress, sink=sink))
     groups: dict[tuple[str, str, bool, str], list[float]] = defaultdict(list)
     for s in samples:
         groups[(s["row"], s["phase"], s["to_host"], f"{s['pace']}{' eager' if s['eager'] else ''}")].append(s["desc_us"])

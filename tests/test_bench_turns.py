@@ -200,3 +200,19 @@ def test_in_turns_takes_a_count_per_function_and_can_leave_out_one_that_fails(mo
         bench._in_turns([lambda: "a", lambda: "b"], 2, 2)
     with pytest.raises(ValueError, match="reps gives 2 counts for 3 functions"):
         bench._in_turns([lambda: "a"] * 3, [1, 1], 2)
+
+
+def test_variants_builds_only_the_configurations_named(fake_gpu, monkeypatch):  # noqa: F811
+    allocated = []
+    real_alloc = bench.run.allocate_host_buffers
+    monkeypatch.setattr(bench.run, "allocate_host_buffers",
+                        lambda plan, pin_memory: allocated.append(plan) or real_alloc(plan, pin_memory))
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None, 2],
+                           layouts=["layer_first"], backends=["reference", "kernel"], variants=["P=2"],
+                           ops=["load_layer"], reps=1)
+    assert [(r.io_backend, r.variant, r.programs) for r in bench._one_pool_each(rows)] == [("kernel", "P=2", 2)]
+    assert len(allocated) == 1
+    assert bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                           layouts=["layer_first"], backends=["reference"], variants=["none such"],
+                           ops=["load_layer"], reps=1) == []
+    assert len(allocated) == 1  # no pool to build: no host buffers either

@@ -110,6 +110,7 @@ def run_bench(
     gemm: bool = False,
     hbm: bool = False,
     direct_variants: list[str] = ("auto",),  # type: ignore[assignment]
+    variants: Iterable[str] | None = None,
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
     sink: Callable[[BenchRow], None] | None = None,
@@ -119,7 +120,8 @@ def run_bench(
     Per cell (shape, page size, token count) and layout, every pool (strategy and variant) is built over the same host
     buffers and checked bit-exact first; then per operation their ``reps`` timed calls are taken in turns over
     ``rounds`` rounds (:func:`.timing._in_turns`), and each pool's host time and neighbours' slowdowns are measured
-    after all of them.  Rows come operation by operation, each pool's in the order the pools were built."""
+    after all of them.  Rows come operation by operation, each pool's in the order the pools were built.  ``variants``:
+    build only the configurations with these labels (:func:`_configs`; e.g. ``["P=default"]``, ``["lone=off"]``)."""
     uneven = _uneven(tokens, page_sizes)
     if uneven:  # before anything is measured: the grid would stop with a SpecError at the first such cell
         raise ValueError(f"every token count must be a multiple of every page size; {uneven}")
@@ -142,7 +144,7 @@ def run_bench(
                 for layout in dict.fromkeys(t[0] for t in targets):
                     cell = _Cell(shape, ps, n, spec, layout, dev, h, s, d)
                     live = _build(reg, cell, [t[1:] for t in targets if t[0] == layout], ops, programs,
-                                  list(direct_variants))
+                                  list(direct_variants), None if variants is None else set(variants))
                     for op in ops:
                         for row in _measure(live, op, cell, reps, rounds, gemm, clocks):
                             rows.append(row)
@@ -182,8 +184,9 @@ class _Clocks:
 
 
 def _build(reg: Registry, cell: _Cell, entries: list[tuple[str, str]], ops: list[str], programs: list[int | None],
-           direct_variants: list[str]) -> list[_Target]:
-    """The pools of one layout in a cell (``entries``: io_backend and strategy name), over one set of host buffers,
+           direct_variants: list[str], variants: set[str] | None = None) -> list[_Target]:
+    """The pools of one layout in a cell (``entries``: io_backend and strategy name; ``variants``: the configuration
+    labels to build, ``None`` for all), over one set of host buffers,
     each checked bit-exact before any is timed (``direct`` left out where a call would take more than
     :data:`MAX_DIRECT_COPIES` copies).  They are all alive until the layout's operations are measured: their own
     memory (plans, a staged route's bounded device buffer) adds up, the host and device buffers do not."""
@@ -195,9 +198,10 @@ def _build(reg: Registry, cell: _Cell, entries: list[tuple[str, str]], ops: list
         if backend == "direct" and copies > MAX_DIRECT_COPIES:
             logger.info("skipping %s at page_size %d, %d tokens: ~%d copies per call", name, ps, n, copies)
             continue
-        if host is None:  # one set per layout: every strategy of it reads and writes the same host layout
+        configs = [(v, o) for v, o in _configs(backend, programs, direct_variants) if variants is None or v in variants]
+        if configs and host is None:  # one set per layout: every strategy of it reads and writes the same host layout
             host = allocate_host_buffers(reg.layout(cell.layout).plan(spec), pin_memory=True)
-        for variant, opts in _configs(backend, programs, direct_variants):
+        for variant, opts in configs:
             pool = HostKVPool(spec, cell.layout, backend, cell.dev, host_buffers=host, strategy=name,
                               strategy_options=opts, registry=reg, validate="shapes")
             workload._check(pool, cell.dev, h, s, d, ops)
