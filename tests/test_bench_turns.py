@@ -9,7 +9,7 @@ import torch
 
 from hicache_core import bench
 from test_bench_review import fake_gpu  # noqa: F401  (the fixture: run_bench on the CPU with recording fakes)
-from test_bench_review import PAGE, TOKENS, calling_samples_ms
+from test_bench_review import CPU_KERNELS, PAGE, TOKENS, calling_samples_ms
 
 
 def _recording_samples(monkeypatch):
@@ -51,6 +51,7 @@ def test_in_turns_refuses_no_calls_or_no_rounds(reps, rounds):
                         rounds=rounds)
 
 
+@CPU_KERNELS
 def test_a_layout_s_pools_share_one_host_allocation_and_are_all_checked_before_any_is_timed(
         fake_gpu, monkeypatch):  # noqa: F811
     allocated, checked = [], []
@@ -168,6 +169,7 @@ def test_the_lone_load_label_of_a_burst_counts_its_one_layer_loads(fake_gpu, mon
     assert seen == [False]  # one load in 32 was lone: the row is not credited to the lone-load rule
 
 
+@CPU_KERNELS
 def test_one_pool_each_refuses_two_pools_of_one_layout_timed_together(fake_gpu):  # noqa: F811
     """The check pace_trace.py and knob_ab.py put on each run_bench call, which must build one pool per layout."""
     one = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
@@ -202,6 +204,7 @@ def test_in_turns_takes_a_count_per_function_and_can_leave_out_one_that_fails(mo
         bench._in_turns([lambda: "a"] * 3, [1, 1], 2)
 
 
+@CPU_KERNELS
 def test_variants_builds_only_the_configurations_named(fake_gpu, monkeypatch):  # noqa: F811
     allocated = []
     real_alloc = bench.run.allocate_host_buffers
