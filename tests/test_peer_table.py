@@ -158,7 +158,8 @@ def test_a_printed_table_is_checked_as_a_written_one_is(tmp_path, monkeypatch, c
     assert out.out == "" and "take_over is true but hicache is worse" in out.err
 
 
-@pytest.mark.parametrize("name", ["peers-h100-turns-7d510d9-2026-12-06.json", "peers-h100-turns-cal-7d510d9-2026-12-06.json",
+@pytest.mark.parametrize("name", ["peers-h200-turns-cal-998754e-2026-12-06.json",
+                                  "peers-h100-turns-7d510d9-2026-12-06.json", "peers-h100-turns-cal-7d510d9-2026-12-06.json",
                                   "peers-h100-turns-24ce7d8-2026-12-06.json", "peers-h100-b6e0065-2026-12-06.json",
                                   "peers-572506d-2026-12-02.json"])
 def test_the_recorded_peer_runs_take_over_no_cell_as_the_shipped_table_says(name):
