@@ -69,6 +69,7 @@ def main() -> int:
                                             "host_us", "split_calls", "whole_calls", "served_by")}), flush=True)
 
     values = [float(v) for v in args.values.split(",")]
+    reference = bench.timing._Memcpy()  # one baseline for every value, pool and round: their ratios compare directly
     for rnd in range(args.rounds):
         for v in (values if rnd % 2 == 0 else values[::-1]):
             value[0] = v
@@ -82,7 +83,7 @@ def main() -> int:
                         bench._one_pool_each(bench.run_bench(
                             shapes=[shape], tokens=[4096], page_sizes=[64], programs=[None],
                             layouts=args.layouts.split(","), backends=[backend], variants=[variant],
-                            ops=["load_layer", "load_burst"], reps=args.reps, sink=sink))
+                            ops=["load_layer", "load_burst"], reps=args.reps, sink=sink, memcpy=reference))
     cells: dict[tuple, dict[float, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         cells[(r["shape"], r["layout"], r["io_backend"], r["variant"], r["op"])][r["value"]].append(r)

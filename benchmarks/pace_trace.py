@@ -164,14 +164,15 @@ def main() -> int:
     bench.run.HostKVPool.__init__ = init  # type: ignore[method-assign]
 
     # one pool per run_bench call: a layout's pools are all built before any is timed, and the trace names the row
-    # by the pool built last
+    # by the pool built last; one memcpy reference for all of them, so that their ratios share a baseline
+    reference = bench.timing._Memcpy()
     for backend in args.io_backends.split(","):
         for variant in [v for v, _ in bench._configs(backend, [None], ["auto"])
                         if backend != "auto" or v in ("", "lone=off")]:
             bench._one_pool_each(bench.run_bench(
                 shapes=[args.shape], tokens=[4096], page_sizes=[64], programs=[None], layouts=[args.layout],
                 backends=[backend], variants=[variant], ops=args.ops.split(","), reps=args.reps, gemm=args.gemm,
-                progress=progress, sink=sink))
+                progress=progress, sink=sink, memcpy=reference))
     groups: dict[tuple[str, str, bool, str], list[float]] = defaultdict(list)
     for s in samples:
         groups[(s["row"], s["phase"], s["to_host"], f"{s['pace']}{' eager' if s['eager'] else ''}")].append(s["desc_us"])

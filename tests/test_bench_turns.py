@@ -219,3 +219,58 @@ def test_variants_builds_only_the_configurations_named(fake_gpu, monkeypatch):  
                            layouts=["layer_first"], backends=["reference"], variants=["none such"],
                            ops=["load_layer"], reps=1) == []
     assert len(allocated) == 1  # no pool to build: no host buffers either
+
+
+def test_a_memcpy_reference_passed_in_serves_every_call_and_no_other_is_made(fake_gpu, monkeypatch):  # noqa: F811
+    """pace_trace.py and knob_ab.py make one run_bench call per pool: one reference passed to each gives their ratios
+    one baseline; without it each call makes its own."""
+    made = []
+    real = bench.timing._Memcpy
+    monkeypatch.setattr(bench.timing, "_Memcpy", lambda: made.append(1) or real())
+
+    class Reference:
+        def __init__(self):
+            self.asked = []
+
+        def gbps(self, nbytes, to_host, reps):
+            self.asked.append((nbytes, to_host))
+            return 40.0 if to_host else 25.0
+    ref = Reference()
+    rows = []
+    for layout in ("layer_first", "page_first"):
+        rows += bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                                layouts=[layout], backends=["reference"], ops=["backup_all_layers", "load_layer"],
+                                reps=1, memcpy=ref)
+    assert made == [] and len(rows) == 4
+    assert sorted({to_host for _, to_host in ref.asked}) == [False, True]
+    assert all(r.memcpy_gbps == (40.0 if r.op.startswith("backup") else 25.0) for r in rows)
+    bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None], layouts=["layer_first"],
+                    backends=["reference"], ops=["load_layer"], reps=1)
+    assert made == [1]  # no reference passed: the call made its own
+
+
+def test_pace_trace_and_knob_ab_hand_one_memcpy_reference_to_every_run_bench_call(monkeypatch, tmp_path):
+    import sys
+
+    from benchmarks import knob_ab, pace_trace
+    from hicache_core.backends import auto as auto_mod
+    from hicache_core.backends import memcpy
+    from hicache_core.backends.pace import HostPace
+    # what the probes replace for the whole process, put back after the test
+    for owner, name in ((memcpy.QueueClock, "eager"), (memcpy.BatchCopier, "copy"), (HostPace, "record"),
+                        (auto_mod.AutoStrategy, "_decide"), (bench.run.HostKVPool, "__init__"),
+                        (bench.timing, "_samples_ms"), (bench.timing, "_gemm_slowdown"),
+                        (bench.timing, "_burst_host_us"), (bench.timing, "_host_us"), (bench.workload, "_check"),
+                        (bench.run, "_served_by"), (memcpy, "TIGHT_GAP_US")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    refs = []
+    monkeypatch.setattr(bench, "run_bench", lambda **kw: refs.append(kw.get("memcpy")) or [])
+    monkeypatch.setattr(bench, "_one_pool_each", lambda rows: rows)
+    for probe, argv in ((knob_ab, ["--knob", "hicache_core.backends.memcpy:TIGHT_GAP_US", "--values", "20,50",
+                                   "--rounds", "2", "--shapes", "cpu-tiny", "--backends", "direct,auto"]),
+                        (pace_trace, ["--io-backends", "direct,auto"])):
+        refs.clear()
+        monkeypatch.setattr(probe, "require_cuda", lambda path: None)
+        monkeypatch.setattr(sys, "argv", [probe.__name__, "--out", str(tmp_path / "out.json"), *argv])
+        assert probe.main() == 0
+        assert len(refs) > 2 and isinstance(refs[0], bench.timing._Memcpy) and all(r is refs[0] for r in refs)

@@ -114,6 +114,7 @@ def run_bench(
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
     sink: Callable[[BenchRow], None] | None = None,
+    memcpy: timing._Memcpy | None = None,
 ) -> list[BenchRow]:
     """Measure; see :mod:`hicache_core.bench`.  CUDA only.
 
@@ -121,7 +122,10 @@ def run_bench(
     buffers and checked bit-exact first; then per operation their ``reps`` timed calls are taken in turns over
     ``rounds`` rounds (:func:`.timing._in_turns`), and each pool's host time and neighbours' slowdowns are measured
     after all of them.  Rows come operation by operation, each pool's in the order the pools were built.  ``variants``:
-    build only the configurations with these labels (:func:`_configs`; e.g. ``["P=default"]``, ``["lone=off"]``)."""
+    build only the configurations with these labels (:func:`_configs`; e.g. ``["P=default"]``, ``["lone=off"]``).
+    ``memcpy``: the memcpy reference every ratio divides by, measured once per size and direction and kept; pass the same
+    one to several calls (a probe that makes one call per pool) so that their ratios share one baseline (default: a
+    new one for this call)."""
     uneven = _uneven(tokens, page_sizes)
     if uneven:  # before anything is measured: the grid would stop with a SpecError at the first such cell
         raise ValueError(f"every token count must be a multiple of every page size; {uneven}")
@@ -130,7 +134,7 @@ def run_bench(
     if not torch.cuda.is_available():
         raise RuntimeError("hicache bench needs a CUDA device")
     reg = registry or create_registry()
-    clocks = _Clocks(timing._Memcpy(), timing._LinkWarmer(), timing._hbm_reader() if hbm else None)
+    clocks = _Clocks(memcpy if memcpy is not None else timing._Memcpy(), timing._LinkWarmer(), timing._hbm_reader() if hbm else None)
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     for shape in shapes:
