@@ -22,10 +22,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tables import NotBench, load_rows  # noqa: E402
+
 PROG = "auto_gaps.py"
-#: The fields of a ``hicache bench`` row read here (``hicache_core.bench.BenchRow``).
-ROW_FIELDS = ("shape", "layout", "io_backend", "variant", "page_size", "tokens", "op", "ratio", "host_us")
-#: The variant label of each candidate's default configuration in ``hicache bench`` rows.
+#: The variant label of each candidate's default configuration in ``hicache bench`` rows (the kernel's also has
+#: ``programs`` None: its default SM budget).
 DEFAULTS = {"kernel": "P=default", "direct": "staging=auto", "auto": ""}
 #: Points (0.01 of the ratio to memcpy) ``auto`` may fall below the better candidate (issue #11).
 POINTS = 3.0
@@ -33,30 +36,12 @@ POINTS = 3.0
 Cell = tuple[str, str, int, int, str]
 
 
-class NotBench(ValueError):
-    """A file that is not a ``hicache bench`` result."""
-
-
-def load_rows(path: str) -> list[dict[str, Any]]:
-    """The rows of ``hicache bench`` JSON at ``path``.
-
-    :raises NotBench: unreadable, not JSON, or rows without the fields :data:`ROW_FIELDS` names."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise NotBench(f"{path}: cannot read it as JSON ({exc})") from None
-    rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and all(f in r for f in ROW_FIELDS) for r in rows):
-        raise NotBench(f"{path}: expected a JSON object whose 'rows' each have " + ", ".join(ROW_FIELDS))
-    return rows
-
-
 def candidates(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, dict[str, Any]]]:
     """Per cell, the default configuration's row of each of ``kernel``, ``direct`` and ``auto`` the rows hold."""
     cells: dict[Cell, dict[str, dict[str, Any]]] = {}
     for r in rows:
         backend = r["io_backend"]
-        if backend in DEFAULTS and (r["variant"] or "") == DEFAULTS[backend]:
+        if backend in DEFAULTS and (r.get("variant") or "") == DEFAULTS[backend] and r.get("programs") is None:
             key = (r["shape"], r["layout"], int(r["page_size"]), int(r["tokens"]), r["op"])
             cells.setdefault(key, {})[backend] = r
     return cells
@@ -115,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows = load_rows(path)
         except NotBench as exc:
-            print(f"{PROG}: {exc}", file=sys.stderr)
+            print(f"{PROG}: {path} {exc}", file=sys.stderr)
             return 2
         cells = candidates(rows)
         entries, incomplete = gaps(cells, args.points)

@@ -14,8 +14,10 @@ PERF = ROOT / "docs" / "perf"
 
 
 def _row(backend, variant, ratio, op="load_burst", layout="layer_first", served_by="", gemm=None, host=10.0):
+    programs = int(variant[2:]) if variant.startswith("P=") and variant != "P=default" else None
     return {"shape": "mla61x576-bf16", "layout": layout, "io_backend": backend, "variant": variant, "page_size": 64,
-            "tokens": 4096, "op": op, "ratio": ratio, "host_us": host, "gemm_slowdown": gemm, "served_by": served_by}
+            "tokens": 4096, "op": op, "bytes": 1 << 20, "ratio": ratio, "host_us": host, "gemm_slowdown": gemm,
+            "served_by": served_by, "programs": programs}
 
 
 def _cell(kernel, direct, auto, served="direct", op="load_burst", layout="layer_first"):
