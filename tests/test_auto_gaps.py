@@ -92,3 +92,44 @@ def test_the_recorded_h200_run_has_the_misses_the_run_log_names(capsys):
                                     ("mla61x656-fp8", "layer_first", "load_all_layers", -3.6),
                                     ("mla61x656-fp8", "page_first_direct", "load_layer", -3.0),
                                     ("mla61x656-fp8", "page_first_kv_split", "load_burst", -7.5)])
+
+
+def test_a_cell_with_two_default_rows_of_a_candidate_is_skipped_with_both_named(tmp_path, capsys):
+    rows = _cell(0.90, 0.60, 0.80, served="layer_first.kernel", op="load_layer")
+    other = dict(rows[0], strategy="other.kernel", ratio=0.85)
+    rows[0]["strategy"] = "layer_first.kernel"
+    assert G.main([_write(tmp_path, rows + [other])]) == 0
+    out = capsys.readouterr().out
+    assert "no cell with `auto` and both candidates" in out
+    assert "load_layer: skipped, 2 default rows of kernel (layer_first.kernel, other.kernel)" in out
+
+
+def test_rows_from_before_variants_count_as_their_backend_s_default():
+    rows = [{k: v for k, v in r.items() if k != "variant"} for r in _cell(0.84, 0.92, 0.90)
+            if r["variant"] in ("P=default", "staging=auto", "")]
+    entries, skipped = G.gaps(G.candidates(rows))
+    assert skipped == [] and [round(e["gap_points"], 2) for e in entries] == [-2.0]
+
+
+def test_a_refused_file_does_not_stop_the_others_and_the_status_says_so(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    good = _write(tmp_path, _cell(0.84, 0.92, 0.90))
+    assert G.main([str(bad), good]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"{G.PROG}: {bad}") and f"## {good}" in captured.out
+
+
+def test_unknown_route_and_rows_without_numbers():
+    rows = _cell(0.84, 0.92, 0.90, served="")
+    assert G.gaps(G.candidates(rows))[0][0]["route"] == "?"
+    rows[2]["ratio"] = None  # direct's default row without a ratio: no candidate, the cell is skipped
+    assert G.gaps(G.candidates(rows))[1] == [(("mla61x576-bf16", "layer_first", 64, 4096, "load_burst"),
+                                              "no default row of direct")]
+
+
+@pytest.mark.parametrize("points", ["nan", "-1", "inf"])
+def test_points_must_be_a_finite_number_of_zero_or_more(tmp_path, capsys, points):
+    with pytest.raises(SystemExit) as exc:
+        G.main([_write(tmp_path, _cell(0.84, 0.92, 0.90)), "--points", points])
+    assert exc.value.code == 2 and "finite number of points" in capsys.readouterr().err

@@ -30,7 +30,7 @@ GPU_SCRIPTS = {
 }
 #: Scripts that run on a CPU (or read files), and modules other scripts import.
 CPU_OR_LIBRARY = {"lane_cost", "decision_cost", "pace_bins", "stress", "tables", "needs_cuda", "peer_check", "peer_lmcache",
-                  "peer_sglang", "peer_table"}
+                  "peer_sglang", "peer_table", "auto_gaps"}
 
 
 #: Runs each script as ``python benchmarks/SCRIPT.py ARGS`` would (``__main__``, its folder first on ``sys.path``), one

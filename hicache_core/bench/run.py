@@ -114,7 +114,7 @@ def run_bench(
     registry: Registry | None = None,
     progress: Callable[[str], None] | None = None,
     sink: Callable[[BenchRow], None] | None = None,
-    memcpy: timing._Memcpy | None = None,
+    memcpy: timing.MemcpyReference | None = None,
 ) -> list[BenchRow]:
     """Measure; see :mod:`hicache_core.bench`.  CUDA only.
 
@@ -134,7 +134,8 @@ def run_bench(
     if not torch.cuda.is_available():
         raise RuntimeError("hicache bench needs a CUDA device")
     reg = registry or create_registry()
-    clocks = _Clocks(memcpy if memcpy is not None else timing._Memcpy(), timing._LinkWarmer(), timing._hbm_reader() if hbm else None)
+    reference = memcpy if memcpy is not None else timing._Memcpy()
+    clocks = _Clocks(reference, timing._LinkWarmer(), timing._hbm_reader() if hbm else None)
     gen = torch.Generator().manual_seed(0)
     rows: list[BenchRow] = []
     for shape in shapes:
@@ -182,7 +183,7 @@ class _Cell:
 class _Clocks:
     """What every row of a run measures against: the memcpy reference, the link warm-up, the memory-bound reader."""
 
-    memcpy: Any
+    memcpy: timing.MemcpyReference
     warm_link: Callable[[], object]
     reader: Callable[[], object] | None
 

@@ -9,7 +9,7 @@ import functools
 import gc
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -149,6 +149,13 @@ class _LinkWarmer:
             host.copy_(dev, non_blocking=True)
             dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
+
+
+class MemcpyReference(Protocol):
+    """What :func:`~hicache_core.bench.run_bench` divides each row's speed by: the GB/s of a pinned copy of ``nbytes``
+    in the direction ``to_host``, timed over ``reps`` calls (:class:`_Memcpy`)."""
+
+    def gbps(self, nbytes: int, to_host: bool, reps: int) -> float: ...
 
 
 class _Memcpy:
