@@ -27,12 +27,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tables import NotBench, load_rows  # noqa: E402
+from benchmarks.tables import NotBench, _variant, load_rows  # noqa: E402
 
 PROG = "auto_gaps.py"
-#: The variant label of each candidate's default configuration in ``hicache bench`` rows (the kernel's also has
-#: ``programs`` None: its default SM budget).
-DEFAULTS = {"kernel": "P=default", "direct": "staging=auto", "auto": ""}
+#: The candidates compared, each in its default configuration (``benchmarks/tables.py``'s ``_variant`` says which
+#: rows those are: the kernel's ``P=default``, ``direct``'s ``staging=auto``, ``auto``'s unlabelled one).
+CANDIDATES = ("kernel", "direct", "auto")
 #: Points (0.01 of the ratio to memcpy) ``auto`` may fall below the better candidate (issue #11).
 POINTS = 3.0
 
@@ -40,10 +40,9 @@ Cell = tuple[str, str, int, int, str]
 
 
 def _default(r: dict[str, Any]) -> bool:
-    """Whether ``r`` is its backend's default configuration: the variant :data:`DEFAULTS` names (a row without a
+    """Whether ``r`` is its backend's default configuration: no variant beyond the default one (a row without a
     ``variant`` field, from before ``hicache bench`` had variants, is its backend's only one) and no SM budget set."""
-    variant = r.get("variant", None)
-    return r.get("programs") is None and (variant is None or variant == DEFAULTS[r["io_backend"]])
+    return r.get("programs") is None and _variant(r) == ""
 
 
 def _number(x: Any) -> bool:
@@ -55,7 +54,7 @@ def candidates(rows: list[dict[str, Any]]) -> dict[Cell, dict[str, list[dict[str
     that the rows hold with a ratio and a host time."""
     cells: dict[Cell, dict[str, list[dict[str, Any]]]] = {}
     for r in rows:
-        if r["io_backend"] in DEFAULTS and _default(r) and _number(r["ratio"]) and _number(r["host_us"]):
+        if r["io_backend"] in CANDIDATES and _default(r) and _number(r["ratio"]) and _number(r["host_us"]):
             key = (r["shape"], r["layout"], int(r["page_size"]), int(r["tokens"]), r["op"])
             cells.setdefault(key, {}).setdefault(r["io_backend"], []).append(r)
     return cells
@@ -75,7 +74,7 @@ def gaps(cells: dict[Cell, dict[str, list[dict[str, Any]]]], points: float = POI
     entries: list[dict[str, Any]] = []
     skipped: list[tuple[Cell, str]] = []
     for key, got in cells.items():
-        missing = sorted(set(DEFAULTS) - set(got))
+        missing = sorted(set(CANDIDATES) - set(got))
         twice = sorted(b for b, rs in got.items() if len(rs) > 1)
         if missing or twice:
             why = [f"no default row of {', '.join(missing)}"] if missing else []
