@@ -31,11 +31,15 @@
 #               copies, relayout, page loads, TMA, replays, launches) and a slice of the kit: one process per tool and
 #               part, all at once (SANALL_T seconds each, default 420; SANALL_PARTS names some parts only, SANALL_TOOLS
 #               one tool); a line per tool and part
+#   place       benchmarks/backup_place_probe.py (why page-major kernel backups of fp8 656-byte rows run at half the
+#               link; PLACE_ARGS), then Nsight Compute over the all-layer backups of PLACE_NCU's variants (labels joined
+#               by ";"), one log each, GPU clocks left as they are
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py, test_pace_waits.py, test_reprobe.py and test_direct.py (the copy engine and auto's
 #               decisions) on the GPU, and the conformance kit for direct and auto beside them
 #   pace        benchmarks/pace_probe.py: load bursts with new index tensors every cycle (PACE_ARGS), then with the same
-#               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12); "--profile /tmp/hicache-work/prof" in
+#               ones (PACE_REUSE_ARGS; --reuse), PACE_SECONDS per cell (default 12), the modes PACE_MODES names (default
+#               "fresh reuse"); "--profile /tmp/hicache-work/prof" in
 #               either puts each candidate's cProfile into logs.tgz
 #   trace       benchmarks/pace_trace.py: where auto's host-pace samples come from in bench rows (TRACE_SHAPES, TRACE_ARGS)
 #   watchcost   benchmarks/watch_cost.py: what auto's forward watch adds to a lone load, piece by piece (WC_SHAPES)
@@ -238,13 +242,25 @@ for line in sys.stdin:
           --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
           python3 benchmarks/profile_kernel.py --layout $lay --options "$opts" >"$W/ncu_$lay.log" 2>&1
         note "ncu $lay: $(result $?)"; done ;;
+    place) timeout ${PLACE_T:-300} python3 benchmarks/backup_place_probe.py --out "$OUT/place.json" --gemm \
+        ${PLACE_ARGS:-} >"$W/place.log" 2>&1
+      note "backup place probe: $(result $?)"; cat "$W/place.log"
+      IFS=';' read -ra labels <<<"${PLACE_NCU:-fp8-656 layer_first;fp8-656 page_first_direct;fp8-656 page_first_direct int32}"
+      for lab in "${labels[@]}"; do f="$W/ncu_place_${lab// /_}.log"
+        timeout ${NCU_T:-90} ncu --target-processes all --clock-control none -k regex:^KERNEL --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+          --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+          --section InstructionStats --metrics lts__t_sectors_aperture_sysmem_op_write.sum,lts__t_requests_aperture_sysmem_op_write.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,smsp__sass_inst_executed_op_global_st.sum,smsp__sass_inst_executed_op_global_ld.sum \
+          python3 benchmarks/backup_place_probe.py --profile "$lab" >"$f" 2>&1
+        note "ncu $lab: $(result $?)"; grep -E "Duration|Registers Per|Memory Throughput|DRAM Throughput|lts__t_sectors_aperture_sysmem_op_write.sum|lts__t_requests_aperture|local_op|inst_executed_op_global|Executed Instructions  |Warp Cycles Per Issued|Stall|No Eligible|Issued Warp" "$f" | head -40
+      done ;;
     pacetests) timeout ${TESTS_T:-300} $PYT hicache_core/testing --hicache-io-backend direct --hicache-io-backend auto \
         >"$W/pace_kit.log" 2>&1 & a=$!
       timeout ${TESTS_T:-300} $PYT tests/test_pace.py tests/test_pace_waits.py tests/test_reprobe.py tests/test_direct.py \
         >"$W/pace_tests.log" 2>&1; r=$?
       wait $a; ra=$?
       note "pace tests: $(result $r) $(tail -1 "$W/pace_tests.log")"; note "kit direct+auto: $(result $ra) $(tail -1 "$W/pace_kit.log")" ;;
-    pace) for mode in fresh reuse; do
+    pace) for mode in ${PACE_MODES:-fresh reuse}; do
         if [ $mode = fresh ]; then args=${PACE_ARGS:-}; else args="--reuse ${PACE_REUSE_ARGS:-}"; fi
         timeout ${PACE_T:-300} python3 benchmarks/pace_probe.py --out "$OUT/pace-$mode.json" \
           --seconds ${PACE_SECONDS:-12} $args >"$W/pace_$mode.log" 2>&1

@@ -1,0 +1,173 @@
+"""Why do the page-major kernels back fp8 656-byte rows up at half the link? Host placement or page arithmetic (GPU).
+
+Usage: ``python benchmarks/backup_place_probe.py --out place.json [--gemm]``, or, for Nsight Compute, one
+variant's backups only: ``ncu ... -k regex:^KERNEL python benchmarks/backup_place_probe.py --profile LABEL``.
+
+On the H200 (2026-12-06) ``page_first_direct``'s kernel moved one-layer and all-layer backups of MLA fp8 656-byte
+rows at 0.47-0.49 of memcpy where ``layer_first``'s moved them at 0.77-0.90, at the same launch values.  The two
+kernels differ in two ways, and each variant here isolates one:
+
+* **where the host rows are**: a layer's 64 pages lie 2.56 MB apart in ``page_first_direct`` and side by side in
+  ``layer_first``.  ``layer_first ... spread K`` puts ``layer_first``'s host pages K pages apart (a pool of K times
+  the tokens, host page ``i`` at page ``i * K``): at K = 61 a layer's pages span what ``page_first_direct``'s span;
+* **the page arithmetic**: ``page_first_direct``'s kernel finds a host row by a 64-bit division of the slot by the
+  page size (:func:`hicache_core.kernel_lib.paged_rows`); ``page_first_direct int32`` is the same kernel with that
+  arithmetic in 32 bits (this module's ``KERNEL``, served as the strategy ``probe.page32``, io_backend ``probe32``).
+
+Launch-shape variants (more programs, more stages) and the other row widths stand beside them.  Every variant is
+checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
+ratio to a pinned memcpy of the same bytes in this run, and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
+another stream during all-layer backups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from hicache_core import StrategyInfo, hookimpl
+from hicache_core import kernel_lib as kl
+from hicache_core.bench import SHAPES, _check, _device_buffers, _gemm_slowdown, _indices, _median_ms, _Memcpy
+from hicache_core.pool import HostKVPool
+from hicache_core.registry import create_registry
+
+try:
+    from benchmarks.needs_cuda import require_cuda
+except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
+    from needs_cuda import require_cuda
+
+#: This module's import name, where the variant strategy finds ``KERNEL`` (run as a script: its file name).
+MODULE = __name__ if __name__ != "__main__" else "backup_place_probe"
+
+
+@triton.jit
+def _paged_rows32(host_off, host_page, host_tok, e, h, page_size):
+    """:func:`hicache_core.kernel_lib.paged_rows` with the page split in 32 bits (slots below 2**31)."""
+    h32 = h.to(tl.int32)
+    p = h32 // page_size
+    return (tl.load(host_off + e) + p.to(tl.int64) * tl.load(host_page + e)
+            + (h32 - p * page_size).to(tl.int64) * tl.load(host_tok + e))
+
+
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, page_size,
+           capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+           TO_HOST: tl.constexpr, STAGES: tl.constexpr, ENTRIES_INNER: tl.constexpr):
+    pid, nprog = kl.programs()
+    n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
+    for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
+        h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
+        host_row = _paged_rows32(host_off, host_page, host_tok, e, h, page_size)
+        kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
+
+
+def _page32(**options: Any) -> Any:
+    from hicache_page_first.strategy import PageFirstDirectKernelStrategy
+
+    class Page32(PageFirstDirectKernelStrategy):
+        name = "probe.page32"
+        kernel_module = MODULE
+    return Page32(**options)
+
+
+class _Plugin:
+    """The variant kernel as the strategy of ``page_first_direct`` under its own io_backend, ``probe32``."""
+
+    @staticmethod
+    @hookimpl
+    def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
+        register(StrategyInfo("probe.page32", "probe32", ("page_first_direct",), _page32, sharded=(False, True),
+                              description="probe: page_first_direct's kernel, 32-bit page split"))
+
+
+#: label -> (shape, layout, host page spread, strategy override, strategy options)
+VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
+    "fp8-656 layer_first": ("mla61x656-fp8", "layer_first", 1, None, {}),
+    "fp8-656 layer_first spread 16": ("mla61x656-fp8", "layer_first", 16, None, {}),
+    "fp8-656 layer_first spread 61": ("mla61x656-fp8", "layer_first", 61, None, {}),
+    "fp8-656 page_first_direct": ("mla61x656-fp8", "page_first_direct", 1, None, {}),
+    "fp8-656 page_first_direct int32": ("mla61x656-fp8", "page_first_direct", 1, "probe.page32", {}),
+    "fp8-656 page_first_direct programs 16": ("mla61x656-fp8", "page_first_direct", 1, None, {"programs": 16}),
+    "fp8-656 page_first_direct stages 3": ("mla61x656-fp8", "page_first_direct", 1, None, {"num_stages": 3}),
+    "fp8-656 page_first_kv_split": ("mla61x656-fp8", "page_first_kv_split", 1, None, {}),
+    "fp8-576 layer_first": ("mla61x576-fp8", "layer_first", 1, None, {}),
+    "fp8-576 page_first_direct": ("mla61x576-fp8", "page_first_direct", 1, None, {}),
+    "bf16-576 layer_first": ("mla61x576-bf16", "layer_first", 1, None, {}),
+    "bf16-576 page_first_direct": ("mla61x576-bf16", "page_first_direct", 1, None, {}),
+    "bf16-576 page_first_direct int32": ("mla61x576-bf16", "page_first_direct", 1, "probe.page32", {}),
+}
+
+
+def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+    shape, layout, spread, override, options = VARIANTS[label]
+    spec = SHAPES[shape](tokens, page_size, torch.device("cuda"))
+    dev = _device_buffers(spec, 2 * tokens + page_size)
+    h, s, d = _indices(spec, torch.Generator().manual_seed(0))
+    if spread > 1:  # host page i -> page i * spread, in a pool of spread times the slots
+        spec = dataclasses.replace(spec, capacity=spec.capacity * spread)
+        h = (h // page_size) * (spread * page_size) + h % page_size
+    pool = HostKVPool(spec, layout, "kernel" if override is None else "probe32", dev, strategy=override,
+                      strategy_options=options, registry=reg, pin_memory=True, validate="shapes")
+    return pool, dev, h, s, d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="backup_place.json")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--gemm", action="store_true", help="GEMM slowdown beside all-layer backups")
+    ap.add_argument("--profile", default=None, metavar="LABEL", help="only three all-layer backups of one variant")
+    args = ap.parse_args()
+    require_cuda(__file__)
+    reg = create_registry(plugins=[("probe", _Plugin())])
+    if args.profile is not None:
+        pool, dev, h, s, d = _build(args.profile, args.tokens, args.page_size, reg)
+        for _ in range(3):
+            pool.backup_all_layers(h, s)
+        torch.cuda.synchronize()
+        return 0
+    memcpy, rows, corrupt = _Memcpy(), [], 0
+    for label in [v for v in args.variants.split(",") if v]:
+        pool, dev, h, s, d = _build(label, args.tokens, args.page_size, reg)
+        try:
+            _check(pool, dev, h, s, d, ops=("backup_layer",))
+        except AssertionError as exc:
+            corrupt += 1
+            print(json.dumps({"variant": label, "CORRUPT": str(exc)}), flush=True)
+            continue
+        layers = pool.spec.layer_map.num_device_layers
+        total = pool.spec.bytes_per_token * args.tokens
+        one = total // layers
+        layer_ms = _median_ms(lambda: pool.backup_layer(1, h, s), args.reps)
+        backup = lambda: pool.backup_all_layers(h, s)  # noqa: E731
+        all_ms = _median_ms(backup, args.reps)
+        row: dict[str, Any] = {
+            "variant": label, "strategy": pool.strategy_name, "tokens": args.tokens, "page_size": args.page_size,
+            "backup_layer": one / layer_ms / 1e6 / memcpy.gbps(one, True, args.reps),
+            "backup_all_layers": total / all_ms / 1e6 / memcpy.gbps(total, True, args.reps),
+        }
+        if args.gemm:
+            row["gemm_all_layers"] = _gemm_slowdown(backup)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
+            json.dump(rows, f, indent=1)
+        del pool, dev
+        torch.cuda.empty_cache()
+    return 1 if corrupt else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
