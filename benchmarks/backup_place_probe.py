@@ -1,18 +1,19 @@
-"""Why do the page-major kernels back fp8 656-byte rows up at half the link? Host placement or page arithmetic (GPU).
+"""Why did the page-major kernels back fp8 656-byte rows up at half the link? Host placement or page arithmetic (GPU).
 
 Usage: ``python benchmarks/backup_place_probe.py --out place.json [--gemm]``, or, for Nsight Compute, one
 variant's backups only: ``ncu ... -k regex:^KERNEL python benchmarks/backup_place_probe.py --profile LABEL``.
 
 On the H200 (2026-12-06) ``page_first_direct``'s kernel moved one-layer and all-layer backups of MLA fp8 656-byte
 rows at 0.47-0.49 of memcpy where ``layer_first``'s moved them at 0.77-0.90, at the same launch values.  The two
-kernels differ in two ways, and each variant here isolates one:
+kernels differed in two ways, and each variant here isolates one:
 
 * **where the host rows are**: a layer's 64 pages lie 2.56 MB apart in ``page_first_direct`` and side by side in
   ``layer_first``.  ``layer_first ... spread K`` puts ``layer_first``'s host pages K pages apart (a pool of K times
   the tokens, host page ``i`` at page ``i * K``): at K = 61 a layer's pages span what ``page_first_direct``'s span;
-* **the page arithmetic**: ``page_first_direct``'s kernel finds a host row by a 64-bit division of the slot by the
-  page size (:func:`hicache_core.kernel_lib.paged_rows`); ``page_first_direct int32`` is the same kernel with that
-  arithmetic in 32 bits (this module's ``KERNEL``, served as the strategy ``probe.page32``, io_backend ``probe32``).
+* **the page arithmetic**: every thread computes the host offsets of all its tile's rows
+  (:func:`hicache_core.kernel_lib.paged_rows`).  The plugins' kernels now divide by the constexpr ``PAGE_SIZE``
+  (a shift); ``... runtime page_size`` is the kernel as it was, dividing by the runtime ``page_size`` (a 64-bit
+  division per row: this module's ``KERNEL``, the strategy ``probe.runtime_page``, io_backend ``probe``).
 
 Launch-shape variants (more programs, more stages) and the other row widths stand beside them.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
@@ -47,15 +48,6 @@ except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
 MODULE = __name__ if __name__ != "__main__" else "backup_place_probe"
 
 
-@triton.jit
-def _paged_rows32(host_off, host_page, host_tok, e, h, page_size):
-    """:func:`hicache_core.kernel_lib.paged_rows` with the page split in 32 bits (slots below 2**31)."""
-    h32 = h.to(tl.int32)
-    p = h32 // page_size
-    return (tl.load(host_off + e) + p.to(tl.int64) * tl.load(host_page + e)
-            + (h32 - p * page_size).to(tl.int64) * tl.load(host_tok + e))
-
-
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, page_size,
            capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
@@ -65,27 +57,27 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-        host_row = _paged_rows32(host_off, host_page, host_tok, e, h, page_size)
+        host_row = kl.paged_rows(host_off, host_page, host_tok, e, h, page_size)  # page_size: a runtime value
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
 
 
-def _page32(**options: Any) -> Any:
+def _runtime_page(**options: Any) -> Any:
     from hicache_page_first.strategy import PageFirstDirectKernelStrategy
 
-    class Page32(PageFirstDirectKernelStrategy):
-        name = "probe.page32"
+    class RuntimePage(PageFirstDirectKernelStrategy):
+        name = "probe.runtime_page"
         kernel_module = MODULE
-    return Page32(**options)
+    return RuntimePage(**options)
 
 
 class _Plugin:
-    """The variant kernel as the strategy of ``page_first_direct`` under its own io_backend, ``probe32``."""
+    """The kernel as it was as the strategy of ``page_first_direct`` under its own io_backend, ``probe``."""
 
     @staticmethod
     @hookimpl
     def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
-        register(StrategyInfo("probe.page32", "probe32", ("page_first_direct",), _page32, sharded=(False, True),
-                              description="probe: page_first_direct's kernel, 32-bit page split"))
+        register(StrategyInfo("probe.runtime_page", "probe", ("page_first_direct",), _runtime_page,
+                              sharded=(False, True), description="probe: page_first_direct's kernel, runtime page size"))
 
 
 #: label -> (shape, layout, host page spread, strategy override, strategy options)
@@ -94,15 +86,21 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 layer_first spread 16": ("mla61x656-fp8", "layer_first", 16, None, {}),
     "fp8-656 layer_first spread 61": ("mla61x656-fp8", "layer_first", 61, None, {}),
     "fp8-656 page_first_direct": ("mla61x656-fp8", "page_first_direct", 1, None, {}),
-    "fp8-656 page_first_direct int32": ("mla61x656-fp8", "page_first_direct", 1, "probe.page32", {}),
+    "fp8-656 page_first_direct runtime page_size": ("mla61x656-fp8", "page_first_direct", 1, "probe.runtime_page",
+                                                    {}),
     "fp8-656 page_first_direct programs 16": ("mla61x656-fp8", "page_first_direct", 1, None, {"programs": 16}),
     "fp8-656 page_first_direct stages 3": ("mla61x656-fp8", "page_first_direct", 1, None, {"num_stages": 3}),
     "fp8-656 page_first_kv_split": ("mla61x656-fp8", "page_first_kv_split", 1, None, {}),
+    "fp8-656 page_first": ("mla61x656-fp8", "page_first", 1, None, {}),
     "fp8-576 layer_first": ("mla61x576-fp8", "layer_first", 1, None, {}),
     "fp8-576 page_first_direct": ("mla61x576-fp8", "page_first_direct", 1, None, {}),
     "bf16-576 layer_first": ("mla61x576-bf16", "layer_first", 1, None, {}),
     "bf16-576 page_first_direct": ("mla61x576-bf16", "page_first_direct", 1, None, {}),
-    "bf16-576 page_first_direct int32": ("mla61x576-bf16", "page_first_direct", 1, "probe.page32", {}),
+    "bf16-576 page_first_direct runtime page_size": ("mla61x576-bf16", "page_first_direct", 1, "probe.runtime_page",
+                                                     {}),
+    "mha-bf16 layer_first": ("mha80x8x128-bf16", "layer_first", 1, None, {}),
+    "mha-bf16 page_first_direct": ("mha80x8x128-bf16", "page_first_direct", 1, None, {}),
+    "mha-bf16 page_first_kv_split": ("mha80x8x128-bf16", "page_first_kv_split", 1, None, {}),
 }
 
 
@@ -115,7 +113,7 @@ def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPoo
     if spread > 1:  # host page i -> page i * spread, in a pool of spread times the slots
         spec = dataclasses.replace(spec, capacity=spec.capacity * spread)
         h = (h // page_size) * (spread * page_size) + h % page_size
-    pool = HostKVPool(spec, layout, "kernel" if override is None else "probe32", dev, strategy=override,
+    pool = HostKVPool(spec, layout, "kernel" if override is None else "probe", dev, strategy=override,
                       strategy_options=options, registry=reg, pin_memory=True, validate="shapes")
     return pool, dev, h, s, d
 

@@ -245,7 +245,7 @@ for line in sys.stdin:
     place) timeout ${PLACE_T:-300} python3 benchmarks/backup_place_probe.py --out "$OUT/place.json" --gemm \
         ${PLACE_ARGS:-} >"$W/place.log" 2>&1
       note "backup place probe: $(result $?)"; cat "$W/place.log"
-      IFS=';' read -ra labels <<<"${PLACE_NCU:-fp8-656 layer_first;fp8-656 page_first_direct;fp8-656 page_first_direct int32}"
+      IFS=';' read -ra labels <<<"${PLACE_NCU:-fp8-656 layer_first;fp8-656 page_first_direct;fp8-656 page_first_direct runtime page_size}"
       for lab in "${labels[@]}"; do f="$W/ncu_place_${lab// /_}.log"
         timeout ${NCU_T:-90} ncu --target-processes all --clock-control none -k regex:^KERNEL --launch-skip 2 \
           --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \

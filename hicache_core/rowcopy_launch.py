@@ -40,6 +40,7 @@ LAUNCH_VALUES = {
     "host_page_b": "as host_page, second part",
     "host_tok_b": "as host_tok, second part",
     "page_size": "tokens per page",
+    "PAGE_SIZE": "constexpr: tokens per page (a row's page split by a constant: shifts, not a 64-bit division per row)",
     "capacity": "host slots: host indices outside 0..capacity-1 move nothing",
     "dev_rows": "device rows of the shortest layer: device indices outside move nothing",
     "WIDTH": "constexpr: row words (both parts; page loads: the words of the host part loaded)",
@@ -137,7 +138,7 @@ def _route(prep: Prepared, gi: int, n: int, layer: int | None,
 def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], t: Tuning) -> dict[str, Any]:
     """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
     return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
-                page_size=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, VEC=g.vec, STAGES=t.stages)
+                page_size=spec.page_size, PAGE_SIZE=spec.page_size, capacity=spec.capacity, dev_rows=g.rows, VEC=g.vec, STAGES=t.stages)
 
 
 def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:

@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-import importlib, itertools, subprocess, sys, types  # noqa: E401,E402
+import importlib, inspect, itertools, subprocess, sys, types  # noqa: E401,E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -204,6 +204,24 @@ def test_launch_values_are_bound_by_parameter_name(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_row_kernels", types.SimpleNamespace(KERNEL=_FakeKernel("anchor", "host_pages")))
     with pytest.raises(ConfigError, match=r"declares \['host_pages'\].*\(did you mean: host_page[,?]"):
         Bogus().prepare(pool.binding)
+
+
+def test_paged_kernels_split_pages_by_the_constexpr_page_size():
+    """A row kernel that pages its host rows takes ``PAGE_SIZE`` (a constant: shifts), never the runtime ``page_size``
+    (every thread dividing each of its tile's rows in 64 bits held page_first_direct's fp8 656-byte backups to half
+    the link: benchmarks/backup_place_probe.py); the launch passes the pool's page size for it."""
+    paged = 0
+    for cls in KERNELS.values():
+        kernel = importlib.import_module(cls.kernel_module).KERNEL
+        names = Launcher(kernel).arg_names
+        if "host_page" in names:
+            paged += 1
+            assert "PAGE_SIZE" in names and "page_size" not in names, cls.name
+            assert "constexpr" in str(inspect.signature(kernel.fn).parameters["PAGE_SIZE"].annotation), cls.name
+    assert paged >= 3  # page_first, page_first_direct, page_first_kv_split
+    spec = _mla()
+    assert rowcopy_launch._fixed_values(spec, types.SimpleNamespace(anchor=None, rows=1, vec=1), {},
+                                        Tuning(1, 1, 1))["PAGE_SIZE"] == spec.page_size
 
 
 # -- supports, and no Triton before a pool is prepared ------------------------------------------------------

@@ -25,17 +25,17 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-           host_off_b, host_page_b, host_tok_b, page_size, capacity, dev_rows, WIDTH: tl.constexpr,
+           host_off_b, host_page_b, host_tok_b, capacity, dev_rows, WIDTH: tl.constexpr,
            SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, TOKENS: tl.constexpr,
-           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr):
+           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, True)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         dev_row = kl.device_rows(dev_off, dev_stride, e, d)
-        host_a = kl.paged_rows(host_off, host_page, host_tok, e, h, page_size)
+        host_a = kl.paged_rows(host_off, host_page, host_tok, e, h, PAGE_SIZE)
         kl.move_rows(anchor, dev_row, host_a, ok, SPLIT, BLOCK, VEC, TO_HOST)
         if SPLIT < WIDTH:
-            host_b = kl.paged_rows(host_off_b, host_page_b, host_tok_b, e, h, page_size)
+            host_b = kl.paged_rows(host_off_b, host_page_b, host_tok_b, e, h, PAGE_SIZE)
             kl.move_rows(anchor, dev_row + SPLIT, host_b, ok, WIDTH - SPLIT, BLOCK_B, VEC, TO_HOST)

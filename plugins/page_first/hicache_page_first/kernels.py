@@ -1,7 +1,8 @@
 """Triton kernel of the page-major layouts ``page_first`` and ``page_first_direct``.
 
-Host slot ``s`` of entry ``e`` starts at ``host_off[e] + (s // page_size) *
-host_page[e] + (s % page_size) * host_tok[e]`` words.  The two layouts differ
+Host slot ``s`` of entry ``e`` starts at ``host_off[e] + (s // PAGE_SIZE) *
+host_page[e] + (s % PAGE_SIZE) * host_tok[e]`` words (the page size a constant: see
+:func:`hicache_core.kernel_lib.paged_rows`).  The two layouts differ
 in strides and in the order of work items (``ENTRIES_INNER``, set by each strategy):
 
 * ``page_first`` (``[S, L, row]``): a token's rows of every layer are
@@ -29,13 +30,13 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
-def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, page_size,
-           capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
-           TO_HOST: tl.constexpr, STAGES: tl.constexpr, ENTRIES_INNER: tl.constexpr):
+def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
+           dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+           TO_HOST: tl.constexpr, STAGES: tl.constexpr, ENTRIES_INNER: tl.constexpr, PAGE_SIZE: tl.constexpr):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-        host_row = kl.paged_rows(host_off, host_page, host_tok, e, h, page_size)
+        host_row = kl.paged_rows(host_off, host_page, host_tok, e, h, PAGE_SIZE)
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
