@@ -15,7 +15,9 @@ kernels differed in two ways, and each variant here isolates one:
   (a shift); ``... runtime page_size`` is the kernel as it was, dividing by the runtime ``page_size`` (a 64-bit
   division per row: this module's ``KERNEL``, the strategy ``probe.runtime_page``, io_backend ``probe``).
 
-Launch-shape variants (more programs, more stages) and the other row widths stand beside them.  Every variant is
+Launch-shape variants (more programs, more stages) and the other row widths stand beside them, and
+``page_first_kv_split``'s kernel in the order ``page_first_direct``'s walks (``... layer-major``: the strategy
+``probe.kv_layer_major``, io_backend ``probe``) and with 4 warps instead of its 8.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
 ratio to a pinned memcpy of the same bytes in this run, and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
 another stream during all-layer backups.
@@ -70,14 +72,26 @@ def _runtime_page(**options: Any) -> Any:
     return RuntimePage(**options)
 
 
+def _kv_layer_major(**options: Any) -> Any:
+    from hicache_kv_split.strategy import KVSplitKernelStrategy
+
+    class LayerMajor(KVSplitKernelStrategy):
+        name = "probe.kv_layer_major"
+        entries_inner = False
+    return LayerMajor(**options)
+
+
 class _Plugin:
-    """The kernel as it was as the strategy of ``page_first_direct`` under its own io_backend, ``probe``."""
+    """Under their own io_backend, ``probe``: ``page_first_direct``'s kernel as it was, and ``page_first_kv_split``'s
+    kernel walking the token tiles of one layer entry before the next (``ENTRIES_INNER`` off; its default is on)."""
 
     @staticmethod
     @hookimpl
     def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
         register(StrategyInfo("probe.runtime_page", "probe", ("page_first_direct",), _runtime_page,
                               sharded=(False, True), description="probe: page_first_direct's kernel, runtime page size"))
+        register(StrategyInfo("probe.kv_layer_major", "probe", ("page_first_kv_split",), _kv_layer_major,
+                              sharded=(False, True), description="probe: page_first_kv_split's kernel, layer-major"))
 
 
 #: label -> (shape, layout, host page spread, strategy override, strategy options)
@@ -91,6 +105,10 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 page_first_direct programs 16": ("mla61x656-fp8", "page_first_direct", 1, None, {"programs": 16}),
     "fp8-656 page_first_direct stages 3": ("mla61x656-fp8", "page_first_direct", 1, None, {"num_stages": 3}),
     "fp8-656 page_first_kv_split": ("mla61x656-fp8", "page_first_kv_split", 1, None, {}),
+    "fp8-656 page_first_kv_split layer-major": ("mla61x656-fp8", "page_first_kv_split", 1, "probe.kv_layer_major", {}),
+    "fp8-656 page_first_kv_split 4 warps": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"num_warps": 4}),
+    "fp8-656 page_first_kv_split layer-major 4 warps": ("mla61x656-fp8", "page_first_kv_split", 1,
+                                                        "probe.kv_layer_major", {"num_warps": 4}),
     "fp8-656 page_first": ("mla61x656-fp8", "page_first", 1, None, {}),
     "fp8-576 layer_first": ("mla61x576-fp8", "layer_first", 1, None, {}),
     "fp8-576 page_first_direct": ("mla61x576-fp8", "page_first_direct", 1, None, {}),
@@ -101,6 +119,10 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "mha-bf16 layer_first": ("mha80x8x128-bf16", "layer_first", 1, None, {}),
     "mha-bf16 page_first_direct": ("mha80x8x128-bf16", "page_first_direct", 1, None, {}),
     "mha-bf16 page_first_kv_split": ("mha80x8x128-bf16", "page_first_kv_split", 1, None, {}),
+    "mha-bf16 page_first_kv_split layer-major": ("mha80x8x128-bf16", "page_first_kv_split", 1, "probe.kv_layer_major",
+                                                 {}),
+    "bf16-576 page_first_kv_split": ("mla61x576-bf16", "page_first_kv_split", 1, None, {}),
+    "bf16-576 page_first_kv_split layer-major": ("mla61x576-bf16", "page_first_kv_split", 1, "probe.kv_layer_major", {}),
 }
 
 

@@ -4,8 +4,8 @@ A fused group (MLA ``latent`` + ``rope`` of one device row) sends words
 ``0..SPLIT-1`` of each row to the ``host_*`` buffers and the rest to the
 ``host_*_b`` buffers, both paged (``[P, L, page_size, width]``); a group of
 one segment has ``SPLIT == WIDTH`` and never touches the second part.  On
-load the parts are joined into the device row.  Consecutive work items are
-the layer entries of one token tile.  Built from :mod:`hicache_core.kernel_lib`.
+load the parts are joined into the device row.  Work items walk in the strategy's order (``ENTRIES_INNER``:
+the layer entries of one token tile together).  Built from :mod:`hicache_core.kernel_lib`.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
            host_off_b, host_page_b, host_tok_b, capacity, dev_rows, WIDTH: tl.constexpr,
            SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, TOKENS: tl.constexpr,
-           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr):
+           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+           ENTRIES_INNER: tl.constexpr):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-        e, tile = kl.work_item(item, ents, n_tiles, n_ents, True)
+        e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         dev_row = kl.device_rows(dev_off, dev_stride, e, d)
         host_a = kl.paged_rows(host_off, host_page, host_tok, e, h, PAGE_SIZE)

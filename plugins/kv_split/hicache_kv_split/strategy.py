@@ -42,3 +42,4 @@ class KVSplitKernelStrategy(RowKernelStrategy):
     kernel_module = "hicache_kv_split.kernels"
     tuning = TUNING
     fuse_parts = True
+    entries_inner = True
