@@ -76,7 +76,7 @@ def test_a_file_that_is_not_bench_json_is_refused_in_one_line(tmp_path, capsys, 
 
 
 def test_the_recorded_h200_run_has_the_misses_the_run_log_names(capsys):
-    """docs/perf/runs.md, "Latest run": seven lone one-layer backups (the backup rule) and five loads."""
+    """docs/perf/runs.md, "Earlier run: the first H200 run since the fourteenth": seven lone one-layer backups (the backup rule) and five loads."""
     backups = PERF / "bench-backup-burst-h200-90c3ae0-2026-12-06.json"
     loads = PERF / "bench-loads-h200-998754e-2026-12-06.json"
     missed = {}

@@ -8,7 +8,7 @@ once in ``tests/test_rowcopy.py``; the conformance cases in ``test_kv_split_conf
 import torch
 import pytest
 
-from hicache_core import Component, LayerMap, PoolSpec, create_registry
+from hicache_core import Component, HostKVPool, LayerMap, PoolSpec, StrategyInfo, create_registry, hookimpl
 from hicache_kv_split.strategy import NAME, KVSplitKernelStrategy
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -113,3 +113,40 @@ def test_fused_group_takes_one_access_word(kv, lora, rope, pad, lead, word, vec)
     groups, pool = _round_trip(kv, spec, _device(spec, gen, rows=27, pad=pad, lead=lead), gen, pages=3)
     assert groups == [(("latent", "rope"), (lora + rope) // word, lora // word, word)]
     assert pool.binding.scratch[NAME].groups[0].vec == vec
+
+
+
+class _LayerMajor(KVSplitKernelStrategy):
+    name = "test.kv_layer_major"
+    entries_inner = False
+
+
+class _LayerMajorPlugin:
+    """``_LayerMajor`` under an io_backend of its own (the shipped strategy keeps ``kernel``)."""
+
+    @staticmethod
+    @hookimpl
+    def hicache_register_strategies(register):
+        register(StrategyInfo(_LayerMajor.name, "layer_major", ("page_first_kv_split",), _LayerMajor))
+
+
+@pytest.mark.parametrize("io_backend, entries_inner", [("kernel", True), ("layer_major", False)])
+def test_work_item_order_is_the_strategy_s(io_backend, entries_inner):
+    """The kernel walks work items in its strategy's order (``ENTRIES_INNER``): by default the layers of one token
+    before the next token.  Seen on one program, one token per tile, row loads (no page loads, no TMA), device
+    layer 1 a view of layer 0 one row on: device row 2 is written by (token 0, layer 1) and by (token 1, layer 0);
+    the later item wins."""
+    registry = create_registry(plugins=[("layer_major", _LayerMajorPlugin())])
+    spec = PoolSpec("mla", (Component("kv", 16, torch.uint8),), LayerMap.unsharded(2), 1, 8, DEVICE)
+    rows = torch.zeros(9, 16, dtype=torch.uint8, device=DEVICE)
+    pool = HostKVPool(spec, "page_first_kv_split", io_backend, {"kv": [rows[:8], rows[1:]]}, registry=registry,
+                      pin_memory=DEVICE.type == "cuda",
+                      strategy_options={"programs": 1, "tile_bytes": 1, "pages": False, "tma": False})
+    filler = {"kv": [torch.full((8, 16), v, dtype=torch.uint8, device=DEVICE) for v in (10, 11)]}
+    HostKVPool(spec, "page_first_kv_split", "reference", filler, host_buffers=pool.host_buffers,
+               registry=registry).backup_all_layers(torch.arange(8), torch.arange(8))  # host layer l holds 10 + l
+    pool.load_all_layers(torch.tensor([3, 4]), torch.tensor([1, 2]))
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert pool.strategy_name == (NAME if entries_inner else _LayerMajor.name)
+    assert rows[:, 0].tolist() == [0, 10, 10 if entries_inner else 11, 11, 0, 0, 0, 0, 0]
