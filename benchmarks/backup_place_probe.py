@@ -140,6 +140,26 @@ def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPoo
     return pool, dev, h, s, d
 
 
+def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) -> dict[str, Any]:
+    """One variant's row, after its bit-exact check (an ``AssertionError`` when it fails)."""
+    pool, dev, h, s, d = _build(label, args.tokens, args.page_size, reg)
+    _check(pool, dev, h, s, d, ops=("backup_layer",))
+    layers = pool.spec.layer_map.num_device_layers
+    total = pool.spec.bytes_per_token * args.tokens
+    one = total // layers
+    layer_ms = _median_ms(lambda: pool.backup_layer(1, h, s), args.reps)
+    backup = lambda: pool.backup_all_layers(h, s)  # noqa: E731
+    all_ms = _median_ms(backup, args.reps)
+    row: dict[str, Any] = {
+        "variant": label, "strategy": pool.strategy_name, "tokens": args.tokens, "page_size": args.page_size,
+        "backup_layer": one / layer_ms / 1e6 / memcpy.gbps(one, True, args.reps),
+        "backup_all_layers": total / all_ms / 1e6 / memcpy.gbps(total, True, args.reps),
+    }
+    if args.gemm:
+        row["gemm_all_layers"] = _gemm_slowdown(backup)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="backup_place.json")
@@ -150,6 +170,10 @@ def main() -> int:
     ap.add_argument("--gemm", action="store_true", help="GEMM slowdown beside all-layer backups")
     ap.add_argument("--profile", default=None, metavar="LABEL", help="only three all-layer backups of one variant")
     args = ap.parse_args()
+    labels = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in labels + ([args.profile] if args.profile is not None else []) if v not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variant(s) {', '.join(map(repr, unknown))}; the variants: {', '.join(VARIANTS)}")
     require_cuda(__file__)
     reg = create_registry(plugins=[("probe", _Plugin())])
     if args.profile is not None:
@@ -159,33 +183,19 @@ def main() -> int:
         torch.cuda.synchronize()
         return 0
     memcpy, rows, corrupt = _Memcpy(), [], 0
-    for label in [v for v in args.variants.split(",") if v]:
-        pool, dev, h, s, d = _build(label, args.tokens, args.page_size, reg)
+    for label in labels:
         try:
-            _check(pool, dev, h, s, d, ops=("backup_layer",))
+            row = _measure(label, args, reg, memcpy)
         except AssertionError as exc:
             corrupt += 1
             print(json.dumps({"variant": label, "CORRUPT": str(exc)}), flush=True)
             continue
-        layers = pool.spec.layer_map.num_device_layers
-        total = pool.spec.bytes_per_token * args.tokens
-        one = total // layers
-        layer_ms = _median_ms(lambda: pool.backup_layer(1, h, s), args.reps)
-        backup = lambda: pool.backup_all_layers(h, s)  # noqa: E731
-        all_ms = _median_ms(backup, args.reps)
-        row: dict[str, Any] = {
-            "variant": label, "strategy": pool.strategy_name, "tokens": args.tokens, "page_size": args.page_size,
-            "backup_layer": one / layer_ms / 1e6 / memcpy.gbps(one, True, args.reps),
-            "backup_all_layers": total / all_ms / 1e6 / memcpy.gbps(total, True, args.reps),
-        }
-        if args.gemm:
-            row["gemm_all_layers"] = _gemm_slowdown(backup)
+        finally:
+            torch.cuda.empty_cache()  # the variant's pool is gone: its pinned and device memory go back
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
             json.dump(rows, f, indent=1)
-        del pool, dev
-        torch.cuda.empty_cache()
     return 1 if corrupt else 0
 
 
