@@ -1,0 +1,53 @@
+"""The plugins' row kernels compiled by this Triton for sm_90 (its bundled ptxas, no GPU needed; a separate process,
+outside the interpreter): no per-row 64-bit division.
+
+Every thread of a row kernel holds all its tile's rows, so per-row arithmetic is paid ``TOKENS`` times per thread
+per tile; a 64-bit division there (the page split by a runtime page size) held ``page_first_direct``'s backups of
+656-byte rows to half the link (docs/performance.md, "What limits them").  The count of 64-bit ``div``/``rem``
+instructions in each kernel's PTX must not grow with ``TOKENS``, for a power-of-two page size and another."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_COUNT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hicache_kv_split import kernels as kv
+from hicache_layer_first import kernels as lf
+from hicache_page_first import kernels as pf
+
+INTS = {"n": "i32", "n_ents": "i32", "capacity": "i64", "dev_rows": "i64", "page_size": "i32"}
+DIV64 = re.compile(r"\b(div|rem)\.[su]64\b")
+out = {}
+for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
+                            ("page_first", pf.KERNEL, {"BLOCK": 128, "ENTRIES_INNER": False}),
+                            ("page_first_kv_split", kv.KERNEL, {"BLOCK": 64, "SPLIT": 64, "BLOCK_B": 32,
+                                                                "ENTRIES_INNER": True})):
+    for page in (64, 48):
+        for tokens in (16, 64):
+            consts = dict(WIDTH=82, TOKENS=tokens, VEC=2, TO_HOST=True, STAGES=1, PAGE_SIZE=page, **extra)
+            names = kernel.arg_names
+            sig = {n: "constexpr" if n in consts else INTS.get(n, "*i64") for n in names}
+            src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items() if n in names})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            out.setdefault(name, {})[f"page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
+print(json.dumps(out))
+"""
+
+
+def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split"}
+    for name, by in counts.items():
+        for page in (64, 48):
+            few, many = by[f"page {page}, 16 tokens"], by[f"page {page}, 64 tokens"]
+            assert few == many <= 2, (name, by)  # the work-item split (item // n_tiles), not one per row
