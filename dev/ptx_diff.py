@@ -13,7 +13,7 @@ values both versions take, ``--old-const`` / ``--new-const`` those only one decl
 pass them.  Each version's ``KERNEL`` (or ``--kernel``) is compiled for ``--arch`` (default sm_90) and its PTX
 compared without comments and debug information (file names and line numbers differ between any two files).
 Exit status 0 when the code is identical, 1 when it differs (the first differing lines are printed), 2 when a
-constexpr has no value.
+constexpr has no value or a version cannot be read.
 
 A refactor of a kernel whose compiled code is unchanged needs no new GPU run; any other edit does.
 """
@@ -51,10 +51,31 @@ def _source(spec: str, tmp: Path, tag: str) -> Path:
     if Path(spec).is_file():
         return Path(spec)
     rev, _, path = spec.partition(":")
-    text = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True).stdout
+    got = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1])  # the checkout this script is in
+    if got.returncode != 0:
+        print(f"{spec}: neither a file nor REV:PATH in this checkout ({got.stderr.strip()})", file=sys.stderr)
+        raise SystemExit(2)
+    text = got.stdout
     out = tmp / f"{tag}_{Path(path).name}"
     out.write_text(text)
     return out
+
+
+def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 90) -> Any:
+    """``fn`` (a ``@triton.jit`` kernel) compiled for compute capability ``arch`` with the constexpr values ``consts``
+    (those it declares); its other parameters typed as the row-copy launches pass them (see the module's doc)."""
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "i64" if a in INT64 else "*i64" for a in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def code(ptx: str) -> str:
+    """``ptx`` without debug sections, comments and source-location directives (what differs between two files)."""
+    text = ptx.split(".section\t.debug")[0]
+    text = re.sub(r"//.*$", "", text, flags=re.M)
+    return re.sub(r"^\s*\.(file|loc)\b.*$", "", text, flags=re.M)
 
 
 def _ptx(path: Path, tag: str, kernel: str, consts: dict[str, Any], warps: int, arch: int) -> str:
@@ -68,14 +89,7 @@ def _ptx(path: Path, tag: str, kernel: str, consts: dict[str, Any], warps: int, 
         print(f"{tag}: no value for constexpr parameter(s) {', '.join(missing)}: add them to --const or "
               f"--{tag}-const", file=sys.stderr)
         raise SystemExit(2)
-    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "i64" if a in INT64 else "*i64"
-           for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items() if k in fn.arg_names})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    text = compiled.asm["ptx"].split(".section\t.debug")[0]
-    text = re.sub(r"//.*$", "", text, flags=re.M)
-    return re.sub(r"^\s*\.(file|loc)\b.*$", "", text, flags=re.M)
+    return code(compile_kernel(fn, consts, warps, arch).asm["ptx"])
 
 
 def main() -> int:

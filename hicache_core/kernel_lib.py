@@ -97,7 +97,7 @@ def paged_rows(host_off, host_page, host_tok, e, h, page_size):
 
     Kernels moving many rows pass ``page_size`` as the constexpr launch value ``PAGE_SIZE``: every thread computes
     the offsets of all its tile's rows, and with a runtime page size each is a 64-bit division (a software routine
-    whose registers spilled), which held ``page_first_direct``'s backups of 656-byte rows to half the link; by a
+    whose registers spilled), which held a page-major layout's backups of 656-byte rows to half the link; by a
     constant it is a shift (powers of two) or a multiply (other sizes: 64-bit, so those kernels still spill some)."""
     p = h // page_size
     return tl.load(host_off + e) + p * tl.load(host_page + e) + (h - p * page_size) * tl.load(host_tok + e)

@@ -1,5 +1,5 @@
 """The plugins' row kernels compiled by this Triton for sm_90 (its bundled ptxas, no GPU needed; a separate process,
-outside the interpreter): no per-row 64-bit division.
+outside the interpreter, through ``dev/ptx_diff.py``'s ``compile_kernel``): no per-row 64-bit division.
 
 Every thread of a row kernel holds all its tile's rows, so per-row arithmetic is paid ``TOKENS`` times per thread
 per tile; a 64-bit division there (the page split by a runtime page size) held ``page_first_direct``'s backups of
@@ -12,17 +12,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 _COUNT = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+sys.path.insert(0, "dev")
+from ptx_diff import compile_kernel
 from hicache_kv_split import kernels as kv
 from hicache_layer_first import kernels as lf
 from hicache_page_first import kernels as pf
 
-INTS = {"n": "i32", "n_ents": "i32", "capacity": "i64", "dev_rows": "i64", "page_size": "i32"}
 DIV64 = re.compile(r"\b(div|rem)\.[su]64\b")
 out = {}
 for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
@@ -32,10 +31,7 @@ for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
     for page in (64, 48):
         for tokens in (16, 64):
             consts = dict(WIDTH=82, TOKENS=tokens, VEC=2, TO_HOST=True, STAGES=1, PAGE_SIZE=page, **extra)
-            names = kernel.arg_names
-            sig = {n: "constexpr" if n in consts else INTS.get(n, "*i64") for n in names}
-            src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items() if n in names})
-            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+            ptx = compile_kernel(kernel, consts).asm["ptx"]
             out.setdefault(name, {})[f"page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
 print(json.dumps(out))
 """
@@ -43,7 +39,8 @@ print(json.dumps(out))
 
 def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(counts) == {"layer_first", "page_first", "page_first_kv_split"}

@@ -47,3 +47,9 @@ def test_a_missing_constexpr_is_named():
     done = _run("--old", KV, "--new", KV, "--const", "WIDTH=82")
     assert done.returncode == 2
     assert "no value for constexpr parameter(s)" in done.stderr and "SPLIT" in done.stderr
+
+
+def test_an_unreadable_version_is_named():
+    done = _run("--old", "no-such-rev:" + KV, "--new", KV, "--const", CONST)
+    assert done.returncode == 2
+    assert "neither a file nor REV:PATH" in done.stderr
