@@ -1,121 +1,181 @@
-"""Does a kernel edit change the compiled kernel?  Compare two versions' PTX, compiled ahead of time on any machine.
+"""Does a kernel edit change the compiled kernel?  Two versions' PTX, compiled ahead of time on a CPU, compared.
 
-Usage (no GPU needed; Triton's own ptxas-free PTX path)::
+Usage (Linux, Triton with its NVIDIA backend; no GPU needed)::
 
-    python dev/ptx_diff.py --old 72e0b14:plugins/kv_split/hicache_kv_split/kernels.py \\
-        --new plugins/kv_split/hicache_kv_split/kernels.py \\
+    python dev/ptx_diff.py --file plugins/kv_split/hicache_kv_split/kernels.py --old 72e0b14 \\
         --const WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64 \\
         --new-const ENTRIES_INNER=1 --warps 8
 
-``--old`` and ``--new`` are files, or ``REV:PATH`` for a file at a git revision.  ``--const`` gives the constexpr
-values both versions take, ``--old-const`` / ``--new-const`` those only one declares; every other parameter is an
-``*i64`` pointer except ``n``/``n_ents`` (``i32``) and ``capacity``/``dev_rows`` (``i64``), as the row-copy launches
-pass them.  Each version's ``KERNEL`` (or ``--kernel``) is compiled for ``--arch`` (default sm_90) and its PTX
-compared without comments and debug information (file names and line numbers differ between any two files).
-Exit status 0 when the code is identical, 1 when it differs (the first differing lines are printed), 2 when a
-constexpr has no value or a version cannot be read.
+Each version is a whole tree: ``--old REV`` (and ``--new REV``; without it, this working tree) is exported from git
+(``hicache_core``, ``plugins``) and its ``--file``'s ``KERNEL`` (or ``--kernel``) is compiled in a process of its own
+with that tree first on the path, so an edit to ``hicache_core/kernel_lib.py`` (the pieces every kernel is built
+from) counts as much as one to the kernel's file.  ``--const`` gives the constexpr values both versions take,
+``--old-const`` / ``--new-const`` those only one declares (integers; 0/1 for booleans compile as ``False``/``True``).
 
-A refactor of a kernel whose compiled code is unchanged needs no new GPU run; any other edit does.
+Signatures: pointers ``*i64``; the scalars ``n``, ``n_ents``, ``capacity``, ``dev_rows``, ``page_size`` ``i32``
+(what a Python int below 2**31 becomes); ``--types NAME=TYPE,...`` overrides any of them (e.g. ``anchor=*i32``).
+Each version is compiled twice, with 64-bit and with 32-bit index tensors (``host_idx``, ``dev_idx``: a pool
+accepts both).  Line information is off (``TRITON_DISABLE_LINE_INFO``) and comments are stripped, so moving code
+between functions or files does not count as a change.  What this does not see: the divisibility hints a launch
+gives its integer arguments (Triton specialises on multiples of 16) and values other than those given.
+
+Exit status: 0 when every compiled pair has identical PTX, 1 when one differs (its first differing lines are
+printed), 2 when a version cannot be compiled or read (the reason is printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.util
+import json
+import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: kernels must compile, not interpret
 
-INT32 = {"n", "n_ents"}
-INT64 = {"capacity", "dev_rows", "page_size"}
-
-
-def _values(text: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        out[name.strip()] = int(value)
-    return out
+ROOT = Path(__file__).resolve().parents[1]
+#: Scalars typed as the launches pass them (Python ints below 2**31); every other parameter is a ``*i64`` pointer.
+INT32 = ("n", "n_ents", "capacity", "dev_rows", "page_size")
+#: The index tensors, compiled as int64 and as int32.
+INDEX = ("host_idx", "dev_idx")
 
 
-def _source(spec: str, tmp: Path, tag: str) -> Path:
-    """A file path, or ``REV:PATH`` read from git into ``tmp``."""
-    if Path(spec).is_file():
-        return Path(spec)
-    rev, _, path = spec.partition(":")
-    got = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1])  # the checkout this script is in
-    if got.returncode != 0:
-        print(f"{spec}: neither a file nor REV:PATH in this checkout ({got.stderr.strip()})", file=sys.stderr)
-        raise SystemExit(2)
-    text = got.stdout
-    out = tmp / f"{tag}_{Path(path).name}"
-    out.write_text(text)
-    return out
-
-
-def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 90) -> Any:
+def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 90,
+                   types: dict[str, str] | None = None) -> Any:
     """``fn`` (a ``@triton.jit`` kernel) compiled for compute capability ``arch`` with the constexpr values ``consts``
-    (those it declares); its other parameters typed as the row-copy launches pass them (see the module's doc)."""
+    (those it declares); other parameters typed by ``types``, else as the module's doc says."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     names = fn.arg_names
-    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "i64" if a in INT64 else "*i64" for a in names}
+    given = types or {}
+    sig = {a: "constexpr" if a in consts else given.get(a, "i32" if a in INT32 else "*i64") for a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
 def code(ptx: str) -> str:
-    """``ptx`` without debug sections, comments and source-location directives (what differs between two files)."""
+    """``ptx`` without debug sections, comments, source-location directives and blank lines."""
     text = ptx.split(".section\t.debug")[0]
     text = re.sub(r"//.*$", "", text, flags=re.M)
-    return re.sub(r"^\s*\.(file|loc)\b.*$", "", text, flags=re.M)
+    text = re.sub(r"^\s*\.(file|loc)\b.*$", "", text, flags=re.M)
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
-def _ptx(path: Path, tag: str, kernel: str, consts: dict[str, Any], warps: int, arch: int) -> str:
-    spec = importlib.util.spec_from_file_location(f"ptx_diff_{tag}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, kernel)
-    missing = [a for a in fn.arg_names if a.isupper() and a not in consts]
-    if missing:
-        print(f"{tag}: no value for constexpr parameter(s) {', '.join(missing)}: add them to --const or "
-              f"--{tag}-const", file=sys.stderr)
-        raise SystemExit(2)
-    return code(compile_kernel(fn, consts, warps, arch).asm["ptx"])
+#: Run in each version's process (its tree first on sys.path): the kernel's PTX code per index width, as JSON.
+_CHILD = r"""
+import importlib.util, json, sys
+tree, path, kernel, consts, types, warps, arch, tool = json.loads(sys.argv[1])
+sys.path[:0] = [tree] + [p for p in sys.argv[2:]]
+sys.path.append(tool)  # this script's folder: ptx_diff itself, whichever version is compiled
+import hicache_core
+if not hicache_core.__file__.startswith(tree):
+    sys.exit(f"hicache_core came from {hicache_core.__file__}, not from {tree}")
+from ptx_diff import code, compile_kernel, INDEX
+spec = importlib.util.spec_from_file_location("ptx_diff_kernel", f"{tree}/{path}")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+fn = getattr(module, kernel, None)
+if fn is None:
+    sys.exit(f"{path} has no {kernel}")
+missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts and not p.has_default]
+if missing:
+    sys.exit(f"no value for constexpr parameter(s) {', '.join(missing)}")
+out = {}
+for width in ("*i64", "*i32"):
+    both = {**{name: width for name in INDEX}, **types}
+    out[width] = code(compile_kernel(fn, consts, warps, arch, both).asm["ptx"])
+print(json.dumps(out))
+"""
+
+
+def _tree(rev: str | None, tmp: Path, tag: str) -> Path:
+    """This working tree (``rev`` None), or ``rev``'s ``hicache_core`` and ``plugins`` exported into ``tmp``."""
+    if rev is None:
+        return ROOT
+    got = subprocess.run(["git", "archive", "--format=tar", rev, "hicache_core", "plugins"], cwd=ROOT,
+                         capture_output=True)
+    if got.returncode != 0:
+        raise SystemExit(_fail(f"{tag}: cannot export {rev!r} from {ROOT}: {got.stderr.decode().strip()}"))
+    out = tmp / tag
+    with tarfile.open(fileobj=BytesIO(got.stdout)) as tar:
+        tar.extractall(out, filter="data")
+    return out
+
+
+def _fail(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
+
+
+def _ptx(tree: Path, tag: str, args: argparse.Namespace, consts: dict[str, int], tmp: Path) -> dict[str, str]:
+    """The kernel's PTX code per index width, compiled in a process of its own from ``tree``."""
+    plugins = [str(p) for p in sorted((tree / "plugins").glob("*")) if p.is_dir()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_DISABLE_LINE_INFO="1", TRITON_CACHE_DIR=str(tmp / f"cache-{tag}"), PYTHONPATH="")
+    payload = json.dumps([str(tree), args.file, args.kernel, consts, _pairs(args.types, str), args.warps, args.arch,
+                          str(Path(__file__).resolve().parent)])
+    got = subprocess.run([sys.executable, "-c", _CHILD, payload, *plugins], capture_output=True, text=True, env=env,
+                         cwd=tmp)
+    if got.returncode != 0:
+        tail = (got.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(_fail(f"{tag}: {args.file} did not compile: {tail}"))
+    result: dict[str, str] = json.loads(got.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _pairs(text: str, kind: type) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise SystemExit(_fail(f"{item!r}: write NAME=VALUE"))
+        try:
+            out[name] = kind(value)
+        except ValueError:
+            raise SystemExit(_fail(f"{item!r}: the value must be an integer (0/1 for a boolean)")) from None
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old", required=True, help="file, or REV:PATH")
-    ap.add_argument("--new", required=True, help="file, or REV:PATH")
+    ap.add_argument("--file", required=True, help="the kernel's file, relative to the checkout's root")
+    ap.add_argument("--old", required=True, help="git revision of the old version")
+    ap.add_argument("--new", default=None, help="git revision of the new version (default: this working tree)")
     ap.add_argument("--kernel", default="KERNEL")
     ap.add_argument("--const", default="", help="NAME=INT,... constexprs of both versions (booleans as 0/1)")
     ap.add_argument("--old-const", default="")
     ap.add_argument("--new-const", default="")
+    ap.add_argument("--types", default="", help="NAME=TYPE,... parameter types over the defaults (e.g. anchor=*i32)")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--arch", type=int, default=90, help="compute capability as an int (90: sm_90)")
     args = ap.parse_args()
-    both = _values(args.const)
+    both = _pairs(args.const, int)
     with tempfile.TemporaryDirectory() as tmp:
-        old = _ptx(_source(args.old, Path(tmp), "old"), "old", args.kernel, {**both, **_values(args.old_const)},
-                   args.warps, args.arch)
-        new = _ptx(_source(args.new, Path(tmp), "new"), "new", args.kernel, {**both, **_values(args.new_const)},
-                   args.warps, args.arch)
-    if old == new:
-        print(f"identical PTX code ({len(old.splitlines())} lines, sm_{args.arch}, Triton {triton.__version__})")
-        return 0
-    diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(), "old", "new", lineterm="", n=1))
-    print(f"PTX differs ({sum(1 for line in diff if line[:1] in '+-')} lines changed); first lines:")
-    print("\n".join(diff[:40]))
-    return 1
+        old = _ptx(_tree(args.old, Path(tmp), "old"), "old", args, {**both, **_pairs(args.old_const, int)}, Path(tmp))
+        new = _ptx(_tree(args.new, Path(tmp), "new"), "new", args, {**both, **_pairs(args.new_const, int)}, Path(tmp))
+    import triton
+
+    for width in old:
+        if old[width] != new[width]:
+            diff = list(difflib.unified_diff(old[width].splitlines(), new[width].splitlines(), "old", "new",
+                                             lineterm="", n=1))
+            changed = sum(1 for line in diff[2:] if line[:1] in "+-")
+            print(f"PTX differs with {width} index tensors ({changed} lines changed); first lines:")
+            print("\n".join(diff[:40]))
+            return 1
+    lines = len(new["*i64"].splitlines())
+    print(f"identical PTX code with 64- and 32-bit index tensors ({lines} lines, sm_{args.arch}, "
+          f"Triton {triton.__version__})")
+    return 0
 
 
 if __name__ == "__main__":

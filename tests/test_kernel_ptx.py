@@ -4,7 +4,8 @@ outside the interpreter, through ``dev/ptx_diff.py``'s ``compile_kernel``): no p
 Every thread of a row kernel holds all its tile's rows, so per-row arithmetic is paid ``TOKENS`` times per thread
 per tile; a 64-bit division there (the page split by a runtime page size) held ``page_first_direct``'s backups of
 656-byte rows to half the link (docs/performance.md, "What limits them").  The count of 64-bit ``div``/``rem``
-instructions in each kernel's PTX must not grow with ``TOKENS``, for a power-of-two page size and another."""
+instructions in each kernel's PTX must not grow with ``TOKENS``, backups and loads, for a power-of-two page size
+and another."""
 
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
                             ("page_first", pf.KERNEL, {"BLOCK": 128, "ENTRIES_INNER": False}),
                             ("page_first_kv_split", kv.KERNEL, {"BLOCK": 64, "SPLIT": 64, "BLOCK_B": 32,
                                                                 "ENTRIES_INNER": True})):
-    for page in (64, 48):
-        for tokens in (16, 64):
-            consts = dict(WIDTH=82, TOKENS=tokens, VEC=2, TO_HOST=True, STAGES=1, PAGE_SIZE=page, **extra)
-            ptx = compile_kernel(kernel, consts).asm["ptx"]
-            out.setdefault(name, {})[f"page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
+    for to_host in (True, False):
+        for page in (64, 48):
+            for tokens in (16, 64):
+                consts = dict(WIDTH=82, TOKENS=tokens, VEC=2, TO_HOST=to_host, STAGES=1, PAGE_SIZE=page, **extra)
+                ptx = compile_kernel(kernel, consts).asm["ptx"]
+                key = f"{'backup' if to_host else 'load'}, page {page}, {tokens} tokens"
+                out.setdefault(name, {})[key] = len(DIV64.findall(ptx))
 print(json.dumps(out))
 """
 
@@ -45,6 +48,7 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(counts) == {"layer_first", "page_first", "page_first_kv_split"}
     for name, by in counts.items():
-        for page in (64, 48):
-            few, many = by[f"page {page}, 16 tokens"], by[f"page {page}, 64 tokens"]
-            assert few == many <= 2, (name, by)  # the work-item split (item // n_tiles), not one per row
+        for way in ("backup", "load"):
+            for page in (64, 48):
+                few, many = by[f"{way}, page {page}, 16 tokens"], by[f"{way}, page {page}, 64 tokens"]
+                assert few == many <= 2, (name, by)  # the work-item split (item // n_tiles), not one per row

@@ -1,6 +1,5 @@
-"""dev/ptx_diff.py: two versions of a kernel compiled ahead of time for sm_90 on this machine (no GPU), their PTX
-compared without comments and debug information.  Run as a contributor runs it (a subprocess, Triton's interpreter
-off, so the kernels compile)."""
+"""dev/ptx_diff.py: two versions of a kernel, each compiled for sm_90 from its own tree in a process of its own (no
+GPU), their PTX compared without comments and debug information.  Run as a contributor runs it (a subprocess)."""
 
 from __future__ import annotations
 
@@ -9,47 +8,50 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "dev"))
+
+from ptx_diff import code  # noqa: E402
+
 KV = "plugins/kv_split/hicache_kv_split/kernels.py"
 CONST = "WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "dev/ptx_diff.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run([sys.executable, "dev/ptx_diff.py", "--file", KV, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def compiles() -> None:
-    probe = _run("--old", KV, "--new", KV, "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
-    if probe.returncode not in (0, 1):
-        pytest.skip(f"Triton cannot compile for sm_90 here: {probe.stderr.strip().splitlines()[-1:]}")
-    return None
-
-
-def test_the_same_kernel_and_values_are_identical(compiles):
-    done = _run("--old", KV, "--new", KV, "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
+def test_one_revision_exported_twice_is_identical():
+    """Two exports of HEAD, at two paths, each compiled afresh (a cache per version): line information and file
+    names do not count, and both index widths are compared."""
+    done = _run("--old", "HEAD", "--new", "HEAD", "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("identical PTX code")
+    assert done.stdout.startswith("identical PTX code with 64- and 32-bit index tensors")
 
 
-def test_another_constexpr_value_differs(compiles):
-    done = _run("--old", KV, "--new", KV, "--const", CONST, "--old-const", "ENTRIES_INNER=1", "--new-const",
-                "ENTRIES_INNER=0", "--warps", "8")
+def test_another_constexpr_value_differs():
+    done = _run("--old", "HEAD", "--new", "HEAD", "--const", CONST, "--old-const", "ENTRIES_INNER=1",
+                "--new-const", "ENTRIES_INNER=0", "--warps", "8")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.startswith("PTX differs")
+    assert done.stdout.startswith("PTX differs with *i64 index tensors")
 
 
-def test_a_missing_constexpr_is_named():
-    done = _run("--old", KV, "--new", KV, "--const", "WIDTH=82")
-    assert done.returncode == 2
-    assert "no value for constexpr parameter(s)" in done.stderr and "SPLIT" in done.stderr
+def test_what_cannot_compile_or_be_read_exits_2_with_its_reason():
+    missing = _run("--old", "HEAD", "--new", "HEAD", "--const", "WIDTH=82")
+    assert missing.returncode == 2 and "no value for constexpr parameter(s) SPLIT" in missing.stderr
+    unreadable = _run("--old", "no-such-rev", "--const", CONST)
+    assert unreadable.returncode == 2 and "cannot export 'no-such-rev'" in unreadable.stderr
+    not_int = _run("--old", "HEAD", "--const", "TO_HOST=True")
+    assert not_int.returncode == 2 and "must be an integer" in not_int.stderr
+    no_kernel = _run("--old", "HEAD", "--new", "HEAD", "--kernel", "NOPE", "--const", CONST)
+    assert no_kernel.returncode == 2 and "has no NOPE" in no_kernel.stderr
 
 
-def test_an_unreadable_version_is_named():
-    done = _run("--old", "no-such-rev:" + KV, "--new", KV, "--const", CONST)
-    assert done.returncode == 2
-    assert "neither a file nor REV:PATH" in done.stderr
+def test_code_drops_comments_debug_sections_locations_and_blank_lines():
+    ptx = ("\t.reg .b32 %r<4>;  // registers\n\n\t.loc 1 12 5\n\tadd.s32 %r1, %r2, %r3;\n"
+           ".section\t.debug_info\n{\n.b8 111\n}\n")
+    assert code(ptx) == "\t.reg .b32 %r<4>;\n\tadd.s32 %r1, %r2, %r3;"
+    assert code(ptx.replace("// registers", "// other words")) == code(ptx)
+    assert code(ptx.replace("%r3", "%r2")) != code(ptx)
