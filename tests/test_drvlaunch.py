@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import types
+from pathlib import Path
 
 import torch
 
@@ -294,10 +295,9 @@ def test_static_keys_are_small_ints_equal_for_equal_traits(fast_launcher):
 
 
 _REAL_KERNELS = r"""
-import json, types
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys, types
+sys.path.insert(0, "dev")
+from ptx_diff import compile_kernel
 from hicache_core import drvlaunch, kernel_lib as kl
 from hicache_core.drvlaunch import DriverKernel, ptx_params
 from hicache_layer_first import kernels as lf
@@ -305,10 +305,7 @@ from hicache_layer_first import kernels as lf
 drvlaunch._LIB[:] = [types.SimpleNamespace()]  # verification only: no driver call is made
 
 def compile_sm90(kernel, types_by_name, consts):
-    names = kernel.arg_names
-    sig = {n: ("constexpr" if n in consts else types_by_name[n]) for n in names}
-    src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    return compile_kernel(kernel, consts, 4, 90, types_by_name)
 
 ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_tok")}
 row = compile_sm90(lf.KERNEL, {"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32",
@@ -337,7 +334,8 @@ def test_real_kernels_verify_against_their_ptx():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _REAL_KERNELS], capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run([sys.executable, "-c", _REAL_KERNELS], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     row, tma = out["KERNEL"], out["PAGED_TMA_LOAD"]
