@@ -115,7 +115,6 @@ def test_fused_group_takes_one_access_word(kv, lora, rope, pad, lead, word, vec)
     assert pool.binding.scratch[NAME].groups[0].vec == vec
 
 
-
 class _LayerMajor(KVSplitKernelStrategy):
     name = "test.kv_layer_major"
     entries_inner = False
