@@ -7,7 +7,8 @@ Usage (Linux, Triton with its NVIDIA backend; no GPU needed)::
         --new-const ENTRIES_INNER=1 --warps 8
 
 Each version is a whole tree: ``--old REV`` (and ``--new REV``; without it, this working tree) is exported from git
-(``hicache_core``, ``plugins``) and its ``--file``'s ``KERNEL`` (or ``--kernel``) is compiled in a process of its own
+(``hicache_core``, ``plugins``), or is a folder that holds them, and its ``--file``'s ``KERNEL`` (or ``--kernel``) is
+compiled in a process of its own
 with that tree first on the path, so an edit to ``hicache_core/kernel_lib.py`` (the pieces every kernel is built
 from) counts as much as one to the kernel's file.  ``--const`` gives the constexpr values both versions take,
 ``--old-const`` / ``--new-const`` those only one declares (integers; 0/1 for booleans compile as ``False``/``True``).
@@ -98,11 +99,17 @@ print(json.dumps(out))
 
 
 def _tree(rev: str | None, tmp: Path, tag: str) -> Path:
-    """This working tree (``rev`` None), or ``rev``'s ``hicache_core`` and ``plugins`` exported into ``tmp``."""
+    """This working tree (``rev`` None), a folder holding ``hicache_core`` and ``plugins`` (``rev`` names one), or
+    ``rev``'s ``hicache_core`` and ``plugins`` exported from git into ``tmp``."""
     if rev is None:
         return ROOT
-    got = subprocess.run(["git", "archive", "--format=tar", rev, "hicache_core", "plugins"], cwd=ROOT,
-                         capture_output=True)
+    if (Path(rev) / "hicache_core").is_dir():
+        return Path(rev).resolve()
+    try:
+        got = subprocess.run(["git", "archive", "--format=tar", rev, "hicache_core", "plugins"], cwd=ROOT,
+                             capture_output=True)
+    except OSError as exc:  # no git
+        raise SystemExit(_fail(f"{tag}: cannot export {rev!r} from {ROOT}: {exc}")) from None
     if got.returncode != 0:
         raise SystemExit(_fail(f"{tag}: cannot export {rev!r} from {ROOT}: {got.stderr.decode().strip()}"))
     out = tmp / tag
@@ -148,8 +155,8 @@ def _pairs(text: str, kind: type) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", required=True, help="the kernel's file, relative to the checkout's root")
-    ap.add_argument("--old", required=True, help="git revision of the old version")
-    ap.add_argument("--new", default=None, help="git revision of the new version (default: this working tree)")
+    ap.add_argument("--old", required=True, help="the old version: a git revision, or a folder holding its tree")
+    ap.add_argument("--new", default=None, help="the new version, as --old (default: this working tree)")
     ap.add_argument("--kernel", default="KERNEL")
     ap.add_argument("--const", default="", help="NAME=INT,... constexprs of both versions (booleans as 0/1)")
     ap.add_argument("--old-const", default="")

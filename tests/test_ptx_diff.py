@@ -4,9 +4,12 @@ GPU), their PTX compared without comments and debug information.  Run as a contr
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "dev"))
@@ -23,29 +26,38 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_one_revision_exported_twice_is_identical():
-    """Two exports of HEAD, at two paths, each compiled afresh (a cache per version): line information and file
-    names do not count, and both index widths are compared."""
-    done = _run("--old", "HEAD", "--new", "HEAD", "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """This checkout's hicache_core and plugins copied elsewhere: the same code at another path (no git needed)."""
+    out = tmp_path_factory.mktemp("tree")
+    for part in ("hicache_core", "plugins"):
+        shutil.copytree(ROOT / part, out / part, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info", "build"))
+    return str(out)
+
+
+def test_one_tree_at_two_paths_is_identical(copy):
+    """The working tree and its copy, each compiled afresh (a cache per version): line information and file names
+    do not count, and both index widths are compared."""
+    done = _run("--old", copy, "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("identical PTX code with 64- and 32-bit index tensors")
 
 
-def test_another_constexpr_value_differs():
-    done = _run("--old", "HEAD", "--new", "HEAD", "--const", CONST, "--old-const", "ENTRIES_INNER=1",
+def test_another_constexpr_value_differs(copy):
+    done = _run("--old", copy, "--const", CONST, "--old-const", "ENTRIES_INNER=1",
                 "--new-const", "ENTRIES_INNER=0", "--warps", "8")
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.startswith("PTX differs with *i64 index tensors")
 
 
-def test_what_cannot_compile_or_be_read_exits_2_with_its_reason():
-    missing = _run("--old", "HEAD", "--new", "HEAD", "--const", "WIDTH=82")
+def test_what_cannot_compile_or_be_read_exits_2_with_its_reason(copy):
+    missing = _run("--old", copy, "--const", "WIDTH=82")
     assert missing.returncode == 2 and "no value for constexpr parameter(s) SPLIT" in missing.stderr
     unreadable = _run("--old", "no-such-rev", "--const", CONST)
     assert unreadable.returncode == 2 and "cannot export 'no-such-rev'" in unreadable.stderr
-    not_int = _run("--old", "HEAD", "--const", "TO_HOST=True")
+    not_int = _run("--old", copy, "--const", "TO_HOST=True")
     assert not_int.returncode == 2 and "must be an integer" in not_int.stderr
-    no_kernel = _run("--old", "HEAD", "--new", "HEAD", "--kernel", "NOPE", "--const", CONST)
+    no_kernel = _run("--old", copy, "--kernel", "NOPE", "--const", CONST)
     assert no_kernel.returncode == 2 and "has no NOPE" in no_kernel.stderr
 
 
