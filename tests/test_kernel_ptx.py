@@ -51,4 +51,4 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
         for way in ("backup", "load"):
             for page in (64, 48):
                 few, many = by[f"{way}, page {page}, 16 tokens"], by[f"{way}, page {page}, 64 tokens"]
-                assert few == many <= 2, (name, by)  # the work-item split (item // n_tiles), not one per row
+                assert few == many <= 4, (name, by)  # per tile (item // n_tiles: 1 on Triton 3.9), not per row
