@@ -37,7 +37,7 @@ import triton.language as tl
 
 from hicache_core import StrategyInfo, hookimpl
 from hicache_core import kernel_lib as kl
-from hicache_core.bench import SHAPES, _check, _device_buffers, _gemm_slowdown, _indices, _median_ms, _Memcpy
+from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _Memcpy, _workload
 from hicache_core.pool import HostKVPool
 from hicache_core.registry import create_registry
 
@@ -129,9 +129,7 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
 def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,
                                                                          torch.Tensor]:
     shape, layout, spread, override, options = VARIANTS[label]
-    spec = SHAPES[shape](tokens, page_size, torch.device("cuda"))
-    dev = _device_buffers(spec, 2 * tokens + page_size)
-    h, s, d = _indices(spec, torch.Generator().manual_seed(0))
+    spec, dev, h, s, d = _workload(shape, tokens, page_size)
     if spread > 1:  # host page i -> page i * spread, in a pool of spread times the slots
         spec = dataclasses.replace(spec, capacity=spec.capacity * spread)
         h = (h // page_size) * (spread * page_size) + h % page_size

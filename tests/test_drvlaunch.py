@@ -304,18 +304,14 @@ from hicache_layer_first import kernels as lf
 
 drvlaunch._LIB[:] = [types.SimpleNamespace()]  # verification only: no driver call is made
 
-def compile_sm90(kernel, types_by_name, consts):
-    return compile_kernel(kernel, consts, 4, 90, types_by_name)
-
 ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_tok")}
-row = compile_sm90(lf.KERNEL, {"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32",
-                               "dev_rows": "i32"},
-                   dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1))
+row = compile_kernel(lf.KERNEL, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1),
+                     types={"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32", "dev_rows": "i32"})
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
-tma = compile_sm90(kl.PAGED_TMA_LOAD, {**ints, "anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64",
-                                       "host_desc": "tensordesc<i32[16, 256]>", "host_tail": "tensordesc<i32[16, 32]>"},
-                   dict(host_desc_b=None, host_tail_b=None, WIDTH=288, BOX=256, TAIL=32, TOKENS=16, VEC=4, STAGES=4,
-                        FLAT=True, ENTRIES=1))
+tma = compile_kernel(kl.PAGED_TMA_LOAD, dict(host_desc_b=None, host_tail_b=None, WIDTH=288, BOX=256, TAIL=32, TOKENS=16,
+                                             VEC=4, STAGES=4, FLAT=True, ENTRIES=1),
+                     types={**ints, "anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64",
+                            "host_desc": "tensordesc<i32[16, 256]>", "host_tail": "tensordesc<i32[16, 32]>"})
 out = {}
 for c in (row, tma):
     c.function = 0  # what loading on a GPU sets (the CUfunction handle)
