@@ -1,4 +1,4 @@
-"""The plugins' row kernels compiled by this Triton for sm_90 (its bundled ptxas, no GPU needed; a separate process,
+"""The plugins' row kernels and the shared page-load kernel compiled by this Triton for sm_90 (its bundled ptxas, no GPU needed; a separate process,
 outside the interpreter, through ``dev/ptx_diff.py``'s ``compile_kernel``): no per-row 64-bit division.
 
 Every thread of a row kernel holds all its tile's rows, so per-row arithmetic is paid ``TOKENS`` times per thread
@@ -36,6 +36,13 @@ for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
                 ptx = compile_kernel(kernel, consts).asm["ptx"]
                 key = f"{'backup' if to_host else 'load'}, page {page}, {tokens} tokens"
                 out.setdefault(name, {})[key] = len(DIV64.findall(ptx))
+from hicache_core import kernel_lib as kl
+for page in (64, 48):
+    for tokens in (16, 64):
+        consts = dict(WIDTH=82, BLOCK=128, TOKENS=tokens, PAGE_TOKENS=64, VEC=2, PART=1024, PARTS=5, R1=128, R2=64,
+                      R3=0, R4=16, STAGES=1, STRIDED=False, PAGE_SIZE=page)
+        ptx = compile_kernel(kl.PAGE_LOAD, consts).asm["ptx"]
+        out.setdefault("PAGE_LOAD", {})[f"load, page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
 print(json.dumps(out))
 """
 
@@ -46,9 +53,9 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split"}
+    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD"}
     for name, by in counts.items():
-        for way in ("backup", "load"):
+        for way in ("backup", "load") if name != "PAGE_LOAD" else ("load",):
             for page in (64, 48):
                 few, many = by[f"{way}, page {page}, 16 tokens"], by[f"{way}, page {page}, 64 tokens"]
                 assert few == many <= 4, (name, by)  # per tile (item // n_tiles: 1 on Triton 3.9), not per row
