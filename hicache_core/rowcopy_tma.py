@@ -99,6 +99,7 @@ TMA_VALUES = {
     "host_page_b": "as host_page, second entry",
     "host_tok_b": "as host_tok, second entry",
     "page_size": "tokens per page",
+    "PAGE_SIZE": "constexpr: tokens per page (slots split into page and row by a constant, not a 64-bit division)",
     "capacity": "host slots",
     "dev_rows": "device rows of the shortest layer",
     "WIDTH": "constexpr: row words",
@@ -260,7 +261,7 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else dict(a, host_desc=None, host_tail=None)  # None: nothing to encode
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
-                          **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, capacity=capacity,
+                          **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, PAGE_SIZE=page_size, capacity=capacity,
                           dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,
                           STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
             args = launcher.bind(values)

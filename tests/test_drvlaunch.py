@@ -309,7 +309,7 @@ row = compile_kernel(lf.KERNEL, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_
                      types={"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32", "dev_rows": "i32"})
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
 tma = compile_kernel(kl.PAGED_TMA_LOAD, dict(host_desc_b=None, host_tail_b=None, WIDTH=288, BOX=256, TAIL=32, TOKENS=16,
-                                             VEC=4, STAGES=4, FLAT=True, ENTRIES=1),
+                                             VEC=4, STAGES=4, FLAT=True, ENTRIES=1, PAGE_SIZE=64),
                      types={**ints, "anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64",
                             "host_desc": "tensordesc<i32[16, 256]>", "host_tail": "tensordesc<i32[16, 32]>"})
 out = {}
@@ -337,10 +337,10 @@ def test_real_kernels_verify_against_their_ptx():
     row, tma = out["KERNEL"], out["PAGED_TMA_LOAD"]
     assert row is not None and tma is not None, out
     # Written out by hand from the kernels' signatures: anchor, two 2-D descriptors (map, 2 x i32 shape,
-    # 2 x i64 stride), host_idx, dev_idx, then the 14 int arguments (the _b descriptors are None: constexprs).
-    assert tma["sizes"][:27] == [8, 128, 4, 4, 8, 8, 128, 4, 4, 8, 8, 8, 8] + [4] * 14
+    # 2 x i64 stride), host_idx, dev_idx, then the 13 int arguments (the _b descriptors are None: constexprs).
+    assert tma["sizes"][:26] == [8, 128, 4, 4, 8, 8, 128, 4, 4, 8, 8, 8, 8] + [4] * 13
     assert row["sizes"][:12] == [8, 8, 8, 4, 8, 4, 8, 8, 8, 8, 4, 4]
-    for k, n in ((row, 12), (tma, 27)):
+    for k, n in ((row, 12), (tma, 26)):
         assert len(k["kinds"]) == n and k["scratch"] in (1, 2) and k["sizes"][n:] == [8] * k["scratch"]
 
 

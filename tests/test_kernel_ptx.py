@@ -43,6 +43,15 @@ for page in (64, 48):
                       R3=0, R4=16, STAGES=1, STRIDED=False, PAGE_SIZE=page)
         ptx = compile_kernel(kl.PAGE_LOAD, consts).asm["ptx"]
         out.setdefault("PAGE_LOAD", {})[f"load, page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
+ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
+for page in (64, 48):
+    for tokens in (16, 64):
+        consts = dict(host_desc_b=None, host_tail_b=None, WIDTH=288, BOX=256, TAIL=32, TOKENS=tokens, VEC=4, STAGES=4,
+                      FLAT=False, ENTRIES=1, PAGE_SIZE=page)
+        types = {**ints, "anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64",
+                 "host_desc": f"tensordesc<i32[{tokens}, 256]>", "host_tail": f"tensordesc<i32[{tokens}, 32]>"}
+        ptx = compile_kernel(kl.PAGED_TMA_LOAD, consts, types=types).asm["ptx"]
+        out.setdefault("PAGED_TMA_LOAD", {})[f"load, page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
 print(json.dumps(out))
 """
 
@@ -53,9 +62,9 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD"}
+    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD", "PAGED_TMA_LOAD"}
     for name, by in counts.items():
-        for way in ("backup", "load") if name != "PAGE_LOAD" else ("load",):
+        for way in ("backup", "load") if name in ("layer_first", "page_first", "page_first_kv_split") else ("load",):
             for page in (64, 48):
                 few, many = by[f"{way}, page {page}, 16 tokens"], by[f"{way}, page {page}, 64 tokens"]
                 assert few == many <= 4, (name, by)  # per tile (item // n_tiles: 1 on Triton 3.9), not per row

@@ -354,7 +354,7 @@ def test_the_kernel_maps_slots_to_descriptor_rows(ps, pages, gap, width, tokens,
                     out[i] = big[start:start + width]
             kl.PAGED_TMA_LOAD[(3,)](big, desc, tail_desc, None, None, h.to(dtype).to(DEVICE),
                                     torch.arange(n).to(DEVICE), n, host_words, width, off, page, tok, 0, 0, 0, 0, 0,
-                                    ps, cap, n, WIDTH=width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=1, STAGES=2,
-                                    FLAT=gap == 0, ENTRIES=1)
+                                    cap, n, WIDTH=width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=1, STAGES=2,
+                                    FLAT=gap == 0, ENTRIES=1, PAGE_SIZE=ps)
             _sync()
             assert torch.equal(big, expect), (h.tolist(), dtype)
