@@ -15,6 +15,11 @@ kernels differed in two ways, and each variant here isolates one:
   (a shift); ``... runtime page_size`` is the kernel as it was, dividing by the runtime ``page_size`` (a 64-bit
   division per row: this module's ``KERNEL``, the strategy ``probe.runtime_page``, io_backend ``probe``).
 
+With ``--loads`` each row also gives one-layer loads and load bursts (every layer in turn), with the GEMM beside
+the bursts: ``... runtime page_size`` then loads whole pages through the page-load kernel as it was too (the
+module's ``PAGE_LOAD_KERNEL``, runtime page size; ``layer_first``'s through the strategy ``probe.runtime_page_lf``,
+whose row kernel is the plugin's), beside :data:`hicache_core.kernel_lib.PAGE_LOAD` (constexpr ``PAGE_SIZE``).
+
 Launch-shape variants (more programs, more stages) and the other row widths stand beside them, and
 ``page_first_kv_split``'s kernel in the order ``page_first_direct``'s walks (``... layer-major``: the strategy
 ``probe.kv_layer_major``, io_backend ``probe``) and with 4 warps instead of its 8.  Every variant is
@@ -29,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -63,6 +69,31 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
 
 
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def PAGE_LOAD_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                     page_size, capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+                     PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
+                     R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr,
+                     STRIDED: tl.constexpr):
+    kl.page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                 capacity, dev_rows, page_size, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, PART, PARTS, R1, R2, R3, R4,
+                 STAGES, STRIDED)  # page_size: a runtime value
+
+
+#: Per-layer TMA loads as the plugins have them (the rows the probe times are narrower than automatic TMA takes).
+TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
+#: ``layer_first``'s row kernel with the page-load kernel as it was: a module of its own, as a strategy names one.
+LF_MODULE = f"{MODULE}_layer_first_runtime"
+
+
+def _lf_module() -> None:
+    if LF_MODULE not in sys.modules:
+        from hicache_layer_first import kernels as lf
+
+        sys.modules[LF_MODULE] = types.SimpleNamespace(KERNEL=lf.KERNEL, TMA_LOAD_KERNEL=lf.TMA_LOAD_KERNEL,
+                                                       PAGE_LOAD_KERNEL=PAGE_LOAD_KERNEL)  # type: ignore[assignment]
+
+
 def _runtime_page(**options: Any) -> Any:
     from hicache_page_first.strategy import PageFirstDirectKernelStrategy
 
@@ -70,6 +101,17 @@ def _runtime_page(**options: Any) -> Any:
         name = "probe.runtime_page"
         kernel_module = MODULE
     return RuntimePage(**options)
+
+
+def _runtime_page_lf(**options: Any) -> Any:
+    from hicache_layer_first.strategy import LayerFirstKernelStrategy
+
+    _lf_module()
+
+    class RuntimePageLoads(LayerFirstKernelStrategy):
+        name = "probe.runtime_page_lf"
+        kernel_module = LF_MODULE
+    return RuntimePageLoads(**options)
 
 
 def _kv_layer_major(**options: Any) -> Any:
@@ -82,7 +124,8 @@ def _kv_layer_major(**options: Any) -> Any:
 
 
 class _Plugin:
-    """Under their own io_backend, ``probe``: ``page_first_direct``'s kernel as it was, and ``page_first_kv_split``'s
+    """Under their own io_backend, ``probe``: ``page_first_direct``'s kernels as they were, ``layer_first`` with the
+    page-load kernel as it was, and ``page_first_kv_split``'s
     kernel walking the token tiles of one layer entry before the next (``ENTRIES_INNER`` off; its default is on)."""
 
     @staticmethod
@@ -90,6 +133,8 @@ class _Plugin:
     def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
         register(StrategyInfo("probe.runtime_page", "probe", ("page_first_direct",), _runtime_page,
                               sharded=(False, True), description="probe: page_first_direct's kernel, runtime page size"))
+        register(StrategyInfo("probe.runtime_page_lf", "probe", ("layer_first",), _runtime_page_lf,
+                              sharded=(False, True), description="probe: layer_first, page loads by runtime page size"))
         register(StrategyInfo("probe.kv_layer_major", "probe", ("page_first_kv_split",), _kv_layer_major,
                               sharded=(False, True), description="probe: page_first_kv_split's kernel, layer-major"))
 
@@ -123,6 +168,9 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
                                                  {}),
     "bf16-576 page_first_kv_split": ("mla61x576-bf16", "page_first_kv_split", 1, None, {}),
     "bf16-576 page_first_kv_split layer-major": ("mla61x576-bf16", "page_first_kv_split", 1, "probe.kv_layer_major", {}),
+    "fp8-656 layer_first runtime page_size": ("mla61x656-fp8", "layer_first", 1, "probe.runtime_page_lf", {}),
+    "fp8-576 layer_first runtime page_size": ("mla61x576-fp8", "layer_first", 1, "probe.runtime_page_lf", {}),
+    "fp8-576 page_first_direct runtime page_size": ("mla61x576-fp8", "page_first_direct", 1, "probe.runtime_page", {}),
 }
 
 
@@ -155,6 +203,15 @@ def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) ->
     }
     if args.gemm:
         row["gemm_all_layers"] = _gemm_slowdown(backup)
+    if args.loads:  # the middle layer alone, then every layer in turn (a burst), as hicache bench times them
+        owned = pool.spec.layer_map.device_layers
+        mid = owned[len(owned) // 2]
+        row["load_layer"] = one / _median_ms(lambda: pool.load_layer(mid, h, d), args.reps) / 1e6 / memcpy.gbps(
+            one, False, args.reps)
+        burst = lambda: [pool.load_layer(lay, h, d) for lay in owned]  # noqa: E731
+        row["load_burst"] = total / _median_ms(burst, args.reps) / 1e6 / memcpy.gbps(total, False, args.reps)
+        if args.gemm:
+            row["gemm_load_burst"] = _gemm_slowdown(burst)
     return row
 
 
@@ -165,7 +222,8 @@ def main() -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--gemm", action="store_true", help="GEMM slowdown beside all-layer backups")
+    ap.add_argument("--gemm", action="store_true", help="GEMM slowdown beside all-layer backups (and load bursts)")
+    ap.add_argument("--loads", action="store_true", help="time one-layer loads and load bursts too")
     ap.add_argument("--profile", default=None, metavar="LABEL", help="only three all-layer backups of one variant")
     args = ap.parse_args()
     labels = [v for v in args.variants.split(",") if v]

@@ -41,7 +41,7 @@ import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "box_hits",
            "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_run", "load_piece", "store_piece",
-           "PAGE_LOAD"]
+           "page_load", "PAGE_LOAD"]
 
 
 @triton.jit
@@ -282,13 +282,16 @@ def store_piece(anchor, dst, x, on, OFF: tl.constexpr, SIZE: tl.constexpr, limit
     tl.store(anchor + dst + at, x, mask=c < limit * on)
 
 
-@triton.jit(do_not_specialize=["n", "n_ents"])
-def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-              capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+@triton.jit
+def page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+              capacity, dev_rows, page_size, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
               PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
               R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr,
-              STRIDED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Load whole pages as flat words: host page ``h0 // page_size`` of entry ``e`` (``page_size * WIDTH``
+              STRIDED: tl.constexpr):
+    """The body of :data:`PAGE_LOAD`, which passes its constexpr ``PAGE_SIZE`` as ``page_size`` (:func:`paged_rows`
+    says why a constant).
+
+    Load whole pages as flat words: host page ``h0 // page_size`` of entry ``e`` (``page_size * WIDTH``
     contiguous words at ``host_off + page * host_page``) to device rows ``d0 ..``, for every page whose host
     slots and device rows are runs.  Device rows are packed (``WIDTH`` words apart: the page is one run there
     too) or, ``STRIDED``, ``dev_stride`` words apart (``WIDTH`` words of each: one part of wider rows).
@@ -304,14 +307,14 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
     failing :func:`index_tile`'s bounds move nothing; no bound is checked through a sum of index values.
     """
     pid, nprog = programs()
-    per_ent = tl.cdiv(n.to(tl.int64), PAGE_SIZE) * PARTS
+    per_ent = tl.cdiv(n.to(tl.int64), page_size) * PARTS
     n_items = per_ent * n_ents.to(tl.int64)
     missed = tl.zeros((), tl.int32)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-        e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, PAGE_SIZE, capacity, dev_rows, per_ent,
+        e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, per_ent,
                                           PARTS)
-        tail = PAGE_SIZE * WIDTH - (PARTS - 1) * PART  # the page's words from the last part's start
-        src = tl.load(host_off + e) + (h0 // PAGE_SIZE) * tl.load(host_page + e) + j * PART
+        tail = page_size * WIDTH - (PARTS - 1) * PART  # the page's words from the last part's start
+        src = tl.load(host_off + e) + (h0 // page_size) * tl.load(host_page + e) + j * PART
         first = (j * PART).to(tl.int32)  # the part's first word in the page (STRIDED stores)
         if STRIDED:
             stride = tl.load(dev_stride + e)
@@ -332,7 +335,7 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
             x3 = load_piece(anchor, src, last, PART + R1 + R2, R3, PART + R1 + R2 + R3)
         if R4 > 0:
             x4 = load_piece(anchor, src, last, PART + R1 + R2 + R3, R4, tail)
-        run = page_run(host_idx, dev_idx, pg, n, PAGE_SIZE, h0, d0, inb, PAGE_TOKENS)
+        run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
         missed = tl.maximum(missed, 1 - run)
         store_piece(anchor, dst, x, run, 0, PART, PART, first, WIDTH, stride, STRIDED)
         if R1 > 0:
@@ -346,16 +349,27 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
             store_piece(anchor, dst, x4, run * last, PART + R1 + R2 + R3, R4, tail, first, WIDTH, stride, STRIDED)
     if missed > 0:  # pages that were not runs: this program's first-part items again, gathering row by row
         for item in tl.range(pid, n_items, nprog, num_stages=1):
-            e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, PAGE_SIZE, capacity, dev_rows,
+            e, pg, j, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows,
                                               per_ent, PARTS)
-            run = page_run(host_idx, dev_idx, pg, n, PAGE_SIZE, h0, d0, inb, PAGE_TOKENS)
+            run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
             if (1 - run) * (j == 0).to(tl.int32) > 0:  # one item per page gathers it: its first part's
                 for s0 in tl.range(0, PAGE_TOKENS, TOKENS):  # tiles of the row kernel's size
                     i = s0 + tl.arange(0, TOKENS)
-                    t = pg * PAGE_SIZE + i
-                    live = (i < PAGE_SIZE) & (t < n)
+                    t = pg * page_size + i
+                    live = (i < page_size) & (t < n)
                     h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
                     d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
                     ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
                     move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
-                              paged_rows(host_off, host_page, host_tok, e, h, PAGE_SIZE), ok, WIDTH, BLOCK, VEC, False)
+                              paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)
+
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+              capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+              PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
+              R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr,
+              STRIDED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Load whole pages as flat words (:func:`page_load`), the page size the constexpr ``PAGE_SIZE``."""
+    page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+              capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, PART, PARTS, R1, R2, R3, R4,
+              STAGES, STRIDED)

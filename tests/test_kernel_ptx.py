@@ -1,5 +1,6 @@
-"""The plugins' row kernels and the shared page-load kernel compiled by this Triton for sm_90 (its bundled ptxas, no GPU needed; a separate process,
-outside the interpreter, through ``dev/ptx_diff.py``'s ``compile_kernel``): no per-row 64-bit division.
+"""The plugins' row kernels and the shared page-load and TMA load kernels compiled by this Triton for sm_90 (its
+bundled ptxas, no GPU needed; a separate process, outside the interpreter, through ``dev/ptx_diff.py``'s
+``compile_kernel``): no per-row 64-bit division.
 
 Every thread of a row kernel holds all its tile's rows, so per-row arithmetic is paid ``TOKENS`` times per thread
 per tile; a 64-bit division there (the page split by a runtime page size) held ``page_first_direct``'s backups of
