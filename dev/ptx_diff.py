@@ -20,6 +20,10 @@ accepts both).  Line information is off (``TRITON_DISABLE_LINE_INFO``) and comme
 between functions or files does not count as a change.  What this does not see: the divisibility hints a launch
 gives its integer arguments (Triton specialises on multiples of 16) and values other than those given.
 
+Each version's registers per thread and bytes of stack (where spilled registers go), shared and local memory are
+printed too, as the ``cuobjdump`` Triton ships reads them from the compiled kernel: the figures Nsight Compute
+would report for the launch, seen without a GPU.
+
 Exit status: 0 when every compiled pair has identical PTX, 1 when one differs (its first differing lines are
 printed), 2 when a version cannot be compiled or read (the reason is printed).
 """
@@ -80,7 +84,7 @@ sys.path.append(tool)  # this script's folder: ptx_diff itself, whichever versio
 import hicache_core
 if not hicache_core.__file__.startswith(tree):
     sys.exit(f"hicache_core came from {hicache_core.__file__}, not from {tree}")
-from ptx_diff import code, compile_kernel, INDEX
+from ptx_diff import code, compile_kernel, resources, INDEX
 spec = importlib.util.spec_from_file_location("ptx_diff_kernel", f"{tree}/{path}")
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -90,12 +94,43 @@ if fn is None:
 missing = [p.name for p in fn.params if p.is_constexpr and p.name not in consts and not p.has_default]
 if missing:
     sys.exit(f"no value for constexpr parameter(s) {', '.join(missing)}")
-out = {}
+out, res = {}, {}
 for width in ("*i64", "*i32"):
     both = {**{name: width for name in INDEX}, **types}
-    out[width] = code(compile_kernel(fn, consts, warps, arch, both).asm["ptx"])
-print(json.dumps(out))
+    compiled = compile_kernel(fn, consts, warps, arch, both)
+    out[width] = code(compiled.asm["ptx"])
+    res[width] = resources(compiled.asm["cubin"])
+print(json.dumps({"ptx": out, "resources": res}))
 """
+
+#: ``cuobjdump --dump-resource-usage``'s figures of a kernel, by the names reported here.
+_USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def resources(cubin: bytes) -> dict[str, int] | str:
+    """Registers per thread and bytes of stack (spills show here), shared and local memory of the kernel in
+    ``cubin``, read by the ``cuobjdump`` Triton ships; a string saying why where it cannot be read."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            got = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
+        except OSError as exc:
+            return f"cuobjdump not run: {exc}"
+    m = _USAGE.search(got.stdout)
+    if m is None:
+        return f"cuobjdump gave no resource line: {(got.stderr or got.stdout).strip()[-200:]}"
+    return dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups())))
+
+
+def _usage(res: dict[str, int] | str) -> str:
+    if isinstance(res, str):
+        return res
+    return (f"{res['registers']} registers per thread, {res['stack']} bytes of stack, {res['shared']} of shared "
+            f"memory, {res['local']} of local memory")
 
 
 def _tree(rev: str | None, tmp: Path, tag: str) -> Path:
@@ -123,8 +158,9 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _ptx(tree: Path, tag: str, args: argparse.Namespace, consts: dict[str, int], tmp: Path) -> dict[str, str]:
-    """The kernel's PTX code per index width, compiled in a process of its own from ``tree``."""
+def _ptx(tree: Path, tag: str, args: argparse.Namespace, consts: dict[str, int], tmp: Path) -> dict[str, Any]:
+    """The kernel's PTX code (``"ptx"``) and :func:`resources` (``"resources"``) per index width, compiled in a
+    process of its own from ``tree``."""
     plugins = [str(p) for p in sorted((tree / "plugins").glob("*")) if p.is_dir()]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DISABLE_LINE_INFO="1", TRITON_CACHE_DIR=str(tmp / f"cache-{tag}"), PYTHONPATH="")
@@ -135,7 +171,7 @@ def _ptx(tree: Path, tag: str, args: argparse.Namespace, consts: dict[str, int],
     if got.returncode != 0:
         tail = (got.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(_fail(f"{tag}: {args.file} did not compile: {tail}"))
-    result: dict[str, str] = json.loads(got.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(got.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -171,15 +207,17 @@ def main() -> int:
         new = _ptx(_tree(args.new, Path(tmp), "new"), "new", args, {**both, **_pairs(args.new_const, int)}, Path(tmp))
     import triton
 
-    for width in old:
-        if old[width] != new[width]:
-            diff = list(difflib.unified_diff(old[width].splitlines(), new[width].splitlines(), "old", "new",
+    for width in old["ptx"]:
+        print(f"{width} index tensors: old {_usage(old['resources'][width])}; new {_usage(new['resources'][width])}")
+    for width, was in old["ptx"].items():
+        if was != new["ptx"][width]:
+            diff = list(difflib.unified_diff(was.splitlines(), new["ptx"][width].splitlines(), "old", "new",
                                              lineterm="", n=1))
             changed = sum(1 for line in diff[2:] if line[:1] in "+-")
             print(f"PTX differs with {width} index tensors ({changed} lines changed); first lines:")
             print("\n".join(diff[:40]))
             return 1
-    lines = len(new["*i64"].splitlines())
+    lines = len(new["ptx"]["*i64"].splitlines())
     print(f"identical PTX code with 64- and 32-bit index tensors ({lines} lines, sm_{args.arch}, "
           f"Triton {triton.__version__})")
     return 0

@@ -4,6 +4,7 @@ GPU), their PTX compared without comments and debug information.  Run as a contr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,14 +41,21 @@ def test_one_tree_at_two_paths_is_identical(copy):
     do not count, and both index widths are compared."""
     done = _run("--old", copy, "--const", CONST + ",ENTRIES_INNER=1", "--warps", "8")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("identical PTX code with 64- and 32-bit index tensors")
+    lines = done.stdout.splitlines()
+    assert lines[2].startswith("identical PTX code with 64- and 32-bit index tensors")
+    # each version's resources, read from its cubin: the same code, the same figures
+    for width, line in zip(("*i64", "*i32"), lines[:2]):
+        got = re.fullmatch(rf"\{width} index tensors: old (.+); new (.+)", line)
+        assert got and got[1] == got[2], line
+        assert re.fullmatch(r"\d+ registers per thread, \d+ bytes of stack, 0 of shared memory, \d+ of local memory",
+                            got[1]), line
 
 
 def test_another_constexpr_value_differs(copy):
     done = _run("--old", copy, "--const", CONST, "--old-const", "ENTRIES_INNER=1",
                 "--new-const", "ENTRIES_INNER=0", "--warps", "8")
     assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout.startswith("PTX differs with *i64 index tensors")
+    assert done.stdout.splitlines()[2].startswith("PTX differs with *i64 index tensors")
 
 
 def test_what_cannot_compile_or_be_read_exits_2_with_its_reason(copy):
