@@ -32,7 +32,7 @@
 #               part, all at once (SANALL_T seconds each, default 420; SANALL_PARTS names some parts only, SANALL_TOOLS
 #               one tool); a line per tool and part
 #   place       benchmarks/backup_place_probe.py (why page-major kernel backups of fp8 656-byte rows run at half the
-#               link; PLACE_ARGS), then Nsight Compute over the all-layer backups of PLACE_NCU's variants (labels joined
+#               link; PLACE_ARGS, e.g. --loads; PLACE_VARIANTS: labels joined by ",", spaces kept), then Nsight Compute over the all-layer backups of PLACE_NCU's variants (labels joined
 #               by ";"), one log each, GPU clocks left as they are
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py, test_pace_waits.py, test_reprobe.py and test_direct.py (the copy engine and auto's
@@ -243,7 +243,7 @@ for line in sys.stdin:
           python3 benchmarks/profile_kernel.py --layout $lay --options "$opts" >"$W/ncu_$lay.log" 2>&1
         note "ncu $lay: $(result $?)"; done ;;
     place) timeout ${PLACE_T:-300} python3 benchmarks/backup_place_probe.py --out "$OUT/place.json" --gemm \
-        ${PLACE_ARGS:-} >"$W/place.log" 2>&1
+        ${PLACE_ARGS:-} ${PLACE_VARIANTS:+--variants "$PLACE_VARIANTS"} >"$W/place.log" 2>&1
       note "backup place probe: $(result $?)"; cat "$W/place.log"
       IFS=';' read -ra labels <<<"${PLACE_NCU:-fp8-656 layer_first;fp8-656 page_first_direct;fp8-656 page_first_direct runtime page_size}"
       for lab in "${labels[@]}"; do f="$W/ncu_place_${lab// /_}.log"
