@@ -57,8 +57,9 @@ print(json.dumps(out))
 """
 
 
-def test_row_kernels_divide_in_64_bits_per_tile_not_per_row():
+def test_row_kernels_divide_in_64_bits_per_tile_not_per_row(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled afresh, and nothing left in the user's Triton cache
     res = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, env=env, timeout=600,
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
