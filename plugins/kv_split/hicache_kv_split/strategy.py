@@ -18,12 +18,13 @@ __all__ = ["KVSplitKernelStrategy", "NAME", "TUNING"]
 
 NAME = "page_first_kv_split.kernel"
 
-#: Launch shape per direction.  H200 sweep 2026-11-30 (benchmarks/tune_tiles.py,
-#: docs/perf/tune-2026-11-30.json): a GEMM beside a backup slows by ~+11-12% at 4-8 programs
-#: whatever the warps; 8 programs x 4 warps x 32 KiB move 0.68 of memcpy on MLA rows.  Loads need
-#: more programs and warps in flight.  Backups take 4 warps, as the other layouts' do, since the kernel's
-#: page split became a constant: on an H100 (2026-12-07, benchmarks/backup_place_probe.py) 8 warps backed fp8
-#: 656-byte rows up at 0.816 with a GEMM +24.5% slower beside them, 4 warps at 0.846 and +10.8%.
+#: Launch shape per direction.  Backups take 4 warps, as the other layouts' do: on an H100 (2026-12-07,
+#: benchmarks/backup_place_probe.py, 8 and 4 warps alternating in one process; docs/perf/runs.md, "Latest run")
+#: all-layer backups of fp8 656-byte rows ran 0.755-0.810 with a GEMM beside them +18-32% slower at 8 warps,
+#: 0.826-0.851 at +7-10% at 4; MLA bf16 0.924-0.928 at +33-52% against 0.935-0.944 at +11-12%; MHA at +96-98%
+#: against +69-77%.  (The H200 sweep of 2026-11-30, before the page split became a constant, had seen ~+11-12%
+#: at 4-8 programs whatever the warps: docs/perf/tune-toolkit-*-2026-11-30.json.)  Loads need more programs
+#: and warps in flight.
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
