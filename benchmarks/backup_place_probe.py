@@ -19,10 +19,14 @@ With ``--loads`` each row also gives one-layer loads and load bursts (every laye
 the bursts: ``... runtime page_size`` then loads whole pages through the page-load kernel as it was too (the
 module's ``PAGE_LOAD_KERNEL``, runtime page size; ``layer_first``'s through the strategy ``probe.runtime_page_lf``,
 whose row kernel is the plugin's), beside :data:`hicache_core.kernel_lib.PAGE_LOAD` (constexpr ``PAGE_SIZE``).
+That compares the two page-load kernels only where loads take them: rows narrower than automatic TMA takes (the
+fp8 variants); wider rows (bf16 576, MHA) load through the shared TMA kernel in both.
 
 Launch-shape variants (more programs, more stages) and the other row widths stand beside them, and
 ``page_first_kv_split``'s kernel in the order ``page_first_direct``'s walks (``... layer-major``: the strategy
-``probe.kv_layer_major``, io_backend ``probe``) and with 4 warps instead of its 8.  Every variant is
+``probe.kv_layer_major``, io_backend ``probe``) and with 8 warps instead of its 4 (``... 4 warps`` variants name
+its default).  Options (``programs``, ``num_warps``, ``num_stages``) apply to every direction: a variant's loads
+run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
 ratio to a pinned memcpy of the same bytes in this run, and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
 another stream during all-layer backups.
@@ -80,7 +84,7 @@ def PAGE_LOAD_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_st
                  STAGES, STRIDED)  # page_size: a runtime value
 
 
-#: Per-layer TMA loads as the plugins have them (the rows the probe times are narrower than automatic TMA takes).
+#: Per-layer TMA loads as the plugins have them (automatic TMA takes rows of >= 1152 bytes: the bf16 and MHA variants).
 TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
 #: ``layer_first``'s row kernel with the page-load kernel as it was: a module of its own, as a strategy names one.
 LF_MODULE = f"{MODULE}_layer_first_runtime"

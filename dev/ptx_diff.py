@@ -20,9 +20,9 @@ accepts both).  Line information is off (``TRITON_DISABLE_LINE_INFO``) and comme
 between functions or files does not count as a change.  What this does not see: the divisibility hints a launch
 gives its integer arguments (Triton specialises on multiples of 16) and values other than those given.
 
-Each version's registers per thread and bytes of stack (where spilled registers go), shared and local memory are
-printed too, as the ``cuobjdump`` Triton ships reads them from the compiled kernel: the figures Nsight Compute
-would report for the launch, seen without a GPU.
+Each version's registers per thread and bytes of stack (where spilled registers go) and of local memory are
+printed too, as the ``cuobjdump`` Triton ships reads them from the compiled kernel, with the shared memory its
+launch asks for: seen without a GPU, for the constexpr values given (a launch's own come from its tuning).
 
 Exit status: 0 when every compiled pair has identical PTX, 1 when one differs (its first differing lines are
 printed), 2 when a version cannot be compiled or read (the reason is printed).
@@ -43,7 +43,6 @@ from io import BytesIO
 from pathlib import Path
 from typing import Any
 
-os.environ.pop("TRITON_INTERPRET", None)  # before Triton is imported: kernels must compile, not interpret
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Scalars typed as the launches pass them (Python ints below 2**31); every other parameter is a ``*i64`` pointer.
@@ -56,6 +55,9 @@ def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 
                    types: dict[str, str] | None = None) -> Any:
     """``fn`` (a ``@triton.jit`` kernel) compiled for compute capability ``arch`` with the constexpr values ``consts``
     (those it declares); other parameters typed by ``types``, else as the module's doc says."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_kernel compiles for a GPU: run it in a process without TRITON_INTERPRET (kernels "
+                           "decorated under the interpreter cannot be compiled)")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -99,7 +101,7 @@ for width in ("*i64", "*i32"):
     both = {**{name: width for name in INDEX}, **types}
     compiled = compile_kernel(fn, consts, warps, arch, both)
     out[width] = code(compiled.asm["ptx"])
-    res[width] = resources(compiled.asm["cubin"])
+    res[width] = resources(compiled)
 print(json.dumps({"ptx": out, "resources": res}))
 """
 
@@ -107,14 +109,15 @@ print(json.dumps({"ptx": out, "resources": res}))
 _USAGE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
-def resources(cubin: bytes) -> dict[str, int] | str:
-    """Registers per thread and bytes of stack (spills show here), shared and local memory of the kernel in
-    ``cubin``, read by the ``cuobjdump`` Triton ships; a string saying why where it cannot be read."""
+def resources(compiled: Any) -> dict[str, int] | str:
+    """Registers per thread, bytes of stack (spills show here) and of local memory of a compiled kernel, read from
+    its cubin by the ``cuobjdump`` Triton ships, and the shared memory its launch asks for (Triton's metadata:
+    ``cuobjdump`` sees only the static part); a string saying why where the cubin cannot be read."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
+        f.write(compiled.asm["cubin"])
         f.flush()
         try:
             got = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
@@ -123,7 +126,9 @@ def resources(cubin: bytes) -> dict[str, int] | str:
     m = _USAGE.search(got.stdout)
     if m is None:
         return f"cuobjdump gave no resource line: {(got.stderr or got.stdout).strip()[-200:]}"
-    return dict(zip(("registers", "stack", "shared", "local"), map(int, m.groups())))
+    usage = dict(zip(("registers", "stack", "static_shared", "local"), map(int, m.groups())))
+    usage["shared"] = max(int(getattr(compiled.metadata, "shared", 0) or 0), usage.pop("static_shared"))
+    return usage
 
 
 def _usage(res: dict[str, int] | str) -> str:
@@ -224,4 +229,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)  # kernels must compile, not interpret (each version's process too)
     sys.exit(main())

@@ -169,9 +169,8 @@ def store_box_rows(anchor, desc, dev_row, hit, r0, C0: tl.constexpr, WIDTH: tl.c
 
 @triton.jit
 def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page, host_tok,
-               capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr, TAIL: tl.constexpr,
-               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr,
-               PAGE_SIZE: tl.constexpr):
+               page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr, TAIL: tl.constexpr,
+               TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr, FLAT: tl.constexpr):
     """Load one (segment, layer) entry: host rows by descriptor boxes, device rows by ordinary stores.
 
     The descriptor's rows are the host layer at its token stride: slot ``s``
@@ -181,7 +180,8 @@ def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, h
     slot and fills the rows it holds in that page (:func:`box_hits`).  Second
     pass, only when some row was not in its box (indices that are not whole
     pages): the same program gathers its tiles' other valid rows one by one.
-    Positions failing :func:`index_tile`'s bounds move nothing.  ``BOX`` words
+    Positions failing :func:`index_tile`'s bounds move nothing.  ``page_size`` may be a runtime value or, as
+    :data:`PAGED_TMA_LOAD` passes it, a constexpr (see :func:`paged_rows`).  ``BOX`` words
     per column step, ``TAIL`` (a power of two, 0: none) for the rest of a row,
     read through ``tail``.
     """
@@ -190,7 +190,7 @@ def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, h
     page_rows = (host_page // host_tok).to(tl.int32)
     missed = tl.zeros((), tl.int32)
     for tile in tl.range(pid, n_tiles, nprog, num_stages=STAGES):
-        h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, PAGE_SIZE, page_rows, TOKENS,
+        h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_rows, TOKENS,
                                      FLAT)
         missed = tl.maximum(missed, tl.max((ok & ~hit).to(tl.int32), 0))
         dev_row = dev_base + d * dev_stride
@@ -202,12 +202,12 @@ def load_entry(anchor, desc, tail, host_idx, dev_idx, n, dev_base, dev_stride, h
             store_box_rows(anchor, tail, dev_row, hit, r0, WIDTH - WIDTH % BOX, WIDTH, TAIL)
     if missed > 0:  # indices that are not whole pages: this program's tiles again, gathering what no box held
         for tile in tl.range(pid, n_tiles, nprog, num_stages=1):
-            h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, PAGE_SIZE, page_rows,
+            h, d, ok, r0, hit = box_hits(host_idx, dev_idx, tile, n, capacity, dev_rows, page_size, page_rows,
                                          TOKENS, FLAT)
             miss = ok & ~hit
             if tl.max(miss.to(tl.int32), 0) > 0:
-                p = h // PAGE_SIZE
-                host_row = host_base + p * host_page + (h - p * PAGE_SIZE) * host_tok
+                p = h // page_size
+                host_row = host_base + p * host_page + (h - p * page_size) * host_tok
                 move_rows(anchor, dev_base + d * dev_stride, host_row, miss, WIDTH, BOX, VEC, False)
 
 
@@ -219,11 +219,11 @@ def PAGED_TMA_LOAD(anchor, host_desc, host_tail, host_desc_b, host_tail_b, host_
                    FLAT: tl.constexpr, ENTRIES: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """:func:`load_entry` of one entry, or of two (``ENTRIES == 2``: the ``_b`` values, e.g. MHA ``v`` after ``k``)."""
     load_entry(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page,
-               host_tok, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT, PAGE_SIZE)
+               host_tok, PAGE_SIZE, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT)
     if ENTRIES == 2:
         load_entry(anchor, host_desc_b, host_tail_b, host_idx, dev_idx, n, dev_base_b, dev_stride_b, host_base_b,
-                   host_page_b, host_tok_b, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES,
-                   FLAT, PAGE_SIZE)
+                   host_page_b, host_tok_b, PAGE_SIZE, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC,
+                   STAGES, FLAT)
 
 
 @triton.jit
@@ -362,6 +362,7 @@ def page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
                     ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
                     move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
                               paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)
+
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,

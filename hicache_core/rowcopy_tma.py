@@ -261,9 +261,9 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
             pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else dict(a, host_desc=None, host_tail=None)  # None: nothing to encode
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
-                          **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, PAGE_SIZE=page_size, capacity=capacity,
-                          dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens, VEC=g.vec,
-                          STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
+                          **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, PAGE_SIZE=page_size,
+                          capacity=capacity, dev_rows=g.rows, WIDTH=g.width, BOX=box, TAIL=tail, TOKENS=tokens,
+                          VEC=g.vec, STAGES=tuning.stages, FLAT=flat, ENTRIES=2 if pair else 1)
             args = launcher.bind(values)
             launches.append(TmaLaunch(tokens, launcher.static_key(args, dynamic), args, slots))
             i += 2 if pair else 1

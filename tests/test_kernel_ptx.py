@@ -38,10 +38,12 @@ for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
                 key = f"{'backup' if to_host else 'load'}, page {page}, {tokens} tokens"
                 out.setdefault(name, {})[key] = len(DIV64.findall(ptx))
 from hicache_core import kernel_lib as kl
+from hicache_core.rowcopy_pages import pieces
 for page in (64, 48):
     for tokens in (16, 64):
-        consts = dict(WIDTH=82, BLOCK=128, TOKENS=tokens, PAGE_TOKENS=64, VEC=2, PART=1024, PARTS=5, R1=128, R2=64,
-                      R3=0, R4=16, STAGES=1, STRIDED=False, PAGE_SIZE=page)
+        part, parts, r1, r2, r3, r4 = pieces(page * 82, 1024, 2)  # as a launch splits the page
+        consts = dict(WIDTH=82, BLOCK=128, TOKENS=tokens, PAGE_TOKENS=64, VEC=2, PART=part, PARTS=parts, R1=r1, R2=r2,
+                      R3=r3, R4=r4, STAGES=1, STRIDED=False, PAGE_SIZE=page)
         ptx = compile_kernel(kl.PAGE_LOAD, consts).asm["ptx"]
         out.setdefault("PAGE_LOAD", {})[f"load, page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}

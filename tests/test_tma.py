@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hicache_core import Component, HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
+from hicache_core import LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.launch import Launcher, _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
@@ -20,7 +20,7 @@ from hicache_core import rowcopy  # noqa: E402
 from hicache_core import rowcopy_tma  # noqa: E402
 from hicache_core.rowcopy_tma import (AUTO_MAX_STRIDED_ROWS, AUTO_MIN_BOX_BYTES, AUTO_MIN_ROW_BYTES, ENV_TMA,  # noqa: E402
                                       MIN_TOKENS, box_shape, tma_mode)
-from hicache_core.testing.conformance import CANARY, CASES, check_strategy, fill_canary  # noqa: E402
+from hicache_core.testing.conformance import CANARY, CASES, check_strategy  # noqa: E402
 from hicache_core.testing.guarded import assert_same_device, guarded_pools  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 
@@ -119,6 +119,49 @@ def test_indices_that_are_not_whole_pages_are_gathered(layout, launches):
             ref.strategy.load(ref.binding, h[ok], d[ok], layer)
         _sync()
         assert any(k is kl.PAGED_TMA_LOAD for k, _, _ in launches)
+        _same(dev, ref_dev)
+        for name_b, b in big.items():
+            assert bool((b[:256] == CANARY).all()) and bool((b[-256:] == CANARY).all()), f"{name} {name_b} guards"
+
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["n"])
+def _RUNTIME_PAGE_TMA(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page,
+                      host_tok, page_size, capacity, dev_rows, WIDTH: tl.constexpr, BOX: tl.constexpr,
+                      TAIL: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
+                      FLAT: tl.constexpr):
+    """A plugin's TMA load kernel written before the shared kernel took ``PAGE_SIZE``: one entry per launch, the
+    runtime ``page_size`` handed to :func:`kernel_lib.load_entry` in its place."""
+    kl.load_entry(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_base, dev_stride, host_base, host_page,
+                  host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_a_tma_kernel_taking_the_runtime_page_size_still_loads(monkeypatch, layout, launches):
+    """A plugin's own TMA load kernel that declares ``page_size`` (not ``PAGE_SIZE``) and calls ``load_entry`` with
+    it: the launch still passes it, and every pattern (whole pages, arbitrary slots, mid-page runs, slots out of
+    range: the gather pass divides by it) loads as the reference does."""
+    from hicache_layer_first import kernels as lf_kernels
+    from hicache_page_first import kernels as pf_kernels
+
+    for module in (lf_kernels, pf_kernels):
+        monkeypatch.setattr(module, "TMA_LOAD_KERNEL", _RUNTIME_PAGE_TMA)
+    gen = torch.Generator().manual_seed(12)
+    spec = _mla(16, 6)
+    pool, ref, big, dev, ref_dev = _pool(layout, spec, gen, guard=256, tile_bytes=16 * 144)
+    for name, h in _patterns(spec, gen).items():
+        d = torch.randperm(2 * spec.capacity, generator=gen)[: h.numel()]
+        ok = (h >= 0) & (h < spec.capacity)
+        launches.clear()
+        for layer in range(3):
+            pool.strategy.load(pool.binding, h.to(DEVICE), d.to(DEVICE), layer)
+            ref.strategy.load(ref.binding, h[ok], d[ok], layer)
+        _sync()
+        assert launches and all(k is _RUNTIME_PAGE_TMA for k, _, _ in launches), name
+        assert all(c["page_size"] == spec.page_size for _, _, c in launches), name
         _same(dev, ref_dev)
         for name_b, b in big.items():
             assert bool((b[:256] == CANARY).all()) and bool((b[-256:] == CANARY).all()), f"{name} {name_b} guards"
