@@ -32,8 +32,9 @@
 #               part, all at once (SANALL_T seconds each, default 420; SANALL_PARTS names some parts only, SANALL_TOOLS
 #               one tool); a line per tool and part
 #   place       benchmarks/backup_place_probe.py (why page-major kernel backups of fp8 656-byte rows run at half the
-#               link; PLACE_ARGS, e.g. --loads; PLACE_VARIANTS: labels joined by ",", spaces kept), then Nsight Compute over the all-layer backups of PLACE_NCU's variants (labels joined
-#               by ";"), one log each, GPU clocks left as they are
+#               link; PLACE_ARGS, e.g. --loads; PLACE_VARIANTS: labels joined by ",", spaces kept), then Nsight
+#               Compute over the all-layer backups of PLACE_NCU's variants (labels joined by ";"), one log each, GPU
+#               clocks left as they are
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py, test_pace_waits.py, test_reprobe.py and test_direct.py (the copy engine and auto's
 #               decisions) on the GPU, and the conformance kit for direct and auto beside them
