@@ -12,7 +12,7 @@ its argument types, the tuning's warps and register cap) is read from the prepar
 without the interpreter, compiles each launch for sm_90 and reads the compiled kernel's figures
 (:func:`ptx_diff.resources`).  One line per group, direction and kind (row kernel backup, row kernel load, page
 load).  ``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option
-would launch).  TMA loads are not listed.
+would launch).  Index tensors compile as int64 (a pool takes int32 ones too).  TMA loads are not listed.
 
 The figures are this Triton's (the version is printed): register allocation differs between versions, so compare
 figures from one version only, and confirm on a GPU (Nsight Compute's "Registers Per Thread") before relying on
@@ -91,7 +91,7 @@ launches, warps = json.loads(sys.argv[1])
 out = []
 for one in launches:
     fn = getattr(importlib.import_module(one["module"]), one["kernel"])
-    compiled = compile_kernel(fn, one["consts"], warps or one["warps"], types=one["types"])
+    compiled = compile_kernel(fn, one["consts"], warps or one["warps"], types=one["types"], maxnreg=one["maxnreg"])
     out.append(dict(label=one["label"], warps=warps or one["warps"], usage=resources(compiled)))
 print(json.dumps({"triton": triton.__version__, "rows": out}))
 """

@@ -52,9 +52,10 @@ INDEX = ("host_idx", "dev_idx")
 
 
 def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 90,
-                   types: dict[str, str] | None = None) -> Any:
+                   types: dict[str, str] | None = None, maxnreg: int | None = None) -> Any:
     """``fn`` (a ``@triton.jit`` kernel) compiled for compute capability ``arch`` with the constexpr values ``consts``
-    (those it declares); other parameters typed by ``types``, else as the module's doc says."""
+    (those it declares); other parameters typed by ``types``, else as the module's doc says; ``maxnreg`` caps the
+    registers per thread (as a tuning's ``maxnreg`` does)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_kernel compiles for a GPU: run it in a process without TRITON_INTERPRET (kernels "
                            "decorated under the interpreter cannot be compiled)")
@@ -66,7 +67,10 @@ def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 
     given = types or {}
     sig = {a: "constexpr" if a in consts else given.get(a, "i32" if a in INT32 else "*i64") for a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    options: dict[str, Any] = {"num_warps": warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def code(ptx: str) -> str:
