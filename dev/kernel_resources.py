@@ -1,22 +1,27 @@
 """Registers per thread, stack (spilled registers), local and shared memory of every row and page-load kernel launch
 a pool makes, compiled for sm_90 on a CPU: no GPU needed.
 
-Usage (Linux, Triton with its NVIDIA backend)::
+Usage (Linux, Triton >= 3.7 with its NVIDIA backend: the pools are prepared under its CPU interpreter)::
 
     python dev/kernel_resources.py [--shapes mla61x656-fp8,mla61x576-bf16] [--layouts layer_first,...]
-        [--tokens 1024] [--page-size 64] [--warps N]
+        [--tokens 1024] [--page-size 64] [--warps N] [--json PATH]
 
 For each shape (``hicache bench``'s shapes) and layout, a CPU pool of the layout's ``kernel`` strategy is prepared
 in a process of its own under Triton's interpreter; what each launch would pass (the kernel, its constexpr values,
 its argument types, the tuning's warps and register cap) is read from the prepared pool, and another process,
 without the interpreter, compiles each launch for sm_90 and reads the compiled kernel's figures
-(:func:`ptx_diff.resources`).  One line per group, direction and kind (row kernel backup, row kernel load, page
-load).  ``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option
-would launch).  Index tensors compile as int64 (a pool takes int32 ones too).  TMA loads are not listed.
+(:func:`ptx_diff.resources`).  One line per group, direction and kind: the row kernel's backup and load (the
+latter marked where the group's loads go to the page kernel, which gathers the pages that are not runs itself:
+the row kernel then loads only with page loads off, ``HICACHE_KERNEL_PAGES=0``), and each page-load part.
+``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option would
+launch); ``--json`` also writes every launch's constexpr values and figures.  Index tensors compile as int64 (a
+pool takes int32 ones too); like ``ptx_diff``, this does not see the divisibility hints a launch adds to pointers
+and integer arguments.  TMA loads (per-layer loads of rows of >= 1152 bytes on sm_90) are not listed.
 
 The figures are this Triton's (the version is printed): register allocation differs between versions, so compare
 figures from one version only, and confirm on a GPU (Nsight Compute's "Registers Per Thread") before relying on
-them.  The launch shapes do not depend on the token count beyond ``TOKENS`` capped by the pool's capacity.
+them.  ``--tokens`` is the pools' capacity (a multiple of ``--page-size``); the launches' values do not depend
+on it.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: Run under the interpreter: every launch of every pool, as JSON.
+#: Run under the interpreter (this tree's ``hicache_core`` and plugins first on the path): every launch, as JSON.
 _COLLECT = r"""
 import inspect, json, sys
+sys.path[:0] = sys.argv[2:]
+from hicache_core.kernel_support import interpreter_problem
+if interpreter_problem():
+    sys.exit(interpreter_problem())
 import torch
 from hicache_core import HostKVPool, create_registry
 from hicache_core.bench import SHAPES
@@ -73,9 +82,10 @@ for shape in shapes:
         prep = pool.binding.scratch[pool.strategy_name]
         for gi, g in enumerate(prep.groups):
             name = f"{shape} {layout} {'/'.join(g.names)}"
-            for to_host in (True, False):
-                out.append(launch(f"{name} {'backup' if to_host else 'load'}", prep.launcher,
-                                  prep.launches[gi][to_host]))
+            paged = bool(prep.pages) and prep.pages[gi] is not None
+            out.append(launch(f"{name} backup", prep.launcher, prep.launches[gi][True]))
+            out.append(launch(f"{name} load{' (page loads off only)' if paged else ''}", prep.launcher,
+                              prep.launches[gi][False]))
             for part, (lv, _) in enumerate(prep.pages[gi] if prep.pages and prep.pages[gi] else ()):
                 out.append(launch(f"{name} page load part {part}", prep.page_launcher, lv))
 print(json.dumps(out))
@@ -84,7 +94,7 @@ print(json.dumps(out))
 #: Run without the interpreter: each launch compiled, its figures as JSON.
 _COMPILE = r"""
 import importlib, json, sys
-sys.path.insert(0, sys.argv[2])
+sys.path[:0] = sys.argv[2:]
 from ptx_diff import compile_kernel, resources
 import triton
 launches, warps = json.loads(sys.argv[1])
@@ -92,9 +102,14 @@ out = []
 for one in launches:
     fn = getattr(importlib.import_module(one["module"]), one["kernel"])
     compiled = compile_kernel(fn, one["consts"], warps or one["warps"], types=one["types"], maxnreg=one["maxnreg"])
-    out.append(dict(label=one["label"], warps=warps or one["warps"], usage=resources(compiled)))
+    out.append(dict(one, warps=compiled.metadata.num_warps, usage=resources(compiled)))
 print(json.dumps({"triton": triton.__version__, "rows": out}))
 """
+
+
+def _paths() -> list[str]:
+    """This tree and its plugins, ahead of any installed copy (as ``ptx_diff`` compiles each tree's own)."""
+    return [str(ROOT)] + [str(p) for p in sorted((ROOT / "plugins").glob("*")) if p.is_dir()]
 
 
 def _run(code: str, *args: str, interpret: bool) -> Any:
@@ -114,11 +129,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--warps", type=int, default=0, help="compile every launch with this many warps (0: its tuning's)")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every launch's values and figures here")
     args = ap.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     layouts = [s for s in args.layouts.split(",") if s]
-    launches = _run(_COLLECT, json.dumps([shapes, layouts, args.tokens, args.page_size]), interpret=True)
-    got = _run(_COMPILE, json.dumps([launches, args.warps]), str(Path(__file__).resolve().parent), interpret=False)
+    launches = _run(_COLLECT, json.dumps([shapes, layouts, args.tokens, args.page_size]), *_paths(), interpret=True)
+    got = _run(_COMPILE, json.dumps([launches, args.warps]), str(Path(__file__).resolve().parent), *_paths(),
+               interpret=False)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(got, f, indent=1)
     print(f"sm_90, Triton {got['triton']}, {args.tokens} tokens, page {args.page_size}")
     for row in got["rows"]:
         u = row["usage"]

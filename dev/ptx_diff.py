@@ -18,7 +18,7 @@ Signatures: pointers ``*i64``; the scalars ``n``, ``n_ents``, ``capacity``, ``de
 Each version is compiled twice, with 64-bit and with 32-bit index tensors (``host_idx``, ``dev_idx``: a pool
 accepts both).  Line information is off (``TRITON_DISABLE_LINE_INFO``) and comments are stripped, so moving code
 between functions or files does not count as a change.  What this does not see: the divisibility hints a launch
-gives its integer arguments (Triton specialises on multiples of 16) and values other than those given.
+gives its pointer and integer arguments (Triton specialises on multiples of 16) and values other than those given.
 
 Each version's registers per thread and bytes of stack (where spilled registers go) and of local memory are
 printed too, as the ``cuobjdump`` Triton ships reads them from the compiled kernel, with the shared memory its

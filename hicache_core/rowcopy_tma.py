@@ -110,7 +110,8 @@ TMA_VALUES = {
     "STAGES": "constexpr: bulk copies in flight per program (tl.range num_stages)",
     "FLAT": "constexpr: host slots are uniformly strided (slot s is descriptor row s; page stride == page_size x "
             "token stride)",
-    "ENTRIES": "constexpr: entries this launch loads (1 or 2: MHA k and v of a layer share a launch)",
+    "ENTRIES": "constexpr: entries this launch loads (1 or 2: MHA k and v of a layer share a launch; a kernel that "
+               "does not declare it is launched once per entry)",
 }
 DYNAMIC = ("host_idx", "dev_idx", "n")
 
@@ -252,13 +253,14 @@ def plan_group(g: RowGroup, *, capacity: int, page_size: int, tuning: Tuning, la
                    host_tok=tok)
         entries.setdefault(layer, []).append((page == page_size * tok, one))
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC)
+    pairs = "ENTRIES" in launcher.arg_names  # a kernel without it loads one entry per launch
     per_layer: dict[int, tuple[TmaLaunch, ...]] = {}
     for layer, items in entries.items():
         launches = []
         i = 0
         while i < len(items):
             flat, a = items[i]
-            pair = i + 1 < len(items) and items[i + 1][0] == items[i][0]
+            pair = pairs and i + 1 < len(items) and items[i + 1][0] == items[i][0]
             b = items[i + 1][1] if pair else dict(a, host_desc=None, host_tail=None)  # None: nothing to encode
             values = dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, **a,
                           **{f"{name}_b": v for name, v in b.items()}, page_size=page_size, PAGE_SIZE=page_size,

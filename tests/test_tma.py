@@ -139,18 +139,22 @@ def _RUNTIME_PAGE_TMA(anchor, host_desc, host_tail, host_idx, dev_idx, n, dev_ba
                   host_tok, page_size, capacity, dev_rows, WIDTH, BOX, TAIL, TOKENS, VEC, STAGES, FLAT)
 
 
+@pytest.mark.parametrize("kind", ["mla", "mha"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_a_tma_kernel_taking_the_runtime_page_size_still_loads(monkeypatch, layout, launches):
+def test_a_tma_kernel_taking_the_runtime_page_size_still_loads(monkeypatch, layout, kind, launches):
     """A plugin's own TMA load kernel that declares ``page_size`` (not ``PAGE_SIZE``) and calls ``load_entry`` with
     it: the launch still passes it, and every pattern (whole pages, arbitrary slots, mid-page runs, slots out of
-    range: the gather pass divides by it) loads as the reference does."""
+    range: the gather pass divides by it) loads as the reference does.  It declares no ``ENTRIES``: MHA ``k`` and
+    ``v`` of a layer take a launch each (paired, ``v`` would never load)."""
     from hicache_layer_first import kernels as lf_kernels
     from hicache_page_first import kernels as pf_kernels
 
     for module in (lf_kernels, pf_kernels):
         monkeypatch.setattr(module, "TMA_LOAD_KERNEL", _RUNTIME_PAGE_TMA)
     gen = torch.Generator().manual_seed(12)
-    spec = _mla(16, 6)
+    spec = _mla(16, 6) if kind == "mla" else PoolSpec.mha(
+        layer_map=LayerMap.unsharded(3), head_num=2, head_dim=16, dtype=torch.float16, page_size=16, capacity=96,
+        device=DEVICE)
     pool, ref, big, dev, ref_dev = _pool(layout, spec, gen, guard=256, tile_bytes=16 * 144)
     for name, h in _patterns(spec, gen).items():
         d = torch.randperm(2 * spec.capacity, generator=gen)[: h.numel()]
@@ -162,6 +166,7 @@ def test_a_tma_kernel_taking_the_runtime_page_size_still_loads(monkeypatch, layo
         _sync()
         assert launches and all(k is _RUNTIME_PAGE_TMA for k, _, _ in launches), name
         assert all(c["page_size"] == spec.page_size for _, _, c in launches), name
+        assert len(launches) == 3 * (2 if kind == "mha" else 1), name  # a launch per entry of each layer
         _same(dev, ref_dev)
         for name_b, b in big.items():
             assert bool((b[:256] == CANARY).all()) and bool((b[-256:] == CANARY).all()), f"{name} {name_b} guards"
