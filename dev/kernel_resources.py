@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ptx_diff import plugin_paths  # type: ignore[import-not-found]  # this script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Run under the interpreter (this tree's ``hicache_core`` and plugins first on the path): every launch, as JSON.
@@ -109,7 +111,7 @@ print(json.dumps({"triton": triton.__version__, "rows": out}))
 
 def _paths() -> list[str]:
     """This tree and its plugins, ahead of any installed copy (as ``ptx_diff`` compiles each tree's own)."""
-    return [str(ROOT)] + [str(p) for p in sorted((ROOT / "plugins").glob("*")) if p.is_dir()]
+    return [str(ROOT), *plugin_paths(ROOT)]
 
 
 def _run(code: str, *args: str, interpret: bool) -> Any:

@@ -142,6 +142,11 @@ def _usage(res: dict[str, int] | str) -> str:
             f"memory, {res['local']} of local memory")
 
 
+def plugin_paths(tree: Path) -> list[str]:
+    """The plugin packages' folders of the checkout ``tree`` (each holds its ``hicache_*`` package)."""
+    return [str(p) for p in sorted((tree / "plugins").glob("*")) if p.is_dir()]
+
+
 def _tree(rev: str | None, tmp: Path, tag: str) -> Path:
     """This working tree (``rev`` None), a folder holding ``hicache_core`` and ``plugins`` (``rev`` names one), or
     ``rev``'s ``hicache_core`` and ``plugins`` exported from git into ``tmp``."""
@@ -170,7 +175,7 @@ def _fail(message: str) -> int:
 def _ptx(tree: Path, tag: str, args: argparse.Namespace, consts: dict[str, int], tmp: Path) -> dict[str, Any]:
     """The kernel's PTX code (``"ptx"``) and :func:`resources` (``"resources"``) per index width, compiled in a
     process of its own from ``tree``."""
-    plugins = [str(p) for p in sorted((tree / "plugins").glob("*")) if p.is_dir()]
+    plugins = plugin_paths(tree)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DISABLE_LINE_INFO="1", TRITON_CACHE_DIR=str(tmp / f"cache-{tag}"), PYTHONPATH="")
     payload = json.dumps([str(tree), args.file, args.kernel, consts, _pairs(args.types, str), args.warps, args.arch,

@@ -52,3 +52,19 @@ def _shipped_calibration(monkeypatch: pytest.MonkeyPatch, _empty_home: str) -> N
 
         monkeypatch.setenv("PYTHONUSERBASE", site.getuserbase())
     monkeypatch.setenv("HOME", _empty_home)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Every kernel launch (``Launcher.__call__`` wrapped): ``(kernel, grid, {parameter: value})``; no replays, so
+    each call launches.  (tests/test_rowcopy.py has its own, with the row kernel forced.)"""
+    from hicache_core.launch import Launcher  # imported here: a test module sets TRITON_INTERPRET before Triton
+
+    log: list = []
+    real = Launcher.__call__
+
+    def counting(self, grid, args, **kw):  # type: ignore[no-untyped-def]
+        log.append((self.kernel, grid, dict(zip(self.arg_names, args))))
+        real(self, grid, args, **kw)  # returns None: no replay is recorded, every call is logged here
+    monkeypatch.setattr(Launcher, "__call__", counting)
+    return log

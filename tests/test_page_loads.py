@@ -17,7 +17,6 @@ from hicache_kv_split import kernels as kv_split_kernels  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError, ResolutionError  # noqa: E402
-from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.rowcopy_pages import ENV_PAGES, pages_enabled, pieces  # noqa: E402
 from hicache_core.testing.guarded import assert_same_device as _same, guarded_pools, guards_intact  # noqa: E402
 
@@ -26,18 +25,6 @@ PIN = DEVICE.type == "cuda"
 REGISTRY = create_registry()
 _sync = torch.cuda.synchronize if PIN else (lambda: None)
 GUARD = 256
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Every kernel launch: ``(kernel, grid, {parameter: value})`` (no replays: each call launches)."""
-    log, real = [], Launcher.__call__
-
-    def counting(self, grid, args, **kw):
-        log.append((self.kernel, grid, dict(zip(self.arg_names, args))))
-        real(self, grid, args, **kw)
-    monkeypatch.setattr(Launcher, "__call__", counting)
-    return log
 
 
 def _spec(kind: str, ps: int, pages: int, layers: int = 3) -> PoolSpec:

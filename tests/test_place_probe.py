@@ -15,7 +15,6 @@ import pytest  # noqa: E402
 
 from benchmarks import backup_place_probe as probe  # noqa: E402
 from hicache_core import kernel_lib as kl  # noqa: E402
-from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 from hicache_core.testing.conformance import CASES, check_strategy  # noqa: E402
 
@@ -24,30 +23,17 @@ REGISTRY = create_registry(plugins=[("probe", probe._Plugin())])
 CASE = {c.id: c for c in CASES}
 
 
-@pytest.fixture
-def launched(monkeypatch):
-    """The kernels launched, in order."""
-    log: list = []
-    real = Launcher.__call__
-
-    def counting(self, grid, args, **kw):
-        log.append(self.kernel)
-        real(self, grid, args, **kw)
-    monkeypatch.setattr(Launcher, "__call__", counting)
-    return log
-
-
 @pytest.mark.parametrize("strategy,layout,want", [
     ("probe.runtime_page", "page_first_direct", {"KERNEL", "PAGE_LOAD_KERNEL"}),
     ("probe.runtime_page_lf", "layer_first", {"layer_first KERNEL", "PAGE_LOAD_KERNEL"}),
     ("probe.kv_layer_major", "page_first_kv_split", {"kv_split KERNEL", "PAGE_LOAD (constexpr page size)"}),
 ])
 @pytest.mark.parametrize("case", ["mla656-fp8-ps128", "mla576-fp8-ps16-sharded5of2r1"])
-def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, launched, strategy, layout, want, case):
+def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, launches, strategy, layout, want, case):
     monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")  # the rows here are narrower than automatic TMA takes anyway
     check_strategy(REGISTRY, CASE[case], layout, "probe", strategy=strategy, device=DEVICE)
     from hicache_kv_split import kernels as kv
     from hicache_layer_first import kernels as lf
     names = {probe.KERNEL: "KERNEL", probe.PAGE_LOAD_KERNEL: "PAGE_LOAD_KERNEL", lf.KERNEL: "layer_first KERNEL",
              kv.KERNEL: "kv_split KERNEL", kl.PAGE_LOAD: "PAGE_LOAD (constexpr page size)"}
-    assert {names.get(k, repr(k)) for k in launched} == want
+    assert {names.get(k, repr(k)) for k, _, _ in launches} == want

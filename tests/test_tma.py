@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from hicache_core import LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError  # noqa: E402
-from hicache_core.launch import Launcher, _traits  # noqa: E402
+from hicache_core.launch import _traits  # noqa: E402
 from hicache_core.rowcopy import KernelTuning  # noqa: E402
 from hicache_core import rowcopy  # noqa: E402
 from hicache_core import rowcopy_tma  # noqa: E402
@@ -31,18 +31,6 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_spli
 #: On CPU the row kernel's loads are covered by the plugins' own conformance tests; on a GPU run both here.
 MODES = (True, False) if PIN else (True,)
 _sync = torch.cuda.synchronize if PIN else (lambda: None)
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Every kernel launch: ``(kernel, grid, {parameter: value})``."""
-    log, real = [], Launcher.__call__
-
-    def counting(self, grid, args, **kw):
-        log.append((self.kernel, grid, dict(zip(self.arg_names, args))))
-        real(self, grid, args, **kw)  # returns None: no replay is recorded, every call is logged here
-    monkeypatch.setattr(Launcher, "__call__", counting)
-    return log
 
 
 @pytest.mark.parametrize("tma", MODES, ids=lambda t: f"tma={t}")
