@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import json
 import sys
 import types
@@ -98,33 +100,24 @@ def _lf_module() -> None:
                                                        PAGE_LOAD_KERNEL=PAGE_LOAD_KERNEL)  # type: ignore[assignment]
 
 
-def _runtime_page(**options: Any) -> Any:
-    from hicache_page_first.strategy import PageFirstDirectKernelStrategy
+#: The probe's strategies: name -> (layout, the plugin strategy it subclasses (module, class), the class attributes
+#: it changes, description).
+STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
+    "probe.runtime_page": ("page_first_direct", "hicache_page_first.strategy", "PageFirstDirectKernelStrategy",
+                           {"kernel_module": MODULE}, "page_first_direct's kernels, runtime page size"),
+    "probe.runtime_page_lf": ("layer_first", "hicache_layer_first.strategy", "LayerFirstKernelStrategy",
+                              {"kernel_module": LF_MODULE}, "layer_first, page loads by runtime page size"),
+    "probe.kv_layer_major": ("page_first_kv_split", "hicache_kv_split.strategy", "KVSplitKernelStrategy",
+                             {"entries_inner": False}, "page_first_kv_split's kernel, layer-major"),
+}
 
-    class RuntimePage(PageFirstDirectKernelStrategy):
-        name = "probe.runtime_page"
-        kernel_module = MODULE
-    return RuntimePage(**options)
 
-
-def _runtime_page_lf(**options: Any) -> Any:
-    from hicache_layer_first.strategy import LayerFirstKernelStrategy
-
+def _strategy(name: str, **options: Any) -> Any:
+    """An instance of probe strategy ``name`` (:data:`STRATEGIES`)."""
+    _, module, base, attrs, _ = STRATEGIES[name]
     _lf_module()
-
-    class RuntimePageLoads(LayerFirstKernelStrategy):
-        name = "probe.runtime_page_lf"
-        kernel_module = LF_MODULE
-    return RuntimePageLoads(**options)
-
-
-def _kv_layer_major(**options: Any) -> Any:
-    from hicache_kv_split.strategy import KVSplitKernelStrategy
-
-    class LayerMajor(KVSplitKernelStrategy):
-        name = "probe.kv_layer_major"
-        entries_inner = False
-    return LayerMajor(**options)
+    cls = type(name, (getattr(importlib.import_module(module), base),), {"name": name, **attrs})
+    return cls(**options)
 
 
 class _Plugin:
@@ -135,12 +128,9 @@ class _Plugin:
     @staticmethod
     @hookimpl
     def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
-        register(StrategyInfo("probe.runtime_page", "probe", ("page_first_direct",), _runtime_page,
-                              sharded=(False, True), description="probe: page_first_direct's kernel, runtime page size"))
-        register(StrategyInfo("probe.runtime_page_lf", "probe", ("layer_first",), _runtime_page_lf,
-                              sharded=(False, True), description="probe: layer_first, page loads by runtime page size"))
-        register(StrategyInfo("probe.kv_layer_major", "probe", ("page_first_kv_split",), _kv_layer_major,
-                              sharded=(False, True), description="probe: page_first_kv_split's kernel, layer-major"))
+        for name, (layout, _, _, _, what) in STRATEGIES.items():
+            register(StrategyInfo(name, "probe", (layout,), functools.partial(_strategy, name),
+                                  sharded=(False, True), description=f"probe: {what}"))
 
 
 #: label -> (shape, layout, host page spread, strategy override, strategy options)
