@@ -155,12 +155,19 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-576 page_first_kv_split stages 2": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_stages": 2}),
     "fp8-576 page_first_kv_split stages 3": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_stages": 3}),
     "fp8-576 page_first_kv_split row loads": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"pages": False}),
-    # the same, every layout with page loads: does the row kernel load small pages faster (pages of 16: 1-10 KiB)?
+    # page loads forced (pages=True: whatever their pages' size) against the row kernel, every layout with page loads
+    # (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)
     "fp8-656 page_first_kv_split row loads": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"pages": False}),
     "fp8-576 layer_first row loads": ("mla61x576-fp8", "layer_first", 1, None, {"pages": False}),
     "fp8-656 layer_first row loads": ("mla61x656-fp8", "layer_first", 1, None, {"pages": False}),
     "fp8-576 page_first_direct row loads": ("mla61x576-fp8", "page_first_direct", 1, None, {"pages": False}),
     "fp8-656 page_first_direct row loads": ("mla61x656-fp8", "page_first_direct", 1, None, {"pages": False}),
+    "fp8-576 page_first_kv_split page loads": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"pages": True}),
+    "fp8-656 page_first_kv_split page loads": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"pages": True}),
+    "fp8-576 layer_first page loads": ("mla61x576-fp8", "layer_first", 1, None, {"pages": True}),
+    "fp8-656 layer_first page loads": ("mla61x656-fp8", "layer_first", 1, None, {"pages": True}),
+    "fp8-576 page_first_direct page loads": ("mla61x576-fp8", "page_first_direct", 1, None, {"pages": True}),
+    "fp8-656 page_first_direct page loads": ("mla61x656-fp8", "page_first_direct", 1, None, {"pages": True}),
     "fp8-656 page_first programs 32": ("mla61x656-fp8", "page_first", 1, None, {"programs": 32}),
     "fp8-656 page_first stages 2": ("mla61x656-fp8", "page_first", 1, None, {"num_stages": 2}),
     "bf16-576 page_first_kv_split 8 warps": ("mla61x576-bf16", "page_first_kv_split", 1, None, {"num_warps": 8}),

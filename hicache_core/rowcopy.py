@@ -97,8 +97,10 @@ class RowKernelStrategy(DirectionalStrategy):
         kernel
         (:func:`hicache_core.rowcopy_tma.tma_mode`).
     :param pages: loads of whole pages as flat words where the layout keeps a layer's page contiguous
-        (:mod:`hicache_core.rowcopy_pages`): ``True``/``False``, or ``None`` for
-        ``HICACHE_KERNEL_PAGES`` (unset: on), when the strategy has a page load kernel; calls TMA takes stay TMA's.
+        (:mod:`hicache_core.rowcopy_pages`): ``True`` (every group whose host rows allow it), ``False``, or ``None``
+        for ``HICACHE_KERNEL_PAGES`` when set, else automatic: groups whose pages hold at least
+        :data:`~hicache_core.rowcopy_pages.AUTO_MIN_PART_BYTES` per host part; when the strategy has a page load
+        kernel; calls TMA takes stay TMA's.
     """
 
     name: ClassVar[str]
@@ -130,7 +132,8 @@ class RowKernelStrategy(DirectionalStrategy):
             raise ConfigError(f"tma must be True, False or None (automatic), got {tma!r}")
         self.tma = tma
         if pages is not None and not isinstance(pages, bool):
-            raise ConfigError(f"pages must be True, False or None (HICACHE_KERNEL_PAGES, else on), got {pages!r}")
+            raise ConfigError(f"pages must be True, False or None (HICACHE_KERNEL_PAGES, else automatic), got "
+                              f"{pages!r}")
         self.pages = pages
 
     # -- resolution -----------------------------------------------------------------------------
@@ -168,8 +171,11 @@ class RowKernelStrategy(DirectionalStrategy):
                      f"(rows strided on the host: calls of <= {AUTO_MAX_STRIDED_ROWS} rows)")
             tma = f"; per-layer loads {where} by TMA {one(t.tma_load)}"
         pages = ""
-        if t.page_load is not None and rowcopy_pages.pages_enabled(self.pages):
-            pages = (f"; loads of whole pages where a layer's host page is a packed run (per host buffer of a "
+        page_mode = rowcopy_pages.pages_mode(self.pages)
+        if t.page_load is not None and page_mode is not None:
+            floor = ("" if page_mode == "all" else
+                     f" of >= {rowcopy_pages.AUTO_MIN_PART_BYTES} bytes per host buffer")
+            pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
                  "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, "
@@ -214,8 +220,9 @@ class RowKernelStrategy(DirectionalStrategy):
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
-        if rowcopy_pages.pages_enabled(self.pages):
-            prep = self._prepare_pages(binding.spec, module, prep)
+        pages = rowcopy_pages.pages_mode(self.pages)
+        if pages is not None:
+            prep = self._prepare_pages(binding.spec, module, prep, automatic=pages == "auto")
         if Replays.usable(binding) and not interpreting():
             # calls on either side of a TMA row limit take other launches: their steps are recorded apart
             splits = sorted({lim for lim in prep.tma_rows if lim is not None})
@@ -266,9 +273,9 @@ class RowKernelStrategy(DirectionalStrategy):
                 limits.append(row_limit(g, automatic=automatic))
         return replace(prep, tma=tuple(plans), tma_launcher=launcher, tma_dynamic=dynamic, tma_rows=tuple(limits))
 
-    def _prepare_pages(self, spec: PoolSpec, module: Any, prep: Prepared) -> Prepared:
+    def _prepare_pages(self, spec: PoolSpec, module: Any, prep: Prepared, *, automatic: bool) -> Prepared:
         """``prep`` with a page load launch for every group :func:`~hicache_core.rowcopy_pages.group_reason`
-        accepts."""
+        accepts (``automatic``: those it takes by default)."""
         kernel, t = self._optional_kernel(module, prep.tuning, "page_load", option="pages",
                                           what="page load")
         if kernel is None or t is None:
@@ -278,7 +285,8 @@ class RowKernelStrategy(DirectionalStrategy):
         launches: list[tuple[tuple[_Launch, int], ...] | None] = []
         page_tokens = 1 << (spec.page_size - 1).bit_length()
         for g in prep.groups:
-            why = rowcopy_pages.group_reason(g, spec.page_size, strided_ok="STRIDED" in launcher.arg_names)
+            why = rowcopy_pages.group_reason(g, spec.page_size, strided_ok="STRIDED" in launcher.arg_names,
+                                             automatic=automatic)
             if why:
                 logger.info("%s: loads of %s keep the row kernel: %s", self.name, "/".join(g.names), why)
                 launches.append(None)

@@ -31,28 +31,45 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
-__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "PagePart", "pages_enabled", "page_parts", "strided", "group_reason",
-           "pieces"]
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "PagePart", "pages_mode", "pages_enabled",
+           "page_parts", "strided", "group_reason", "pieces"]
 
 logger = logging.getLogger(__name__)
 
-#: ``1``: page loads wherever a group allows them (the default), ``0``: the row kernel for every load.
+#: ``1``: page loads wherever a group allows them, ``0``: the row kernel for every load; unset: automatic (groups
+#: whose parts' pages hold at least :data:`AUTO_MIN_PART_BYTES`).
 ENV_PAGES = "HICACHE_KERNEL_PAGES"
 #: Most tokens per page the kernel checks in one vector (its run check is one power-of-two block).
 MAX_PAGE_TOKENS = 1024
+#: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
+#: A page is one work item of the page kernel: pages of a few KiB keep too few reads in flight per program.  On an
+#: H100 (2026-12-07, docs/perf/runs.md, "Latest run") the 64-byte rope part of fp8 576-byte
+#: ``page_first_kv_split`` rows in pages of 16 (1 KiB pages) loaded bursts at 0.43 through page loads and 0.56
+#: through the row kernel; on the H200 (2026-12-01) split rows whose smaller part's pages held 8-9 KiB loaded
+#: 10-12 points faster through page loads than through the row kernel.
+AUTO_MIN_PART_BYTES = 4096
+
+
+def pages_mode(option: bool | None) -> str | None:
+    """Which groups' loads copy whole pages: ``"all"`` that :func:`group_reason` allows, ``"auto"`` those it allows
+    with ``automatic=True``, or ``None``.  ``option`` (``True``: all, ``False``: none), else
+    ``HICACHE_KERNEL_PAGES`` (``1``: all, ``0``: none, unset: automatic)."""
+    if option is not None:
+        return "all" if option else None
+    env = os.environ.get(ENV_PAGES, "").strip().lower()
+    if not env:
+        return "auto"
+    if env in ON:
+        return "all"
+    if env in OFF:
+        return None
+    raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads wherever a group allows them; or true, yes, on), "
+                      "0 (off; or false, no, off) or leave it unset (automatic)", setting=ENV_PAGES)
 
 
 def pages_enabled(option: bool | None) -> bool:
-    """``option`` when given, else ``HICACHE_KERNEL_PAGES`` (unset: on)."""
-    if option is not None:
-        return option
-    env = os.environ.get(ENV_PAGES, "").strip().lower()
-    if env in ON or not env:
-        return True
-    if env in OFF:
-        return False
-    raise ConfigError(f"{ENV_PAGES}={env!r}: use 1 (page loads on; or true, yes, on), 0 (off; or false, no, off) or "
-                      "leave it unset (on)", setting=ENV_PAGES)
+    """Whether some loads may copy whole pages (:func:`pages_mode` is not ``None``)."""
+    return pages_mode(option) is not None
 
 
 @dataclass(frozen=True)
@@ -80,11 +97,12 @@ def strided(g: RowGroup, part: PagePart) -> bool:
     return any(int(v) != part.width for v in g.tables["dev_stride"].tolist())
 
 
-def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True) -> str | None:
+def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automatic: bool = False) -> str | None:
     """Why ``g``'s loads cannot copy whole pages (``None``: they can): every part's host rows must be packed
     (token stride = the part's width) in pages of at least ``page_size`` rows, a page under 2**31 words (the
     kernel's in-page arithmetic is 32-bit); device rows may be wider where the kernel takes ``STRIDED``
-    (``strided_ok``; a plugin's own page kernel written for packed device rows does not)."""
+    (``strided_ok``; a plugin's own page kernel written for packed device rows does not).  ``automatic``: also
+    every part's page at least :data:`AUTO_MIN_PART_BYTES` bytes."""
     if page_size < 2:
         return "pages of one token are single rows"
     if page_size > MAX_PAGE_TOKENS:
@@ -98,6 +116,11 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True) -> str
             return "a page of its rows holds 2**31 words or more"
         if not strided_ok and strided(g, part):
             return "its device rows are wider than the part a host buffer holds, and the page kernel takes no STRIDED"
+        page_bytes = page_size * part.width * g.word
+        if automatic and page_bytes < AUTO_MIN_PART_BYTES:
+            return (f"a page of its {part.width * g.word}-byte {'part' if len(page_parts(g)) > 1 else 'row'}s holds "
+                    f"{page_bytes} bytes, under the {AUTO_MIN_PART_BYTES} automatic page loads take (the row kernel "
+                    "keeps more reads in flight; pages=True or HICACHE_KERNEL_PAGES=1 takes it)")
     return None
 
 

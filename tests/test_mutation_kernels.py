@@ -280,7 +280,7 @@ def test_page_loads_launch_a_program_per_part_page_and_entry(monkeypatch):
         spec = PoolSpec.mla(layer_map=LayerMap.unsharded(3), kv_lora_rank=64, qk_rope_head_dim=8, dtype=torch.bfloat16,
                             page_size=ps, capacity=ps * 4, device=DEVICE)
         p = guarded_pools(REGISTRY, "layer_first", "kernel", spec, gen, pin=PIN, guard=GUARD, dev_guard=GUARD,
-                          strategy_options={"tma": False, "tile_bytes": 64, "programs": 512})
+                          strategy_options={"tma": False, "pages": True, "tile_bytes": 64, "programs": 512})
         (g,) = p.pool.binding.scratch[p.pool.strategy_name].groups
         part, parts, *_ = pieces(ps * g.width, 64 // g.word, g.vec)
         assert parts > 1
@@ -300,7 +300,8 @@ def test_page_loads_launch_a_program_per_part_page_and_entry(monkeypatch):
     # default tiles: the row kernel's tile would be far taller than a page; the gather pass keeps to one page
     spec = PoolSpec.mla(layer_map=LayerMap.unsharded(1), kv_lora_rank=64, qk_rope_head_dim=8, dtype=torch.bfloat16,
                         page_size=4, capacity=8, device=DEVICE)
-    p = guarded_pools(REGISTRY, "layer_first", "kernel", spec, gen, pin=PIN, strategy_options={"tma": False})
+    p = guarded_pools(REGISTRY, "layer_first", "kernel", spec, gen, pin=PIN,
+                      strategy_options={"tma": False, "pages": True})
     prep = p.pool.binding.scratch[p.pool.strategy_name]
     ((lv, _),) = prep.pages[0]
     values = dict(zip(prep.page_launcher.arg_names, lv.args))
@@ -359,6 +360,24 @@ def _fake_group(width: int, *, word: int = 8, split: int | None = None, tok: int
     host = torch.zeros(64, dtype=torch.int64)
     return types.SimpleNamespace(width=width, split=width if split is None else split, word=word, tables=tables,
                                  anchor=host, hosts=(host,) * entries, vec=1)
+
+
+def test_page_group_reason_automatic_floor():
+    """Automatic page loads take a group only where a page of every host part holds AUTO_MIN_PART_BYTES: exactly
+    that is taken, a byte less is not; a fused group's smaller part decides; pages=True ignores the floor."""
+    from hicache_core.rowcopy_pages import AUTO_MIN_PART_BYTES, group_reason
+
+    words = AUTO_MIN_PART_BYTES // 8 // 16  # 8-byte words per row in pages of 16 rows of exactly the floor
+    assert group_reason(_fake_group(words, page=words * 16), 16, automatic=True) is None
+    g = _fake_group(words, word=4, tok=words, page=words * 16)  # 4-byte words: half the bytes
+    assert f"under the {AUTO_MIN_PART_BYTES}" in group_reason(g, 16, automatic=True)
+    assert group_reason(g, 16) is None
+    fused = _fake_group(words + 1, split=words, tok=words, page=words * 16)  # parts of `words` and 1 word
+    fused.tables["host_tok_b"] = torch.tensor([1])
+    fused.tables["host_page_b"] = torch.tensor([16])
+    why = group_reason(fused, 16, automatic=True)
+    assert "8-byte parts holds 128 bytes" in why, why
+    assert group_reason(fused, 16) is None
 
 
 def test_page_group_reason_bounds():

@@ -17,7 +17,8 @@ from hicache_kv_split import kernels as kv_split_kernels  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError, ResolutionError  # noqa: E402
-from hicache_core.rowcopy_pages import ENV_PAGES, pages_enabled, pieces  # noqa: E402
+from hicache_core import rowcopy_pages  # noqa: E402
+from hicache_core.rowcopy_pages import ENV_PAGES, pages_enabled, pages_mode, pieces  # noqa: E402
 from hicache_core.testing.guarded import assert_same_device as _same, guarded_pools, guards_intact  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,10 +37,11 @@ def _spec(kind: str, ps: int, pages: int, layers: int = 3) -> PoolSpec:
 
 
 def _pools(layout: str, spec: PoolSpec, gen: torch.Generator, **opts):
-    """A kernel pool (TMA off; host buffers and device layers between ``GUARD`` canary bytes) and the reference on
-    the same bytes."""
+    """A kernel pool (TMA off; page loads wherever a group allows them, whatever its pages' size, unless ``opts``
+    say otherwise; host buffers and device layers between ``GUARD`` canary bytes) and the reference on the same
+    bytes."""
     p = guarded_pools(REGISTRY, layout, "kernel", spec, gen, pin=PIN, guard=GUARD, dev_guard=GUARD,
-                      strategy_options={"tma": False, **opts})
+                      strategy_options={"tma": False, "pages": True, **opts})
     return p, p.pool, p.ref, p.dev, p.ref_dev
 
 
@@ -228,8 +230,8 @@ def test_device_rows_wider_than_the_row_take_strided_page_loads(launches):
     wide = [torch.randint(0, 256, (rows, row + 16), dtype=torch.uint8, generator=gen).to(DEVICE) for _ in range(3)]
     before = [t.clone() for t in wide]
     dev = {spec.components[0].name: [t[:, :row].view(torch.bfloat16) for t in wide]}
-    pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, strategy_options={"tma": False},
-                      pin_memory=PIN)
+    pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY,
+                      strategy_options={"tma": False, "pages": True}, pin_memory=PIN)
     ((lv, _),) = pool.binding.scratch[pool.strategy_name].pages[0]
     assert dict(zip(pool.binding.scratch[pool.strategy_name].page_launcher.arg_names, lv.args))["STRIDED"]
     (host,) = pool.host_buffers.values()  # layer_first: [layers, slots, row]
@@ -249,11 +251,14 @@ def test_switch(monkeypatch, launches):
     """``pages=False`` or ``HICACHE_KERNEL_PAGES=0``: the row kernel for every load; a bad value is refused."""
     monkeypatch.delenv(ENV_PAGES, raising=False)
     assert pages_enabled(None) and not pages_enabled(False) and pages_enabled(True)
+    assert (pages_mode(None), pages_mode(True), pages_mode(False)) == ("auto", "all", None)
+    monkeypatch.setenv(ENV_PAGES, "1")
+    assert pages_mode(None) == "all" and pages_mode(False) is None
     monkeypatch.setenv(ENV_PAGES, "0")
     assert not pages_enabled(None) and pages_enabled(True)
     gen = torch.Generator().manual_seed(13)
     spec = _spec("mla", 4, 6)
-    _, pool, ref, dev, ref_dev = _pools("layer_first", spec, gen)
+    _, pool, ref, dev, ref_dev = _pools("layer_first", spec, gen, pages=None)
     assert pool.binding.scratch[pool.strategy_name].pages == ()
     _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 2)
     monkeypatch.setenv(ENV_PAGES, "sometimes")
@@ -264,11 +269,12 @@ def test_switch(monkeypatch, launches):
                    pin_memory=PIN)
 
 
-@pytest.mark.parametrize("layout,pages,want", [("layer_first", None, True), ("layer_first", False, False),
-                                               ("page_first", None, False)])
+@pytest.mark.parametrize("layout,pages,want", [("layer_first", True, True), ("layer_first", False, False),
+                                               ("page_first", True, False), ("layer_first", None, False)])
 def test_fast_load_counts_page_loads(layout, pages, want):
     """``fast_load`` (what ``auto`` asks before sending a lone load to the kernel) holds where every group of the
-    layer loads through page loads (TMA off here), not where one keeps the row kernel."""
+    layer loads through page loads (TMA off here), not where one keeps the row kernel (automatic page loads leave
+    these 576-byte pages to it)."""
     spec = _spec("mla", 4, 6)
     _, pool, *_ = _pools(layout, spec, torch.Generator().manual_seed(17), pages=pages)
     assert pool.strategy.fast_load(pool.binding, 1, 8) is want
@@ -299,3 +305,24 @@ def test_launch_grid_names_the_grids_a_call_launches(launches, layout, kind, opt
             if "programs" in opts:
                 assert grid <= opts["programs"]
     assert strat.launch_grid(pool.binding, 0, 1, to_host=False) == 0
+
+
+@pytest.mark.parametrize("layout,floor,taken", [("layer_first", 576, True), ("layer_first", 577, False),
+                                                ("page_first_kv_split", 64, True), ("page_first_kv_split", 65, False)])
+def test_automatic_page_loads_take_pages_of_at_least_the_floor(monkeypatch, caplog, launches, layout, floor, taken):
+    """Unset ``pages`` (automatic): a group takes page loads only where a page of each host part holds
+    ``AUTO_MIN_PART_BYTES`` (here moved to the test's pages: 4 rows of 144 bytes; split, 4 x 128 and 4 x 16 bytes,
+    the rope part deciding); below it the row kernel loads, logged, bit-exact; ``pages=True`` takes them all."""
+    monkeypatch.delenv(ENV_PAGES, raising=False)
+    monkeypatch.setattr(rowcopy_pages, "AUTO_MIN_PART_BYTES", floor)
+    gen = torch.Generator().manual_seed(19)
+    spec = _spec("mla", 4, 6)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        _, pool, ref, dev, ref_dev = _pools(layout, spec, gen, pages=None)
+    assert (pool.binding.scratch[pool.strategy_name].pages[0] is not None) is taken
+    assert ("automatic page loads take" in caplog.text) is not taken
+    assert f"of >= {floor} bytes per host buffer" in "\n".join(pool.strategy.describe(spec, REGISTRY.layout(layout)))
+    if not taken:
+        _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, 1)
+        _, forced, *_ = _pools(layout, spec, gen, pages=True)
+        assert forced.binding.scratch[forced.strategy_name].pages[0] is not None
