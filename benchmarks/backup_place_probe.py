@@ -149,11 +149,16 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 page_first_kv_split 8 warps": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"num_warps": 8}),
     "fp8-576 page_first_kv_split": ("mla61x576-fp8", "page_first_kv_split", 1, None, {}),
     "fp8-576 page_first_kv_split 8 warps": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_warps": 8}),
-    # loads of a 64-byte second part (fp8 576 B rows split 512 + 64): 0.52-0.56 in pages of 16 (H100, 2026-12-07)
-    "fp8-576 page_first_kv_split programs 32": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"programs": 32}),
-    "fp8-576 page_first_kv_split programs 64": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"programs": 64}),
-    "fp8-576 page_first_kv_split stages 2": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_stages": 2}),
-    "fp8-576 page_first_kv_split stages 3": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_stages": 3}),
+    # loads of a 64-byte second part (fp8 576 B rows split 512 + 64): 0.52-0.56 in pages of 16 (H100, 2026-12-07);
+    # page loads forced (automatic ones leave pages of < 4 KiB per host part to the row kernel)
+    "fp8-576 page_first_kv_split programs 32": ("mla61x576-fp8", "page_first_kv_split", 1, None,
+                                                {"programs": 32, "pages": True}),
+    "fp8-576 page_first_kv_split programs 64": ("mla61x576-fp8", "page_first_kv_split", 1, None,
+                                                {"programs": 64, "pages": True}),
+    "fp8-576 page_first_kv_split stages 2": ("mla61x576-fp8", "page_first_kv_split", 1, None,
+                                             {"num_stages": 2, "pages": True}),
+    "fp8-576 page_first_kv_split stages 3": ("mla61x576-fp8", "page_first_kv_split", 1, None,
+                                             {"num_stages": 3, "pages": True}),
     "fp8-576 page_first_kv_split row loads": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"pages": False}),
     # page loads forced (pages=True: whatever their pages' size) against the row kernel, every layout with page loads
     # (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)

@@ -12,7 +12,9 @@ its argument types, the tuning's warps and register cap) is read from the prepar
 without the interpreter, compiles each launch for sm_90 and reads the compiled kernel's figures
 (:func:`ptx_diff.resources`).  One line per group, direction and kind: the row kernel's backup and load (the
 latter marked where the group's loads go to the page kernel, which gathers the pages that are not runs itself:
-the row kernel then loads only with page loads off, ``HICACHE_KERNEL_PAGES=0``), and each page-load part.
+the row kernel then loads only with page loads off, ``HICACHE_KERNEL_PAGES=0``), and each page-load part (page
+loads as the environment sets them: by default only groups whose pages hold >= 4 KiB per host part,
+``HICACHE_KERNEL_PAGES=1`` for pages of any size).
 ``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option would
 launch); ``--json`` also writes every launch's constexpr values and figures.  Index tensors compile as int64 (a
 pool takes int32 ones too); like ``ptx_diff``, this does not see the divisibility hints a launch adds to pointers

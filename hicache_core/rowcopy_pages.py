@@ -11,7 +11,9 @@ holds, e.g. the latent and the rope of MLA rows split over two host buffers, eac
 part by :func:`page_parts`).
 A plugin offers it by re-exporting the kernel as ``PAGE_LOAD_KERNEL`` and setting
 ``KernelTuning.page_load``; :class:`hicache_core.rowcopy.RowKernelStrategy` then loads every
-group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's).
+group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's): by default with ``automatic``
+(pages of at least :data:`AUTO_MIN_PART_BYTES` per host part), every group whose host pages allow it with
+``pages=True`` or ``HICACHE_KERNEL_PAGES=1``.
 
 Nothing here imports Triton.
 """
@@ -43,7 +45,7 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
 #: A page is one work item of the page kernel: pages of a few KiB keep too few reads in flight per program.  On an
-#: H100 (2026-12-07, docs/perf/runs.md, "Latest run") the 64-byte rope part of fp8 576-byte
+#: H100 (2026-12-07, docs/perf/runs.md, record calls 47-48) the 64-byte rope part of fp8 576-byte
 #: ``page_first_kv_split`` rows in pages of 16 (1 KiB pages) loaded bursts at 0.43 through page loads and 0.56
 #: through the row kernel; on the H200 (2026-12-01) split rows whose smaller part's pages held 8-9 KiB loaded
 #: 10-12 points faster through page loads than through the row kernel.
@@ -116,11 +118,15 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automa
             return "a page of its rows holds 2**31 words or more"
         if not strided_ok and strided(g, part):
             return "its device rows are wider than the part a host buffer holds, and the page kernel takes no STRIDED"
-        page_bytes = page_size * part.width * g.word
-        if automatic and page_bytes < AUTO_MIN_PART_BYTES:
-            return (f"a page of its {part.width * g.word}-byte {'part' if len(page_parts(g)) > 1 else 'row'}s holds "
-                    f"{page_bytes} bytes, under the {AUTO_MIN_PART_BYTES} automatic page loads take (the row kernel "
-                    "keeps more reads in flight; pages=True or HICACHE_KERNEL_PAGES=1 takes it)")
+    if automatic:  # after every part's checks above: a group refused for its layout is never told pages=True helps
+        parts = page_parts(g)
+        for part in parts:
+            page_bytes = page_size * part.width * g.word
+            if page_bytes < AUTO_MIN_PART_BYTES:
+                what = "parts (of rows split over two host buffers)" if len(parts) > 1 else "rows"
+                return (f"a host page of its {part.width * g.word}-byte {what} holds {page_bytes} bytes, under the "
+                        f"{AUTO_MIN_PART_BYTES} bytes automatic page loads take (the row kernel keeps more reads in "
+                        "flight; pages=True or HICACHE_KERNEL_PAGES=1 takes it)")
     return None
 
 

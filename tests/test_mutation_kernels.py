@@ -376,8 +376,17 @@ def test_page_group_reason_automatic_floor():
     fused.tables["host_tok_b"] = torch.tensor([1])
     fused.tables["host_page_b"] = torch.tensor([16])
     why = group_reason(fused, 16, automatic=True)
-    assert "8-byte parts holds 128 bytes" in why, why
+    assert "8-byte parts (of rows split over two host buffers) holds 128 bytes" in why, why
     assert group_reason(fused, 16) is None
+    first = _fake_group(words + 1, split=1, tok=1, page=16)  # the small part first: parts of 1 and `words` words
+    first.tables["host_tok_b"] = torch.tensor([words])
+    first.tables["host_page_b"] = torch.tensor([words * 16])
+    assert "8-byte parts" in group_reason(first, 16, automatic=True) and group_reason(first, 16) is None
+    odd = _fake_group(words, page=words * 7)  # pages of 7 rows: the bytes of 7 rows, not of a power of two
+    assert f"{words * 8}-byte rows holds {7 * words * 8} bytes" in group_reason(odd, 7, automatic=True)
+    # a group refused for its layout is refused for that, not sent to pages=True
+    unpacked = _fake_group(1, tok=2, page=32)
+    assert "not packed" in group_reason(unpacked, 16, automatic=True)
 
 
 def test_page_group_reason_bounds():

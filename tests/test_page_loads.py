@@ -254,6 +254,10 @@ def test_switch(monkeypatch, launches):
     assert (pages_mode(None), pages_mode(True), pages_mode(False)) == ("auto", "all", None)
     monkeypatch.setenv(ENV_PAGES, "1")
     assert pages_mode(None) == "all" and pages_mode(False) is None
+    layer_first = REGISTRY.layout("layer_first")
+    every = "\n".join(REGISTRY.resolve(_spec("mla", 4, 6), "layer_first", "kernel").strategy.describe(
+        _spec("mla", 4, 6), layer_first))
+    assert "loads of whole pages where" in every and "of >= " not in every  # no floor named where none applies
     monkeypatch.setenv(ENV_PAGES, "0")
     assert not pages_enabled(None) and pages_enabled(True)
     gen = torch.Generator().manual_seed(13)
@@ -271,10 +275,11 @@ def test_switch(monkeypatch, launches):
 
 @pytest.mark.parametrize("layout,pages,want", [("layer_first", True, True), ("layer_first", False, False),
                                                ("page_first", True, False), ("layer_first", None, False)])
-def test_fast_load_counts_page_loads(layout, pages, want):
+def test_fast_load_counts_page_loads(monkeypatch, layout, pages, want):
     """``fast_load`` (what ``auto`` asks before sending a lone load to the kernel) holds where every group of the
     layer loads through page loads (TMA off here), not where one keeps the row kernel (automatic page loads leave
     these 576-byte pages to it)."""
+    monkeypatch.delenv(ENV_PAGES, raising=False)
     spec = _spec("mla", 4, 6)
     _, pool, *_ = _pools(layout, spec, torch.Generator().manual_seed(17), pages=pages)
     assert pool.strategy.fast_load(pool.binding, 1, 8) is want

@@ -98,7 +98,7 @@ def describe(auto: AutoStrategy, spec: PoolSpec, layout: Layout) -> list[str]:
         lines.append(f"auto: except a lone one-layer load (nothing auto queued on the stream still running, and "
                      f"not within {TIGHT_GAP_US:g} us of its previous call's end), which "
                      f"{auto.kernel_name} serves where its fast load paths take that layer (TMA on Hopper-class GPUs, "
-                     "whole-page loads)")
+                     "whole-page loads of pages at or above their floor)")
     try:
         lines += _estimate(auto, spec, layout, cal)
     except Exception as exc:  # an estimate only: never let it break explain

@@ -19,7 +19,7 @@ __all__ = ["KVSplitKernelStrategy", "NAME", "TUNING"]
 NAME = "page_first_kv_split.kernel"
 
 #: Launch shape per direction.  Backups take 4 warps, as the other layouts' do: on an H100 (2026-12-07,
-#: benchmarks/backup_place_probe.py, 8 and 4 warps alternating in one process; docs/perf/runs.md, "Latest run")
+#: benchmarks/backup_place_probe.py, 8 and 4 warps alternating in one process; docs/perf/runs.md, record calls 41-46)
 #: all-layer backups of fp8 656-byte rows ran 0.755-0.810 with a GEMM beside them +18-32% slower at 8 warps,
 #: 0.826-0.851 at +7-10% at 4; MLA bf16 0.924-0.928 at +33-52% against 0.935-0.944 at +11-12%; MHA at +96-98%
 #: against +69-77%.  (The H200 sweep of 2026-11-30, before the page split became a constant, had seen ~+11-12%

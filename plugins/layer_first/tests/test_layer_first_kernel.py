@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import Addressing, BufferSpec, HostPlan, LayerMap, PoolSpec, Segment, create_registry  # noqa: E402
+from hicache_core.rowcopy_pages import group_reason  # noqa: E402
 from hicache_core.testing.conformance import CASES, check_load_all, check_strategy  # noqa: E402
 from hicache_layer_first.layout import LAYOUT  # noqa: E402
 from hicache_layer_first.strategy import STRATEGY_NAME as NAME, LayerFirstKernelStrategy  # noqa: E402
@@ -25,13 +26,21 @@ SHARDED = [c for c in CASES if "sharded" in c.id or "drafts" in c.id]
 
 @pytest.mark.parametrize("variant", ["shuffled-i64", "last-page-i32-dev"])
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_conformance_round_trip(case, variant):
+def test_conformance_round_trip(monkeypatch, case, variant):
+    if variant == "last-page-i32-dev":
+        # page loads of every group, pages of any size (the other variant: automatic, >= 4 KiB per host part)
+        monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")
     pool = check_strategy(REGISTRY, case, "layer_first", "kernel", variant=variant, device=DEVICE, strategy=NAME)
     assert pool.strategy_name == NAME
+    if variant == "last-page-i32-dev":  # every group whose host pages allow it loaded through page loads
+        prep = pool.binding.scratch[NAME]
+        for g, pages in zip(prep.groups, prep.pages):
+            assert (pages is not None) == (group_reason(g, pool.spec.page_size) is None), (case.id, g.names)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_conformance_load_all_layers(case):
+def test_conformance_load_all_layers(monkeypatch, case):
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # page loads of pages of any size (round trips: automatic too)
     check_load_all(REGISTRY, case, "layer_first", "kernel", device=DEVICE, strategy=NAME)
 
 
