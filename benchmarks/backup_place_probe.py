@@ -149,7 +149,7 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 page_first_kv_split 8 warps": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"num_warps": 8}),
     "fp8-576 page_first_kv_split": ("mla61x576-fp8", "page_first_kv_split", 1, None, {}),
     "fp8-576 page_first_kv_split 8 warps": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_warps": 8}),
-    # loads of a 64-byte second part (fp8 576 B rows split 512 + 64): 0.52-0.56 in pages of 16 (H100, 2026-12-07);
+    # loads of a 64-byte second part (fp8 576 B rows split 512 + 64): 0.43-0.56 in pages of 16 (H100s, 2026-12-07);
     # page loads forced (automatic ones leave pages of < 4 KiB per host part to the row kernel)
     "fp8-576 page_first_kv_split programs 32": ("mla61x576-fp8", "page_first_kv_split", 1, None,
                                                 {"programs": 32, "pages": True}),
@@ -159,20 +159,6 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
                                              {"num_stages": 2, "pages": True}),
     "fp8-576 page_first_kv_split stages 3": ("mla61x576-fp8", "page_first_kv_split", 1, None,
                                              {"num_stages": 3, "pages": True}),
-    "fp8-576 page_first_kv_split row loads": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"pages": False}),
-    # page loads forced (pages=True: whatever their pages' size) against the row kernel, every layout with page loads
-    # (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)
-    "fp8-656 page_first_kv_split row loads": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"pages": False}),
-    "fp8-576 layer_first row loads": ("mla61x576-fp8", "layer_first", 1, None, {"pages": False}),
-    "fp8-656 layer_first row loads": ("mla61x656-fp8", "layer_first", 1, None, {"pages": False}),
-    "fp8-576 page_first_direct row loads": ("mla61x576-fp8", "page_first_direct", 1, None, {"pages": False}),
-    "fp8-656 page_first_direct row loads": ("mla61x656-fp8", "page_first_direct", 1, None, {"pages": False}),
-    "fp8-576 page_first_kv_split page loads": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"pages": True}),
-    "fp8-656 page_first_kv_split page loads": ("mla61x656-fp8", "page_first_kv_split", 1, None, {"pages": True}),
-    "fp8-576 layer_first page loads": ("mla61x576-fp8", "layer_first", 1, None, {"pages": True}),
-    "fp8-656 layer_first page loads": ("mla61x656-fp8", "layer_first", 1, None, {"pages": True}),
-    "fp8-576 page_first_direct page loads": ("mla61x576-fp8", "page_first_direct", 1, None, {"pages": True}),
-    "fp8-656 page_first_direct page loads": ("mla61x656-fp8", "page_first_direct", 1, None, {"pages": True}),
     "fp8-656 page_first programs 32": ("mla61x656-fp8", "page_first", 1, None, {"programs": 32}),
     "fp8-656 page_first stages 2": ("mla61x656-fp8", "page_first", 1, None, {"num_stages": 2}),
     "bf16-576 page_first_kv_split 8 warps": ("mla61x576-bf16", "page_first_kv_split", 1, None, {"num_warps": 8}),
@@ -197,6 +183,12 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-576 layer_first runtime page_size": ("mla61x576-fp8", "layer_first", 1, "probe.runtime_page_lf", {}),
     "fp8-576 page_first_direct runtime page_size": ("mla61x576-fp8", "page_first_direct", 1, "probe.runtime_page", {}),
 }
+# page loads forced (pages=True, whatever their pages' size) against the row kernel (pages=False), for every layout
+# with page loads (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)
+for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8")):
+    for _layout in ("page_first_kv_split", "layer_first", "page_first_direct"):
+        VARIANTS[f"{_label} {_layout} page loads"] = (_shape, _layout, 1, None, {"pages": True})
+        VARIANTS[f"{_label} {_layout} row loads"] = (_shape, _layout, 1, None, {"pages": False})
 
 
 def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,

@@ -45,10 +45,11 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
 #: A page is one work item of the page kernel: pages of a few KiB keep too few reads in flight per program.  On an
-#: H100 (2026-12-07, docs/perf/runs.md, record calls 47-48) the 64-byte rope part of fp8 576-byte
+#: H100 (2026-12-07, docs/perf/runs.md, record call 47) the 64-byte rope part of fp8 576-byte
 #: ``page_first_kv_split`` rows in pages of 16 (1 KiB pages) loaded bursts at 0.43 through page loads and 0.56
-#: through the row kernel; on the H200 (2026-12-01) split rows whose smaller part's pages held 8-9 KiB loaded
-#: 10-12 points faster through page loads than through the row kernel.
+#: through the row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope
+#: pages) loaded 10-11 points faster through page loads than through the row kernel.  The line between is not
+#: measured more closely.
 AUTO_MIN_PART_BYTES = 4096
 
 
