@@ -150,7 +150,7 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-576 page_first_kv_split": ("mla61x576-fp8", "page_first_kv_split", 1, None, {}),
     "fp8-576 page_first_kv_split 8 warps": ("mla61x576-fp8", "page_first_kv_split", 1, None, {"num_warps": 8}),
     # loads of a 64-byte second part (fp8 576 B rows split 512 + 64): 0.43-0.56 in pages of 16 (H100s, 2026-12-07);
-    # page loads forced (automatic ones leave pages of < 4 KiB per host part to the row kernel)
+    # page loads forced (automatic ones leave pages of < 2 KiB per host part to the row kernel)
     "fp8-576 page_first_kv_split programs 32": ("mla61x576-fp8", "page_first_kv_split", 1, None,
                                                 {"programs": 32, "pages": True}),
     "fp8-576 page_first_kv_split programs 64": ("mla61x576-fp8", "page_first_kv_split", 1, None,

@@ -13,7 +13,7 @@ without the interpreter, compiles each launch for sm_90 and reads the compiled k
 (:func:`ptx_diff.resources`).  One line per group, direction and kind: the row kernel's backup and load (the
 latter marked where the group's loads go to the page kernel, which gathers the pages that are not runs itself:
 the row kernel then loads only with page loads off, ``HICACHE_KERNEL_PAGES=0``), and each page-load part (page
-loads as the environment sets them: by default only groups whose pages hold >= 4 KiB per host part,
+loads as the environment sets them: by default only groups whose pages hold >= 2 KiB per host part,
 ``HICACHE_KERNEL_PAGES=1`` for pages of any size).
 ``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option would
 launch); ``--json`` also writes every launch's constexpr values and figures.  Index tensors compile as int64 (a

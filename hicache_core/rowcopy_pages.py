@@ -49,8 +49,10 @@ MAX_PAGE_TOKENS = 1024
 #: ``page_first_kv_split`` rows in pages of 16 (1 KiB pages) loaded bursts at 0.43 through page loads and 0.56
 #: through the row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope
 #: pages) loaded 10-11 points faster through page loads than through the row kernel.  The line between is not
-#: measured more closely.
-AUTO_MIN_PART_BYTES = 4096
+#: measured more closely: it sits at the smallest page not measured behind, so that MLA bf16 rows of that layout in
+#: pages of 16 (2 KiB rope pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at
+#: page 16, any part at pages of a few tokens) go to the row kernel.
+AUTO_MIN_PART_BYTES = 2048
 
 
 def pages_mode(option: bool | None) -> str | None:

@@ -31,7 +31,7 @@ CASE = {c.id: c for c in CASES}
 @pytest.mark.parametrize("case", ["mla656-fp8-ps128", "mla576-fp8-ps16-sharded5of2r1"])
 def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, launches, strategy, layout, want, case):
     monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")  # the rows here are narrower than automatic TMA takes anyway
-    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # page loads of these small pages too (automatic: >= 4 KiB)
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # page loads of these small pages too (automatic: >= 2 KiB)
     check_strategy(REGISTRY, CASE[case], layout, "probe", strategy=strategy, device=DEVICE)
     from hicache_kv_split import kernels as kv
     from hicache_layer_first import kernels as lf

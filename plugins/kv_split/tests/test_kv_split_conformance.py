@@ -29,7 +29,7 @@ def registry():
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_round_trip(monkeypatch, registry, case, variant):
     if variant == "last-page-i32-dev":
-        # page loads of every group, pages of any size (the other variant: automatic, >= 4 KiB per host part)
+        # page loads of every group, pages of any size (the other variant: automatic, >= 2 KiB per host part)
         monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")
     pool = check_strategy(registry, case, LAYOUT, "kernel", variant=variant, device=DEVICE, strategy=NAME)
     assert pool.strategy_name == NAME

@@ -28,7 +28,7 @@ SHARDED = [c for c in CASES if "sharded" in c.id or "drafts" in c.id]
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_conformance_round_trip(monkeypatch, case, variant):
     if variant == "last-page-i32-dev":
-        # page loads of every group, pages of any size (the other variant: automatic, >= 4 KiB per host part)
+        # page loads of every group, pages of any size (the other variant: automatic, >= 2 KiB per host part)
         monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")
     pool = check_strategy(REGISTRY, case, "layer_first", "kernel", variant=variant, device=DEVICE, strategy=NAME)
     assert pool.strategy_name == NAME

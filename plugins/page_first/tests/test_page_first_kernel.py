@@ -31,7 +31,7 @@ CASE_IDS = [c.id for c in CASES]
 def test_conformance(monkeypatch, layout, case, variant):
     kw = dict(device=DEVICE, strategy=STRATEGIES[layout])
     if variant in ("last-page-i32-dev", "load-all"):  # page_first_direct's page loads of pages of any size too
-        monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # (the other variants: automatic, >= 4 KiB per host part)
+        monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # (the other variants: automatic, >= 2 KiB per host part)
     if variant == "load-all":
         check_load_all(REGISTRY, case, layout, "kernel", **kw)
     elif variant == "per-layer-backup":
