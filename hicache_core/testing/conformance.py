@@ -576,6 +576,24 @@ def classify_rejection(registry: Registry, case: Case, layout: str, io_backend: 
     return Rejection("undeclared", f"{strategy} did not resolve for {case.id}: {rejected}")
 
 
+def assert_page_loads_taken(pool: HostKVPool) -> None:
+    """For a pool of a row-copy kernel strategy with a page load kernel, built with page loads for every group
+    (strategy option ``pages=True`` or ``HICACHE_KERNEL_PAGES=1``): every launch group whose host pages allow it
+    (:func:`hicache_core.rowcopy_pages.group_reason`) loads through page loads.  Automatic page loads leave pages of
+    under :data:`~hicache_core.rowcopy_pages.AUTO_MIN_PART_BYTES` per host part to the row kernel, as the kit's small
+    test pages mostly are: a plugin test that forces page loads calls this after :func:`check_strategy` to know its
+    page kernel ran."""
+    from ..rowcopy_pages import group_reason
+
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert prep.pages, f"{pool.strategy_name}: no page loads prepared (pages off, or no PAGE_LOAD_KERNEL)"
+    for g, pages in zip(prep.groups, prep.pages):
+        why = group_reason(g, pool.spec.page_size)
+        assert (pages is not None) == (why is None), (f"{pool.strategy_name}, group {'/'.join(g.names)}: page loads "
+                                                      f"{'prepared' if pages is not None else 'not prepared'}; "
+                                                      f"its host pages: {why or 'allow them'}")
+
+
 __all__ += ["check_load_all", "CANARY", "clone_buffers", "fill_canary", "classify_rejection", "Rejection",
             "DECLARED_REJECTIONS", "GUARD", "GUARD_BYTES", "guarded_host_buffers", "assert_guards_intact",
-            "assert_device_guards_intact"]
+            "assert_device_guards_intact", "assert_page_loads_taken"]

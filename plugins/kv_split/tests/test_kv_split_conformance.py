@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import create_registry  # noqa: E402
-from hicache_core.testing.conformance import CASES, check_load_all, check_strategy  # noqa: E402
+from hicache_core.testing.conformance import CASES, assert_page_loads_taken, check_load_all, check_strategy  # noqa: E402
 from hicache_kv_split.layout import LAYOUT as _LAYOUT  # noqa: E402
 from hicache_kv_split.strategy import NAME  # noqa: E402
 
@@ -33,6 +33,8 @@ def test_round_trip(monkeypatch, registry, case, variant):
         monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")
     pool = check_strategy(registry, case, LAYOUT, "kernel", variant=variant, device=DEVICE, strategy=NAME)
     assert pool.strategy_name == NAME
+    if variant == "last-page-i32-dev":
+        assert_page_loads_taken(pool)
     assert pool.spec.sharded == ("sharded" in case.id)
 
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import Component, HostKVPool, LayerMap, PoolSpec, create_registry  # noqa: E402
-from hicache_core.testing.conformance import CASES, check_load_all, check_strategy  # noqa: E402
+from hicache_core.testing.conformance import CASES, assert_page_loads_taken, check_load_all, check_strategy  # noqa: E402
 from hicache_page_first.layout import PAGE_FIRST, PAGE_FIRST_DIRECT  # noqa: E402
 from hicache_page_first.strategy import PageFirstDirectKernelStrategy, PageFirstKernelStrategy  # noqa: E402
 
@@ -37,7 +37,10 @@ def test_conformance(monkeypatch, layout, case, variant):
     elif variant == "per-layer-backup":
         check_strategy(REGISTRY, case, layout, "kernel", per_layer_backup=True, **kw)
     else:
-        assert check_strategy(REGISTRY, case, layout, "kernel", variant=variant, **kw).strategy_name == kw["strategy"]
+        pool = check_strategy(REGISTRY, case, layout, "kernel", variant=variant, **kw)
+        assert pool.strategy_name == kw["strategy"]
+        if variant == "last-page-i32-dev" and layout == "page_first_direct":  # (page_first's host rows: token-major)
+            assert_page_loads_taken(pool)
 
 
 def test_cases_cover_sharded_mla_fp8_rows():
