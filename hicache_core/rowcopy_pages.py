@@ -45,13 +45,13 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
 #: A page is one work item of the page kernel: pages of a few KiB keep too few reads in flight per program.  On an
-#: H100 (2026-12-07, docs/perf/runs.md, record call 47) the 64-byte rope part of fp8 576-byte
-#: ``page_first_kv_split`` rows in pages of 16 (1 KiB pages) loaded bursts at 0.43 through page loads and 0.56
-#: through the row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope
-#: pages) loaded 10-11 points faster through page loads than through the row kernel.  The line between is not
-#: measured more closely: it sits at the smallest page not measured behind, so that MLA bf16 rows of that layout in
-#: pages of 16 (2 KiB rope pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at
-#: page 16, any part at pages of a few tokens) go to the row kernel.
+#: H100 (2026-12-07, docs/perf/runs.md, record call 47) fp8 576-byte MLA rows split over two host buffers, whose
+#: 64-byte rope part makes 1 KiB pages in pages of 16, loaded bursts at 0.43 through page loads and 0.56 through the
+#: row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope pages) loaded
+#: 10-11 points faster through page loads than through the row kernel.  The line between is not measured more
+#: closely: it sits at the smallest page not measured behind, so that split MLA bf16 rows in pages of 16 (2 KiB rope
+#: pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at page 16, any part at pages
+#: of a few tokens) go to the row kernel.
 AUTO_MIN_PART_BYTES = 2048
 
 
