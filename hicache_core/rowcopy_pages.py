@@ -112,7 +112,8 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automa
         return "pages of one token are single rows"
     if page_size > MAX_PAGE_TOKENS:
         return f"pages of more than {MAX_PAGE_TOKENS} tokens"
-    for part in page_parts(g):
+    parts = page_parts(g)
+    for part in parts:
         if any(int(v) != part.width for v in part.host["host_tok"].tolist()):
             return "its host token stride is not the row width (host rows are not packed)"
         if any(int(p) < page_size * part.width for p in part.host["host_page"].tolist()):
@@ -122,7 +123,6 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automa
         if not strided_ok and strided(g, part):
             return "its device rows are wider than the part a host buffer holds, and the page kernel takes no STRIDED"
     if automatic:  # after every part's checks above: a group refused for its layout is never told pages=True helps
-        parts = page_parts(g)
         for part in parts:
             page_bytes = page_size * part.width * g.word
             if page_bytes < AUTO_MIN_PART_BYTES:

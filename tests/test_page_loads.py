@@ -15,9 +15,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hicache_kv_split import kernels as kv_split_kernels  # noqa: E402
 
-from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl  # noqa: E402
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, kernel_lib as kl, rowcopy_pages  # noqa: E402
 from hicache_core.errors import ConfigError, ResolutionError  # noqa: E402
-from hicache_core import rowcopy_pages  # noqa: E402
 from hicache_core.rowcopy_pages import ENV_PAGES, pages_enabled, pages_mode, pieces  # noqa: E402
 from hicache_core.testing.guarded import assert_same_device as _same, guarded_pools, guards_intact  # noqa: E402
 

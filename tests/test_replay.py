@@ -569,7 +569,7 @@ def test_gpu_replayed_bursts_move_the_right_rows(layout, where):
     dev = {c.name: [torch.randint(0, 256, (rows, c.row_bytes), dtype=torch.uint8, device="cuda").view(c.dtype)
                     for _ in range(spec.layer_map.num_device_layers)] for c in spec.components}
     host = allocate_host_buffers(reg.layout(layout).plan(spec), pin_memory=True)
-    # page loads wherever the host pages allow them (kv_split's 2 KiB rope pages are under the automatic floor)
+    # page loads wherever the host pages allow them, whatever the automatic floor (rowcopy_pages.AUTO_MIN_PART_BYTES)
     pool = HostKVPool(spec, layout, "kernel", dev, host_buffers=host, registry=reg, strategy_options={"pages": True})
     replays = pool.binding.scratch[pool.strategy.name].replays
     assert replays is not None
