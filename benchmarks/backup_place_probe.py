@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from hicache_core import StrategyInfo, hookimpl
-from hicache_core import kernel_lib as kl
+from hicache_core import kernel_lib as kl, rowcopy_pages
 from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _Memcpy, _workload
 from hicache_core.pool import HostKVPool
 from hicache_core.registry import create_registry
@@ -185,9 +185,13 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
 }
 # page loads forced (pages=True, whatever their pages' size) against the row kernel (pages=False), for every layout
 # with page loads (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)
-for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8")):
+# ("... one page per item": small pages read one per work item, as before rowcopy_pages.group_pages; the probe's own
+# option page_group_bytes sets rowcopy_pages.GROUP_BYTES while the pool is built)
+for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"), ("bf16-576", "mla61x576-bf16")):
     for _layout in ("page_first_kv_split", "layer_first", "page_first_direct"):
         VARIANTS[f"{_label} {_layout} page loads"] = (_shape, _layout, 1, None, {"pages": True})
+        VARIANTS[f"{_label} {_layout} page loads one page per item"] = (_shape, _layout, 1, None,
+                                                                        {"pages": True, "page_group_bytes": 0})
         VARIANTS[f"{_label} {_layout} row loads"] = (_shape, _layout, 1, None, {"pages": False})
 
 
@@ -198,8 +202,14 @@ def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPoo
     if spread > 1:  # host page i -> page i * spread, in a pool of spread times the slots
         spec = dataclasses.replace(spec, capacity=spec.capacity * spread)
         h = (h // page_size) * (spread * page_size) + h % page_size
-    pool = HostKVPool(spec, layout, "kernel" if override is None else "probe", dev, strategy=override,
-                      strategy_options=options, registry=reg, pin_memory=True, validate="shapes")
+    options = dict(options)
+    group_bytes = options.pop("page_group_bytes", rowcopy_pages.GROUP_BYTES)
+    kept, rowcopy_pages.GROUP_BYTES = rowcopy_pages.GROUP_BYTES, group_bytes  # read when the pool is built
+    try:
+        pool = HostKVPool(spec, layout, "kernel" if override is None else "probe", dev, strategy=override,
+                          strategy_options=options, registry=reg, pin_memory=True, validate="shapes")
+    finally:
+        rowcopy_pages.GROUP_BYTES = kept
     return pool, dev, h, s, d
 
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "box_hits",
            "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_run", "load_piece", "store_piece",
-           "page_load", "PAGE_LOAD"]
+           "gather_page", "page_load", "page_group", "group_runs", "page_group_load", "PAGE_LOAD"]
 
 
 @triton.jit
@@ -353,15 +353,104 @@ def page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
                                               per_ent, PARTS)
             run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
             if (1 - run) * (j == 0).to(tl.int32) > 0:  # one item per page gathers it: its first part's
-                for s0 in tl.range(0, PAGE_TOKENS, TOKENS):  # tiles of the row kernel's size
-                    i = s0 + tl.arange(0, TOKENS)
-                    t = pg * page_size + i
-                    live = (i < page_size) & (t < n)
-                    h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
-                    d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
-                    ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
-                    move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
-                              paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)
+                gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok,
+                            capacity, dev_rows, page_size, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC)
+
+
+@triton.jit
+def gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
+                dev_rows, page_size, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+                PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr):
+    """Page ``pg`` of entry ``e`` row by row, in tiles of ``TOKENS`` positions (the row kernel's): its valid pairs
+    (positions below ``n``, slots and rows in range) move, the rest move nothing."""
+    for s0 in tl.range(0, PAGE_TOKENS, TOKENS):
+        i = s0 + tl.arange(0, TOKENS)
+        t = pg * page_size + i
+        live = (i < page_size) & (t < n)
+        h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+        d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+        ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
+        move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
+                  paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)
+
+
+@triton.jit
+def page_group(item, ents, host_idx, dev_idx, n, n_pages, page_size, capacity, dev_rows, per_ent,
+               GROUP: tl.constexpr):
+    """``(entry, pages, h0, d0, inb, there)`` of work item ``item`` of a grouped page load: pages
+    ``item % per_ent * GROUP ..`` (``GROUP`` of them, a vector) of one entry, each page's first host slot and device
+    row, ``inb`` (int32 0/1, as :func:`page_item`'s) and ``there`` (the page exists: it starts below ``n``)."""
+    k = item // per_ent
+    pg = (item - k * per_ent) * GROUP + tl.arange(0, GROUP)
+    p0 = pg * page_size
+    there = pg < n_pages
+    h0 = tl.load(host_idx + p0, mask=there, other=-1).to(tl.int64)
+    d0 = tl.load(dev_idx + p0, mask=there, other=-1).to(tl.int64)
+    inb = (there & (p0 < n - page_size + 1) & (h0 >= 0) & (h0 <= capacity - page_size) & (h0 % page_size == 0) &
+           (d0 >= 0) & (d0 <= dev_rows - page_size)).to(tl.int32)
+    return tl.load(ents + k), pg, h0, d0, inb, there
+
+
+@triton.jit
+def group_runs(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS: tl.constexpr):
+    """:func:`page_run` of every page of a group (vectors ``pg``, ``h0``, ``d0``, ``inb``)."""
+    i = tl.arange(0, PAGE_TOKENS)[None, :]
+    t = pg[:, None] * page_size + i
+    live = (i < page_size) & (t < n)
+    hh = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
+    dd = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
+    return tl.min(((hh == h0[:, None] + i) & (dd == d0[:, None] + i) | (i >= page_size)).to(tl.int32), 1) * inb
+
+
+@triton.jit
+def page_group_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                    capacity, dev_rows, page_size, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
+                    PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, STAGES: tl.constexpr,
+                    STRIDED: tl.constexpr, GROUP: tl.constexpr):
+    """:func:`page_load` for small pages: a work item is ``GROUP`` consecutive pages of one entry, read as one
+    ``[GROUP, PART]`` block (``PART``: a power of two of words covering a page, masked to it) before any is stored,
+    so a program keeps ``GROUP`` pages in flight where one page alone would be a few hundred bytes.  A page moves
+    where it is a run on both sides and in range; the others are gathered row by row afterwards
+    (:func:`gather_page`), as in :func:`page_load`."""
+    pid, nprog = programs()
+    n_pages = tl.cdiv(n.to(tl.int64), page_size)
+    per_ent = tl.cdiv(n_pages, GROUP)
+    n_items = per_ent * n_ents.to(tl.int64)
+    words = page_size * WIDTH
+    c = tl.arange(0, PART)
+    if STRIDED:
+        q = c // WIDTH
+        col = c - q * WIDTH
+    missed = tl.zeros((), tl.int32)
+    for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        e, pg, h0, d0, inb, there = page_group(item, ents, host_idx, dev_idx, n, n_pages, page_size, capacity,
+                                               dev_rows, per_ent, GROUP)
+        src = tl.load(host_off + e) + (h0 // page_size) * tl.load(host_page + e)
+        if STRIDED:
+            stride = tl.load(dev_stride + e)
+            dst = tl.load(dev_off + e) + d0 * stride
+            at = q.to(tl.int64) * stride + col
+        else:
+            dst = tl.load(dev_off + e) + d0 * WIDTH
+            at = c
+        if VEC > 1:
+            src = tl.multiple_of(src, VEC)
+            dst = tl.multiple_of(dst, VEC)
+        x = tl.load(anchor + src[:, None] + c[None, :], mask=(c < words)[None, :] & (inb > 0)[:, None])
+        run = group_runs(host_idx, dev_idx, pg, n, page_size, h0, d0, inb, PAGE_TOKENS)
+        missed = tl.maximum(missed, tl.max((1 - run) * there.to(tl.int32), 0))
+        tl.store(anchor + dst[:, None] + at[None, :], x, mask=(c < words)[None, :] & (run > 0)[:, None])
+    if missed > 0:  # pages that were not runs: this program's items again, page by page
+        for item in tl.range(pid, n_items, nprog, num_stages=1):
+            k = item // per_ent
+            for gi in range(0, GROUP):
+                p = (item - k * per_ent) * GROUP + gi
+                if p < n_pages:
+                    e, p, _, h0, d0, inb = page_item(k * n_pages + p, ents, host_idx, dev_idx, n, page_size,
+                                                     capacity, dev_rows, n_pages, 1)
+                    if page_run(host_idx, dev_idx, p, n, page_size, h0, d0, inb, PAGE_TOKENS) == 0:
+                        gather_page(anchor, host_idx, dev_idx, n, e, p, dev_off, dev_stride, host_off, host_page,
+                                    host_tok, capacity, dev_rows, page_size, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC)
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
@@ -369,8 +458,15 @@ def PAGE_LOAD(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
               capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
               PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, PART: tl.constexpr, PARTS: tl.constexpr,
               R1: tl.constexpr, R2: tl.constexpr, R3: tl.constexpr, R4: tl.constexpr, STAGES: tl.constexpr,
-              STRIDED: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Load whole pages as flat words (:func:`page_load`), the page size the constexpr ``PAGE_SIZE``."""
-    page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-              capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, PART, PARTS, R1, R2, R3, R4,
-              STAGES, STRIDED)
+              STRIDED: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr):
+    """Load whole pages as flat words, the page size the constexpr ``PAGE_SIZE``: one page (or part of one) per
+    work item (:func:`page_load`), or, ``GROUP`` > 1, ``GROUP`` small pages per work item
+    (:func:`page_group_load`; ``PART`` then covers a page, ``PARTS`` is 1 and ``R1`` .. ``R4`` are 0)."""
+    if GROUP > 1:
+        page_group_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page,
+                        host_tok, capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, PART, STAGES,
+                        STRIDED, GROUP)
+    else:
+        page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                  capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, PART, PARTS, R1, R2, R3, R4,
+                  STAGES, STRIDED)

@@ -293,15 +293,22 @@ class RowKernelStrategy(DirectionalStrategy):
                 continue
             parts = []
             for part in rowcopy_pages.page_parts(g):
-                part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(spec.page_size * part.width,
-                                                                           max(1, t.tile_bytes // g.word), g.vec)
+                page_words = spec.page_size * part.width
+                group = (rowcopy_pages.group_pages(page_words, g.word, page_tokens, t.tile_bytes)
+                         if "GROUP" in launcher.arg_names else 1)
+                if group > 1:  # small pages, several per item: PART covers a page, masked to it
+                    part_words, n_parts, r1, r2, r3, r4 = 1 << (page_words - 1).bit_length(), 1, 0, 0, 0, 0
+                else:
+                    part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(page_words,
+                                                                               max(1, t.tile_bytes // g.word), g.vec)
                 block, _, tokens = tile(part.width, part.width, g.word, t.tile_bytes)
                 tables = {**g.tables, **part.host, "dev_off": g.tables["dev_off"] + part.col}
                 values = _fixed_values(spec, g, tables, t) | dict(
                     WIDTH=part.width, SPLIT=part.width, BLOCK=block, BLOCK_B=block, TOKENS=min(tokens, page_tokens),
                     PAGE_TOKENS=page_tokens, TO_HOST=False, ENTRIES_INNER=self.entries_inner, PART=part_words,
-                    PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4, STRIDED=rowcopy_pages.strided(g, part))
-                parts.append((_bound(launcher, dynamic, t, spec.page_size, values), n_parts))
+                    PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4, STRIDED=rowcopy_pages.strided(g, part), GROUP=group)
+                # a grid covers cdiv(n, page_size * group) items per entry and part
+                parts.append((_bound(launcher, dynamic, t, spec.page_size * group, values), n_parts))
             launches.append(tuple(parts))
         return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 

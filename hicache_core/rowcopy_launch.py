@@ -60,6 +60,8 @@ LAUNCH_VALUES = {
     "R3": "constexpr: third piece (0: none)",
     "R4": "constexpr: masked tail piece covering the rest of the page (0: none)",
     "STRIDED": "constexpr: page loads: device rows are wider than the part loaded (dev_stride != WIDTH)",
+    "GROUP": "constexpr: page loads: pages per work item (1, or a power of two for small pages: see "
+             "rowcopy_pages.group_pages; PART then covers a page, PARTS is 1, R1..R4 are 0)",
 }
 #: The launch values that change from call to call (the rest is fixed per pool, group and direction).
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")

@@ -33,8 +33,8 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
-__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "PagePart", "pages_mode", "pages_enabled",
-           "page_parts", "strided", "group_reason", "pieces"]
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PagePart", "pages_mode",
+           "pages_enabled", "page_parts", "strided", "group_reason", "pieces", "group_pages"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,9 @@ MAX_PAGE_TOKENS = 1024
 #: pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at page 16, any part at pages
 #: of a few tokens) go to the row kernel.
 AUTO_MIN_PART_BYTES = 2048
+#: Pages smaller than this are read several per work item (:func:`group_pages`), so that an item holds up to this many
+#: bytes: what a work item held where page loads were measured ahead of the row kernel (8 KiB rope pages, above).
+GROUP_BYTES = 8192
 
 
 def pages_mode(option: bool | None) -> str | None:
@@ -158,3 +161,16 @@ def pieces(page_words: int, max_part: int, vec: int) -> tuple[int, int, int, int
     r4 = max(vec, 1 << (rest - 1).bit_length()) if rest else 0
     return part, parts, rs[0], rs[1], rs[2], r4
 
+
+
+def group_pages(page_words: int, word: int, page_tokens: int, tile_bytes: int) -> int:
+    """Pages per work item of the page kernel (its ``GROUP``) for pages of ``page_words`` words of ``word`` bytes,
+    ``page_tokens`` index positions (a power of two) checked per page: 1 where a page, its words padded to a power
+    of two, holds at least half of ``min(GROUP_BYTES, tile_bytes)``; else the most pages (a power of two) whose padded
+    words fit in that, and whose index checks stay within :data:`MAX_PAGE_TOKENS` positions."""
+    if page_words < 1 or word < 1 or page_tokens < 1 or tile_bytes < 1:
+        raise ValueError(f"page_words, word, page_tokens and tile_bytes must be positive, got {page_words}, {word}, "
+                         f"{page_tokens}, {tile_bytes}")
+    padded = (1 << (page_words - 1).bit_length()) * word
+    fit = min(GROUP_BYTES, tile_bytes) // padded
+    return max(1, min(_pow2_floor(fit) if fit else 1, _pow2_floor(max(1, MAX_PAGE_TOKENS // page_tokens))))

@@ -80,12 +80,17 @@ def _cases(spec: PoolSpec, gen: torch.Generator) -> dict[str, tuple[torch.Tensor
 @pytest.mark.parametrize("layout,kind", [("layer_first", "mla"), ("page_first_direct", "mla"),
                                          ("page_first_kv_split", "mha"), ("layer_first", "mha"),
                                          ("page_first_kv_split", "mla")])
-@pytest.mark.parametrize("ps,tile_bytes", [(16, 65536), (7, 512), (7, 128), (2, 32), (2, 8)],
-                         ids=["ps16", "ps7-pieces-tail", "ps7-parts", "ps2-parts", "ps2-parts-of-one-vector"])
-def test_page_loads_are_bit_exact(launches, layout, kind, ps, tile_bytes):
+@pytest.mark.parametrize("ps,tile_bytes,grouped", [(16, 65536, True), (16, 65536, False), (7, 512, False),
+                                                   (7, 128, False), (2, 32, False), (2, 8, False)],
+                         ids=["ps16-pages-per-item", "ps16-one-page-items", "ps7-pieces-tail", "ps7-parts",
+                              "ps2-parts", "ps2-parts-of-one-vector"])
+def test_page_loads_are_bit_exact(monkeypatch, launches, layout, kind, ps, tile_bytes, grouped):
     """Per-layer and all-layer loads through the page kernel (pages read in several parts and pieces where
-    ``tile_bytes`` is small), against the reference: rows outside the indices, rows of pairs out of range and the
-    canaries around the host buffers stay as they were."""
+    ``tile_bytes`` is small; these pages of at most 2304 bytes several per work item where ``grouped``, a group of
+    them cut short by the end of the call's pages), against the reference: rows outside the indices, rows of pairs
+    out of range and the canaries around the host buffers stay as they were."""
+    if not grouped:
+        monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 0)
     gen = torch.Generator().manual_seed(ps * 31 + tile_bytes)
     spec = _spec(kind, ps, 4)  # 3 pages per case: a first, a middle and a last one
     guarded, pool, ref, dev, ref_dev = _pools(layout, spec, gen, tile_bytes=tile_bytes)
@@ -99,6 +104,7 @@ def test_page_loads_are_bit_exact(launches, layout, kind, ps, tile_bytes):
         ref.strategy.load(ref.binding, h[ok], d[ok], layer)
         _sync()
         assert launches and all(k is kl.PAGE_LOAD for k, _, _ in launches), name
+        assert all((v["GROUP"] > 1) is grouped for _, _, v in launches), [v["GROUP"] for _, _, v in launches]
         _same(dev, ref_dev)
         assert guards_intact(guarded), f"{name}: guards"
     dev_h, dev_d = _cases(spec, gen)["whole-to-runs"]  # fresh pages: every layer in one call
@@ -150,7 +156,11 @@ def test_split_rows_load_each_host_part_on_its_own(launches):
     for name in ("host_off", "host_page", "host_tok"):
         assert torch.equal(a[name], g.tables[name]) and torch.equal(b[name], g.tables[name + "_b"])
     pages = h.numel() // 8
-    assert (grid_a, grid_b) == (pages * a["PARTS"], pages * b["PARTS"])  # one entry per layer
+    # 8-row pages of 128-byte latents and 16-byte ropes: 1 KiB and 128 bytes, 8 and 64 per work item (pages of 8
+    # positions: at most 128 of them per item), each read whole
+    assert (a["GROUP"], b["GROUP"]) == (8, 64) and (a["PARTS"], b["PARTS"]) == (1, 1)
+    assert (a["PART"], b["PART"]) == (g.split * 8, (g.width - g.split) * 8)
+    assert (grid_a, grid_b) == (1, 1)  # one entry per layer, its 5 pages one item
     launches.clear()
     _, pool, *_ = _pools("layer_first", spec, gen)
     pool.load_layer(1, h.to(DEVICE), d.to(DEVICE))
@@ -194,6 +204,26 @@ def test_pieces_cover_the_page(page_words, max_part, vec):
         pieces(0, max_part, vec)
     with pytest.raises(ValueError, match="dividing page_words"):
         pieces(page_words, max_part, 3)
+
+
+@pytest.mark.parametrize("page_words,word,page_tokens,tile_bytes,want", [
+    (256, 4, 16, 65536, 8),  # 1 KiB pages: 8 per item of 8 KiB
+    (576, 4, 16, 65536, 2),  # 2304 bytes, padded to 4 KiB: 2
+    (1024, 4, 16, 65536, 2),  # 4 KiB: 2
+    (1025, 4, 16, 65536, 1),  # padded to 8 KiB: one per item
+    (2048, 4, 64, 65536, 1),  # 8 KiB: one per item, as before
+    (256, 4, 16, 2048, 2),  # tile_bytes under GROUP_BYTES bounds the item
+    (256, 4, 16, 1024, 1),
+    (8, 2, 2, 65536, 512),  # 16-byte pages of 2 positions: at most 1024 positions checked per item
+    (8, 2, 512, 65536, 2),
+    (8, 2, 1024, 65536, 1),
+])
+def test_group_pages(page_words, word, page_tokens, tile_bytes, want):
+    """Small pages go several per work item, up to ``GROUP_BYTES`` (or ``tile_bytes``) of padded pages and
+    ``MAX_PAGE_TOKENS`` positions of index checks; pages of half of that or more one per item."""
+    assert rowcopy_pages.group_pages(page_words, word, page_tokens, tile_bytes) == want
+    with pytest.raises(ValueError, match="must be positive"):
+        rowcopy_pages.group_pages(0, word, page_tokens, tile_bytes)
 
 
 def _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, layer: int) -> None:

@@ -38,3 +38,24 @@ def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, laun
     names = {probe.KERNEL: "KERNEL", probe.PAGE_LOAD_KERNEL: "PAGE_LOAD_KERNEL", lf.KERNEL: "layer_first KERNEL",
              kv.KERNEL: "kv_split KERNEL", kl.PAGE_LOAD: "PAGE_LOAD (constexpr page size)"}
     assert {names.get(k, repr(k)) for k, _, _ in launches} == want
+
+
+def test_one_page_per_item_variants_build_their_pools_with_small_pages_ungrouped(monkeypatch):
+    """``... page loads one page per item`` builds its pool with ``rowcopy_pages.GROUP_BYTES`` at 0 (every page its
+    own work item, as before pages were grouped), hands the strategy only real options, and puts the constant back;
+    ``... page loads`` builds with the default."""
+    from hicache_core import rowcopy_pages
+
+    seen = []
+
+    def pool(*args, **kw):
+        seen.append((rowcopy_pages.GROUP_BYTES, kw["strategy_options"]))
+        return "pool"
+    monkeypatch.setattr(probe, "HostKVPool", pool)
+    monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
+    default = rowcopy_pages.GROUP_BYTES
+    assert default > 0
+    probe._build("fp8-576 page_first_kv_split page loads one page per item", 64, 16, None)
+    probe._build("fp8-576 page_first_kv_split page loads", 64, 16, None)
+    assert seen == [(0, {"pages": True}), (default, {"pages": True})]
+    assert rowcopy_pages.GROUP_BYTES == default
