@@ -43,9 +43,16 @@ for page in (64, 48):
     for tokens in (16, 64):
         part, parts, r1, r2, r3, r4 = pieces(page * 82, 1024, 2)  # as a launch splits the page
         consts = dict(WIDTH=82, BLOCK=128, TOKENS=tokens, PAGE_TOKENS=64, VEC=2, PART=part, PARTS=parts, R1=r1, R2=r2,
-                      R3=r3, R4=r4, STAGES=1, STRIDED=False, PAGE_SIZE=page)
+                      R3=r3, R4=r4, STAGES=1, STRIDED=False, PAGE_SIZE=page, GROUP=1)
         ptx = compile_kernel(kl.PAGE_LOAD, consts).asm["ptx"]
         out.setdefault("PAGE_LOAD", {})[f"load, page {page}, {tokens} tokens"] = len(DIV64.findall(ptx))
+    for group in (2, 8):  # small pages (16-word rows, e.g. rope parts of wider device rows), several per work item
+        for strided in (False, True):
+            consts = dict(WIDTH=16, BLOCK=16, TOKENS=16, PAGE_TOKENS=64, VEC=2, PART=1024, PARTS=1, R1=0, R2=0,
+                          R3=0, R4=0, STAGES=1, STRIDED=strided, PAGE_SIZE=page, GROUP=group)
+            ptx = compile_kernel(kl.PAGE_LOAD, consts).asm["ptx"]
+            out.setdefault("PAGE_LOAD grouped", {})[f"load, page {page}, group {group}, strided {strided}"] = len(
+                DIV64.findall(ptx))
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
 for page in (64, 48):
     for tokens in (16, 64):
@@ -66,7 +73,13 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row(tmp_path):
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD", "PAGED_TMA_LOAD"}
+    assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD", "PAGE_LOAD grouped",
+                           "PAGED_TMA_LOAD"}
+    grouped = counts.pop("PAGE_LOAD grouped")
+    for page in (64, 48):  # per item, not per page of the item
+        for strided in (False, True):
+            few, many = (grouped[f"load, page {page}, group {g}, strided {strided}"] for g in (2, 8))
+            assert few == many <= 4, grouped
     for name, by in counts.items():
         for way in ("backup", "load") if name in ("layer_first", "page_first", "page_first_kv_split") else ("load",):
             for page in (64, 48):
