@@ -30,7 +30,8 @@ plugin whose host rows sit at ``page * page_stride + slot_in_page * token_stride
 
 Loads of layouts whose host page of one layer is one contiguous run of rows (host rows packed; device
 rows packed, or each row a part of wider device rows) may instead copy whole pages as flat words: :func:`page_item`, :func:`load_piece`,
-:func:`store_piece` and the complete kernel :data:`PAGE_LOAD`, which a plugin re-exports as its
+:func:`store_piece`, :func:`gather_page` (pages that are not runs), :func:`page_group`, :func:`group_runs` (small pages
+several per work item, :func:`page_group_load`) and the complete kernel :data:`PAGE_LOAD`, which a plugin re-exports as its
 ``PAGE_LOAD_KERNEL`` (see :class:`hicache_core.rowcopy.RowKernelStrategy`).
 """
 

@@ -53,7 +53,8 @@ LAUNCH_VALUES = {
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
     "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
-    "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces)",
+    "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces; GROUP > 1: a power of two "
+            "covering the page, masked to it)",
     "PARTS": "constexpr: whole parts per page",
     "R1": "constexpr: words of the page's first piece after its parts (0: none)",
     "R2": "constexpr: second piece (0: none)",
@@ -133,7 +134,7 @@ def _route(prep: Prepared, gi: int, n: int, layer: int | None,
     pages = prep.pages[gi] if prep.pages and not to_host else None
     if pages is None:
         return None, ((prep.launches[gi][to_host], prep.launcher, prep.dynamic, n_ents),), ents
-    # work items: parts of each page of each entry, one launch per host part of the rows
+    # work items: parts of each page (or groups of small pages) of each entry, one launch per host part of the rows
     return None, tuple((lv, prep.page_launcher, prep.page_dynamic, n_ents * n_parts) for lv, n_parts in pages), ents
 
 

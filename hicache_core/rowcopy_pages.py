@@ -5,7 +5,8 @@ page-major one whose page holds each layer's rows together), a page is ``page_si
 bytes on the host.  The row kernel moves a tile as ``[tokens, block]`` with ``block`` the next power of
 two of the row, so a 656-byte row keeps 41 of 64 lanes busy, and reads the host row by row; the page
 kernel reads each page in power-of-two pieces that add up to it exactly (a 64 x 656-byte page is
-32 + 8 + 1 KiB) and stores it to the page's device rows: one run where device rows are packed (the device
+32 + 8 + 1 KiB; small pages several per work item, :func:`group_pages`, each padded to a power of two and masked to
+the page) and stores it to the page's device rows: one run where device rows are packed (the device
 token stride is the row), row by row where they are wider (``STRIDED``: the part of a row a host buffer
 holds, e.g. the latent and the rope of MLA rows split over two host buffers, each loaded as its own
 part by :func:`page_parts`).
@@ -44,7 +45,8 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 #: Most tokens per page the kernel checks in one vector (its run check is one power-of-two block).
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
-#: A page is one work item of the page kernel: pages of a few KiB keep too few reads in flight per program.  On an
+#: Drawn when a page was one work item of the page kernel (before :func:`group_pages`): pages of a few KiB kept too
+#: few reads in flight per program.  On an
 #: H100 (2026-12-07, docs/perf/runs.md, record call 47) fp8 576-byte MLA rows split over two host buffers, whose
 #: 64-byte rope part makes 1 KiB pages in pages of 16, loaded bursts at 0.43 through page loads and 0.56 through the
 #: row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope pages) loaded
@@ -53,8 +55,9 @@ MAX_PAGE_TOKENS = 1024
 #: pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at page 16, any part at pages
 #: of a few tokens) go to the row kernel.
 AUTO_MIN_PART_BYTES = 2048
-#: Pages smaller than this are read several per work item (:func:`group_pages`), so that an item holds up to this many
-#: bytes: what a work item held where page loads were measured ahead of the row kernel (8 KiB rope pages, above).
+#: Pages whose size padded to a power of two is at most half of this are read several per work item
+#: (:func:`group_pages`), an item holding up to this many bytes: what a work item held where page loads were measured
+#: ahead of the row kernel (8 KiB rope pages, above).
 GROUP_BYTES = 8192
 
 
@@ -162,12 +165,11 @@ def pieces(page_words: int, max_part: int, vec: int) -> tuple[int, int, int, int
     return part, parts, rs[0], rs[1], rs[2], r4
 
 
-
 def group_pages(page_words: int, word: int, page_tokens: int, tile_bytes: int) -> int:
     """Pages per work item of the page kernel (its ``GROUP``) for pages of ``page_words`` words of ``word`` bytes,
     ``page_tokens`` index positions (a power of two) checked per page: 1 where a page, its words padded to a power
-    of two, holds at least half of ``min(GROUP_BYTES, tile_bytes)``; else the most pages (a power of two) whose padded
-    words fit in that, and whose index checks stay within :data:`MAX_PAGE_TOKENS` positions."""
+    of two, holds more than half of ``min(GROUP_BYTES, tile_bytes)``; else the most pages (a power of two) whose
+    padded words fit in that, and whose index checks stay within :data:`MAX_PAGE_TOKENS` positions."""
     if page_words < 1 or word < 1 or page_tokens < 1 or tile_bytes < 1:
         raise ValueError(f"page_words, word, page_tokens and tile_bytes must be positive, got {page_words}, {word}, "
                          f"{page_tokens}, {tile_bytes}")
