@@ -185,11 +185,13 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
 }
 # page loads forced (pages=True, whatever their pages' size) against the row kernel (pages=False), for every layout
 # with page loads (automatic page loads take pages of >= rowcopy_pages.AUTO_MIN_PART_BYTES per host part)
-# ("... one page per item": small pages read one per work item, as before rowcopy_pages.group_pages; the probe's own
-# option page_group_bytes sets rowcopy_pages.GROUP_BYTES while the pool is built)
+# ("... grouped": small pages several per work item, rowcopy_pages.group_pages with GROUP_BYTES at 8192; "... one page
+# per item": GROUP_BYTES at 0; the probe's own option page_group_bytes sets the constant while the pool is built)
 for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"), ("bf16-576", "mla61x576-bf16")):
     for _layout in ("page_first_kv_split", "layer_first", "page_first_direct"):
         VARIANTS[f"{_label} {_layout} page loads"] = (_shape, _layout, 1, None, {"pages": True})
+        VARIANTS[f"{_label} {_layout} page loads grouped"] = (_shape, _layout, 1, None,
+                                                               {"pages": True, "page_group_bytes": 8192})
         VARIANTS[f"{_label} {_layout} page loads one page per item"] = (_shape, _layout, 1, None,
                                                                         {"pages": True, "page_group_bytes": 0})
         VARIANTS[f"{_label} {_layout} row loads"] = (_shape, _layout, 1, None, {"pages": False})

@@ -56,9 +56,11 @@ MAX_PAGE_TOKENS = 1024
 #: of a few tokens) go to the row kernel.
 AUTO_MIN_PART_BYTES = 2048
 #: Pages whose size padded to a power of two is at most half of this are read several per work item
-#: (:func:`group_pages`), an item holding up to this many bytes: what a work item held where page loads were measured
-#: ahead of the row kernel (8 KiB rope pages, above).
-GROUP_BYTES = 8192
+#: (:func:`group_pages`), an item holding up to this many bytes; 0: one page per work item.  0 until grouped page loads
+#: are measured on a GPU (bit-exact under Triton's interpreter, compiled for sm_90; not yet run on a GPU):
+#: 8192 would group pages of up to 4 KiB, an item then holding what one held where page loads were measured ahead of
+#: the row kernel (8 KiB rope pages, above).
+GROUP_BYTES = 0
 
 
 def pages_mode(option: bool | None) -> str | None:
@@ -169,7 +171,8 @@ def group_pages(page_words: int, word: int, page_tokens: int, tile_bytes: int) -
     """Pages per work item of the page kernel (its ``GROUP``) for pages of ``page_words`` words of ``word`` bytes,
     ``page_tokens`` index positions (a power of two) checked per page: 1 where a page, its words padded to a power
     of two, holds more than half of ``min(GROUP_BYTES, tile_bytes)``; else the most pages (a power of two) whose
-    padded words fit in that, and whose index checks stay within :data:`MAX_PAGE_TOKENS` positions."""
+    padded words fit in that, and whose index checks stay within :data:`MAX_PAGE_TOKENS` positions (1 while
+    ``GROUP_BYTES`` is 0)."""
     if page_words < 1 or word < 1 or page_tokens < 1 or tile_bytes < 1:
         raise ValueError(f"page_words, word, page_tokens and tile_bytes must be positive, got {page_words}, {word}, "
                          f"{page_tokens}, {tile_bytes}")

@@ -89,8 +89,8 @@ def test_page_loads_are_bit_exact(monkeypatch, launches, layout, kind, ps, tile_
     ``tile_bytes`` is small; these pages of at most 2304 bytes several per work item where ``grouped``, a group of
     them cut short by the end of the call's pages), against the reference: rows outside the indices, rows of pairs
     out of range and the canaries around the host buffers stay as they were."""
-    if not grouped:
-        monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 0)
+    if grouped:  # (the default is one page per work item until grouped loads are measured on a GPU)
+        monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 8192)
     gen = torch.Generator().manual_seed(ps * 31 + tile_bytes)
     spec = _spec(kind, ps, 4)  # 3 pages per case: a first, a middle and a last one
     guarded, pool, ref, dev, ref_dev = _pools(layout, spec, gen, tile_bytes=tile_bytes)
@@ -135,10 +135,11 @@ def test_launch_values_and_grid(launches):
     assert grid == min(5, h.numel() // 7 * want[1])
 
 
-def test_split_rows_load_each_host_part_on_its_own(launches):
+def test_split_rows_load_each_host_part_on_its_own(monkeypatch, launches):
     """A fused group (MLA latent + rope in two host buffers) loads through one page launch per host part: the
     part's width, its column in the device row, its host tables, device rows stored row by row (``STRIDED``),
     each grid covering pages x parts x entries; a layer_first group of whole rows stays unstrided."""
+    monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 8192)
     gen = torch.Generator().manual_seed(5)
     spec = _spec("mla", 8, 6)
     _, pool, ref, dev, ref_dev = _pools("page_first_kv_split", spec, gen, programs=64)
@@ -218,9 +219,12 @@ def test_pieces_cover_the_page(page_words, max_part, vec):
     (8, 2, 512, 65536, 2),
     (8, 2, 1024, 65536, 1),
 ])
-def test_group_pages(page_words, word, page_tokens, tile_bytes, want):
-    """Small pages go several per work item, up to ``GROUP_BYTES`` (or ``tile_bytes``) of padded pages and
-    ``MAX_PAGE_TOKENS`` positions of index checks; pages of half of that or more one per item."""
+def test_group_pages(monkeypatch, page_words, word, page_tokens, tile_bytes, want):
+    """With ``GROUP_BYTES`` at 8192, small pages go several per work item, up to ``GROUP_BYTES`` (or ``tile_bytes``)
+    of padded pages and ``MAX_PAGE_TOKENS`` positions of index checks; pages of more than half of that one per item.
+    At 0 (the default until grouped loads are measured on a GPU) every page is its own item."""
+    assert rowcopy_pages.group_pages(page_words, word, page_tokens, tile_bytes) == 1
+    monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 8192)
     assert rowcopy_pages.group_pages(page_words, word, page_tokens, tile_bytes) == want
     with pytest.raises(ValueError, match="must be positive"):
         rowcopy_pages.group_pages(0, word, page_tokens, tile_bytes)

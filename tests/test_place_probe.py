@@ -40,10 +40,10 @@ def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, laun
     assert {names.get(k, repr(k)) for k, _, _ in launches} == want
 
 
-def test_one_page_per_item_variants_build_their_pools_with_small_pages_ungrouped(monkeypatch):
-    """``... page loads one page per item`` builds its pool with ``rowcopy_pages.GROUP_BYTES`` at 0 (every page its
-    own work item, as before pages were grouped), hands the strategy only real options, and puts the constant back;
-    ``... page loads`` builds with the default."""
+def test_grouped_and_one_page_per_item_variants_set_the_group_bytes_while_their_pools_are_built(monkeypatch):
+    """``... page loads grouped`` builds its pool with ``rowcopy_pages.GROUP_BYTES`` at 8192 (small pages several per
+    work item), ``... one page per item`` at 0, ``... page loads`` with the default; each hands the strategy only real
+    options and puts the constant back."""
     from hicache_core import rowcopy_pages
 
     seen = []
@@ -54,8 +54,7 @@ def test_one_page_per_item_variants_build_their_pools_with_small_pages_ungrouped
     monkeypatch.setattr(probe, "HostKVPool", pool)
     monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
     default = rowcopy_pages.GROUP_BYTES
-    assert default > 0
-    probe._build("fp8-576 page_first_kv_split page loads one page per item", 64, 16, None)
-    probe._build("fp8-576 page_first_kv_split page loads", 64, 16, None)
-    assert seen == [(0, {"pages": True}), (default, {"pages": True})]
+    for what in ("page loads grouped", "page loads one page per item", "page loads"):
+        probe._build(f"fp8-576 page_first_kv_split {what}", 64, 16, None)
+    assert seen == [(8192, {"pages": True}), (0, {"pages": True}), (default, {"pages": True})]
     assert rowcopy_pages.GROUP_BYTES == default
