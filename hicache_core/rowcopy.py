@@ -293,14 +293,9 @@ class RowKernelStrategy(DirectionalStrategy):
                 continue
             parts = []
             for part in rowcopy_pages.page_parts(g):
-                page_words = spec.page_size * part.width
-                group = (rowcopy_pages.group_pages(page_words, g.word, page_tokens, t.tile_bytes)
-                         if "GROUP" in launcher.arg_names else 1)
-                if group > 1:  # small pages, several per item: PART covers a page, masked to it
-                    part_words, n_parts, r1, r2, r3, r4 = 1 << (page_words - 1).bit_length(), 1, 0, 0, 0, 0
-                else:
-                    part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.pieces(page_words,
-                                                                               max(1, t.tile_bytes // g.word), g.vec)
+                group, part_words, n_parts, r1, r2, r3, r4 = rowcopy_pages.launch_pieces(
+                    spec.page_size * part.width, g.word, g.vec, page_tokens, t.tile_bytes,
+                    grouping="GROUP" in launcher.arg_names)
                 block, _, tokens = tile(part.width, part.width, g.word, t.tile_bytes)
                 tables = {**g.tables, **part.host, "dev_off": g.tables["dev_off"] + part.col}
                 values = _fixed_values(spec, g, tables, t) | dict(

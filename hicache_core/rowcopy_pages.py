@@ -35,7 +35,8 @@ if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PagePart", "pages_mode",
-           "pages_enabled", "page_parts", "strided", "group_reason", "pieces", "group_pages"]
+           "pages_enabled", "page_parts", "strided", "group_reason", "pieces", "group_pages",
+           "launch_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 #: Most tokens per page the kernel checks in one vector (its run check is one power-of-two block).
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
-#: Drawn when a page was one work item of the page kernel (before :func:`group_pages`): pages of a few KiB kept too
-#: few reads in flight per program.  On an
+#: A page is one work item of the page kernel (while :data:`GROUP_BYTES` is 0, the default): pages of a few KiB keep
+#: too few reads in flight per program.  On an
 #: H100 (2026-12-07, docs/perf/runs.md, record call 47) fp8 576-byte MLA rows split over two host buffers, whose
 #: 64-byte rope part makes 1 KiB pages in pages of 16, loaded bursts at 0.43 through page loads and 0.56 through the
 #: row kernel; on the H200 (2026-12-01) MLA bf16 rows split 1024 + 128 B in pages of 64 (8 KiB rope pages) loaded
@@ -179,3 +180,14 @@ def group_pages(page_words: int, word: int, page_tokens: int, tile_bytes: int) -
     padded = (1 << (page_words - 1).bit_length()) * word
     fit = min(GROUP_BYTES, tile_bytes) // padded
     return max(1, min(_pow2_floor(fit) if fit else 1, _pow2_floor(max(1, MAX_PAGE_TOKENS // page_tokens))))
+
+
+def launch_pieces(page_words: int, word: int, vec: int, page_tokens: int, tile_bytes: int,
+                  grouping: bool = True) -> tuple[int, int, int, int, int, int, int]:
+    """``(GROUP, PART, PARTS, R1, R2, R3, R4)`` of a page load of pages of ``page_words`` words: several small pages
+    per work item (:func:`group_pages`; ``grouping``: the kernel declares ``GROUP``), each read as one power of two
+    of words masked to the page; else one page per item, in the :func:`pieces` of parts of at most ``tile_bytes``."""
+    group = group_pages(page_words, word, page_tokens, tile_bytes) if grouping else 1
+    if group > 1:
+        return group, 1 << (page_words - 1).bit_length(), 1, 0, 0, 0, 0
+    return (1, *pieces(page_words, max(1, tile_bytes // word), vec))

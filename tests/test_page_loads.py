@@ -230,6 +230,16 @@ def test_group_pages(monkeypatch, page_words, word, page_tokens, tile_bytes, wan
         rowcopy_pages.group_pages(0, word, page_tokens, tile_bytes)
 
 
+def test_launch_pieces(monkeypatch):
+    """A page load's launch values: one page per item in :func:`pieces` (GROUP 1) by default, for a kernel without
+    ``GROUP`` and for pages too large to group; grouped pages read as one power of two of words, masked."""
+    assert rowcopy_pages.launch_pieces(576, 4, 2, 16, 65536) == (1, *pieces(576, 16384, 2))
+    monkeypatch.setattr(rowcopy_pages, "GROUP_BYTES", 8192)
+    assert rowcopy_pages.launch_pieces(576, 4, 2, 16, 65536) == (2, 1024, 1, 0, 0, 0, 0)
+    assert rowcopy_pages.launch_pieces(576, 4, 2, 16, 65536, grouping=False) == (1, *pieces(576, 16384, 2))
+    assert rowcopy_pages.launch_pieces(2048, 4, 2, 16, 65536) == (1, *pieces(2048, 16384, 2))
+
+
 def _row_kernel_load(launches, spec, gen, pool, ref, dev, ref_dev, layer: int) -> None:
     """Whole pages into page runs of ``layer``: launched without the page kernel, bit-exact against the reference."""
     h, d = _cases(spec, gen)["whole-to-runs"]
