@@ -46,7 +46,7 @@ ENV_PAGES = "HICACHE_KERNEL_PAGES"
 #: Most tokens per page the kernel checks in one vector (its run check is one power-of-two block).
 MAX_PAGE_TOKENS = 1024
 #: Automatic page loads take a group only where a page of each of its host parts holds at least this many bytes.
-#: A page is one work item of the page kernel (while :data:`GROUP_BYTES` is 0, the default): pages of a few KiB keep
+#: Drawn when a page was one work item of the page kernel (before :data:`GROUP_BYTES`): pages of a few KiB kept
 #: too few reads in flight per program.  On an
 #: H100 (2026-12-07, docs/perf/runs.md, record call 47) fp8 576-byte MLA rows split over two host buffers, whose
 #: 64-byte rope part makes 1 KiB pages in pages of 16, loaded bursts at 0.43 through page loads and 0.56 through the
@@ -54,14 +54,16 @@ MAX_PAGE_TOKENS = 1024
 #: 10-11 points faster through page loads than through the row kernel.  The line between is not measured more
 #: closely: it sits at the smallest page not measured behind, so that split MLA bf16 rows in pages of 16 (2 KiB rope
 #: pages) keep page loads as before, and only pages of 1 KiB and less (fp8 rope parts at page 16, any part at pages
-#: of a few tokens) go to the row kernel.
+#: of a few tokens) go to the row kernel.  Grouped (record call 50, H100), 1 KiB rope pages still loaded 3 points
+#: behind the row kernel (0.52-0.53 against 0.55-0.56) and 2 KiB ones 1-2 points (0.56-0.57 against 0.58): the
+#: floor stays.
 AUTO_MIN_PART_BYTES = 2048
 #: Pages whose size padded to a power of two is at most half of this are read several per work item
-#: (:func:`group_pages`), an item holding up to this many bytes; 0: one page per work item.  0 until grouped page loads
-#: are measured on a GPU (bit-exact under Triton's interpreter, compiled for sm_90; not yet run on a GPU):
-#: 8192 would group pages of up to 4 KiB, an item then holding what one held where page loads were measured ahead of
-#: the row kernel (8 KiB rope pages, above).
-GROUP_BYTES = 0
+#: (:func:`group_pages`), an item holding up to this many bytes (what one held where page loads were measured ahead of
+#: the row kernel: 8 KiB rope pages, above); 0: one page per work item.  On an H100 (2026-12-07, record call 50)
+#: load bursts of split MLA rows in pages of 16 went from 0.43-0.44 to 0.52-0.53 (fp8 576 B, 1 KiB rope pages, 8 per
+#: item) and from 0.53 to 0.56-0.57 (bf16 576 B, 2 KiB rope pages, 4 per item); larger pages did not move.
+GROUP_BYTES = 8192
 
 
 def pages_mode(option: bool | None) -> str | None:
