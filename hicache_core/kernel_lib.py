@@ -41,8 +41,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "box_hits",
-           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_run", "load_piece", "store_piece",
-           "gather_page", "page_load", "page_group", "group_runs", "page_group_load", "PAGE_LOAD"]
+           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run", "load_piece",
+           "store_piece", "gather_page", "page_load", "page_group", "group_runs", "page_group_load", "PAGE_LOAD"]
 
 
 @triton.jit
@@ -239,10 +239,16 @@ def page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, p
     p0 = pg * page_size
     h0 = tl.load(host_idx + p0).to(tl.int64)
     d0 = tl.load(dev_idx + p0).to(tl.int64)
-    # no sums of index values: a garbage slot near 2**63 would wrap past the bounds
-    inb = ((p0 < n - page_size + 1) & (h0 >= 0) & (h0 <= capacity - page_size) & (h0 % page_size == 0) & (d0 >= 0) &
-           (d0 <= dev_rows - page_size)).to(tl.int32)
-    return tl.load(ents + k), pg, j, h0, d0, inb
+    return tl.load(ents + k), pg, j, h0, d0, page_bounds(p0, h0, d0, n, page_size, capacity, dev_rows).to(tl.int32)
+
+
+@triton.jit
+def page_bounds(p0, h0, d0, n, page_size, capacity, dev_rows):
+    """Whether the page at position ``p0`` (first host slot ``h0``, device row ``d0``; scalars or vectors) lies whole
+    below ``n``, starts a host page, and its slots and rows ``h0 ..``, ``d0 ..`` are all in range.  No sums of index
+    values: a garbage slot near 2**63 would wrap past the bounds."""
+    return ((p0 < n - page_size + 1) & (h0 >= 0) & (h0 <= capacity - page_size) & (h0 % page_size == 0) & (d0 >= 0) &
+            (d0 <= dev_rows - page_size))
 
 
 @triton.jit
@@ -387,8 +393,7 @@ def page_group(item, ents, host_idx, dev_idx, n, n_pages, page_size, capacity, d
     there = pg < n_pages
     h0 = tl.load(host_idx + p0, mask=there, other=-1).to(tl.int64)
     d0 = tl.load(dev_idx + p0, mask=there, other=-1).to(tl.int64)
-    inb = (there & (p0 < n - page_size + 1) & (h0 >= 0) & (h0 <= capacity - page_size) & (h0 % page_size == 0) &
-           (d0 >= 0) & (d0 <= dev_rows - page_size)).to(tl.int32)
+    inb = (there & page_bounds(p0, h0, d0, n, page_size, capacity, dev_rows)).to(tl.int32)
     return tl.load(ents + k), pg, h0, d0, inb, there
 
 
