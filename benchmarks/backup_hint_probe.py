@@ -1,0 +1,206 @@
+"""Can an SM-driven backup reach the link while costing a GEMM less? Cache hints and a store throttle (GPU).
+
+Usage: ``python benchmarks/backup_hint_probe.py --out hints.json [--shapes mla,mha] [--variants LABEL,...]``.
+
+hicache's kernel backups (8 programs x 4 warps, 32 KiB tiles) move an all-layer backup at 0.92-0.95 of memcpy and
+slow a bf16 8192^3 GEMM on another stream by +35% (MLA 1152-byte rows) to +82% (MHA 2048-byte rows) on the H200;
+SGLang's 2-CTA kernel costs it +21% at the same speed, and loads of the same bytes cost it nothing.  Every SM
+store to host memory is posted: nothing in the kernel bounds the writes in flight but the hardware's queues, and
+the working theory (docs/performance.md, "What limits them") is that those queues, full, delay the GEMM's own
+memory traffic.  Each variant here changes one thing against the plugins' row kernel as shipped:
+
+* the **cache hints** of the device reads and host writes (Triton's ``cache_modifier`` and ``eviction_policy``:
+  PTX ``.cs`` / ``.cg`` / ``.wt`` stores, ``evict_first`` reads and writes), in case the host writes or the
+  streamed reads hold L2 lines the GEMM needs;
+* a **throttle**: ``fence`` makes every thread wait after each tile until its writes have reached the system
+  (``fence.sc.sys``), so at most one tile per program is in flight;
+* the **launch shape** (programs, warps, tile bytes), for the trade-off curve the other variants are read against.
+
+The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
+by a power-of-two column step, the same :func:`hicache_core.rowcopy_tuning.tile` shape), over one device tensor
+``[entries, 2 * tokens, row]`` and one pinned host tensor ``[entries, tokens, row]``, random pages of 64 tokens.
+Every variant is checked bit-exact first (the host tensor against a gather of the device rows, canary rows of the
+host untouched); each row gives the ratio to a pinned memcpy of the same bytes in this run, the GEMM's slowdown
+while back-to-back backups run beside it, and the time per backup.  ``base`` runs first and last: their spread is
+the run's drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
+from hicache_core.bench import _gemm_slowdown, _median_ms, _Memcpy  # noqa: E402
+from hicache_core.rowcopy_tuning import tile  # noqa: E402
+
+#: Bytes per access word (int32) and words per 16-byte vector.
+WORD, VEC = 4, 4
+
+
+@triton.jit(do_not_specialize=["n", "n_ents"])
+def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_base, host_ent,
+                WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+                LD_CM: tl.constexpr, LD_EV: tl.constexpr, ST_CM: tl.constexpr, ST_EV: tl.constexpr,
+                FENCE: tl.constexpr, THREADS: tl.constexpr):
+    """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_tiles = tl.cdiv(n, TOKENS)
+    for item in range(pid, n_tiles * n_ents, nprog):
+        e = item // n_tiles
+        t = (item - e * n_tiles) * TOKENS + tl.arange(0, TOKENS)
+        live = t < n
+        h = tl.load(host_idx + t, mask=live, other=0).to(tl.int64)
+        d = tl.load(dev_idx + t, mask=live, other=0).to(tl.int64)
+        drow = tl.multiple_of(dev_base + e * dev_ent + d * WIDTH, VEC)
+        hrow = tl.multiple_of(host_base + e * host_ent + h * WIDTH, VEC)
+        for c0 in tl.static_range(0, WIDTH, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            m = live[:, None] & (c < WIDTH)[None, :]
+            x = tl.load(anchor + drow[:, None] + c[None, :], mask=m, cache_modifier=LD_CM, eviction_policy=LD_EV)
+            tl.store(anchor + hrow[:, None] + c[None, :], x, mask=m, cache_modifier=ST_CM, eviction_policy=ST_EV)
+        if FENCE:  # one element per thread: every thread waits until its tile's writes reached the system
+            tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, THREADS)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+
+#: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
+BASE: dict[str, Any] = {"programs": 8, "warps": 4, "tile_bytes": 32768, "ld_cm": "", "ld_ev": "", "st_cm": "",
+                        "st_ev": "", "fence": False}
+#: label -> the fields that differ from :data:`BASE`.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "st .cs": {"st_cm": ".cs"},
+    "st .cg": {"st_cm": ".cg"},
+    "st .wt": {"st_cm": ".wt"},
+    "st evict_first": {"st_ev": "evict_first"},
+    "ld evict_first": {"ld_ev": "evict_first"},
+    "ld + st evict_first": {"ld_ev": "evict_first", "st_ev": "evict_first"},
+    "ld .cg + st .cs": {"ld_cm": ".cg", "st_cm": ".cs"},
+    "fence": {"fence": True},
+    "fence 16 programs": {"fence": True, "programs": 16},
+    "fence 32 programs 16K": {"fence": True, "programs": 32, "tile_bytes": 16384},
+    "16K tiles": {"tile_bytes": 16384},
+    "4 programs": {"programs": 4},
+    "2 programs": {"programs": 2},
+    "2 programs 16 warps 64K": {"programs": 2, "warps": 16, "tile_bytes": 65536},
+    "base again": {},
+}
+#: shape -> (entries, row bytes): MLA 61 x 576 bf16 (one entry per layer), MHA 80 x 8 x 128 bf16 (K and V entries).
+SHAPES: dict[str, tuple[int, int]] = {"mla": (61, 1152), "mha": (160, 2048)}
+
+
+def variant(label: str) -> dict[str, Any]:
+    """:data:`BASE` with ``label``'s fields (a ``KeyError`` naming the label when it is unknown)."""
+    return {**BASE, **VARIANTS[label]}
+
+
+class Workload:
+    """One shape's buffers: device rows ``[entries, 2 * tokens, row]``, a pinned host ``[entries, tokens + pad,
+    row]`` whose last ``pad`` slots are canaries, random source rows and host slots by pages of ``page_size``
+    (``entries``: fewer than the shape's, for a small check)."""
+
+    def __init__(self, shape: str, tokens: int, page_size: int, device: str = "cuda", seed: int = 0,
+                 entries: int | None = None) -> None:
+        row = SHAPES[shape][1]
+        entries = SHAPES[shape][0] if entries is None else entries
+        self.words, self.entries, self.tokens = row // WORD, entries, tokens
+        gen = torch.Generator().manual_seed(seed)
+        pad = page_size
+        self.dev = torch.randint(-2**31, 2**31 - 1, (entries, 2 * tokens, self.words), generator=gen,
+                                 dtype=torch.int32).to(device)
+        self.host = torch.empty((entries, tokens + pad, self.words), dtype=torch.int32,
+                                pin_memory=device != "cpu")
+        pages = torch.arange(page_size)
+        hp = torch.randperm(tokens // page_size, generator=gen)
+        dp = torch.randperm(2 * tokens // page_size, generator=gen)[: tokens // page_size]
+        self.h = (hp[:, None] * page_size + pages).reshape(-1).to(device)
+        self.s = (dp[:, None] * page_size + pages).reshape(-1).to(device)
+        self.nbytes = entries * tokens * row
+
+    def launch(self, v: dict[str, Any]) -> None:
+        """One all-entry backup by :func:`HINT_BACKUP` with variant ``v``'s fields."""
+        block, _, tokens = tile(self.words, self.words, WORD, v["tile_bytes"])
+        anchor = self.dev
+        host_base = (self.host.data_ptr() - anchor.data_ptr()) // WORD
+        HINT_BACKUP[(v["programs"],)](
+            anchor, self.h, self.s, self.h.numel(), self.entries, 0, self.dev.stride(0), host_base,
+            self.host.stride(0), WIDTH=self.words, BLOCK=block, TOKENS=tokens, VEC=VEC, LD_CM=v["ld_cm"],
+            LD_EV=v["ld_ev"], ST_CM=v["st_cm"], ST_EV=v["st_ev"], FENCE=v["fence"], THREADS=32 * v["warps"],
+            num_warps=v["warps"])
+
+    def check(self, v: dict[str, Any]) -> None:
+        """Backup from a zeroed host with canary slots: an ``AssertionError`` unless every slot holds its source row
+        and every canary is untouched."""
+        self.host.fill_(0)
+        self.host[:, self.tokens:] = 0x5A5A5A5A
+        self.launch(v)
+        if self.dev.is_cuda:
+            torch.cuda.synchronize()
+        want = self.dev[:, self.s].cpu()
+        got = self.host[:, self.h.cpu()]
+        assert torch.equal(got, want), f"host slots differ from their source rows ({int((got != want).sum())} words)"
+        assert bool((self.host[:, self.tokens:] == 0x5A5A5A5A).all()), "a canary slot was written"
+
+
+def measure(shape: str, label: str, wl: Workload, memcpy: _Memcpy, reps: int, gemm: bool) -> dict[str, Any]:
+    """One variant's row, after its bit-exact check."""
+    v = variant(label)
+    wl.check(v)
+    ms = _median_ms(lambda: wl.launch(v), reps)
+    row: dict[str, Any] = {"shape": shape, "variant": label, **v, "ms": ms,
+                           "ratio": wl.nbytes / ms / 1e6 / memcpy.gbps(wl.nbytes, True, reps)}
+    if gemm:
+        row["gemm"] = _gemm_slowdown(lambda: wl.launch(v))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="backup_hints.json")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-gemm", dest="gemm", action="store_false", help="skip the GEMM beside the backups")
+    args = ap.parse_args()
+    labels = [v for v in args.variants.split(",") if v]
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [x for x in labels if x not in VARIANTS] + [x for x in shapes if x not in SHAPES]
+    if bad:
+        ap.error(f"unknown variant(s) or shape(s) {', '.join(map(repr, bad))}; variants: {', '.join(VARIANTS)}; "
+                 f"shapes: {', '.join(SHAPES)}")
+    require_cuda(__file__)
+    memcpy, rows, corrupt = _Memcpy(), [], 0
+    for shape in shapes:
+        wl = Workload(shape, args.tokens, args.page_size)
+        for label in labels:
+            try:
+                row = measure(shape, label, wl, memcpy, args.reps, args.gemm)
+            except AssertionError as exc:
+                corrupt += 1
+                print(json.dumps({"shape": shape, "variant": label, "CORRUPT": str(exc)}), flush=True)
+                continue
+            rows.append(row)
+            print(json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in row.items()}), flush=True)
+            with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
+                json.dump(rows, f, indent=1)
+        del wl
+        torch.cuda.empty_cache()
+    return 1 if corrupt else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
