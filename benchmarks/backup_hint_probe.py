@@ -13,7 +13,8 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
   PTX ``.cs`` / ``.cg`` / ``.wt`` stores, ``evict_first`` reads and writes), in case the host writes or the
   streamed reads hold L2 lines the GEMM needs;
 * a **throttle**: ``fence`` makes every thread wait after each tile until its writes have reached the system
-  (``fence.sc.sys``), so at most one tile per program is in flight;
+  (``fence.sc.sys``), so at most one tile per program is in flight; ``fence gpu`` only until the GPU's memory
+  system has taken them (``fence.sc.gpu``);
 * the **launch shape** (programs, warps, tile bytes), for the trade-off curve the other variants are read against.
 
 The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
@@ -70,14 +71,17 @@ def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_ba
             m = live[:, None] & (c < WIDTH)[None, :]
             x = tl.load(anchor + drow[:, None] + c[None, :], mask=m, cache_modifier=LD_CM, eviction_policy=LD_EV)
             tl.store(anchor + hrow[:, None] + c[None, :], x, mask=m, cache_modifier=ST_CM, eviction_policy=ST_EV)
-        if FENCE:  # one element per thread: every thread waits until its tile's writes reached the system
+        if FENCE == "sys":  # one element per thread: every thread waits until its tile's writes reached the system
             tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, THREADS)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        elif FENCE == "gpu":  # ... until the GPU's memory system took them (L2), not the host
+            tl.inline_asm_elementwise("fence.sc.gpu;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, THREADS)],
                                       dtype=tl.int32, is_pure=False, pack=1)
 
 
 #: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
 BASE: dict[str, Any] = {"programs": 8, "warps": 4, "tile_bytes": 32768, "ld_cm": "", "ld_ev": "", "st_cm": "",
-                        "st_ev": "", "fence": False}
+                        "st_ev": "", "fence": ""}
 #: label -> the fields that differ from :data:`BASE`.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -88,9 +92,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ld evict_first": {"ld_ev": "evict_first"},
     "ld + st evict_first": {"ld_ev": "evict_first", "st_ev": "evict_first"},
     "ld .cg + st .cs": {"ld_cm": ".cg", "st_cm": ".cs"},
-    "fence": {"fence": True},
-    "fence 16 programs": {"fence": True, "programs": 16},
-    "fence 32 programs 16K": {"fence": True, "programs": 32, "tile_bytes": 16384},
+    "fence": {"fence": "sys"},
+    "fence 16 programs": {"fence": "sys", "programs": 16},
+    "fence 32 programs 16K": {"fence": "sys", "programs": 32, "tile_bytes": 16384},
+    "fence gpu": {"fence": "gpu"},
+    "fence gpu 16 programs": {"fence": "gpu", "programs": 16},
     "16K tiles": {"tile_bytes": 16384},
     "4 programs": {"programs": 4},
     "2 programs": {"programs": 2},
