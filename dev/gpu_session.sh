@@ -35,6 +35,9 @@
 #               link; PLACE_ARGS, e.g. --loads; PLACE_VARIANTS: labels joined by ",", spaces kept), then Nsight
 #               Compute over the all-layer backups of PLACE_NCU's variants (labels joined by ";"), one log each, GPU
 #               clocks left as they are
+#   hints       benchmarks/backup_hint_probe.py: all-layer backups by the row copy with cache hints, a per-tile fence or
+#               other launch shapes, the GEMM beside each (HINTS_SHAPES, e.g. mha; HINTS_VARIANTS: labels joined by ",",
+#               spaces kept)
 #   ncu         Nsight Compute sections of each plugin kernel (one backup, one load; NCU_LAYOUTS, NCU_OPTIONS)
 #   pacetests   tests/test_pace.py, test_pace_waits.py, test_reprobe.py and test_direct.py (the copy engine and auto's
 #               decisions) on the GPU, and the conformance kit for direct and auto beside them
@@ -115,6 +118,9 @@ for step in "$@"; do
     tune) timeout ${TUNE_T:-330} python3 benchmarks/tune_tiles.py --out "$OUT/tune.json" --gemm ${TUNE_ARGS:-} >"$W/tune.log" 2>&1
       note "tune: $(result $?) ($(grep -c '^{' "$W/tune.log") rows)" ;;
     tests) run_tests ;;
+    hints) timeout ${HINTS_T:-300} python3 benchmarks/backup_hint_probe.py --out "$OUT/hints.json" \
+        ${HINTS_SHAPES:+--shapes "$HINTS_SHAPES"} ${HINTS_VARIANTS:+--variants "$HINTS_VARIANTS"} >"$W/hints.log" 2>&1
+      note "hints: $(result $?) ($(grep -c '^{' "$W/hints.log") rows)" ;;
     full) GPU_CORE="tests/test_rowcopy.py tests/test_relayout.py tests/test_direct.py tests/test_launch.py tests/gpu"
       SITE=""; if [ -d .whl ] && bash dev/gpu.sh sglang-site >"$W/sglang_site.log" 2>&1; then SITE=/tmp/sglang-site; fi
       note "full: SGLang site ${SITE:-absent (tests/sglang skip)}"
