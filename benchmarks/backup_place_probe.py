@@ -25,7 +25,9 @@ fp8 variants); wider rows (bf16 576, MHA) load through the shared TMA kernel in 
 Launch-shape variants (more programs, more stages) and the other row widths stand beside them, and
 ``page_first_kv_split``'s kernel in the order ``page_first_direct``'s walks (``... layer-major``: the strategy
 ``probe.kv_layer_major``, io_backend ``probe``) and with 8 warps instead of its 4 (``... 4 warps`` variants name
-its default).  Options (``programs``, ``num_warps``, ``num_stages``) apply to every direction: a variant's loads
+its default); ``... unfenced`` variants back up without the per-tile fence the plugins' backups now keep
+(``backup_fence=False``; :func:`hicache_core.kernel_lib.tile_done`).  Options (``programs``, ``num_warps``,
+``num_stages``) apply to every direction: a variant's loads
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
 ratio to a pinned memcpy of the same bytes in this run, and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
@@ -195,6 +197,12 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
         VARIANTS[f"{_label} {_layout} page loads one page per item"] = (_shape, _layout, 1, None,
                                                                         {"pages": True, "page_group_bytes": 0})
         VARIANTS[f"{_label} {_layout} row loads"] = (_shape, _layout, 1, None, {"pages": False})
+# backups fenced per tile (the plugins' default, kernel_lib.tile_done) against unfenced ones, every layout and shape
+for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"), ("bf16-576", "mla61x576-bf16"),
+                       ("mha-bf16", "mha80x8x128-bf16")):
+    for _layout in ("layer_first", "page_first", "page_first_direct", "page_first_kv_split"):
+        VARIANTS.setdefault(f"{_label} {_layout}", (_shape, _layout, 1, None, {}))
+        VARIANTS[f"{_label} {_layout} unfenced"] = (_shape, _layout, 1, None, {"backup_fence": False})
 
 
 def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,

@@ -3,7 +3,7 @@
 Usage (Linux, Triton with its NVIDIA backend; no GPU needed)::
 
     python dev/ptx_diff.py --file plugins/kv_split/hicache_kv_split/kernels.py --old 72e0b14 \\
-        --const WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64 \\
+        --const WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64,FENCE=1 \\
         --new-const ENTRIES_INNER=1 --warps 8
 
 Each version is a whole tree: ``--old REV`` (and ``--new REV``; without it, this working tree) is exported from git

@@ -90,6 +90,9 @@ class RowKernelStrategy(DirectionalStrategy):
     :param tile_bytes: bytes per program per tile, both directions (``None``: the tuning's).
     :param num_stages: work items in flight per program (software pipelining), both directions.
     :param maxnreg: register cap per thread, both directions (``None``: the tuning's).
+    :param backup_fence: each backup program waits after each tile until the GPU has taken the tile's host writes
+        (:func:`hicache_core.kernel_lib.tile_done`), which bounds the writes in flight that slow a concurrent GEMM
+        (``None``: the tuning's ``backup.fence``; kernels that do not declare ``FENCE`` ignore it).
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
@@ -112,8 +115,8 @@ class RowKernelStrategy(DirectionalStrategy):
 
     def __init__(self, programs: int | None = None, *, backup_programs: int | None = None,
                  num_warps: int | None = None, tile_bytes: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, fuse_parts: bool | None = None, tma: bool | None = None,
-                 pages: bool | None = None) -> None:
+                 maxnreg: int | None = None, backup_fence: bool | None = None, fuse_parts: bool | None = None,
+                 tma: bool | None = None, pages: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
                                                                                      "backup_programs")
@@ -124,6 +127,9 @@ class RowKernelStrategy(DirectionalStrategy):
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
                self._overrides.get("stages", 1), self._overrides.get("maxnreg"))  # validates
+        if backup_fence is not None and not isinstance(backup_fence, bool):
+            raise ConfigError(f"backup_fence must be True, False or None (the tuning's), got {backup_fence!r}")
+        self.backup_fence = backup_fence
         if fuse_parts is not None:
             self.fuse = bool(fuse_parts)
         else:
@@ -160,8 +166,11 @@ class RowKernelStrategy(DirectionalStrategy):
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """The launch shape per direction on ``spec``'s device, for ``hicache explain``."""
         t = self.effective_tuning(spec.device)
+        fences = spec.device.type == "cuda" and not interpreting()  # (the launch passes FENCE on CUDA only)
+
         def one(d: Tuning) -> str:
-            extra = (f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
+            extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
+                     + (", each tile's writes awaited (fenced)" if d.fence and fences else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
         mode = tma_mode(self.tma, spec.device)
@@ -178,7 +187,8 @@ class RowKernelStrategy(DirectionalStrategy):
             pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
-                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, tma, pages; HICACHE_KERNEL_PROGRAMS, "
+                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, tma, pages; "
+                 "HICACHE_KERNEL_PROGRAMS, "
                  "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
             from .launch import driver_launch_enabled
@@ -203,7 +213,10 @@ class RowKernelStrategy(DirectionalStrategy):
             return replace(t, programs=programs, **self._overrides)
         backup = self.backup_programs if self.backup_programs is not None else self.programs
         tma, page, both = self.tuning.tma_load, self.tuning.page_load, self.programs
-        return KernelTuning(one(self.tuning.backup, backup), one(self.tuning.load, both),
+        backups = one(self.tuning.backup, backup)
+        if self.backup_fence is not None:
+            backups = replace(backups, fence=self.backup_fence)
+        return KernelTuning(backups, one(self.tuning.load, both),
                             None if tma is None else one(tma, both), None if page is None else one(page, both))
 
     def prepare(self, binding: PoolBinding) -> None:

@@ -31,13 +31,16 @@ MAX_TILE_BYTES = 1 << 20
 class Tuning:
     """Launch shape of one direction: programs (the persistent grid, an SM budget), warps per program,
     the bytes one program moves per tile, and how many work items the loop keeps in flight
-    (``stages``, software pipelining); ``maxnreg`` caps registers per thread."""
+    (``stages``, software pipelining); ``maxnreg`` caps registers per thread; ``fence``: each program waits
+    after each tile until the GPU has taken its writes (:func:`hicache_core.kernel_lib.tile_done`; kernels that
+    declare ``FENCE``, on CUDA): backups that bound their host writes in flight so slow a GEMM beside them less."""
 
     programs: int
     num_warps: int
     tile_bytes: int
     stages: int = 1
     maxnreg: int | None = None
+    fence: bool = False
 
     def __post_init__(self) -> None:
         for name in ("programs", "num_warps", "tile_bytes", "stages"):
@@ -49,6 +52,8 @@ class Tuning:
                               f"elements exceeds Triton's largest tensor), got {self.tile_bytes}")
         if self.num_warps & (self.num_warps - 1):
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
+        if not isinstance(self.fence, bool):
+            raise ConfigError(f"fence must be True or False, got {self.fence!r}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 1):
             raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")

@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 #: Scripts that need a CUDA GPU, with the arguments they require (``{out}``: a folder that must stay empty).
 GPU_SCRIPTS = {
     "ce2d_probe": [], "ce_host_probe": [], "ce_probe": [], "chunk_streams_probe": [], "first_call": [],
-    "backup_place_probe": [], "flat_rows_probe": [], "fresh_indices": [], "gate_probe": [], "host_time": [],
+    "backup_hint_probe": [], "backup_place_probe": [], "flat_rows_probe": [], "fresh_indices": [], "gate_probe": [], "host_time": [],
     "knob_ab": ["--out", "{out}/knob", "--knob", "hicache_core.backends.memcpy:TIGHT_GAP_US", "--values", "1"],
     "launch_cost": [], "launch_floor": [], "lone_load_probe": [], "lone_probe": ["--out", "{out}/lone.json"],
     "pace_probe": ["--out", "{out}/pace"], "head_cost": ["--out", "{out}/head"], "pace_trace": ["--out", "{out}/trace"], "parallel_submit_probe": [],

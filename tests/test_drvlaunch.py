@@ -305,7 +305,8 @@ from hicache_layer_first import kernels as lf
 drvlaunch._LIB[:] = [types.SimpleNamespace()]  # verification only: no driver call is made
 
 ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_tok")}
-row = compile_kernel(lf.KERNEL, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1),
+row = compile_kernel(lf.KERNEL, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1,
+                                     FENCE=False),
                      types={"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32", "dev_rows": "i32"})
 ints = {n: "i32" for n in kl.PAGED_TMA_LOAD.arg_names if n.islower()}
 tma = compile_kernel(kl.PAGED_TMA_LOAD, dict(host_desc_b=None, host_tail_b=None, WIDTH=288, BOX=256, TAIL=32, TOKENS=16,

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "dev"))
 from ptx_diff import code  # noqa: E402
 
 KV = "plugins/kv_split/hicache_kv_split/kernels.py"
-CONST = "WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64"
+CONST = "WIDTH=82,SPLIT=64,BLOCK=64,BLOCK_B=32,TOKENS=32,VEC=2,TO_HOST=1,STAGES=1,PAGE_SIZE=64,FENCE=1"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

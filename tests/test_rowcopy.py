@@ -473,8 +473,33 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
     b, ld = TUNING.backup, TUNING.load
     assert line.startswith(f"layer_first.kernel: backups {b.programs} programs x 2 warps, {b.tile_bytes} B tiles, "
                            f"3 stages; loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
+    assert "fenced" not in line  # the launch fences on CUDA only
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "5")
     assert "backups 5 programs" in LayerFirstKernelStrategy().describe(spec, None)[0]
+
+
+@pytest.mark.parametrize("layout", KERNELS)
+def test_backup_fence_is_the_backups_alone_and_reaches_cuda_launches_only(layout):
+    """The plugins fence their backups (kernel_lib.tile_done), not their loads; the option ``backup_fence`` turns it
+    off or on; a launch passes ``FENCE`` True for backups on CUDA only (the interpreter has no inline PTX)."""
+    cls, cpu = KERNELS[layout], torch.device("cpu")
+    t = cls().effective_tuning(cpu)
+    assert t.backup.fence and not t.load.fence
+    assert not cls(backup_fence=False).effective_tuning(cpu).backup.fence
+    assert cls(backup_fence=True).effective_tuning(cpu).backup == t.backup
+    with pytest.raises(ConfigError, match="backup_fence must be True, False or None"):
+        cls(backup_fence="yes")
+    with pytest.raises(ConfigError, match="fence must be True or False"):
+        replace(t.backup, fence=1)
+    spec = _mla()
+    for options, fenced in (({}, True), ({"backup_fence": False}, False)):
+        pool = HostKVPool(spec, layout, "kernel", _device(spec, torch.Generator()), registry=REGISTRY,
+                          strategy_options=options)
+        prep = pool.binding.scratch[pool.strategy_name]
+        at = prep.launcher.arg_names.index("FENCE")
+        for launches in prep.launches:
+            for to_host, launch in launches.items():
+                assert launch.args[at] is (fenced and to_host and DEVICE.type == "cuda"), (options, to_host)
 
 
 @pytest.mark.skipif("page_first_kv_split" not in REGISTRY.layouts, reason="needs the kv_split layout plugin")

@@ -27,8 +27,8 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
            host_off_b, host_page_b, host_tok_b, capacity, dev_rows, WIDTH: tl.constexpr,
            SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, TOKENS: tl.constexpr,
-           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr,
-           ENTRIES_INNER: tl.constexpr):
+           VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr,
+           PAGE_SIZE: tl.constexpr, ENTRIES_INNER: tl.constexpr):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
@@ -40,3 +40,4 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
         if SPLIT < WIDTH:
             host_b = kl.paged_rows(host_off_b, host_page_b, host_tok_b, e, h, PAGE_SIZE)
             kl.move_rows(anchor, dev_row + SPLIT, host_b, ok, WIDTH - SPLIT, BLOCK_B, VEC, TO_HOST)
+        kl.tile_done(FENCE)

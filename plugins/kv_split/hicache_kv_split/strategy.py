@@ -26,7 +26,7 @@ NAME = "page_first_kv_split.kernel"
 #: at 4-8 programs whatever the warps: docs/perf/tune-toolkit-*-2026-11-30.json.)  Loads need more programs
 #: and warps in flight.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

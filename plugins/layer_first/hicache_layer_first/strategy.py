@@ -20,7 +20,7 @@ STRATEGY_NAME = "layer_first.kernel"
 #: the SMs); backups reach 0.93-0.94 of memcpy at 8 programs x 4 warps x 32 KiB, 0.83 at 4, 0.42 at 2.
 #: Loads (H2D) are latency-bound: they need more programs and bytes in flight (0.74 at 8 x 4 x 32 KiB).
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

@@ -17,7 +17,7 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: (2026-11-29), so backups keep 4 warps (the copy engine, io_backend direct/auto, moves these
 #: backups at 0.93 for +1-2%).  Loads need more programs and warps in flight.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
