@@ -91,8 +91,9 @@ class RowKernelStrategy(DirectionalStrategy):
     :param num_stages: work items in flight per program (software pipelining), both directions.
     :param maxnreg: register cap per thread, both directions (``None``: the tuning's).
     :param backup_fence: each backup program waits after each tile until the GPU has taken the tile's host writes
-        (:func:`hicache_core.kernel_lib.tile_done`), which bounds the writes in flight that slow a concurrent GEMM
-        (``None``: the tuning's ``backup.fence``; kernels that do not declare ``FENCE`` ignore it).
+        (:func:`hicache_core.kernel_lib.tile_done`), which bounds the writes in flight that slow a concurrent GEMM:
+        ``True`` (every group), ``False``, or ``None`` for the tuning's (``backup.fence`` for rows of at least
+        ``backup.fence_min_row_bytes``); kernels that do not declare ``FENCE`` ignore it.
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
@@ -123,7 +124,7 @@ class RowKernelStrategy(DirectionalStrategy):
         if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                        or num_stages < 1):  # (Tuning's own check would name its field, stages)
             raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
-        self._overrides = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
+        self._overrides: dict[str, Any] = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
                                              ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
                self._overrides.get("stages", 1), self._overrides.get("maxnreg"))  # validates
@@ -170,7 +171,9 @@ class RowKernelStrategy(DirectionalStrategy):
 
         def one(d: Tuning) -> str:
             extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
-                     + (", each tile's writes awaited (fenced)" if d.fence and fences else ""))
+                     + (", each tile's writes awaited (fenced)" + (f" for rows of >= {d.fence_min_row_bytes} B"
+                                                                  if d.fence_min_row_bytes else "")
+                        if d.fence and fences else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
         mode = tma_mode(self.tma, spec.device)
@@ -215,7 +218,7 @@ class RowKernelStrategy(DirectionalStrategy):
         tma, page, both = self.tuning.tma_load, self.tuning.page_load, self.programs
         backups = one(self.tuning.backup, backup)
         if self.backup_fence is not None:
-            backups = replace(backups, fence=self.backup_fence)
+            backups = replace(backups, fence=self.backup_fence, fence_min_row_bytes=0)
         return KernelTuning(backups, one(self.tuning.load, both),
                             None if tma is None else one(tma, both), None if page is None else one(page, both))
 

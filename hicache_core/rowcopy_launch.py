@@ -52,7 +52,7 @@ LAUNCH_VALUES = {
     "VEC": "constexpr: every row base is a multiple of VEC words",
     "TO_HOST": "constexpr: True backup (device to host), False load",
     "FENCE": "constexpr: after each work item every thread waits until the GPU has taken its writes (kernel_lib."
-             "tile_done; the direction's Tuning.fence, on CUDA only)",
+             "tile_done; the direction's Tuning.fence for rows of >= its fence_min_row_bytes, on CUDA only)",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
     "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
@@ -145,7 +145,14 @@ def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], 
     """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
     return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
                 page_size=spec.page_size, PAGE_SIZE=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
-                VEC=g.vec, STAGES=t.stages, FENCE=t.fence and g.anchor.is_cuda and not interpreting())
+                VEC=g.vec, STAGES=t.stages, FENCE=fenced(t, g))
+
+
+def fenced(t: Tuning, g: RowGroup) -> bool:
+    """Whether launches of ``g`` under ``t`` fence each tile (``FENCE``): the tuning fences, the group's rows hold at
+    least its ``fence_min_row_bytes``, and the group is on CUDA outside Triton's interpreter (no inline PTX there)."""
+    return (t.fence and g.width * g.anchor.element_size() >= t.fence_min_row_bytes and g.anchor.is_cuda
+            and not interpreting())
 
 
 def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:

@@ -33,7 +33,9 @@ class Tuning:
     the bytes one program moves per tile, and how many work items the loop keeps in flight
     (``stages``, software pipelining); ``maxnreg`` caps registers per thread; ``fence``: each program waits
     after each tile until the GPU has taken its writes (:func:`hicache_core.kernel_lib.tile_done`; kernels that
-    declare ``FENCE``, on CUDA): backups that bound their host writes in flight so slow a GEMM beside them less."""
+    declare ``FENCE``, on CUDA), for groups whose rows (both parts) hold at least ``fence_min_row_bytes``: backups
+    that bound their host writes in flight so slow a GEMM beside them less, where a tile carries enough bytes for
+    the wait not to cost them speed."""
 
     programs: int
     num_warps: int
@@ -41,6 +43,7 @@ class Tuning:
     stages: int = 1
     maxnreg: int | None = None
     fence: bool = False
+    fence_min_row_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("programs", "num_warps", "tile_bytes", "stages"):
@@ -54,6 +57,9 @@ class Tuning:
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
         if not isinstance(self.fence, bool):
             raise ConfigError(f"fence must be True or False, got {self.fence!r}")
+        if isinstance(self.fence_min_row_bytes, bool) or not isinstance(self.fence_min_row_bytes, int) or \
+                self.fence_min_row_bytes < 0:
+            raise ConfigError(f"fence_min_row_bytes must be an int >= 0, got {self.fence_min_row_bytes!r}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 1):
             raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")

@@ -480,26 +480,34 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
 
 @pytest.mark.parametrize("layout", KERNELS)
 def test_backup_fence_is_the_backups_alone_and_reaches_cuda_launches_only(layout):
-    """The plugins fence their backups (kernel_lib.tile_done), not their loads; the option ``backup_fence`` turns it
-    off or on; a launch passes ``FENCE`` True for backups on CUDA only (the interpreter has no inline PTX)."""
+    """The plugins fence the backups of rows of at least their ``fence_min_row_bytes`` (kernel_lib.tile_done), never
+    their loads; the option ``backup_fence`` fences every group (``True``) or none (``False``); a launch passes
+    ``FENCE`` True on CUDA only (the interpreter has no inline PTX)."""
     cls, cpu = KERNELS[layout], torch.device("cpu")
     t = cls().effective_tuning(cpu)
-    assert t.backup.fence and not t.load.fence
+    assert t.backup.fence and t.backup.fence_min_row_bytes >= 1024 and not t.load.fence
     assert not cls(backup_fence=False).effective_tuning(cpu).backup.fence
-    assert cls(backup_fence=True).effective_tuning(cpu).backup == t.backup
+    assert cls(backup_fence=True).effective_tuning(cpu).backup == replace(t.backup, fence_min_row_bytes=0)
     with pytest.raises(ConfigError, match="backup_fence must be True, False or None"):
         cls(backup_fence="yes")
     with pytest.raises(ConfigError, match="fence must be True or False"):
         replace(t.backup, fence=1)
-    spec = _mla()
-    for options, fenced in (({}, True), ({"backup_fence": False}, False)):
-        pool = HostKVPool(spec, layout, "kernel", _device(spec, torch.Generator()), registry=REGISTRY,
+    with pytest.raises(ConfigError, match="fence_min_row_bytes must be an int >= 0"):
+        replace(t.backup, fence_min_row_bytes=-1)
+    cuda = DEVICE.type == "cuda"
+    for shape, options, fenced in ((_mla(), {}, False),  # 40-byte rows: under every plugin's floor
+                                   (_kv(t.backup.fence_min_row_bytes), {}, cuda),  # at the floor
+                                   (_kv(t.backup.fence_min_row_bytes - 16), {}, False),
+                                   (_mla(), {"backup_fence": True}, cuda), (_kv(4096), {"backup_fence": False}, False)):
+        if layout == "page_first_kv_split" and "rope" not in {c.name for c in shape.components}:
+            continue  # the layout splits MLA rows only
+        pool = HostKVPool(shape, layout, "kernel", _device(shape, torch.Generator()), registry=REGISTRY,
                           strategy_options=options)
         prep = pool.binding.scratch[pool.strategy_name]
         at = prep.launcher.arg_names.index("FENCE")
         for launches in prep.launches:
             for to_host, launch in launches.items():
-                assert launch.args[at] is (fenced and to_host and DEVICE.type == "cuda"), (options, to_host)
+                assert launch.args[at] is (fenced and to_host), (shape, options, to_host)
 
 
 @pytest.mark.skipif("page_first_kv_split" not in REGISTRY.layouts, reason="needs the kv_split layout plugin")

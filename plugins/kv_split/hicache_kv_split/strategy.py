@@ -24,9 +24,12 @@ NAME = "page_first_kv_split.kernel"
 #: 0.826-0.851 at +7-10% at 4; MLA bf16 0.924-0.928 at +33-52% against 0.935-0.944 at +11-12%; MHA at +96-98%
 #: against +69-77%.  (The H200 sweep of 2026-11-30, before the page split became a constant, had seen ~+11-12%
 #: at 4-8 programs whatever the warps: docs/perf/tune-toolkit-*-2026-11-30.json.)  Loads need more programs
-#: and warps in flight.
+#: and warps in flight.  Backups of rows of >= 2 KiB (both parts) wait for each tile's writes (fence,
+#: kernel_lib.tile_done): on an H100 (2026-12-07, benchmarks/backup_place_probe.py, docs/perf/runs.md) all-layer
+#: backups of MHA 2048-byte rows ran 0.946 with a GEMM beside them +21% (unfenced: 0.949 at +71%); MLA bf16 rows
+#: fenced ran 0.849 at +12% against 0.939 at +13%, fp8 rows 15-30 points slower, so MLA rows stay unfenced.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

@@ -19,8 +19,12 @@ STRATEGY_NAME = "layer_first.kernel"
 #: ~+2.5% per program up to 4 and ~+12% at 4-8 programs whatever the warps or tile (the GEMM loses
 #: the SMs); backups reach 0.93-0.94 of memcpy at 8 programs x 4 warps x 32 KiB, 0.83 at 4, 0.42 at 2.
 #: Loads (H2D) are latency-bound: they need more programs and bytes in flight (0.74 at 8 x 4 x 32 KiB).
+#: Backups of rows of >= 1 KiB wait for each tile's writes (fence, kernel_lib.tile_done): on an H100 (2026-12-07,
+#: benchmarks/backup_place_probe.py, docs/perf/runs.md) all-layer backups of MLA bf16 1152-byte rows ran 0.934 with
+#: a GEMM beside them +12% (unfenced: 0.931 at +30%), MHA 2048-byte rows 0.947 at +16% (0.948 at +78%); fp8 576- and
+#: 656-byte rows fenced lost 10-15 points of the ratio for no GEMM gain, so they stay unfenced.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=1024),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

@@ -15,9 +15,13 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: docs/perf/tune-2026-11-30.json): backups at 8 programs x 4 warps x 32 KiB reach 0.83-0.84 of
 #: memcpy with a GEMM beside them +12-13%; 16 warps reach 0.91-0.95 but cost the GEMM +44% to +172%
 #: (2026-11-29), so backups keep 4 warps (the copy engine, io_backend direct/auto, moves these
-#: backups at 0.93 for +1-2%).  Loads need more programs and warps in flight.
+#: backups at 0.93 for +1-2%).  Loads need more programs and warps in flight.  Backups of rows of >= 2 KiB wait for
+#: each tile's writes (fence, kernel_lib.tile_done): on an H100 (2026-12-07, benchmarks/backup_place_probe.py,
+#: docs/perf/runs.md) all-layer backups of MHA 2048-byte rows ran 0.944-0.947 with a GEMM beside them +13% (unfenced:
+#: 0.948-0.950 at +67-69%); MLA bf16 1152-byte rows fenced ran 0.923 at +14% against 0.931 at +20% (page_first)
+#: and 0.872 at +13% against 0.920 at +20% (page_first_direct), fp8 rows 11-19 points slower for no GEMM gain.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
