@@ -161,7 +161,7 @@ def test_a_printed_table_is_checked_as_a_written_one_is(tmp_path, monkeypatch, c
 @pytest.mark.parametrize("name", ["peers-h200-turns-cal-998754e-2026-12-06.json",
                                   "peers-h100-turns-7d510d9-2026-12-06.json", "peers-h100-turns-cal-7d510d9-2026-12-06.json",
                                   "peers-h100-turns-24ce7d8-2026-12-06.json", "peers-h100-b6e0065-2026-12-06.json",
-                                  "peers-572506d-2026-12-02.json"])
+                                  "peers-572506d-2026-12-02.json", "peers-h100-f330333-2026-12-07.json"])
 def test_the_recorded_peer_runs_take_over_no_cell_as_the_shipped_table_says(name):
     """docs/sglang.md: no measured cell has hicache ahead of SGLang's default on every metric."""
     with open(ROOT / "docs" / "perf" / name, encoding="utf-8") as fh:
