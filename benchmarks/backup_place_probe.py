@@ -26,7 +26,8 @@ Launch-shape variants (more programs, more stages) and the other row widths stan
 ``page_first_kv_split``'s kernel in the order ``page_first_direct``'s walks (``... layer-major``: the strategy
 ``probe.kv_layer_major``, io_backend ``probe``) and with 8 warps instead of its 4 (``... 4 warps`` variants name
 its default); ``... unfenced`` variants back up without the per-tile fence the plugins' backups now keep
-(``backup_fence=False``; :func:`hicache_core.kernel_lib.tile_done`).  Options (``programs``, ``num_warps``,
+(``backup_fence=False``; :func:`hicache_core.kernel_lib.tile_done`), ``... fenced 64K`` ones fence every row with
+tiles of 64 KiB.  Options (``programs``, ``num_warps``,
 ``num_stages``) apply to every direction: a variant's loads
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
@@ -203,6 +204,9 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
     for _layout in ("layer_first", "page_first", "page_first_direct", "page_first_kv_split"):
         VARIANTS.setdefault(f"{_label} {_layout}", (_shape, _layout, 1, None, {}))
         VARIANTS[f"{_label} {_layout} unfenced"] = (_shape, _layout, 1, None, {"backup_fence": False})
+        # fenced with tiles of twice the bytes (narrower rows lose speed fenced at 32 KiB: a tile too small to wait on)
+        VARIANTS[f"{_label} {_layout} fenced 64K"] = (_shape, _layout, 1, None,
+                                                      {"backup_fence": True, "tile_bytes": 65536})
 
 
 def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,
