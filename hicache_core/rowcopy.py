@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 from dataclasses import replace
 from typing import Any, ClassVar, cast
 
@@ -167,7 +168,11 @@ class RowKernelStrategy(DirectionalStrategy):
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """The launch shape per direction on ``spec``'s device, for ``hicache explain``."""
         t = self.effective_tuning(spec.device)
-        fences = spec.device.type == "cuda" and not interpreting()  # (the launch passes FENCE on CUDA only)
+        # the launch passes FENCE on CUDA only, to kernels that declare it (known once the kernel module is imported:
+        # describe imports nothing; the shipped plugins' kernels declare it)
+        kernel = getattr(sys.modules.get(self.kernel_module), "KERNEL", None)
+        fences = (spec.device.type == "cuda" and not interpreting()
+                  and "FENCE" in getattr(kernel, "arg_names", ("FENCE",)))
 
         def one(d: Tuning) -> str:
             extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")

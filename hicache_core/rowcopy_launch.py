@@ -52,7 +52,8 @@ LAUNCH_VALUES = {
     "VEC": "constexpr: every row base is a multiple of VEC words",
     "TO_HOST": "constexpr: True backup (device to host), False load",
     "FENCE": "constexpr: after each work item every thread waits until the GPU has taken its writes (kernel_lib."
-             "tile_done; the direction's Tuning.fence for rows of >= its fence_min_row_bytes, on CUDA only)",
+             "tile_done; the direction's Tuning.fence for rows of >= its fence_min_row_bytes, on CUDA outside Triton's "
+             "interpreter only)",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
     "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",

@@ -21,8 +21,9 @@ STRATEGY_NAME = "layer_first.kernel"
 #: Loads (H2D) are latency-bound: they need more programs and bytes in flight (0.74 at 8 x 4 x 32 KiB).
 #: Backups of rows of >= 1 KiB wait for each tile's writes (fence, kernel_lib.tile_done): on an H100 (2026-12-07,
 #: benchmarks/backup_place_probe.py, docs/perf/runs.md) all-layer backups of MLA bf16 1152-byte rows ran 0.934 with
-#: a GEMM beside them +12% (unfenced: 0.931 at +30%), MHA 2048-byte rows 0.947 at +16% (0.948 at +78%); fp8 576- and
-#: 656-byte rows fenced lost 10-15 points of the ratio for no GEMM gain, so they stay unfenced.
+#: a GEMM beside them +12% (unfenced: 0.931 at +30%), MHA 2048-byte rows 0.947 at +16% (0.948 at +78%); fp8 rows
+#: fenced lost 9-15 points of the ratio (656 B: 0.812 at +9.5% against 0.907 at +19.5%; 576 B: 0.756 at +7.5%
+#: against 0.905 at +10.0%), so they stay unfenced.
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=1024),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),

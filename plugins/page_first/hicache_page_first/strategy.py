@@ -19,7 +19,8 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: each tile's writes (fence, kernel_lib.tile_done): on an H100 (2026-12-07, benchmarks/backup_place_probe.py,
 #: docs/perf/runs.md) all-layer backups of MHA 2048-byte rows ran 0.944-0.947 with a GEMM beside them +13% (unfenced:
 #: 0.948-0.950 at +67-69%); MLA bf16 1152-byte rows fenced ran 0.923 at +14% against 0.931 at +20% (page_first)
-#: and 0.872 at +13% against 0.920 at +20% (page_first_direct), fp8 rows 11-19 points slower for no GEMM gain.
+#: and 0.872 at +13% against 0.920 at +20% (page_first_direct), fp8 rows 15-19 points slower at about the same GEMM
+#: cost.
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
