@@ -209,29 +209,18 @@ def test_tile_done_is_one_gpu_scope_fence_per_thread_kept_by_the_compiler():
 
 
 # -- a kernel without FENCE still works ----------------------------------------------------------------------------
-_NO_FENCE = '''
-import triton
-import triton.language as tl
-from hicache_core import kernel_lib as kl
-
-
-@triton.jit(do_not_specialize=["n", "n_ents"])
-def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok, capacity, dev_rows,
-           WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
-           TO_HOST: tl.constexpr, STAGES: tl.constexpr):
-    pid, nprog = kl.programs()
-    n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
-    for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-        e, tile = kl.work_item(item, ents, n_tiles, n_ents, False)
-        h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-        host_row = tl.load(host_off + e) + h * tl.load(host_tok + e)
-        kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
-'''
+def _no_fence_source() -> str:
+    """``layer_first``'s kernel module without ``FENCE`` (its parameter and the ``tile_done`` call): a plugin kernel
+    written before backups were fenced."""
+    src = inspect.getsource(importlib.import_module(LayerFirstKernelStrategy.kernel_module))
+    out = src.replace(", FENCE: tl.constexpr", "").replace("        kl.tile_done(FENCE)\n", "")
+    assert "FENCE" not in out
+    return out
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the CUDA fence simulation below would launch on a real GPU")
 def test_a_kernel_without_fence_ignores_backup_fence(monkeypatch, tmp_path):
-    (tmp_path / "review_no_fence_kernel.py").write_text(_NO_FENCE)
+    (tmp_path / "review_no_fence_kernel.py").write_text(_no_fence_source())
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "review_no_fence_kernel", raising=False)
     _as_cuda(monkeypatch)  # a kernel declaring FENCE would now get True (and fail in the interpreter)
