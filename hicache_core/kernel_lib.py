@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "tile_done",
-           "box_hits",
-           "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run", "load_piece",
-           "store_piece", "gather_page", "page_load", "page_group", "group_runs", "page_group_load", "PAGE_LOAD"]
+           "box_hits", "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run",
+           "load_piece", "store_piece", "gather_page", "page_load", "page_group", "group_runs", "page_group_load",
+           "PAGE_LOAD"]
 
 
 @triton.jit

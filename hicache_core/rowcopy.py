@@ -125,8 +125,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if num_stages is not None and (isinstance(num_stages, bool) or not isinstance(num_stages, int)
                                        or num_stages < 1):  # (Tuning's own check would name its field, stages)
             raise ConfigError(f"num_stages must be a positive int, got {num_stages!r}")
-        self._overrides: dict[str, Any] = {k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes),
-                                             ("stages", num_stages), ("maxnreg", maxnreg)) if v is not None}
+        self._overrides: dict[str, Any] = {
+            k: v for k, v in (("num_warps", num_warps), ("tile_bytes", tile_bytes), ("stages", num_stages),
+                              ("maxnreg", maxnreg)) if v is not None}
         Tuning(1, self._overrides.get("num_warps", 1), self._overrides.get("tile_bytes", 1),
                self._overrides.get("stages", 1), self._overrides.get("maxnreg"))  # validates
         if backup_fence is not None and not isinstance(backup_fence, bool):

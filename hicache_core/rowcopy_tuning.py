@@ -57,8 +57,8 @@ class Tuning:
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
         if not isinstance(self.fence, bool):
             raise ConfigError(f"fence must be True or False, got {self.fence!r}")
-        if isinstance(self.fence_min_row_bytes, bool) or not isinstance(self.fence_min_row_bytes, int) or \
-                self.fence_min_row_bytes < 0:
+        if (isinstance(self.fence_min_row_bytes, bool) or not isinstance(self.fence_min_row_bytes, int)
+                or self.fence_min_row_bytes < 0):
             raise ConfigError(f"fence_min_row_bytes must be an int >= 0, got {self.fence_min_row_bytes!r}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 1):
