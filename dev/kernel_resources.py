@@ -18,7 +18,9 @@ loads as the environment sets them: by default only groups whose pages hold >= 2
 ``--warps`` compiles every launch with that many warps instead of its tuning's (what a ``num_warps`` option would
 launch); ``--json`` also writes every launch's constexpr values and figures.  Index tensors compile as int64 (a
 pool takes int32 ones too); like ``ptx_diff``, this does not see the divisibility hints a launch adds to pointers
-and integer arguments.  TMA loads (per-layer loads of rows of >= 1152 bytes on sm_90) are not listed.
+and integer arguments.  TMA loads (per-layer loads of rows of >= 1152 bytes on sm_90) are not listed.  Backups
+compile as a CPU pool prepares them, unfenced (``FENCE`` False; on CUDA wide rows add one ``fence.sc.gpu`` per work
+item, ``kernel_lib.tile_done``).
 
 The figures are this Triton's (the version is printed): register allocation differs between versions, so compare
 figures from one version only, and confirm on a GPU (Nsight Compute's "Registers Per Thread") before relying on
