@@ -44,22 +44,22 @@ import importlib
 import json
 import sys
 import types
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from hicache_core import StrategyInfo, hookimpl
-from hicache_core import kernel_lib as kl, rowcopy_pages
-from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _Memcpy, _workload
-from hicache_core.pool import HostKVPool
-from hicache_core.registry import create_registry
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-try:
-    from benchmarks.needs_cuda import require_cuda
-except ImportError:  # run as a script: its folder, benchmarks/, is on sys.path
-    from needs_cuda import require_cuda
+from benchmarks.needs_cuda import require_cuda  # noqa: E402
+from hicache_core import StrategyInfo, hookimpl  # noqa: E402
+from hicache_core import kernel_lib as kl, rowcopy_pages  # noqa: E402
+from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _Memcpy, _workload  # noqa: E402
+from hicache_core.pool import HostKVPool  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
 
 #: This module's import name, where the variant strategy finds ``KERNEL`` (run as a script: its file name).
 MODULE = __name__ if __name__ != "__main__" else "backup_place_probe"
@@ -97,7 +97,7 @@ LF_MODULE = f"{MODULE}_layer_first_runtime"
 
 def _lf_module() -> None:
     if LF_MODULE not in sys.modules:
-        from hicache_layer_first import kernels as lf
+        from hicache_layer_first import kernels as lf  # type: ignore[import-not-found]  # a plugin, not the core
 
         sys.modules[LF_MODULE] = types.SimpleNamespace(KERNEL=lf.KERNEL, TMA_LOAD_KERNEL=lf.TMA_LOAD_KERNEL,
                                                        PAGE_LOAD_KERNEL=PAGE_LOAD_KERNEL)  # type: ignore[assignment]
