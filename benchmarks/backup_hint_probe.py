@@ -97,6 +97,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fence 32 programs 16K": {"fence": "sys", "programs": 32, "tile_bytes": 16384},
     "fence gpu": {"fence": "gpu"},
     "fence gpu 16 programs": {"fence": "gpu", "programs": 16},
+    # the fence with fewer programs and larger tiles: toward the kernels' target of <= 4 programs at <= 5% GEMM
+    "fence gpu 4 programs": {"fence": "gpu", "programs": 4},
+    "fence gpu 4 programs 64K": {"fence": "gpu", "programs": 4, "tile_bytes": 65536},
+    "fence gpu 2 programs 16 warps 64K": {"fence": "gpu", "programs": 2, "warps": 16, "tile_bytes": 65536},
+    "fence gpu 8 programs 64K": {"fence": "gpu", "tile_bytes": 65536},
     "16K tiles": {"tile_bytes": 16384},
     "4 programs": {"programs": 4},
     "2 programs": {"programs": 2},
