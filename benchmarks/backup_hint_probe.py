@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.needs_cuda import require_cuda  # noqa: E402
+from hicache_core import kernel_lib as kl  # noqa: E402
 from hicache_core.bench import _gemm_slowdown, _median_ms, _Memcpy  # noqa: E402
 from hicache_core.rowcopy_tuning import tile  # noqa: E402
 
@@ -53,7 +54,7 @@ WORD, VEC = 4, 4
 def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_base, host_ent,
                 WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
                 LD_CM: tl.constexpr, LD_EV: tl.constexpr, ST_CM: tl.constexpr, ST_EV: tl.constexpr,
-                FENCE: tl.constexpr, THREADS: tl.constexpr):
+                FENCE: tl.constexpr):
     """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -71,12 +72,11 @@ def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_ba
             m = live[:, None] & (c < WIDTH)[None, :]
             x = tl.load(anchor + drow[:, None] + c[None, :], mask=m, cache_modifier=LD_CM, eviction_policy=LD_EV)
             tl.store(anchor + hrow[:, None] + c[None, :], x, mask=m, cache_modifier=ST_CM, eviction_policy=ST_EV)
-        if FENCE == "sys":  # one element per thread: every thread waits until its tile's writes reached the system
-            tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, THREADS)],
+        if FENCE == "sys":  # once per thread (a scalar): every thread waits until its tile's writes reached the host
+            tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
                                       dtype=tl.int32, is_pure=False, pack=1)
-        elif FENCE == "gpu":  # ... until the GPU's memory system took them (L2), not the host
-            tl.inline_asm_elementwise("fence.sc.gpu;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, THREADS)],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:  # "gpu": the plugins' fence, until the GPU's memory system took them; "": none
+            kl.tile_done(FENCE == "gpu")
 
 
 #: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
@@ -148,8 +148,7 @@ class Workload:
         HINT_BACKUP[(v["programs"],)](
             anchor, self.h, self.s, self.h.numel(), self.entries, 0, self.dev.stride(0), host_base,
             self.host.stride(0), WIDTH=self.words, BLOCK=block, TOKENS=tokens, VEC=VEC, LD_CM=v["ld_cm"],
-            LD_EV=v["ld_ev"], ST_CM=v["st_cm"], ST_EV=v["st_ev"], FENCE=v["fence"], THREADS=32 * v["warps"],
-            num_warps=v["warps"])
+            LD_EV=v["ld_ev"], ST_CM=v["st_cm"], ST_EV=v["st_ev"], FENCE=v["fence"], num_warps=v["warps"])
 
     def check(self, v: dict[str, Any]) -> None:
         """Backup from a zeroed host with canary slots: an ``AssertionError`` unless every slot holds its source row

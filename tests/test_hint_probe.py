@@ -52,7 +52,7 @@ out = {}
 for label in probe.VARIANTS:
     v = probe.variant(label)
     consts = dict(WIDTH=288, BLOCK=512, TOKENS=16, VEC=4, LD_CM=v["ld_cm"], LD_EV=v["ld_ev"], ST_CM=v["st_cm"],
-                  ST_EV=v["st_ev"], FENCE=v["fence"], THREADS=32 * v["warps"])
+                  ST_EV=v["st_ev"], FENCE=v["fence"])
     types = {"anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64", "dev_base": "i64", "dev_ent": "i64",
              "host_base": "i64", "host_ent": "i64"}
     ptx = compile_kernel(probe.HINT_BACKUP, consts, warps=v["warps"], types=types).asm["ptx"]
