@@ -15,7 +15,10 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
 * a **throttle**: ``fence`` makes every thread wait after each tile until its writes have reached the system
   (``fence.sc.sys``), so at most one tile per program is in flight; ``fence gpu`` only until the GPU's memory
   system has taken them (``fence.sc.gpu``);
-* the **launch shape** (programs, warps, tile bytes), for the trade-off curve the other variants are read against.
+* the **launch shape** (programs, warps, tile bytes), for the trade-off curve the other variants are read against;
+* two floors: ``hold N programs`` keeps N programs of 4 warps busy for as long as ``base`` takes, moving nothing (what
+  holding N SMs costs the GEMM, apart from any memory traffic), and ``copy engine`` moves the same bytes by one pinned
+  ``copy_`` (what the link traffic alone costs it).
 
 The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
 by a power-of-two column step, the same :func:`hicache_core.rowcopy_tuning.tile` shape), over one device tensor
@@ -79,9 +82,23 @@ def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_ba
             kl.tile_done(FENCE == "gpu")
 
 
+@triton.jit
+def HOLD(out, ns):
+    """Keep this program busy for ``ns`` nanoseconds of the GPU's global timer, moving no data (one word per program
+    to ``out`` at the end): the GEMM cost of holding as many SMs as a backup does, without its memory traffic."""
+    pid = tl.program_id(0)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                   pack=1)
+    now = t0
+    while now - t0 < ns:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                        pack=1)
+    tl.store(out + pid, (now - t0).to(tl.int32))
+
+
 #: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
 BASE: dict[str, Any] = {"programs": 8, "warps": 4, "tile_bytes": 32768, "ld_cm": "", "ld_ev": "", "st_cm": "",
-                        "st_ev": "", "fence": ""}
+                        "st_ev": "", "fence": "", "kind": "rows"}
 #: label -> the fields that differ from :data:`BASE`.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -102,10 +119,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fence gpu 4 programs 64K": {"fence": "gpu", "programs": 4, "tile_bytes": 65536},
     "fence gpu 2 programs 16 warps 64K": {"fence": "gpu", "programs": 2, "warps": 16, "tile_bytes": 65536},
     "fence gpu 8 programs 64K": {"fence": "gpu", "tile_bytes": 65536},
+    "fence gpu 4 programs 8 warps 64K": {"fence": "gpu", "programs": 4, "warps": 8, "tile_bytes": 65536},
+    "fence gpu 4 programs 16 warps 128K": {"fence": "gpu", "programs": 4, "warps": 16, "tile_bytes": 131072},
+    "fence gpu 2 programs 32 warps 128K": {"fence": "gpu", "programs": 2, "warps": 32, "tile_bytes": 131072},
     "16K tiles": {"tile_bytes": 16384},
     "4 programs": {"programs": 4},
     "2 programs": {"programs": 2},
     "2 programs 16 warps 64K": {"programs": 2, "warps": 16, "tile_bytes": 65536},
+    # floors: N programs busy for base's time with no memory traffic; the same bytes by the copy engine
+    "hold 8 programs": {"kind": "hold"},
+    "hold 4 programs": {"kind": "hold", "programs": 4},
+    "hold 2 programs": {"kind": "hold", "programs": 2},
+    "hold 1 program": {"kind": "hold", "programs": 1},
+    "copy engine": {"kind": "memcpy"},
     "base again": {},
 }
 #: shape -> (entries, row bytes): MLA 61 x 576 bf16 (one entry per layer), MHA 80 x 8 x 128 bf16 (K and V entries).
@@ -140,8 +166,21 @@ class Workload:
         self.s = (dp[:, None] * page_size + pages).reshape(-1).to(device)
         self.nbytes = entries * tokens * row
 
-    def launch(self, v: dict[str, Any]) -> None:
-        """One all-entry backup by :func:`HINT_BACKUP` with variant ``v``'s fields."""
+    def launch(self, v: dict[str, Any], hold_ns: int = 0) -> None:
+        """One all-entry backup by :func:`HINT_BACKUP` with variant ``v``'s fields; for a floor, ``v["programs"]``
+        programs of :func:`HOLD` busy for ``hold_ns`` (kind ``hold``) or one pinned ``copy_`` of the same bytes
+        (kind ``memcpy``; flat buffers made on first use)."""
+        if v["kind"] == "hold":
+            if not hasattr(self, "held"):
+                self.held = torch.zeros(64, dtype=torch.int32, device=self.dev.device)
+            HOLD[(v["programs"],)](self.held, hold_ns, num_warps=v["warps"])
+            return
+        if v["kind"] == "memcpy":
+            if not hasattr(self, "flat"):
+                self.flat = (torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.dev.is_cuda),
+                             torch.empty(self.nbytes, dtype=torch.uint8, device=self.dev.device))
+            self.flat[0].copy_(self.flat[1], non_blocking=True)
+            return
         block, _, tokens = tile(self.words, self.words, WORD, v["tile_bytes"])
         anchor = self.dev
         host_base = (self.host.data_ptr() - anchor.data_ptr()) // WORD
@@ -164,15 +203,19 @@ class Workload:
         assert bool((self.host[:, self.tokens:] == 0x5A5A5A5A).all()), "a canary slot was written"
 
 
-def measure(shape: str, label: str, wl: Workload, memcpy: _Memcpy, reps: int, gemm: bool) -> dict[str, Any]:
-    """One variant's row, after its bit-exact check."""
+def measure(shape: str, label: str, wl: Workload, memcpy: _Memcpy, reps: int, gemm: bool,
+            base_ms: float = 0.0) -> dict[str, Any]:
+    """One variant's row, after its bit-exact check (a floor moves no rows to check: ``hold`` keeps its programs
+    busy for ``base_ms``, and its row has no ratio)."""
     v = variant(label)
-    wl.check(v)
-    ms = _median_ms(lambda: wl.launch(v), reps)
-    row: dict[str, Any] = {"shape": shape, "variant": label, **v, "ms": ms,
-                           "ratio": wl.nbytes / ms / 1e6 / memcpy.gbps(wl.nbytes, True, reps)}
+    hold_ns = int(base_ms * 1e6)
+    if v["kind"] == "rows":
+        wl.check(v)
+    ms = _median_ms(lambda: wl.launch(v, hold_ns), reps)
+    ratio = None if v["kind"] == "hold" else wl.nbytes / ms / 1e6 / memcpy.gbps(wl.nbytes, True, reps)
+    row: dict[str, Any] = {"shape": shape, "variant": label, **v, "ms": ms, "ratio": ratio}
     if gemm:
-        row["gemm"] = _gemm_slowdown(lambda: wl.launch(v))
+        row["gemm"] = _gemm_slowdown(lambda: wl.launch(v, hold_ns))
     return row
 
 
@@ -196,9 +239,15 @@ def main() -> int:
     memcpy, rows, corrupt = _Memcpy(), [], 0
     for shape in shapes:
         wl = Workload(shape, args.tokens, args.page_size)
+        base_ms = 0.0
         for label in labels:
+            if variant(label)["kind"] == "hold" and not base_ms:  # hold for as long as base takes
+                wl.check(BASE)
+                base_ms = _median_ms(lambda: wl.launch(BASE), args.reps)
             try:
-                row = measure(shape, label, wl, memcpy, args.reps, args.gemm)
+                row = measure(shape, label, wl, memcpy, args.reps, args.gemm, base_ms)
+                if label == "base":
+                    base_ms = row["ms"]
             except AssertionError as exc:
                 corrupt += 1
                 print(json.dumps({"shape": shape, "variant": label, "CORRUPT": str(exc)}), flush=True)

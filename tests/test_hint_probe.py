@@ -17,7 +17,10 @@ import pytest
 from benchmarks import backup_hint_probe as probe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LABELS = [label for label in probe.VARIANTS if DEVICE == "cuda" or not probe.variant(label)["fence"]]
+#: Variants that move rows (the floors move none to check); on CPU those without the fence (inline PTX).
+LABELS = [label for label in probe.VARIANTS
+          if probe.variant(label)["kind"] == "rows" and (DEVICE == "cuda" or not probe.variant(label)["fence"])]
+FLOORS = [label for label in probe.VARIANTS if probe.variant(label)["kind"] != "rows"]
 
 
 @pytest.mark.parametrize("shape", list(probe.SHAPES))
@@ -32,6 +35,23 @@ def test_check_catches_a_missed_backup(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wl, "launch", lambda v: None)
     with pytest.raises(AssertionError, match="differ"):
         wl.check(probe.variant("base"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="HOLD reads the GPU's global timer (inline PTX)")
+@pytest.mark.parametrize("label", FLOORS)
+def test_floor_runs_without_touching_the_rows(label: str) -> None:
+    """A floor leaves the device rows and the host as they were; ``hold`` keeps each program busy at least as long as
+    asked (the word it writes per program)."""
+    wl = probe.Workload("mla", tokens=64, page_size=16, device=DEVICE, entries=3)
+    dev, host = wl.dev.clone(), wl.host.clone()
+    v = probe.variant(label)
+    wl.launch(v, hold_ns=200_000)
+    torch.cuda.synchronize()
+    assert torch.equal(wl.dev, dev) and torch.equal(wl.host, host)
+    if v["kind"] == "hold":
+        held = wl.held[: v["programs"]].cpu()
+        assert bool((held >= 200_000).all()), held
+        assert not bool(wl.held[v["programs"]:].any())
 
 
 def test_variants_differ_from_base_in_named_fields_only() -> None:
@@ -51,6 +71,8 @@ from benchmarks import backup_hint_probe as probe
 out = {}
 for label in probe.VARIANTS:
     v = probe.variant(label)
+    if v["kind"] != "rows":
+        continue
     consts = dict(WIDTH=288, BLOCK=512, TOKENS=16, VEC=4, LD_CM=v["ld_cm"], LD_EV=v["ld_ev"], ST_CM=v["st_cm"],
                   ST_EV=v["st_ev"], FENCE=v["fence"])
     types = {"anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64", "dev_base": "i64", "dev_ent": "i64",
@@ -59,6 +81,11 @@ for label in probe.VARIANTS:
     words = [line.split() for line in ptx.splitlines() if line.strip()]
     ops = {w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in words}  # past a predicate
     out[label] = sorted(op for op in ops if op.startswith(("ld.global", "st.global", "fence")))
+ptx = compile_kernel(probe.HOLD, {}, warps=4, types={"out": "*i32", "ns": "i64"}).asm["ptx"]
+words = [line.split() for line in ptx.splitlines() if line.strip()]
+ops = {w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in words}
+out["HOLD"] = sorted({op for op in ops if op.startswith(("ld.global", "st.global", "fence"))}
+                     | {"globaltimer" for w in words if "%globaltimer" in " ".join(w)})
 print(json.dumps(out))
 """
 
@@ -72,6 +99,7 @@ def test_hints_reach_the_ptx(tmp_path: Path) -> None:
                          cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]
     ops = json.loads(res.stdout.strip().splitlines()[-1])
+    assert ops.pop("HOLD") == ["globaltimer", "st.global.b32"], "HOLD reads the timer and stores one word, no more"
     for label, found in ops.items():
         v = probe.variant(label)
         want = {f"st.global{v['st_cm']}" + (".L1::evict_first" if v["st_ev"] else ""),
