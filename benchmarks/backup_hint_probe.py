@@ -17,8 +17,10 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
   system has taken them (``fence.sc.gpu``);
 * the **launch shape** (programs, warps, tile bytes), for the trade-off curve the other variants are read against;
 * two floors: ``hold N programs`` keeps N programs of 4 warps busy for as long as ``base`` takes, moving nothing (what
-  holding N SMs costs the GEMM, apart from any memory traffic), and ``copy engine`` moves the same bytes by one pinned
-  ``copy_`` (what the link traffic alone costs it).
+  holding N SMs costs the GEMM, apart from any memory traffic; ``... 100us``: in launches of 100 us), and ``copy
+  engine`` moves the same bytes by one pinned ``copy_`` (what the link traffic alone costs it);
+* **launches of a few entries** (``N entries per launch``): the backup split into launches of N layers each, between
+  which the GEMM's blocks can take the SMs back.
 
 The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
 by a power-of-two column step, the same :func:`hicache_core.rowcopy_tuning.tile` shape), over one device tensor
@@ -98,7 +100,7 @@ def HOLD(out, ns):
 
 #: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
 BASE: dict[str, Any] = {"programs": 8, "warps": 4, "tile_bytes": 32768, "ld_cm": "", "ld_ev": "", "st_cm": "",
-                        "st_ev": "", "fence": "", "kind": "rows"}
+                        "st_ev": "", "fence": "", "kind": "rows", "launch_entries": 0, "hold_us": 0}
 #: label -> the fields that differ from :data:`BASE`.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -132,6 +134,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "hold 2 programs": {"kind": "hold", "programs": 2},
     "hold 1 program": {"kind": "hold", "programs": 1},
     "copy engine": {"kind": "memcpy"},
+    # held in launches of 100 us (a GEMM's blocks get the SMs back between them), and backups split into launches
+    # of a few entries each (8: ~0.7 ms per MLA launch; 1: one layer per launch, ~90 us)
+    "hold 8 programs 100us": {"kind": "hold", "hold_us": 100},
+    "hold 2 programs 100us": {"kind": "hold", "programs": 2, "hold_us": 100},
+    "hold 8 programs 1000us": {"kind": "hold", "hold_us": 1000},
+    "fence gpu 1 program 32 warps 128K": {"fence": "gpu", "programs": 1, "warps": 32, "tile_bytes": 131072},
+    "8 entries per launch": {"launch_entries": 8},
+    "1 entry per launch": {"launch_entries": 1},
+    "fence gpu 8 entries per launch": {"fence": "gpu", "launch_entries": 8},
+    "fence gpu 1 entry per launch": {"fence": "gpu", "launch_entries": 1},
+    "fence gpu 2 programs 32 warps 128K 8 entries per launch": {"fence": "gpu", "programs": 2, "warps": 32,
+                                                                "tile_bytes": 131072, "launch_entries": 8},
     "base again": {},
 }
 #: shape -> (entries, row bytes): MLA 61 x 576 bf16 (one entry per layer), MHA 80 x 8 x 128 bf16 (K and V entries).
@@ -173,7 +187,9 @@ class Workload:
         if v["kind"] == "hold":
             if not hasattr(self, "held"):
                 self.held = torch.zeros(64, dtype=torch.int32, device=self.dev.device)
-            HOLD[(v["programs"],)](self.held, hold_ns, num_warps=v["warps"])
+            chunk = v["hold_us"] * 1000 or hold_ns
+            for _ in range(max(1, round(hold_ns / chunk)) if chunk else 1):
+                HOLD[(v["programs"],)](self.held, chunk, num_warps=v["warps"])
             return
         if v["kind"] == "memcpy":
             if not hasattr(self, "flat"):
@@ -184,10 +200,13 @@ class Workload:
         block, _, tokens = tile(self.words, self.words, WORD, v["tile_bytes"])
         anchor = self.dev
         host_base = (self.host.data_ptr() - anchor.data_ptr()) // WORD
-        HINT_BACKUP[(v["programs"],)](
-            anchor, self.h, self.s, self.h.numel(), self.entries, 0, self.dev.stride(0), host_base,
-            self.host.stride(0), WIDTH=self.words, BLOCK=block, TOKENS=tokens, VEC=VEC, LD_CM=v["ld_cm"],
-            LD_EV=v["ld_ev"], ST_CM=v["st_cm"], ST_EV=v["st_ev"], FENCE=v["fence"], num_warps=v["warps"])
+        step = v["launch_entries"] or self.entries
+        for e0 in range(0, self.entries, step):  # one launch per `step` entries (all of them by default)
+            HINT_BACKUP[(v["programs"],)](
+                anchor, self.h, self.s, self.h.numel(), min(step, self.entries - e0), e0 * self.dev.stride(0),
+                self.dev.stride(0), host_base + e0 * self.host.stride(0), self.host.stride(0), WIDTH=self.words,
+                BLOCK=block, TOKENS=tokens, VEC=VEC, LD_CM=v["ld_cm"], LD_EV=v["ld_ev"], ST_CM=v["st_cm"],
+                ST_EV=v["st_ev"], FENCE=v["fence"], num_warps=v["warps"])
 
     def check(self, v: dict[str, Any]) -> None:
         """Backup from a zeroed host with canary slots: an ``AssertionError`` unless every slot holds its source row

@@ -207,6 +207,12 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
         # fenced with tiles of twice the bytes (narrower rows lose speed fenced at 32 KiB: a tile too small to wait on)
         VARIANTS[f"{_label} {_layout} fenced 64K"] = (_shape, _layout, 1, None,
                                                       {"backup_fence": True, "tile_bytes": 65536})
+        # two programs of 32 warps, 128 KiB tiles, fenced: holding an SM costs a GEMM by itself (the hint probe's
+        # "hold N programs" floors: +5-7% for 1-2 programs, +11-12% for 4-8, H100 2026-12-07), so fewer and wider
+        # programs; 128 bytes of a tile per thread, so that no row width spills
+        VARIANTS[f"{_label} {_layout} 2 programs 32 warps 128K"] = (
+            _shape, _layout, 1, None, {"backup_fence": True, "backup_programs": 2, "num_warps": 32,
+                                       "tile_bytes": 131072})
 
 
 def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPool, dict, torch.Tensor, torch.Tensor,
@@ -244,6 +250,12 @@ def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) ->
     }
     if args.gemm:
         row["gemm_all_layers"] = _gemm_slowdown(backup)
+    if args.bursts:  # one backup_layer per owned layer back to back, as a layer-by-layer write-back issues them
+        owned = pool.spec.layer_map.device_layers
+        burst_b = lambda: [pool.backup_layer(lay, h, s) for lay in owned]  # noqa: E731
+        row["backup_burst"] = total / _median_ms(burst_b, args.reps) / 1e6 / memcpy.gbps(total, True, args.reps)
+        if args.gemm:
+            row["gemm_backup_burst"] = _gemm_slowdown(burst_b)
     if args.loads:  # the middle layer alone, then every layer in turn (a burst), as hicache bench times them
         owned = pool.spec.layer_map.device_layers
         mid = owned[len(owned) // 2]
@@ -265,6 +277,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--gemm", action="store_true", help="GEMM slowdown beside all-layer backups (and load bursts)")
     ap.add_argument("--loads", action="store_true", help="time one-layer loads and load bursts too")
+    ap.add_argument("--bursts", action="store_true",
+                    help="time backup bursts too (one backup_layer per layer, back to back; with --gemm, beside it)")
     ap.add_argument("--profile", default=None, metavar="LABEL", help="only three all-layer backups of one variant")
     args = ap.parse_args()
     labels = [v for v in args.variants.split(",") if v]

@@ -58,3 +58,21 @@ def test_grouped_and_one_page_per_item_variants_set_the_group_bytes_while_their_
         probe._build(f"fp8-576 page_first_kv_split {what}", 64, 16, None)
     assert seen == [(8192, {"pages": True}), (0, {"pages": True}), (default, {"pages": True})]
     assert rowcopy_pages.GROUP_BYTES == default
+
+
+
+@pytest.mark.parametrize("label", ["bf16-576 page_first_kv_split 2 programs 32 warps 128K",
+                                   "fp8-656 layer_first 2 programs 32 warps 128K"])
+def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
+    """``... 2 programs 32 warps 128K`` builds its pool with options that give fenced backups of 2 programs, 32 warps
+    and 128 KiB tiles while loads keep their programs (the probe times backups; on the GPU it checks each variant's
+    backups bit-exact before timing them)."""
+    seen = []
+    monkeypatch.setattr(probe, "HostKVPool", lambda *a, **kw: seen.append(kw["strategy_options"]))
+    monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
+    probe._build(label, 64, 16, None)
+    spec = CASE["mla576-bf16-ps16-strided"].build(DEVICE)
+    t = REGISTRY.resolve(spec, probe.VARIANTS[label][1], "kernel", options=seen[0]).strategy.effective_tuning(DEVICE)
+    assert (t.backup.programs, t.backup.num_warps, t.backup.tile_bytes, t.backup.fence,
+            t.backup.fence_min_row_bytes) == (2, 32, 131072, True, 0)
+    assert t.load.programs != 2
