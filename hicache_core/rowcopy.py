@@ -61,14 +61,15 @@ from . import rowcopy_pages
 # test that replaces tma_mode or interpreting patches them here); the launcher cache _LAUNCHERS is rowcopy_launch's.
 from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
 from .rowcopy_launch import (  # noqa: F401
-    DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep, _Launch, _launcher,
-    _route, _Run, _tma_plan)
+    DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _entry_slices, _fill, _fixed_values, _grid, _keep,
+    _Launch, _launcher, _route, _Run, _tma_plan)
 from .rowcopy_tuning import (  # noqa: F401
-    MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
+    BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
     Tuning, _pow2_ceil, _pow2_floor, tile)
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "RowGroup", "RowKernelStrategy",
-           "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES"]
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BACKUP_LAUNCH_BYTES", "RowGroup",
+           "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS",
+           "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,9 @@ class RowKernelStrategy(DirectionalStrategy):
         (:func:`hicache_core.kernel_lib.tile_done`), which bounds the writes in flight that slow a concurrent GEMM:
         ``True`` (every group), ``False``, or ``None`` for the tuning's (``backup.fence`` for rows of at least
         ``backup.fence_min_row_bytes``); kernels that do not declare ``FENCE`` ignore it.
+    :param backup_launch_bytes: the most bytes one backup launch moves (``Tuning.launch_bytes``): an all-layer
+        backup of more is split into launches of some layers each, back to back, so that a GEMM beside it gets the
+        SMs back between them; ``0``: one launch; ``None``: the tuning's.
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
@@ -117,7 +121,8 @@ class RowKernelStrategy(DirectionalStrategy):
 
     def __init__(self, programs: int | None = None, *, backup_programs: int | None = None,
                  num_warps: int | None = None, tile_bytes: int | None = None, num_stages: int | None = None,
-                 maxnreg: int | None = None, backup_fence: bool | None = None, fuse_parts: bool | None = None,
+                 maxnreg: int | None = None, backup_fence: bool | None = None,
+                 backup_launch_bytes: int | None = None, fuse_parts: bool | None = None,
                  tma: bool | None = None, pages: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
@@ -133,6 +138,11 @@ class RowKernelStrategy(DirectionalStrategy):
         if backup_fence is not None and not isinstance(backup_fence, bool):
             raise ConfigError(f"backup_fence must be True, False or None (the tuning's), got {backup_fence!r}")
         self.backup_fence = backup_fence
+        if backup_launch_bytes is not None and (isinstance(backup_launch_bytes, bool)
+                                                or not isinstance(backup_launch_bytes, int) or backup_launch_bytes < 0):
+            raise ConfigError(f"backup_launch_bytes must be an int >= 0 (0: one launch per call) or None (the "
+                              f"tuning's), got {backup_launch_bytes!r}")
+        self.backup_launch_bytes = backup_launch_bytes
         if fuse_parts is not None:
             self.fuse = bool(fuse_parts)
         else:
@@ -179,7 +189,9 @@ class RowKernelStrategy(DirectionalStrategy):
             extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
                      + (", each tile's writes awaited (fenced)" + (f" for rows of >= {d.fence_min_row_bytes} B"
                                                                   if d.fence_min_row_bytes else "")
-                        if d.fence and fences else ""))
+                        if d.fence and fences else "")
+                     + (f", launches of <= {d.launch_bytes / 2**20:g} MiB (a call of more: some entries per launch)"
+                        if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
         mode = tma_mode(self.tma, spec.device)
@@ -196,7 +208,8 @@ class RowKernelStrategy(DirectionalStrategy):
             pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
-                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, tma, pages; "
+                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, backup_launch_bytes, "
+                 "tma, pages; "
                  "HICACHE_KERNEL_PROGRAMS, "
                  "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
@@ -225,6 +238,8 @@ class RowKernelStrategy(DirectionalStrategy):
         backups = one(self.tuning.backup, backup)
         if self.backup_fence is not None:
             backups = replace(backups, fence=self.backup_fence, fence_min_row_bytes=0)
+        if self.backup_launch_bytes is not None:
+            backups = replace(backups, launch_bytes=self.backup_launch_bytes)
         return KernelTuning(backups, one(self.tuning.load, both),
                             None if tma is None else one(tma, both), None if page is None else one(page, both))
 
@@ -325,7 +340,8 @@ class RowKernelStrategy(DirectionalStrategy):
                     PAGE_TOKENS=page_tokens, TO_HOST=False, ENTRIES_INNER=self.entries_inner, PART=part_words,
                     PARTS=n_parts, R1=r1, R2=r2, R3=r3, R4=r4, STRIDED=rowcopy_pages.strided(g, part), GROUP=group)
                 # a grid covers cdiv(n, page_size * group) items per entry and part
-                parts.append((_bound(launcher, dynamic, t, spec.page_size * group, values), n_parts))
+                parts.append((_bound(launcher, dynamic, t, spec.page_size * group, values, part.width * g.word),
+                              n_parts))
             launches.append(tuple(parts))
         return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 
@@ -335,7 +351,7 @@ class RowKernelStrategy(DirectionalStrategy):
         values = _fixed_values(spec, g, g.tables, t) | dict(
             WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, TO_HOST=to_host,
             ENTRIES_INNER=self.entries_inner)
-        return _bound(launcher, dynamic, t, tokens, values)
+        return _bound(launcher, dynamic, t, tokens, values, g.width * g.word)
 
     # -- transfers ----------------------------------------------------------------------------------
     def lane(self, binding: PoolBinding, to_host: bool) -> Lane | None:
@@ -381,13 +397,17 @@ class RowKernelStrategy(DirectionalStrategy):
                 if tma is not None:
                     steps = self._tma_loads(prep, tma, h, d, n, steps)
                     continue
-                call = {"host_idx": h, "dev_idx": d, "n": n, "ents": ents, "n_ents": cast(torch.Tensor, ents).numel()}
+                ents = cast(torch.Tensor, ents)
+                call: dict[str, Any] = {"host_idx": h, "dev_idx": d, "n": n}
                 for lv, launcher, dyn, per_tile in runs:
-                    args = _fill(lv.args, lv.slots, call)
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                    used = launcher(_grid(lv.tuning.programs, n, lv.tokens, per_tile), args, **kw)
-                    steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, per_tile, kw)
+                    for sub in _entry_slices(prep, ents, lv, n):  # one launch, unless the tuning caps its bytes
+                        call["ents"], call["n_ents"] = sub, sub.numel()
+                        args = _fill(lv.args, lv.slots, call)
+                        items = per_tile // ents.numel() * sub.numel()
+                        used = launcher(_grid(lv.tuning.programs, n, lv.tokens, items), args, **kw)
+                        steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items, kw)
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
 
@@ -402,10 +422,15 @@ class RowKernelStrategy(DirectionalStrategy):
             route = _route(prep, gi, n, layer, to_host)
             if route is None:
                 continue
-            tma, runs, _ = route
+            tma, runs, ents = route
             t = prep.tuning.tma_load
-            grids = ([_grid(t.programs, n, lv.tokens, 1) for lv in tma] if tma is not None and t is not None else
-                     [_grid(lv.tuning.programs, n, lv.tokens, per_tile) for lv, _, _, per_tile in runs])
+            if tma is not None and t is not None:
+                grids = [_grid(t.programs, n, lv.tokens, 1) for lv in tma]
+            else:  # the first launch of each run holds the most entries (a split's last may hold fewer)
+                k = cast(torch.Tensor, ents).numel()
+                grids = [_grid(lv.tuning.programs, n, lv.tokens,
+                               per_tile // k * _entry_slices(prep, cast(torch.Tensor, ents), lv, n)[0].numel())
+                         for lv, _, _, per_tile in runs]
             most = max([most, *grids])
         return most
 

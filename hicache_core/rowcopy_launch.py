@@ -90,6 +90,7 @@ class _Launch:
     tuning: Tuning
     args: tuple
     slots: tuple[tuple[str, int], ...]
+    row_bytes: int = 0  # bytes one index position moves per entry (the tuning's launch_bytes is counted in them)
     packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
@@ -111,6 +112,23 @@ class Prepared:
     #                                                                  its parts per page), or None
     page_launcher: Any = None
     page_dynamic: tuple[int, ...] = ()
+    slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> slices
+
+
+def _entry_slices(prep: Prepared, ents: torch.Tensor, lv: _Launch, n: int) -> tuple[torch.Tensor, ...]:
+    """The entries of each launch ``lv`` makes of a call moving ``n`` positions of ``ents``: ``(ents,)`` when its
+    tuning sets no ``launch_bytes`` or the call fits, else consecutive runs of at most ``launch_bytes`` (at least one
+    entry each).  Each run is a tensor of its own, so that every one starts as aligned as ``ents`` does (a slice
+    would give the kernel another pointer specialisation); made once per pool, entries and run length."""
+    cap, k = lv.tuning.launch_bytes, ents.numel()
+    per = max(1, cap // max(1, n * lv.row_bytes)) if cap else k
+    if per >= k:
+        return (ents,)
+    key = (ents.data_ptr(), per)
+    runs = prep.slices.get(key)
+    if runs is None:
+        runs = prep.slices[key] = tuple(ents[i:i + per].clone() for i in range(0, k, per))
+    return runs
 
 
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
@@ -156,11 +174,13 @@ def fenced(t: Tuning, g: RowGroup) -> bool:
             and not interpreting())
 
 
-def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any]) -> _Launch:
-    """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots."""
+def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any],
+           row_bytes: int = 0) -> _Launch:
+    """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots
+    (``row_bytes``: what one index position moves per entry)."""
     args = launcher.bind(values)
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots)
+    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots, row_bytes)
 
 
 def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "tile", "MAX_BLOCK_BYTES", "MAX_TOKENS",
-           "MAX_VECTOR_BYTES", "MAX_TILE_BYTES"]
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BACKUP_LAUNCH_BYTES", "tile",
+           "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES", "MAX_TILE_BYTES"]
 
 #: Widest column step of a tile; longer rows take several steps.
 MAX_BLOCK_BYTES = 4096
@@ -35,7 +35,9 @@ class Tuning:
     after each tile until the GPU has taken its writes (:func:`hicache_core.kernel_lib.tile_done`; kernels that
     declare ``FENCE``, on CUDA), for groups whose rows (both parts) hold at least ``fence_min_row_bytes``: backups
     that bound their host writes in flight so slow a GEMM beside them less, where a tile carries enough bytes for
-    the wait not to cost them speed."""
+    the wait not to cost them speed; ``launch_bytes``: the most bytes one launch moves: a call moving more splits a
+    group's entries over several launches back to back (at least one entry each), so that no launch holds its SMs
+    for long (0: one launch per group)."""
 
     programs: int
     num_warps: int
@@ -44,6 +46,7 @@ class Tuning:
     maxnreg: int | None = None
     fence: bool = False
     fence_min_row_bytes: int = 0
+    launch_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("programs", "num_warps", "tile_bytes", "stages"):
@@ -57,9 +60,10 @@ class Tuning:
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
         if not isinstance(self.fence, bool):
             raise ConfigError(f"fence must be True or False, got {self.fence!r}")
-        if (isinstance(self.fence_min_row_bytes, bool) or not isinstance(self.fence_min_row_bytes, int)
-                or self.fence_min_row_bytes < 0):
-            raise ConfigError(f"fence_min_row_bytes must be an int >= 0, got {self.fence_min_row_bytes!r}")
+        for name in ("fence_min_row_bytes", "launch_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {v!r}")
         if self.maxnreg is not None and (isinstance(self.maxnreg, bool) or not isinstance(self.maxnreg, int)
                                          or self.maxnreg < 1):
             raise ConfigError(f"maxnreg must be a positive int (registers per thread) or None, got {self.maxnreg!r}")
@@ -89,6 +93,15 @@ TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
 #: Launch shape of the shared page load kernel (``kernel_lib.PAGE_LOAD``), for a plugin's
 #: ``KernelTuning.page_load``: parts of up to 64 KiB (a 64 x 656-byte page is one item).
 PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
+
+#: ``Tuning.launch_bytes`` of the shipped plugins' backups: an all-layer backup goes out in launches of at most this
+#: many bytes (some layers each), back to back.  A kernel that holds SMs for milliseconds slows a GEMM beside it
+#: whatever it does there: on an H100 (2026-12-07, benchmarks/backup_hint_probe.py) programs that only waited, as long
+#: as an MLA all-layer backup takes (5.5 ms), cost a bf16 8192^3 GEMM +5-7% (1-2 programs) to +11-12% (4-8), and
+#: nothing in launches of 100 us (+1.4% at most in launches of 1 ms).  Fenced backups of 8 of 61 MLA layers per launch
+#: (38 MB) ran 0.939 of memcpy at +0.6% against 0.943 at +11-13% in one launch; MHA (8 of 160 entries, 67 MB per
+#: launch) 0.935 at +3.5% against 0.947 at +21%; one layer per launch 0.909-0.911 at +0.1-0.5%.
+BACKUP_LAUNCH_BYTES = 32 << 20
 
 
 def _pow2_floor(x: int) -> int:

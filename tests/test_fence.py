@@ -168,11 +168,14 @@ def test_describe_on_cuda_names_the_fence_and_its_floor_for_backups_only(monkeyp
         backups, loads = line.split("; loads ", 1)
         return backups, loads
 
+    split = ", launches of <= 32 MiB (a call of more: some entries per launch)"  # the backups' launch_bytes
     backups, loads = parts()
-    assert backups.endswith(f"B tiles, each tile's writes awaited (fenced) for rows of >= {floor} B"), backups
+    assert backups.endswith(f"B tiles, each tile's writes awaited (fenced) for rows of >= {floor} B{split}"), backups
     assert "fenced" not in loads
     backups, loads = parts(backup_fence=True)
-    assert backups.endswith("B tiles, each tile's writes awaited (fenced)") and "fenced" not in loads
+    assert backups.endswith(f"B tiles, each tile's writes awaited (fenced){split}") and "fenced" not in loads
+    backups, loads = parts(backup_fence=True, backup_launch_bytes=0)
+    assert backups.endswith("B tiles, each tile's writes awaited (fenced)") and "launches of" not in loads
     assert "fenced" not in "".join(parts(backup_fence=False))
     monkeypatch.setattr(rowcopy, "interpreting", lambda: True)  # under the interpreter nothing is fenced
     assert "fenced" not in "".join(parts())

@@ -22,7 +22,8 @@ from hicache_core.kernel_support import ENV_PROGRAMS  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.rowcopy import (DYNAMIC_VALUES, LAUNCH_VALUES, MAX_BLOCK_BYTES, MAX_TOKENS, KernelTuning,  # noqa
                                   RowKernelStrategy, Tuning, build_groups, tile)
-from hicache_core.testing.conformance import CANARY, Case, check_strategy, fill_canary, make_device_buffers  # noqa
+from hicache_core.testing.conformance import (CANARY, Case, assert_guards_intact, check_strategy, fill_canary,  # noqa
+                                              guarded_host_buffers, make_device_buffers)
 from hicache_kv_split.strategy import KVSplitKernelStrategy  # noqa: E402
 from hicache_layer_first.strategy import LayerFirstKernelStrategy  # noqa: E402
 from hicache_page_first.strategy import PageFirstDirectKernelStrategy, PageFirstKernelStrategy  # noqa: E402
@@ -96,7 +97,10 @@ def test_tile_invariants():
     (Tuning, {"tile_bytes": (1 << 20) + 1}, "tile_bytes must be at most"),
     *[(LayerFirstKernelStrategy, {"num_stages": bad}, rf"^num_stages must be a positive int, got {bad!r}$")
       for bad in (0, True, 2.5)],
-    *[(LayerFirstKernelStrategy, {"maxnreg": bad}, "maxnreg") for bad in (0, True, 32.0)]])
+    *[(LayerFirstKernelStrategy, {"maxnreg": bad}, "maxnreg") for bad in (0, True, 32.0)],
+    *[(Tuning, {"launch_bytes": bad}, rf"^launch_bytes must be an int >= 0, got {bad!r}$") for bad in (-1, True, 1.5)],
+    *[(LayerFirstKernelStrategy, {"backup_launch_bytes": bad}, "^backup_launch_bytes must be an int >= 0")
+      for bad in (-1, True, 2.5, "x")]])
 def test_tuning_and_options_are_validated(make, kw, match):
     with pytest.raises(ConfigError, match=match):  # a ValueError too
         make(**{**({"programs": 1, "num_warps": 4, "tile_bytes": 1024} if make is Tuning else {}), **kw})
@@ -363,6 +367,83 @@ def launches(monkeypatch):
     return log
 
 
+@pytest.mark.parametrize("per", [1, 2, 3, None])
+@pytest.mark.parametrize("layout", KERNELS)
+def test_backups_split_into_launches_of_at_most_launch_bytes(layout, launches, per):
+    """With ``backup_launch_bytes`` an all-layer backup goes out in launches of at most ``per`` entries of each group
+    (the bytes of ``per`` entries' rows of the call), back to back in entry order, each grid bounded by its own work;
+    loads keep one launch per group; every byte lands as the reference puts it, canaries untouched; the runs are made
+    once and reused by the next call.  ``None``: the option at 0, one launch per group."""
+    spec = _mla(LayerMap.unsharded(5), ps=2, cap=8)
+    gen = torch.Generator().manual_seed(4)
+    dev = _device(spec, gen)
+    h, src, dst = torch.tensor([6, 7, 0, 1, 2, 3]), torch.arange(6), torch.arange(6) + 10
+    probe = HostKVPool(spec, layout, "kernel", {k: [t.clone() for t in v] for k, v in dev.items()}, registry=REGISTRY,
+                       pin_memory=PIN, strategy_options={"backup_launch_bytes": 0})
+    groups = probe.binding.scratch[probe.strategy_name].groups
+    launches.clear()
+    row = {g.width * g.word for g in groups}
+    if per is not None and len(row) > 1:
+        pytest.skip("groups of several row widths: one launch_bytes gives each its own entries per launch")
+    cap = 0 if per is None else per * h.numel() * row.pop()
+    host, guards = guarded_host_buffers(REGISTRY, spec, layout, pin_memory=PIN)
+    pool = HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, host_buffers=host,
+                      strategy_options={"backup_launch_bytes": cap, "programs": 64})
+    ref = HostKVPool(spec, layout, "reference", {k: [t.clone() for t in v] for k, v in dev.items()}, registry=REGISTRY,
+                     strategy="core.reference", pin_memory=False)
+    prep = pool.binding.scratch[pool.strategy_name]
+    fill_canary(pool)
+    fill_canary(ref)
+    for call in range(2):
+        launches.clear()
+        pool.backup_all_layers(h, src)
+        ref.backup_all_layers(h, src)
+        _sync()
+        got = [c["ents"] for _, c in launches]
+        want = [g.entries(None)[i:i + (per or 99)] for g in groups for i in range(0, g.entries(None).numel(), per or 99)]
+        assert [e.tolist() for e in got] == [e.tolist() for e in want]
+        assert all(c["TO_HOST"] and c["n_ents"] == c["ents"].numel() for _, c in launches)
+        assert [grid for grid, _ in launches] == [min(64, -(-6 // c["TOKENS"]) * c["n_ents"]) for _, c in launches]
+        assert len(prep.slices) == (0 if per is None or per >= 5 else len(groups)), "runs made once, reused"
+        for name, buf in pool.host_buffers.items():
+            assert torch.equal(buf.view(torch.uint8).cpu(), ref.host_buffers[name].view(torch.uint8).cpu()), name
+        assert_guards_intact(f"backup {call}", guards)
+    launches.clear()
+    pool.load_all_layers(h, dst)
+    assert [c["TO_HOST"] for _, c in launches] == [False] * len(groups)  # loads: one launch per group
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="calls are replayed on CUDA only")
+@pytest.mark.parametrize("layout", KERNELS)
+def test_split_backups_replay_exactly(layout):
+    """A backup split into launches of one entry each, repeated with the same index tensors, is replayed (every
+    launch of the split recorded) and still moves the rows the device holds at each call, as the reference does."""
+    spec = _mla(LayerMap.unsharded(5), ps=2, cap=8)
+    gen = torch.Generator().manual_seed(5)
+    dev = _device(spec, gen)
+    pool = HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, pin_memory=True,
+                      strategy_options={"backup_launch_bytes": 1})
+    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
+    ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
+                     pin_memory=False)
+    h, src = torch.tensor([6, 7, 0, 1, 2, 3], device=DEVICE), torch.arange(6, device=DEVICE)
+    fill_canary(pool)
+    fill_canary(ref)
+    for call in range(3):
+        for name, ts in dev.items():  # new rows each call: a replay must read what the device holds now
+            for t, r in zip(ts, ref_dev[name]):
+                if t is not None:
+                    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=gen))
+                    r.copy_(t)
+        pool.backup_all_layers(h, src)
+        ref.backup_all_layers(h, src)
+        torch.cuda.synchronize()
+        for name, buf in pool.host_buffers.items():
+            assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8).cpu()), (call, name)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert prep.replays is not None and prep.replays.hits >= 1
+
+
 @pytest.mark.parametrize("layout", KERNELS)
 def test_one_launch_per_group_and_per_layer_loads_move_only_their_layer(layout, launches):
     spec = _mla(extra=(Component("index_k", 16, torch.uint8, layers=(0, 2)),))
@@ -472,7 +553,9 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
     (line,) = s.describe(spec, None)
     b, ld = TUNING.backup, TUNING.load
     assert line.startswith(f"layer_first.kernel: backups {b.programs} programs x 2 warps, {b.tile_bytes} B tiles, "
-                           f"3 stages; loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
+                           f"3 stages, launches of <= 32 MiB (a call of more: some entries per launch); "
+                           f"loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
+    assert b.launch_bytes == 32 << 20 and not ld.launch_bytes
     assert "fenced" not in line  # the launch fences on CUDA only
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "5")
     assert "backups 5 programs" in LayerFirstKernelStrategy().describe(spec, None)[0]

@@ -10,7 +10,8 @@ separate tensors) is grouped by width.  Everything else is
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import (BACKUP_LAUNCH_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
+                                  RowKernelStrategy, Tuning)
 
 from .layout import LAYOUT
 
@@ -29,7 +30,8 @@ NAME = "page_first_kv_split.kernel"
 #: backups of MHA 2048-byte rows ran 0.946 with a GEMM beside them +21% (unfenced: 0.949 at +71%); MLA bf16 rows
 #: fenced ran 0.849 at +12% against 0.939 at +13%, fp8 rows 15-30 points slower, so MLA rows stay unfenced.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
+                  launch_bytes=BACKUP_LAUNCH_BYTES),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

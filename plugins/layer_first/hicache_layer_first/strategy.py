@@ -8,7 +8,8 @@ one launch per group per transfer.
 from __future__ import annotations
 
 from hicache_core import Layout, PoolSpec
-from hicache_core.rowcopy import PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import (BACKUP_LAUNCH_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
+                                  RowKernelStrategy, Tuning)
 
 __all__ = ["LayerFirstKernelStrategy", "STRATEGY_NAME", "TUNING"]
 
@@ -25,7 +26,8 @@ STRATEGY_NAME = "layer_first.kernel"
 #: fenced lost 9-15 points of the ratio (656 B: 0.812 at +9.5% against 0.907 at +19.5%; 576 B: 0.756 at +7.5%
 #: against 0.905 at +10.0%), so they stay unfenced.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=1024),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=1024,
+                  launch_bytes=BACKUP_LAUNCH_BYTES),
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

@@ -7,7 +7,8 @@ explains itself) where Triton is missing.
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, RowKernelStrategy, Tuning
+from hicache_core.rowcopy import (BACKUP_LAUNCH_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
+                                  RowKernelStrategy, Tuning)
 
 __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 
@@ -22,7 +23,8 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: and 0.872 at +13% against 0.920 at +20% (page_first_direct), fp8 rows 15-19 points slower at about the same GEMM
 #: cost.
 TUNING = KernelTuning(
-    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048),
+    backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
+                  launch_bytes=BACKUP_LAUNCH_BYTES),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
