@@ -28,8 +28,8 @@ Launch-shape variants (more programs, more stages) and the other row widths stan
 its default); ``... unfenced`` variants back up without the per-tile fence the plugins' backups now keep
 (``backup_fence=False``; :func:`hicache_core.kernel_lib.tile_done`), ``... fenced 64K`` ones fence every row with
 tiles of 64 KiB; ``... one launch`` backs up every layer in one launch (``backup_launch_bytes=0``; the plugins split an
-all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of 8
-MiB`` in smaller ones, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs.  Options (``programs``, ``num_warps``,
+all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of N
+MiB`` in launches of N MiB, ``... 16 programs`` with 16 backup programs, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs.  Options (``programs``, ``num_warps``,
 ``num_stages``) apply to every direction: a variant's loads
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
@@ -212,8 +212,11 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
                                                       {"backup_fence": True, "tile_bytes": 65536})
         # all-layer backups in one launch (the tuning's launch_bytes off), and in launches of 8 MiB (the default: 32)
         VARIANTS[f"{_label} {_layout} one launch"] = (_shape, _layout, 1, None, {"backup_launch_bytes": 0})
-        VARIANTS[f"{_label} {_layout} launches of 8 MiB"] = (_shape, _layout, 1, None,
-                                                             {"backup_launch_bytes": 8 << 20})
+        for _mib in (8, 64, 128):
+            VARIANTS[f"{_label} {_layout} launches of {_mib} MiB"] = (_shape, _layout, 1, None,
+                                                                      {"backup_launch_bytes": _mib << 20})
+        # split backups with twice the programs (a split costs a GEMM little: room for more in flight)
+        VARIANTS[f"{_label} {_layout} 16 programs"] = (_shape, _layout, 1, None, {"backup_programs": 16})
         # two programs of 32 warps, 128 KiB tiles, fenced: holding an SM costs a GEMM by itself (the hint probe's
         # "hold N programs" floors: +5-7% for 1-2 programs, +11-12% for 4-8, H100 2026-12-07), so fewer and wider
         # programs; 128 bytes of a tile per thread, so that no row width spills
