@@ -61,8 +61,8 @@ from . import rowcopy_pages
 # test that replaces tma_mode or interpreting patches them here); the launcher cache _LAUNCHERS is rowcopy_launch's.
 from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
 from .rowcopy_launch import (  # noqa: F401
-    DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _entry_slices, _fill, _fixed_values, _grid, _keep,
-    _Launch, _launcher, _route, _Run, _tma_plan)
+    DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
+    _Launch, _launcher, _route, _Run, _splits, _tma_plan)
 from .rowcopy_tuning import (  # noqa: F401
     BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
     Tuning, _pow2_ceil, _pow2_floor, tile)
@@ -96,9 +96,10 @@ class RowKernelStrategy(DirectionalStrategy):
         (:func:`hicache_core.kernel_lib.tile_done`), which bounds the writes in flight that slow a concurrent GEMM:
         ``True`` (every group), ``False``, or ``None`` for the tuning's (``backup.fence`` for rows of at least
         ``backup.fence_min_row_bytes``); kernels that do not declare ``FENCE`` ignore it.
-    :param backup_launch_bytes: the most bytes one backup launch moves (``Tuning.launch_bytes``): an all-layer
-        backup of more is split into launches of some layers each, back to back, so that a GEMM beside it gets the
-        SMs back between them; ``0``: one launch; ``None``: the tuning's.
+    :param backup_launch_bytes: the most bytes one backup launch moves (``Tuning.launch_bytes``): a backup of more
+        is split into launches back to back (some layers each; with ``entries_inner``, every layer of a run of
+        positions), so that a GEMM beside it gets the SMs back between them; ``0``: one launch; ``None``: the
+        tuning's.
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
@@ -190,7 +191,8 @@ class RowKernelStrategy(DirectionalStrategy):
                      + (", each tile's writes awaited (fenced)" + (f" for rows of >= {d.fence_min_row_bytes} B"
                                                                   if d.fence_min_row_bytes else "")
                         if d.fence and fences else "")
-                     + (f", launches of <= {d.launch_bytes / 2**20:g} MiB (a call of more: some entries per launch)"
+                     + (f", launches of <= {d.launch_bytes / 2**20:g} MiB (a call of more: "
+                        + ("every entry of some positions" if self.entries_inner else "some entries") + " per launch)"
                         if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
@@ -398,15 +400,17 @@ class RowKernelStrategy(DirectionalStrategy):
                     steps = self._tma_loads(prep, tma, h, d, n, steps)
                     continue
                 ents = cast(torch.Tensor, ents)
-                call: dict[str, Any] = {"host_idx": h, "dev_idx": d, "n": n}
                 for lv, launcher, dyn, per_tile in runs:
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                    for sub in _entry_slices(prep, ents, lv, n):  # one launch, unless the tuning caps its bytes
-                        call["ents"], call["n_ents"] = sub, sub.numel()
+                    for sub, i, m in _splits(prep, ents, lv, n, self.entries_inner):  # one, unless launch_bytes
+                        if m != n:  # a run of positions: its index views are never replayed (a replay passes the
+                            steps = None  # call's whole tensors)
+                        call = {"host_idx": h[i:i + m] if m != n else h, "dev_idx": d[i:i + m] if m != n else d,
+                                "n": m, "ents": sub, "n_ents": sub.numel()}
                         args = _fill(lv.args, lv.slots, call)
                         items = per_tile // ents.numel() * sub.numel()
-                        used = launcher(_grid(lv.tuning.programs, n, lv.tokens, items), args, **kw)
+                        used = launcher(_grid(lv.tuning.programs, m, lv.tokens, items), args, **kw)
                         steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items, kw)
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
@@ -426,11 +430,11 @@ class RowKernelStrategy(DirectionalStrategy):
             t = prep.tuning.tma_load
             if tma is not None and t is not None:
                 grids = [_grid(t.programs, n, lv.tokens, 1) for lv in tma]
-            else:  # the first launch of each run holds the most entries (a split's last may hold fewer)
+            else:  # a split's first launch holds the most work (its last may hold less)
                 k = cast(torch.Tensor, ents).numel()
-                grids = [_grid(lv.tuning.programs, n, lv.tokens,
-                               per_tile // k * _entry_slices(prep, cast(torch.Tensor, ents), lv, n)[0].numel())
-                         for lv, _, _, per_tile in runs]
+                grids = [_grid(lv.tuning.programs, m, lv.tokens, per_tile // k * sub.numel())
+                         for lv, _, _, per_tile in runs
+                         for sub, _, m in _splits(prep, cast(torch.Tensor, ents), lv, n, self.entries_inner)[:1]]
             most = max([most, *grids])
         return most
 

@@ -115,20 +115,31 @@ class Prepared:
     slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> slices
 
 
-def _entry_slices(prep: Prepared, ents: torch.Tensor, lv: _Launch, n: int) -> tuple[torch.Tensor, ...]:
-    """The entries of each launch ``lv`` makes of a call moving ``n`` positions of ``ents``: ``(ents,)`` when its
-    tuning sets no ``launch_bytes`` or the call fits, else consecutive runs of at most ``launch_bytes`` (at least one
-    entry each).  Each run is a tensor of its own, so that every one starts as aligned as ``ents`` does (a slice
-    would give the kernel another pointer specialisation); made once per pool, entries and run length."""
+def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, n: int,
+            by_positions: bool) -> tuple[tuple[torch.Tensor, int, int], ...]:
+    """``(entries, first position, positions)`` of each launch ``lv`` makes of a call moving ``n`` positions of
+    ``ents``: the whole call in one launch when its tuning sets no ``launch_bytes`` or the call fits, else launches of
+    at most ``launch_bytes`` back to back.
+
+    ``by_positions`` (kernels whose work items walk a tile's entries together: token-major host pages): each launch
+    moves every entry of a run of positions, a multiple of 16 and of the tile's tokens long (so a launch's index
+    tensors start as aligned as the call's, and its host writes sweep whole pages of every layer, as one launch's
+    would); else each moves some entries at every position (at least one entry each), each run of entries a tensor
+    of its own (a slice would give the kernel another pointer specialisation), made once per pool, entries and run
+    length."""
     cap, k = lv.tuning.launch_bytes, ents.numel()
-    per = max(1, cap // max(1, n * lv.row_bytes)) if cap else k
-    if per >= k:
-        return (ents,)
+    if not cap or not lv.row_bytes or n * k * lv.row_bytes <= cap:
+        return ((ents, 0, n),)
+    if by_positions:
+        align = max(16, lv.tokens)
+        step = max(align, cap // (k * lv.row_bytes) // align * align)
+        return tuple((ents, i, min(step, n - i)) for i in range(0, n, step))
+    per = max(1, cap // (n * lv.row_bytes))
     key = (ents.data_ptr(), per)
     runs = prep.slices.get(key)
     if runs is None:
         runs = prep.slices[key] = tuple(ents[i:i + per].clone() for i in range(0, k, per))
-    return runs
+    return tuple((e, 0, n) for e in runs)
 
 
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:

@@ -35,9 +35,9 @@ class Tuning:
     after each tile until the GPU has taken its writes (:func:`hicache_core.kernel_lib.tile_done`; kernels that
     declare ``FENCE``, on CUDA), for groups whose rows (both parts) hold at least ``fence_min_row_bytes``: backups
     that bound their host writes in flight so slow a GEMM beside them less, where a tile carries enough bytes for
-    the wait not to cost them speed; ``launch_bytes``: the most bytes one launch moves: a call moving more splits a
-    group's entries over several launches back to back (at least one entry each), so that no launch holds its SMs
-    for long (0: one launch per group)."""
+    the wait not to cost them speed; ``launch_bytes``: the most bytes one launch moves: a call moving more goes out
+    in several launches back to back (some entries each, or, where the strategy walks a tile's entries together,
+    every entry of a run of positions), so that no launch holds its SMs for long (0: one launch per group)."""
 
     programs: int
     num_warps: int

@@ -367,66 +367,89 @@ def launches(monkeypatch):
     return log
 
 
-@pytest.mark.parametrize("per", [1, 2, 3, None])
+@pytest.mark.parametrize("per", [1, 2, 4, None])
 @pytest.mark.parametrize("layout", KERNELS)
 def test_backups_split_into_launches_of_at_most_launch_bytes(layout, launches, per):
-    """With ``backup_launch_bytes`` an all-layer backup goes out in launches of at most ``per`` entries of each group
-    (the bytes of ``per`` entries' rows of the call), back to back in entry order, each grid bounded by its own work;
-    loads keep one launch per group; every byte lands as the reference puts it, canaries untouched; the runs are made
+    """With ``backup_launch_bytes`` (here the bytes of ``per`` entries' rows of the call) an all-layer backup goes out
+    in launches back to back: of at most ``per`` entries each, in entry order, where the kernel walks entries apart;
+    of every entry at a run of positions (a multiple of 16 and of the tile's tokens, as many as the bytes allow) where
+    it walks a tile's entries together (``entries_inner``).  Each grid is bounded by its own work; loads keep one
+    launch per group; every byte lands as the reference puts it, canaries and guards untouched; entry runs are made
     once and reused by the next call.  ``None``: the option at 0, one launch per group."""
-    spec = _mla(LayerMap.unsharded(5), ps=2, cap=8)
+    spec = _mla(LayerMap.unsharded(5), ps=2, cap=64)
     gen = torch.Generator().manual_seed(4)
     dev = _device(spec, gen)
-    h, src, dst = torch.tensor([6, 7, 0, 1, 2, 3]), torch.arange(6), torch.arange(6) + 10
+    n = 48
+    h = (torch.randperm(32, generator=gen)[:n // 2, None] * 2 + torch.arange(2)).reshape(-1)  # whole pages of 2
+    src, dst = torch.arange(n), torch.arange(n) + 64
+    opts = {"programs": 64, "tile_bytes": 256}  # tiles of a few tokens: runs of 16 positions are whole tiles
     probe = HostKVPool(spec, layout, "kernel", {k: [t.clone() for t in v] for k, v in dev.items()}, registry=REGISTRY,
-                       pin_memory=PIN, strategy_options={"backup_launch_bytes": 0})
+                       pin_memory=PIN, strategy_options={**opts, "backup_launch_bytes": 0})
     groups = probe.binding.scratch[probe.strategy_name].groups
-    launches.clear()
     row = {g.width * g.word for g in groups}
     if per is not None and len(row) > 1:
         pytest.skip("groups of several row widths: one launch_bytes gives each its own entries per launch")
-    cap = 0 if per is None else per * h.numel() * row.pop()
+    cap = 0 if per is None else per * n * row.pop()
+    inner = KERNELS[layout].entries_inner
     host, guards = guarded_host_buffers(REGISTRY, spec, layout, pin_memory=PIN)
     pool = HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, host_buffers=host,
-                      strategy_options={"backup_launch_bytes": cap, "programs": 64})
+                      strategy_options={**opts, "backup_launch_bytes": cap})
     ref = HostKVPool(spec, layout, "reference", {k: [t.clone() for t in v] for k, v in dev.items()}, registry=REGISTRY,
                      strategy="core.reference", pin_memory=False)
     prep = pool.binding.scratch[pool.strategy_name]
     fill_canary(pool)
     fill_canary(ref)
+    want = []  # (entries, host slots) of each launch
+    for g in groups:
+        ents = g.entries(None).tolist()
+        if per is None:
+            want.append((ents, h.tolist()))
+        elif inner:
+            step = max(16, per * n // len(ents) // 16 * 16)
+            want += [(ents, h[i:i + step].tolist()) for i in range(0, n, step)]
+        else:
+            want += [(ents[i:i + per], h.tolist()) for i in range(0, len(ents), per)]
+    assert per is None or len(want) > len(groups), "the call is split"
     for call in range(2):
         launches.clear()
         pool.backup_all_layers(h, src)
         ref.backup_all_layers(h, src)
         _sync()
-        got = [c["ents"] for _, c in launches]
-        want = [g.entries(None)[i:i + (per or 99)] for g in groups for i in range(0, g.entries(None).numel(), per or 99)]
-        assert [e.tolist() for e in got] == [e.tolist() for e in want]
-        assert all(c["TO_HOST"] and c["n_ents"] == c["ents"].numel() for _, c in launches)
-        assert [grid for grid, _ in launches] == [min(64, -(-6 // c["TOKENS"]) * c["n_ents"]) for _, c in launches]
-        assert len(prep.slices) == (0 if per is None or per >= 5 else len(groups)), "runs made once, reused"
+        assert [(c["ents"].tolist(), c["host_idx"].tolist()) for _, c in launches] == want
+        assert all(c["TO_HOST"] and c["n_ents"] == c["ents"].numel() and c["n"] == c["host_idx"].numel()
+                   == c["dev_idx"].numel() for _, c in launches)
+        assert [grid for grid, _ in launches] == [min(64, -(-c["n"] // c["TOKENS"]) * c["n_ents"]) for _, c in launches]
+        assert len(prep.slices) == (0 if per is None or inner else len(groups)), "entry runs made once, reused"
         for name, buf in pool.host_buffers.items():
             assert torch.equal(buf.view(torch.uint8).cpu(), ref.host_buffers[name].view(torch.uint8).cpu()), name
         assert_guards_intact(f"backup {call}", guards)
     launches.clear()
     pool.load_all_layers(h, dst)
     assert [c["TO_HOST"] for _, c in launches] == [False] * len(groups)  # loads: one launch per group
+    _sync()
+    for name, ts in dev.items():
+        for t in ts:
+            if t is not None:
+                assert torch.equal(t[dst.to(t.device)].view(torch.uint8), t[src.to(t.device)].view(torch.uint8)), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="calls are replayed on CUDA only")
 @pytest.mark.parametrize("layout", KERNELS)
 def test_split_backups_replay_exactly(layout):
     """A backup split into launches of one entry each, repeated with the same index tensors, is replayed (every
-    launch of the split recorded) and still moves the rows the device holds at each call, as the reference does."""
-    spec = _mla(LayerMap.unsharded(5), ps=2, cap=8)
+    launch of the split recorded); one split into runs of 16 positions (``entries_inner`` kernels) is not (a replay
+    passes the call's whole index tensors).  Either still moves the rows the device holds at each call, as the
+    reference does."""
+    spec = _mla(LayerMap.unsharded(5), ps=2, cap=64)
     gen = torch.Generator().manual_seed(5)
     dev = _device(spec, gen)
     pool = HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, pin_memory=True,
-                      strategy_options={"backup_launch_bytes": 1})
+                      strategy_options={"backup_launch_bytes": 1, "tile_bytes": 256})
     ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
     ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
                      pin_memory=False)
-    h, src = torch.tensor([6, 7, 0, 1, 2, 3], device=DEVICE), torch.arange(6, device=DEVICE)
+    h = (torch.randperm(32, generator=gen)[:24, None] * 2 + torch.arange(2)).reshape(-1).to(DEVICE)
+    src = torch.arange(48, device=DEVICE)
     fill_canary(pool)
     fill_canary(ref)
     for call in range(3):
@@ -441,7 +464,7 @@ def test_split_backups_replay_exactly(layout):
         for name, buf in pool.host_buffers.items():
             assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8).cpu()), (call, name)
     prep = pool.binding.scratch[pool.strategy_name]
-    assert prep.replays is not None and prep.replays.hits >= 1
+    assert prep.replays is not None and (prep.replays.hits == 0) == KERNELS[layout].entries_inner
 
 
 @pytest.mark.parametrize("layout", KERNELS)
