@@ -34,6 +34,7 @@ the run's drift.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -262,7 +263,7 @@ def main() -> int:
         for label in labels:
             if variant(label)["kind"] == "hold" and not base_ms:  # hold for as long as base takes
                 wl.check(BASE)
-                base_ms = _median_ms(lambda: wl.launch(BASE), args.reps)
+                base_ms = _median_ms(functools.partial(wl.launch, BASE), args.reps)
             try:
                 row = measure(shape, label, wl, memcpy, args.reps, args.gemm, base_ms)
                 if label == "base":

@@ -95,12 +95,12 @@ TMA_LOAD_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=20480, stages=4)
 PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
 
 #: ``Tuning.launch_bytes`` of the shipped plugins' backups: an all-layer backup goes out in launches of at most this
-#: many bytes (some layers each), back to back.  A kernel that holds SMs for milliseconds slows a GEMM beside it
-#: whatever it does there: on an H100 (2026-12-07, benchmarks/backup_hint_probe.py) programs that only waited, as long
-#: as an MLA all-layer backup takes (5.5 ms), cost a bf16 8192^3 GEMM +5-7% (1-2 programs) to +11-12% (4-8), and
-#: nothing in launches of 100 us (+1.4% at most in launches of 1 ms).  Fenced backups of 8 of 61 MLA layers per launch
-#: (38 MB) ran 0.939 of memcpy at +0.6% against 0.943 at +11-13% in one launch; MHA (8 of 160 entries, 67 MB per
-#: launch) 0.935 at +3.5% against 0.947 at +21%; one layer per launch 0.909-0.911 at +0.1-0.5%.
+#: many bytes, back to back.  A kernel that holds SMs for milliseconds slows a GEMM beside it whatever it does there: on
+#: an H100 (2026-12-07, benchmarks/backup_hint_probe.py, record calls 55-56) programs that only waited, as long as an
+#: MLA all-layer backup takes (5.5 ms), cost a bf16 8192^3 GEMM +5-7% (1-2 programs) to +11-12% (4-8), and nothing in
+#: launches of 100 us (+1.4% at most in launches of 1 ms).  The plugins' backups at 4096 tokens (record calls 57-59):
+#: rows of >= 1152 B 0.921-0.933 of memcpy at -0.6% to +2.3% (one launch: 0.934-0.948 at +12% to +21%); fp8 rows
+#: 0.853-0.876 at +0.6-2.7% (0.874-0.920 at +8-14%); launches of 8 MiB lost 2-9 more points, of 64 MiB cost +3-8%.
 BACKUP_LAUNCH_BYTES = 32 << 20
 
 

@@ -28,7 +28,10 @@ NAME = "page_first_kv_split.kernel"
 #: and warps in flight.  Backups of rows of >= 2 KiB (both parts) wait for each tile's writes (fence,
 #: kernel_lib.tile_done): on an H100 (2026-12-07, benchmarks/backup_place_probe.py, docs/perf/runs.md) all-layer
 #: backups of MHA 2048-byte rows ran 0.946 with a GEMM beside them +21% (unfenced: 0.949 at +71%); MLA bf16 rows
-#: fenced ran 0.849 at +12% against 0.939 at +13%, fp8 rows 15-30 points slower, so MLA rows stay unfenced.
+#: fenced ran 0.849 at +12% against 0.939 at +13%, fp8 rows 15-30 points slower, so MLA rows stay unfenced.  A call
+#: moving more than BACKUP_LAUNCH_BYTES goes out in launches of every layer of a run of tokens (H100, record call 59):
+#: MLA bf16 0.924 at +1.1% (one launch 0.946 at +12%), at 32768 tokens 0.928 at -1.4% (0.950 at +15%), MHA 0.923 at
+#: +0.7% (0.946 at +14%), fp8 576 B 0.876 at +2.4% (0.920 at +8%).
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
                   launch_bytes=BACKUP_LAUNCH_BYTES),

@@ -24,7 +24,9 @@ STRATEGY_NAME = "layer_first.kernel"
 #: benchmarks/backup_place_probe.py, docs/perf/runs.md) all-layer backups of MLA bf16 1152-byte rows ran 0.934 with
 #: a GEMM beside them +12% (unfenced: 0.931 at +30%), MHA 2048-byte rows 0.947 at +16% (0.948 at +78%); fp8 rows
 #: fenced lost 9-15 points of the ratio (656 B: 0.812 at +9.5% against 0.907 at +19.5%; 576 B: 0.756 at +7.5%
-#: against 0.905 at +10.0%), so they stay unfenced.
+#: against 0.905 at +10.0%), so they stay unfenced.  A call moving more than BACKUP_LAUNCH_BYTES goes out in launches of
+#: some layers each (H100, record calls 57-59): MLA bf16 0.925-0.927 at -0.3% to +0.3% (one launch: 0.936 at +12%),
+#: MHA 0.932-0.933 at -0.2% to +1.6% (0.947 at +17%), fp8 656 B 0.853-0.868 at +0.6-2.7% (0.874 at +14%).
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=1024,
                   launch_bytes=BACKUP_LAUNCH_BYTES),

@@ -21,7 +21,10 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: docs/perf/runs.md) all-layer backups of MHA 2048-byte rows ran 0.944-0.947 with a GEMM beside them +13% (unfenced:
 #: 0.948-0.950 at +67-69%); MLA bf16 1152-byte rows fenced ran 0.923 at +14% against 0.931 at +20% (page_first)
 #: and 0.872 at +13% against 0.920 at +20% (page_first_direct), fp8 rows 15-19 points slower at about the same GEMM
-#: cost.
+#: cost.  A call moving more than BACKUP_LAUNCH_BYTES goes out in launches (H100, record calls 57-59): page_first
+#: (token-major) every layer of a run of tokens per launch, MLA bf16 0.921 at +0.5% (one launch 0.936 at +21%), at
+#: 32768 tokens 0.926 at +0.2% (0.934 at +25%), MHA 0.923 at -0.6% (0.946 at +14%); page_first_direct some layers per
+#: launch, MLA bf16 0.925 at +2.3% (0.934 at +21%).
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
                   launch_bytes=BACKUP_LAUNCH_BYTES),
