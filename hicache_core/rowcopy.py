@@ -62,7 +62,7 @@ from . import rowcopy_pages
 from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
 from .rowcopy_launch import (  # noqa: F401
     DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
-    _Launch, _launcher, _route, _Run, _splits, _tma_plan)
+    _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan)
 from .rowcopy_tuning import (  # noqa: F401
     BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
     Tuning, _pow2_ceil, _pow2_floor, tile)
@@ -403,11 +403,12 @@ class RowKernelStrategy(DirectionalStrategy):
                 for lv, launcher, dyn, per_tile in runs:
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                    for sub, i, m in _splits(prep, ents, lv, n, self.entries_inner):  # one, unless launch_bytes
+                    # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan)
+                    for sub, hs, ds in _splits(prep, ents, lv, h, d, n, self.entries_inner):
+                        m = hs.numel()
                         if m != n:  # a run of positions: its index views are never replayed (a replay passes the
                             steps = None  # call's whole tensors)
-                        call = {"host_idx": h[i:i + m] if m != n else h, "dev_idx": d[i:i + m] if m != n else d,
-                                "n": m, "ents": sub, "n_ents": sub.numel()}
+                        call = {"host_idx": hs, "dev_idx": ds, "n": m, "ents": sub, "n_ents": sub.numel()}
                         args = _fill(lv.args, lv.slots, call)
                         items = per_tile // ents.numel() * sub.numel()
                         used = launcher(_grid(lv.tuning.programs, m, lv.tokens, items), args, **kw)
@@ -432,9 +433,9 @@ class RowKernelStrategy(DirectionalStrategy):
                 grids = [_grid(t.programs, n, lv.tokens, 1) for lv in tma]
             else:  # a split's first launch holds the most work (its last may hold less)
                 k = cast(torch.Tensor, ents).numel()
-                grids = [_grid(lv.tuning.programs, m, lv.tokens, per_tile // k * sub.numel())
+                grids = [_grid(lv.tuning.programs, min(step, n), lv.tokens, per_tile // k * min(per, k))
                          for lv, _, _, per_tile in runs
-                         for sub, _, m in _splits(prep, cast(torch.Tensor, ents), lv, n, self.entries_inner)[:1]]
+                         for per, step in [_split_plan(lv, k, n, self.entries_inner)]]
             most = max([most, *grids])
         return most
 

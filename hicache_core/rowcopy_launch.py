@@ -115,31 +115,38 @@ class Prepared:
     slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> slices
 
 
-def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, n: int,
-            by_positions: bool) -> tuple[tuple[torch.Tensor, int, int], ...]:
-    """``(entries, first position, positions)`` of each launch ``lv`` makes of a call moving ``n`` positions of
-    ``ents``: the whole call in one launch when its tuning sets no ``launch_bytes`` or the call fits, else launches of
-    at most ``launch_bytes`` back to back.
-
-    ``by_positions`` (kernels whose work items walk a tile's entries together: token-major host pages): each launch
-    moves every entry of a run of positions, a multiple of 16 and of the tile's tokens long (so a launch's index
-    tensors start as aligned as the call's, and its host writes sweep whole pages of every layer, as one launch's
-    would); else each moves some entries at every position (at least one entry each), each run of entries a tensor
-    of its own (a slice would give the kernel another pointer specialisation), made once per pool, entries and run
-    length."""
-    cap, k = lv.tuning.launch_bytes, ents.numel()
+def _split_plan(lv: _Launch, k: int, n: int, by_positions: bool) -> tuple[int, int]:
+    """``(entries, positions)`` per launch of a call moving ``n`` positions of ``k`` entries through ``lv``: ``(k, n)``,
+    one launch, when its tuning sets no ``launch_bytes`` or the call fits.  Else launches of at most ``launch_bytes``:
+    with ``by_positions`` (kernels whose work items walk a tile's entries together: token-major host pages) every
+    entry of a run of positions, a multiple of 16 and of the tile's tokens long (a run's index tensors start as
+    aligned as the call's, and its host writes sweep whole pages of every layer, as one launch's would); otherwise
+    some entries (at least one) at every position."""
+    cap = lv.tuning.launch_bytes
     if not cap or not lv.row_bytes or n * k * lv.row_bytes <= cap:
-        return ((ents, 0, n),)
+        return k, n
     if by_positions:
         align = max(16, lv.tokens)
-        step = max(align, cap // (k * lv.row_bytes) // align * align)
-        return tuple((ents, i, min(step, n - i)) for i in range(0, n, step))
-    per = max(1, cap // (n * lv.row_bytes))
+        return k, max(align, cap // (k * lv.row_bytes) // align * align)
+    return max(1, cap // (n * lv.row_bytes)), n
+
+
+def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, h: torch.Tensor, d: torch.Tensor, n: int,
+            by_positions: bool) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+    """``(entries, host indices, device indices)`` of each launch ``lv`` makes of a call moving the ``n`` positions
+    ``h``/``d`` of ``ents``, as :func:`_split_plan` plans them: views of ``h`` and ``d`` for runs of positions; for runs
+    of entries, each run a tensor of its own (a slice would give the kernel another pointer specialisation), made
+    once per pool, entries and run length."""
+    per, step = _split_plan(lv, ents.numel(), n, by_positions)
+    if step < n:
+        return tuple((ents, hs, ds) for hs, ds in zip(h.split(step), d.split(step)))
+    if per >= ents.numel():
+        return ((ents, h, d),)
     key = (ents.data_ptr(), per)
     runs = prep.slices.get(key)
     if runs is None:
-        runs = prep.slices[key] = tuple(ents[i:i + per].clone() for i in range(0, k, per))
-    return tuple((e, 0, n) for e in runs)
+        runs = prep.slices[key] = tuple(ents[i:i + per].clone() for i in range(0, ents.numel(), per))
+    return tuple((e, h, d) for e in runs)
 
 
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
