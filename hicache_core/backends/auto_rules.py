@@ -87,7 +87,9 @@ MEMORY_KERNEL_SHARE = 0.45
 #: kernel on two hosts (0.911 against 0.799, 0.938 against 0.909, the kernel at +17-20%) and slower on another (0.700
 #: against 0.879, its host submitting for 1.22x the link time); docs/perf/runs.md, fourth H100 run.  At 1.0 a backup
 #: must fit within its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets
-#: it per pool.
+#: it per pool.  Measured before the kernels' backups went out in launches of at most 32 MiB
+#: (:data:`hicache_core.rowcopy_tuning.BACKUP_LAUNCH_BYTES`, 2026-12-07), which cost a GEMM -1.4% to +2.7% (record calls
+#: 57-59): with them the room's premise no longer holds, but 1.0 has not been measured against them yet.
 BACKUP_ROOM = 1.2
 #: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (e.g. to pools the SGLang
 #: bridge makes).
@@ -147,8 +149,9 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
     loads that measure decides alone: the kernels' loads cost a model's GEMM next to nothing, so the faster route
     wins (H200, MLA 1152-byte rows with new GPU-resident indices every batch: the copy engine's bursts 0.54-0.59 of
     memcpy against the kernel's 0.87, its host planning and reading the indices back each batch; the same bursts
-    with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup slows a GEMM by
-    +13% or more).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
+    with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup in one launch slowed a
+    GEMM by +13% or more; in launches of at most 32 MiB, as the shipped kernels' backups go since 2026-12-07, -1.4% to
+    +2.7%: :data:`BACKUP_ROOM`).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
     margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
     speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
     slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
