@@ -64,8 +64,8 @@ from .rowcopy_launch import (  # noqa: F401
     DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
     _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan)
 from .rowcopy_tuning import (  # noqa: F401
-    BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
-    Tuning, _pow2_ceil, _pow2_floor, tile)
+    BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING,
+    TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
 
 __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BACKUP_LAUNCH_BYTES", "RowGroup",
            "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS",

@@ -9,6 +9,7 @@ imports Triton.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -119,14 +120,14 @@ def _split_plan(lv: _Launch, k: int, n: int, by_positions: bool) -> tuple[int, i
     """``(entries, positions)`` per launch of a call moving ``n`` positions of ``k`` entries through ``lv``: ``(k, n)``,
     one launch, when its tuning sets no ``launch_bytes`` or the call fits.  Else launches of at most ``launch_bytes``:
     with ``by_positions`` (kernels whose work items walk a tile's entries together: token-major host pages) every
-    entry of a run of positions, a multiple of 16 and of the tile's tokens long (a run's index tensors start as
-    aligned as the call's, and its host writes sweep whole pages of every layer, as one launch's would); otherwise
-    some entries (at least one) at every position."""
+    entry of a run of positions, a multiple of 16 and of the launch's tokens per work item long (a run's index tensors
+    start as aligned as the call's, a page launch's runs hold whole pages, and the host writes sweep whole pages of
+    every layer, as one launch's would); otherwise some entries (at least one) at every position."""
     cap = lv.tuning.launch_bytes
     if not cap or not lv.row_bytes or n * k * lv.row_bytes <= cap:
         return k, n
     if by_positions:
-        align = max(16, lv.tokens)
+        align = math.lcm(16, lv.tokens)
         return k, max(align, cap // (k * lv.row_bytes) // align * align)
     return max(1, cap // (n * lv.row_bytes)), n
 

@@ -151,8 +151,8 @@ def fed(sub: Submission, cal: Calibration, desc_us: float | None = None, to_host
     memcpy against the kernel's 0.87, its host planning and reading the indices back each batch; the same bursts
     with indices reused 0.95).  For backups it can only add the copy engine (a kernel's backup in one launch slowed a
     GEMM by +13% or more; in launches of at most 32 MiB, as the shipped kernels' backups go since 2026-12-07, -1.4% to
-    +2.7%: :data:`BACKUP_ROOM`).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first calls): a
-    margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
+    +2.7%: :data:`BACKUP_ROOM`).  Otherwise, at the calibration's host cost and an idle engine's schedule (small first
+    calls): a margin for a host of unknown speed (fp8 MLA rows, 36.9-42 KB pages, 64 per layer, 43-49 us per layer at link
     speed: bursts by the copy engine reached 0.92-0.93 of memcpy in the host's fast stretches but 0.57-0.68 in its
     slow ones, against the kernel's steady 0.83-0.85; docs/performance.md)."""
     link_us = allowed_us(sub.nbytes, cal, to_host, room, backup_room)
