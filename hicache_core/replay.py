@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
@@ -127,7 +127,8 @@ class Replays:
     immutable tuples, and each driver launch holds its packed parameters' lock.
     """
 
-    def __init__(self, binding: Any, *, splits: tuple[int, ...] = ()) -> None:
+    def __init__(self, binding: Any, *, splits: tuple[int, ...] = (),
+                 shape: Callable[[int, int | None, bool], Hashable] | None = None) -> None:
         # not the binding itself: it holds this object (scratch), and a cycle would keep a dropped pool's
         # buffers alive until the garbage collector runs
         self.memos = index_memos(binding)
@@ -135,6 +136,10 @@ class Replays:
         #: Counts at which the strategy's launches change (e.g. a TMA row limit): a batch's traits record which
         #: side of each its count lies, so steps recorded on one side are never replayed on the other.
         self.splits = splits
+        #: How the strategy's launches of a call depend on its count beyond :attr:`splits` (e.g. a split into launches
+        #: of some bytes each): ``shape(n, layer, to_host)`` joins the key steps are recorded under, so steps of one
+        #: shape are never replayed for a call of another.
+        self.shape = shape
         self.device_index = binding.device.index if binding.device.index is not None else current_device_index()
         self._batches: list[Batch | None] = [None, None]  # by to_host
         self._steps: dict[tuple, tuple[Step, ...]] = {}
@@ -221,7 +226,7 @@ class Replays:
         ready = self._ready[to_host]
         r = ready.get(layer)
         if r is None or r[0] is not b:  # another thread's batch may have replaced it: identity, not the key
-            steps = self._steps.get((layer, to_host, b.traits))
+            steps = self._steps.get(self._key(b, layer, to_host))
             if steps is None:
                 return None
             r = (b, tuple([_resolve(st, b) for st in steps]))
@@ -231,8 +236,12 @@ class Replays:
 
     def record(self, b: Batch, layer: int | None, to_host: bool, steps: list[Step]) -> None:
         """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
-        self._steps[(layer, to_host, b.traits)] = tuple(steps)
+        self._steps[self._key(b, layer, to_host)] = tuple(steps)
         self._ready[to_host].pop(layer, None)
+
+    def _key(self, b: Batch, layer: int | None, to_host: bool) -> tuple:
+        """What steps are recorded under: the layer, the direction, the batch's traits and the call's shape."""
+        return layer, to_host, b.traits, None if self.shape is None else self.shape(b.n, layer, to_host)
 
 
 def _matches(b: Batch, host_indices: torch.Tensor, device_indices: torch.Tensor, n: int, stream: int) -> bool:

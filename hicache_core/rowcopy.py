@@ -28,6 +28,7 @@ name is importable from here too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -62,7 +63,7 @@ from . import rowcopy_pages
 from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
 from .rowcopy_launch import (  # noqa: F401
     DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
-    _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan)
+    _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan, entry_tails, split_shape)
 from .rowcopy_tuning import (  # noqa: F401
     BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING,
     TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
@@ -72,6 +73,11 @@ __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BAC
            "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` as ``explain`` prints a size: whole MiB as such, else bytes."""
+    return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{nbytes} B"
 
 
 class RowKernelStrategy(DirectionalStrategy):
@@ -98,7 +104,8 @@ class RowKernelStrategy(DirectionalStrategy):
         ``backup.fence_min_row_bytes``); kernels that do not declare ``FENCE`` ignore it.
     :param backup_launch_bytes: the most bytes one backup launch moves (``Tuning.launch_bytes``): a backup of more
         is split into launches back to back (some layers each; with ``entries_inner``, every layer of a run of
-        positions), so that a GEMM beside it gets the SMs back between them; ``0``: one launch; ``None``: the
+        positions), so that a GEMM beside it gets the SMs back between them; a launch still moves at least one
+        layer's rows, or one aligned run of positions, even where those are more; ``0``: one launch; ``None``: the
         tuning's.
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
@@ -191,7 +198,7 @@ class RowKernelStrategy(DirectionalStrategy):
                      + (", each tile's writes awaited (fenced)" + (f" for rows of >= {d.fence_min_row_bytes} B"
                                                                   if d.fence_min_row_bytes else "")
                         if d.fence and fences else "")
-                     + (f", launches of <= {d.launch_bytes / 2**20:g} MiB (a call of more: "
+                     + (f", launches of up to {_size(d.launch_bytes)} (a call of more: "
                         + ("every entry of some positions" if self.entries_inner else "some entries") + " per launch)"
                         if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
@@ -255,7 +262,9 @@ class RowKernelStrategy(DirectionalStrategy):
         dynamic = launcher.positions(DYNAMIC_VALUES)
         launches = tuple({to_host: self._launch(binding.spec, g, tuning.direction(to_host), to_host, launcher, dynamic)
                           for to_host in (True, False)} for g in groups)
-        prep = Prepared(groups, launches, launcher, dynamic, tuning)
+        splitting = any(t is not None and t.launch_bytes for t in (tuning.backup, tuning.load, tuning.page_load))
+        prep = Prepared(groups, launches, launcher, dynamic, tuning,
+                        tails=entry_tails(groups, binding.device) if splitting else {})
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
@@ -263,15 +272,21 @@ class RowKernelStrategy(DirectionalStrategy):
         if pages is not None:
             prep = self._prepare_pages(binding.spec, module, prep, automatic=pages == "auto")
         if Replays.usable(binding) and not interpreting():
-            # calls on either side of a TMA row limit take other launches: their steps are recorded apart
-            splits = sorted({lim for lim in prep.tma_rows if lim is not None})
-            prep = replace(prep, replays=Replays(binding, splits=tuple(splits)))
+            prep = replace(prep, replays=self._replays(binding, prep, splitting))
         if binding.device.type in replay.DEVICE_TYPES and not interpreting():  # where driver launches are made
             claunch.module()  # built (once per machine) with the pool, not inside its first transfer
         binding.scratch[self.name] = prep
         logger.debug("%s: groups %s, tuning %s, TMA loads %s, page loads %s", self.name,
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma],
                      [p is not None for p in prep.pages])
+
+    def _replays(self, binding: PoolBinding, prep: Prepared, splitting: bool) -> Replays:
+        """The pool's :class:`~hicache_core.replay.Replays`: calls on either side of a TMA row limit take other launches,
+        and (``splitting``: a tuning sets ``launch_bytes``) calls whose counts split otherwise: each records its steps
+        apart."""
+        splits = tuple(sorted({lim for lim in prep.tma_rows if lim is not None}))
+        shape = functools.partial(split_shape, prep, self.entries_inner, binding.spec.page_size) if splitting else None
+        return Replays(binding, splits=splits, shape=shape)
 
     def _optional_kernel(self, module: Any, tuning: KernelTuning, field: str, *, option: str,
                          what: str) -> tuple[Any, Tuning | None]:
@@ -404,7 +419,7 @@ class RowKernelStrategy(DirectionalStrategy):
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
                     # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan)
-                    for sub, hs, ds in _splits(prep, ents, lv, h, d, n, self.entries_inner):
+                    for sub, hs, ds in _splits(prep, ents, lv, h, d, n, self.entries_inner, binding.spec.page_size):
                         m = hs.numel()
                         if m != n:  # a run of positions: its index views are never replayed (a replay passes the
                             steps = None  # call's whole tensors)
@@ -435,7 +450,7 @@ class RowKernelStrategy(DirectionalStrategy):
                 k = cast(torch.Tensor, ents).numel()
                 grids = [_grid(lv.tuning.programs, min(step, n), lv.tokens, per_tile // k * min(per, k))
                          for lv, _, _, per_tile in runs
-                         for per, step in [_split_plan(lv, k, n, self.entries_inner)]]
+                         for per, step in [_split_plan(lv, k, n, self.entries_inner, binding.spec.page_size)]]
             most = max([most, *grids])
         return most
 

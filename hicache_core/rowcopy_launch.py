@@ -113,41 +113,86 @@ class Prepared:
     #                                                                  its parts per page), or None
     page_launcher: Any = None
     page_dynamic: tuple[int, ...] = ()
-    slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> slices
+    #: entries tensor's address -> ``[k, k rounded up to even]`` int64: row ``i`` holds its entries ``i..k-1`` (16-byte
+    #: aligned rows), made with the pool where a direction's tuning splits calls (entry runs are views of it)
+    tails: dict = field(default_factory=dict, compare=False, repr=False)
+    slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> runs
 
 
-def _split_plan(lv: _Launch, k: int, n: int, by_positions: bool) -> tuple[int, int]:
+def entry_tails(groups: tuple[RowGroup, ...], device: torch.device) -> dict[int, torch.Tensor]:
+    """:attr:`Prepared.tails` of ``groups``: for every entries tensor (all layers, each layer) a table whose row ``i``
+    starts with its entries ``i..k-1``, so that a run of entries from ``i`` is a view that starts 16-byte aligned, as
+    the whole tensor does (a slice would give the kernel another pointer specialisation), and is whole before any
+    launch reads it (made once, with the pool, on the host then copied: no stream's pending copy to wait for)."""
+    out: dict[int, torch.Tensor] = {}
+    for g in groups:
+        for layer in (None, *g.per_layer):
+            ents = g.entries(layer)
+            if ents is None:
+                continue
+            vals = list(range(len(g.layers))) if layer is None else [i for i, x in enumerate(g.layers) if x == layer]
+            k = len(vals)
+            table = torch.zeros((k, k + k % 2), dtype=torch.int64)
+            for i in range(k):
+                table[i, :k - i] = torch.tensor(vals[i:], dtype=torch.int64)
+            out[ents.data_ptr()] = table.to(device)
+    return out
+
+
+def _split_plan(lv: _Launch, k: int, n: int, by_positions: bool, page_size: int) -> tuple[int, int]:
     """``(entries, positions)`` per launch of a call moving ``n`` positions of ``k`` entries through ``lv``: ``(k, n)``,
-    one launch, when its tuning sets no ``launch_bytes`` or the call fits.  Else launches of at most ``launch_bytes``:
-    with ``by_positions`` (kernels whose work items walk a tile's entries together: token-major host pages) every
-    entry of a run of positions, a multiple of 16 and of the launch's tokens per work item long (a run's index tensors
-    start as aligned as the call's, a page launch's runs hold whole pages, and the host writes sweep whole pages of
-    every layer, as one launch's would); otherwise some entries (at least one) at every position."""
+    one launch, when its tuning sets no ``launch_bytes`` or the call fits.  Else launches of at most ``launch_bytes``
+    where the call can be cut that fine: with ``by_positions`` (kernels whose work items walk a tile's entries
+    together: token-major host pages) every entry of a run of positions, a multiple of 16, of the launch's tokens per
+    work item and of ``page_size`` long, at least one such multiple (a run's index tensors start as aligned as the
+    call's, and it holds whole pages: its host writes sweep whole pages of every layer, as one launch's would);
+    otherwise some entries at every position, at least one entry (whose rows may be more than ``launch_bytes``)."""
     cap = lv.tuning.launch_bytes
     if not cap or not lv.row_bytes or n * k * lv.row_bytes <= cap:
         return k, n
     if by_positions:
-        align = math.lcm(16, lv.tokens)
+        align = math.lcm(16, lv.tokens, page_size)
         return k, max(align, cap // (k * lv.row_bytes) // align * align)
     return max(1, cap // (n * lv.row_bytes)), n
 
 
 def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, h: torch.Tensor, d: torch.Tensor, n: int,
-            by_positions: bool) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
+            by_positions: bool, page_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]:
     """``(entries, host indices, device indices)`` of each launch ``lv`` makes of a call moving the ``n`` positions
     ``h``/``d`` of ``ents``, as :func:`_split_plan` plans them: views of ``h`` and ``d`` for runs of positions; for runs
-    of entries, each run a tensor of its own (a slice would give the kernel another pointer specialisation), made
-    once per pool, entries and run length."""
-    per, step = _split_plan(lv, ents.numel(), n, by_positions)
+    of entries, views of :attr:`Prepared.tails` (kept per entries tensor and run length)."""
+    k = ents.numel()
+    per, step = _split_plan(lv, k, n, by_positions, page_size)
     if step < n:
         return tuple((ents, hs, ds) for hs, ds in zip(h.split(step), d.split(step)))
-    if per >= ents.numel():
+    if per >= k:
         return ((ents, h, d),)
     key = (ents.data_ptr(), per)
     runs = prep.slices.get(key)
     if runs is None:
-        runs = prep.slices[key] = tuple(ents[i:i + per].clone() for i in range(0, ents.numel(), per))
+        tails = prep.tails[ents.data_ptr()]
+        runs = prep.slices[key] = tuple(tails[i, :min(per, k - i)] for i in range(0, k, per))
     return tuple((e, h, d) for e in runs)
+
+
+def split_shape(prep: Prepared, by_positions: bool, page_size: int, n: int, layer: int | None,
+                to_host: bool) -> tuple:
+    """How a call of ``n`` positions of ``layer`` in this direction splits, group by group and launch by launch
+    (:func:`_split_plan`): ``None`` in one launch, the entries per launch of runs of entries, ``"positions"`` for runs
+    of positions (never recorded); ``None`` for a group TMA or nothing moves.  The key replays record steps under
+    beyond the count's traits (:class:`~hicache_core.replay.Replays`' ``shape``), so steps recorded for a call that
+    fit one launch are never replayed for one that splits, nor entry runs of one length for a count that takes
+    another; calls in one launch share their key whatever their count, as before any split."""
+    out: list = []
+    for gi in range(len(prep.groups)):
+        route = _route(prep, gi, n, layer, to_host)
+        if route is None or route[0] is not None:
+            out.append(None)
+            continue
+        k = cast(torch.Tensor, route[2]).numel()
+        plans = [_split_plan(lv, k, n, by_positions, page_size) for lv, _, _, _ in route[1]]
+        out.append(tuple("positions" if step < n else per if per < k else None for per, step in plans))
+    return tuple(out)
 
 
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:

@@ -37,7 +37,8 @@ class Tuning:
     that bound their host writes in flight so slow a GEMM beside them less, where a tile carries enough bytes for
     the wait not to cost them speed; ``launch_bytes``: the most bytes one launch moves: a call moving more goes out
     in several launches back to back (some entries each, or, where the strategy walks a tile's entries together,
-    every entry of a run of positions), so that no launch holds its SMs for long (0: one launch per group)."""
+    every entry of a run of positions), so that no launch holds its SMs for long; a launch still moves at least one
+    entry's rows, or one aligned run of positions, even where those are more (0: one launch per group)."""
 
     programs: int
     num_warps: int
