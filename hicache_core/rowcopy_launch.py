@@ -130,7 +130,7 @@ def entry_tails(groups: tuple[RowGroup, ...], device: torch.device) -> dict[int,
             ents = g.entries(layer)
             if ents is None:
                 continue
-            vals = list(range(len(g.layers))) if layer is None else [i for i, x in enumerate(g.layers) if x == layer]
+            vals = ents.tolist()
             k = len(vals)
             table = torch.zeros((k, k + k % 2), dtype=torch.int64)
             for i in range(k):
