@@ -199,7 +199,7 @@ class RowKernelStrategy(DirectionalStrategy):
                                                                   if d.fence_min_row_bytes else "")
                         if d.fence and fences else "")
                      + (f", launches of up to {_size(d.launch_bytes)} (a call of more: "
-                        + ("every entry of some positions" if self.entries_inner else "some entries") + " per launch)"
+                        + ("every layer of a run of whole pages" if self.entries_inner else "some layers") + " per launch)"
                         if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""

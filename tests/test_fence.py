@@ -168,7 +168,7 @@ def test_describe_on_cuda_names_the_fence_and_its_floor_for_backups_only(monkeyp
         backups, loads = line.split("; loads ", 1)
         return backups, loads
 
-    per = "every entry of some positions" if cls.entries_inner else "some entries"  # the backups' launch_bytes
+    per = "every layer of a run of whole pages" if cls.entries_inner else "some layers"  # the backups' launch_bytes
     split = f", launches of up to 32 MiB (a call of more: {per} per launch)"
     backups, loads = parts()
     assert backups.endswith(f"B tiles, each tile's writes awaited (fenced) for rows of >= {floor} B{split}"), backups

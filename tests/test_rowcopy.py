@@ -576,7 +576,7 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
     (line,) = s.describe(spec, None)
     b, ld = TUNING.backup, TUNING.load
     assert line.startswith(f"layer_first.kernel: backups {b.programs} programs x 2 warps, {b.tile_bytes} B tiles, "
-                           f"3 stages, launches of up to 32 MiB (a call of more: some entries per launch); "
+                           f"3 stages, launches of up to 32 MiB (a call of more: some layers per launch); "
                            f"loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
     assert b.launch_bytes == 32 << 20 and not ld.launch_bytes
     assert "fenced" not in line  # the launch fences on CUDA only
