@@ -445,13 +445,12 @@ class RowKernelStrategy(DirectionalStrategy):
             tma, runs, ents = route
             t = prep.tuning.tma_load
             if tma is not None and t is not None:
-                grids = [_grid(t.programs, n, lv.tokens, 1) for lv in tma]
-            else:  # a split's first launch holds the most work (its last may hold less)
-                k = cast(torch.Tensor, ents).numel()
-                grids = [_grid(lv.tuning.programs, min(step, n), lv.tokens, per_tile // k * min(per, k))
-                         for lv, _, _, per_tile in runs
-                         for per, step in [_split_plan(lv, k, n, self.entries_inner, binding.spec.page_size)]]
-            most = max([most, *grids])
+                most = max([most, *(_grid(t.programs, n, lv.tokens, 1) for lv in tma)])
+                continue
+            k = cast(torch.Tensor, ents).numel()
+            for lv, _, _, per_tile in runs:  # a split's first launch holds the most work (its last may hold less)
+                per, step = _split_plan(lv, k, n, self.entries_inner, binding.spec.page_size)
+                most = max(most, _grid(lv.tuning.programs, min(step, n), lv.tokens, per_tile // k * min(per, k)))
         return most
 
     @staticmethod
