@@ -104,7 +104,10 @@ class Step:
     ``fallback`` holds the keyword arguments of the normal ``launcher`` call, taken when the driver
     declines (no CUDA context on this thread).  ``base`` is the launch's dynamic parameter values
     (:meth:`~hicache_core.drvlaunch.Packed.values`) with the batch's unset, and ``where`` says which of them
-    take a batch's :attr:`Batch.values`: ``(index in base, index in Batch.values)`` pairs.
+    take a batch's :attr:`Batch.values`: ``(index in base, index in Batch.values)`` pairs.  ``span`` is
+    ``(start, count)`` for a launch that moves a run of the batch's positions (a call split by positions: views of
+    its index tensors from ``start``, ``count`` long; ``n`` above is then ``count``), ``None`` for one that moves them
+    all; such steps are recorded under the call's exact count (the strategy's ``shape``), which fixes every run.
     """
 
     kernel: Any  # hicache_core.drvlaunch.DriverKernel
@@ -118,6 +121,7 @@ class Step:
     fallback: dict
     base: tuple[int, ...]
     where: tuple[tuple[int, int], ...]
+    span: tuple[int, int] | None = None
 
 
 class Replays:
@@ -255,10 +259,14 @@ def _matches(b: Batch, host_indices: torch.Tensor, device_indices: torch.Tensor,
 
 
 def _args(st: Step, b: Batch) -> list:
-    """``st``'s positional arguments with batch ``b``'s values in place."""
+    """``st``'s positional arguments with batch ``b``'s values in place (its run's views where ``st.span`` says)."""
     args = list(st.template)
     ih, idv, i_n = st.slots
-    args[ih], args[idv], args[i_n] = b.h, b.d, b.n
+    if st.span is None:
+        args[ih], args[idv], args[i_n] = b.h, b.d, b.n
+    else:
+        start, count = st.span
+        args[ih], args[idv], args[i_n] = b.h[start:start + count], b.d[start:start + count], count
     return args
 
 
@@ -268,19 +276,25 @@ _IN_ORDER = ((0, 0), (1, 1), (2, 2))  # Step.where when the batch values are a l
 def _resolve(st: Step, b: Batch) -> tuple[Step, int, tuple[int, ...]]:
     """``(st, grid, values)``: the grid of ``st`` for batch ``b`` and the value of each of its packed dynamic
     parameters (:meth:`~hicache_core.drvlaunch.DriverKernel.relaunch`), as :meth:`DriverKernel.launch` would
-    set them from :func:`_args` (``st.base`` with ``b``'s values at ``st.where``)."""
-    grid = max(1, min(st.programs, -(-b.n // st.tokens) * st.per_tile))
+    set them from :func:`_args` (``st.base`` with ``b``'s values at ``st.where``; for a run of positions,
+    ``st.span``, the addresses of :func:`_args`' views, ``start`` elements on, and its ``count``)."""
+    ours, n = b.values, b.n
+    if st.span is not None:
+        start, n = st.span
+        ours = (ours[0] + start * b.h.element_size(), ours[1] + start * b.d.element_size(), n)
+    grid = max(1, min(st.programs, -(-n // st.tokens) * st.per_tile))
     if st.where == _IN_ORDER:  # the usual case
-        return st, grid, b.values + st.base[3:]
+        return st, grid, ours + st.base[3:]
     values = list(st.base)
     for i, k in st.where:
-        values[i] = b.values[k]
+        values[i] = ours[k]
     return st, grid, tuple(values)
 
 
 def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int, int], *, programs: int,
-         tokens: int, per_tile: int, fallback: dict) -> Step:
-    """The :class:`Step` of a launch that ``launcher`` made through the driver (``used``: what it returned)."""
+         tokens: int, per_tile: int, fallback: dict, span: tuple[int, int] | None = None) -> Step:
+    """The :class:`Step` of a launch that ``launcher`` made through the driver (``used``: what it returned);
+    ``span``: ``(start, count)`` of the batch's positions it moved, ``None`` for all of them."""
     template = list(args)
     for i in slots:
         template[i] = None  # the batch's values: never kept alive by a recording
@@ -289,4 +303,5 @@ def step(used: tuple[Any, Any], launcher: Any, args: list, slots: tuple[int, int
     base = tuple(0 if pos in kind else (template[pos].data_ptr() if is_ptr else template[pos])
                  for pos, _, is_ptr in packed.setters)  # the template keeps those tensors alive
     where = tuple((i, kind[pos]) for i, (pos, _, _) in enumerate(packed.setters) if pos in kind)
-    return Step(used[0], packed, tuple(template), slots, programs, tokens, per_tile, launcher, fallback, base, where)
+    return Step(used[0], packed, tuple(template), slots, programs, tokens, per_tile, launcher, fallback, base, where,
+                span)

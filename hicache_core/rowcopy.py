@@ -419,15 +419,16 @@ class RowKernelStrategy(DirectionalStrategy):
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
                     # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan)
+                    start = 0  # where the launch's positions start (a call split by positions; else it moves all n)
                     for sub, hs, ds in _splits(prep, ents, lv, h, d, n, self.entries_inner, binding.spec.page_size):
                         m = hs.numel()
-                        if m != n:  # a run of positions: its index views are never replayed (a replay passes the
-                            steps = None  # call's whole tensors)
                         call = {"host_idx": hs, "dev_idx": ds, "n": m, "ents": sub, "n_ents": sub.numel()}
                         args = _fill(lv.args, lv.slots, call)
                         items = per_tile // ents.numel() * sub.numel()
                         used = launcher(_grid(lv.tuning.programs, m, lv.tokens, items), args, **kw)
-                        steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items, kw)
+                        steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items, kw,
+                                      None if m == n else (start, m))
+                        start += m
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]
 

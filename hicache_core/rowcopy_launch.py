@@ -178,11 +178,12 @@ def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, h: torch.Tensor, d:
 def split_shape(prep: Prepared, by_positions: bool, page_size: int, n: int, layer: int | None,
                 to_host: bool) -> tuple:
     """How a call of ``n`` positions of ``layer`` in this direction splits, group by group and launch by launch
-    (:func:`_split_plan`): ``None`` in one launch, the entries per launch of runs of entries, ``"positions"`` for runs
-    of positions (never recorded); ``None`` for a group TMA or nothing moves.  The key replays record steps under
-    beyond the count's traits (:class:`~hicache_core.replay.Replays`' ``shape``), so steps recorded for a call that
-    fit one launch are never replayed for one that splits, nor entry runs of one length for a count that takes
-    another; calls in one launch share their key whatever their count, as before any split."""
+    (:func:`_split_plan`): ``None`` in one launch, the entries per launch of runs of entries, ``("positions", n)`` for
+    runs of positions (the count itself: it fixes every run's start and length, which the recorded steps hold);
+    ``None`` for a group TMA or nothing moves.  The key replays record steps under beyond the count's traits
+    (:class:`~hicache_core.replay.Replays`' ``shape``), so steps recorded for a call that fit one launch are never
+    replayed for one that splits, nor entry runs of one length for a count that takes another, nor runs of positions
+    for another count; calls in one launch share their key whatever their count, as before any split."""
     out: list = []
     for gi in range(len(prep.groups)):
         route = _route(prep, gi, n, layer, to_host)
@@ -191,7 +192,7 @@ def split_shape(prep: Prepared, by_positions: bool, page_size: int, n: int, laye
             continue
         k = cast(torch.Tensor, route[2]).numel()
         plans = [_split_plan(lv, k, n, by_positions, page_size) for lv, _, _, _ in route[1]]
-        out.append(tuple("positions" if step < n else per if per < k else None for per, step in plans))
+        out.append(tuple(("positions", n) if step < n else per if per < k else None for per, step in plans))
     return tuple(out)
 
 
@@ -255,16 +256,18 @@ def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...
 
 
 def _keep(steps: list[Step] | None, used: Any, launcher: Any, args: list, slots: tuple[tuple[str, int], ...],
-          programs: int, tokens: int, per_tile: int, kw: dict) -> list[Step] | None:
+          programs: int, tokens: int, per_tile: int, kw: dict,
+          span: tuple[int, int] | None = None) -> list[Step] | None:
     """``steps`` with this launch's :class:`~hicache_core.replay.Step` appended, or ``None`` when it did not
-    go through the driver (``used`` is ``None``) or does not take all three batch values."""
+    go through the driver (``used`` is ``None``) or does not take all three batch values (``span``: the run of the
+    batch's positions it moved, ``(start, count)``; ``None``: all)."""
     if steps is None or used is None:
         return None
     pos = dict(slots)
     if not {"host_idx", "dev_idx", "n"} <= pos.keys():
         return None
     steps.append(replay_step(used, launcher, args, (pos["host_idx"], pos["dev_idx"], pos["n"]), programs=programs,
-                             tokens=tokens, per_tile=per_tile, fallback=kw))
+                             tokens=tokens, per_tile=per_tile, fallback=kw, span=span))
     return steps
 
 

@@ -264,10 +264,10 @@ def _new_rows(pool: HostKVPool, ref: HostKVPool, gen: torch.Generator) -> None:
 @cpu_only
 @pytest.mark.parametrize("layout", KERNELS)
 def test_split_backups_on_the_replay_path(layout, driver, launches):
-    """Through the replay path: a backup split by entries is recorded and replayed launch for launch (the call's
-    whole index tensors, each run's entries, the same grids); one split by positions is never recorded (a replay
-    would pass the whole index tensors to every launch), so each repeat launches its runs again.  The host holds
-    what the reference writes after each call, device rows changed in between."""
+    """Through the replay path: a backup split is recorded and replayed launch for launch: by entries, the call's
+    whole index tensors with each run's entries; by positions, each run's views of the index tensors (the same
+    starts, lengths and grids as the normal path's).  The host holds what the reference writes after each call,
+    device rows changed in between."""
     n = 48
     gen = torch.Generator().manual_seed(8)
     h, src = _pages(gen, n // 2), torch.arange(n)
@@ -289,10 +289,9 @@ def test_split_backups_on_the_replay_path(layout, driver, launches):
             first = got
             assert len(got) > 1
             continue
-        if inner:
-            assert rp.hits == 0 and got == first  # never recorded: the normal path splits again
-        else:
-            assert rp.hits == call and got == first  # replayed: the same launches, entry runs included
+        assert rp.hits == call and got == first  # replayed: the same launches, entry or position runs included
+        if inner:  # runs of positions (32, the cap): views of the call's index tensors, in order, covering them once
+            assert [c["host_idx"].tolist() for _, c in launches] == [h[i:i + 32].tolist() for i in range(0, n, 32)]
 
 
 @cpu_only
@@ -305,7 +304,7 @@ def test_a_count_that_splits_never_replays_a_smaller_counts_launch(layout, drive
     pool, _, _, row = _pools(layout, 0)
     k = pool.binding.scratch[pool.strategy_name].groups[0].entries(None).numel()
     pool, ref, guards, _ = _pools(layout, 16 * k * row)  # 16 positions fit one launch, 48 do not
-    driver(pool)
+    rp = driver(pool)
     h = _pages(gen, 24)
     inner = KERNELS[layout].entries_inner
     # fits; splits (runs of 1 entry / of 16 positions); splits otherwise (runs of 2 entries / of 16); each count
@@ -322,6 +321,7 @@ def test_a_count_that_splits_never_replays_a_smaller_counts_launch(layout, drive
         step = 16 if inner else n
         assert [(int(c["n_ents"]), int(c["n"])) for _, c in launches] == [
             (min(per, k - e), min(step, n - i)) for e in range(0, k, per) for i in range(0, n, step)], n
+    assert rp.hits == 3  # each count's second call: replayed from its own steps
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_kv_split"])
@@ -376,3 +376,22 @@ def test_entry_runs_are_aligned_views_of_a_table_made_with_the_pool(layout, laun
     assert all(r.untyped_storage().data_ptr() == prep.tails[prep.groups[0].all_layers.data_ptr()]
                .untyped_storage().data_ptr() for r in runs)
     _same(pool, ref, guards, "runs of the table")
+
+
+def test_a_run_of_positions_replays_views_of_the_batch_from_its_start():
+    """A recorded step of a run of positions (``Step.span``) takes the batch's index addresses ``start`` elements on
+    (each tensor's own element size) and the run's count, and its grid follows the count, not the call's; the
+    fallback arguments are the same views; a step of the whole call takes the batch's values as they are."""
+    h, d = torch.arange(100, dtype=torch.int32), torch.arange(100, dtype=torch.int64)
+    b = replay.Batch(h, 0, (), d, 0, (), 0, h, d, 100, (), (h.data_ptr(), d.data_ptr(), 100))
+    whole = replay.Step(None, None, (None, None, None, "x"), (0, 1, 2), 64, 4, 2, None, {}, (0, 0, 0, 7),
+                        ((0, 0), (1, 1), (2, 2)))
+    run = replace(whole, span=(32, 16))
+    assert replay._resolve(whole, b)[1:] == (50, (h.data_ptr(), d.data_ptr(), 100, 7))
+    assert replay._resolve(run, b)[1:] == (8, (h.data_ptr() + 32 * 4, d.data_ptr() + 32 * 8, 16, 7))
+    shuffled = replace(run, where=((2, 0), (0, 1), (3, 2)), base=(0, 5, 0, 0))  # the batch values at other places
+    assert replay._resolve(shuffled, b)[2] == (d.data_ptr() + 32 * 8, 5, h.data_ptr() + 32 * 4, 16)
+    args = replay._args(run, b)
+    assert args[0].data_ptr() == h.data_ptr() + 32 * 4 and args[0].tolist() == list(range(32, 48))
+    assert args[1].tolist() == list(range(32, 48)) and args[2] == 16 and args[3] == "x"
+    assert replay._args(whole, b)[:3] == [h, d, 100]

@@ -434,12 +434,13 @@ def test_backups_split_into_launches_of_at_most_launch_bytes(layout, launches, p
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="calls are replayed on CUDA only")
+@pytest.mark.parametrize("dtypes", [(torch.int64, torch.int64), (torch.int32, torch.int64)], ids=["i64", "i32-i64"])
 @pytest.mark.parametrize("layout", KERNELS)
-def test_split_backups_replay_exactly(layout):
-    """A backup split into launches of one entry each, repeated with the same index tensors, is replayed (every
-    launch of the split recorded); one split into runs of 16 positions (``entries_inner`` kernels) is not (a replay
-    passes the call's whole index tensors).  Either still moves the rows the device holds at each call, as the
-    reference does."""
+def test_split_backups_replay_exactly(layout, dtypes):
+    """A backup split into launches of one entry each, or into runs of 16 positions (``entries_inner`` kernels),
+    repeated with the same index tensors, is replayed (every launch of the split recorded; a run's index addresses
+    moved by its start in each tensor's own element size) and still moves the rows the device holds at each call,
+    as the reference does."""
     spec = _mla(LayerMap.unsharded(5), ps=2, cap=64)
     gen = torch.Generator().manual_seed(5)
     dev = _device(spec, gen)
@@ -448,8 +449,8 @@ def test_split_backups_replay_exactly(layout):
     ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
     ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
                      pin_memory=False)
-    h = (torch.randperm(32, generator=gen)[:24, None] * 2 + torch.arange(2)).reshape(-1).to(DEVICE)
-    src = torch.arange(48, device=DEVICE)
+    h = (torch.randperm(32, generator=gen)[:24, None] * 2 + torch.arange(2)).reshape(-1).to(DEVICE, dtypes[0])
+    src = torch.arange(48, device=DEVICE, dtype=dtypes[1])
     fill_canary(pool)
     fill_canary(ref)
     for call in range(3):
@@ -464,7 +465,7 @@ def test_split_backups_replay_exactly(layout):
         for name, buf in pool.host_buffers.items():
             assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8).cpu()), (call, name)
     prep = pool.binding.scratch[pool.strategy_name]
-    assert prep.replays is not None and (prep.replays.hits == 0) == KERNELS[layout].entries_inner
+    assert prep.replays is not None and prep.replays.hits == 2
 
 
 @pytest.mark.parametrize("layout", KERNELS)
