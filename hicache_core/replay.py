@@ -27,6 +27,7 @@ only the derivation is skipped.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, NamedTuple
 
@@ -37,12 +38,15 @@ from .kernel_support import current_device_index, current_stream_handle, index_m
 from .launch import _traits
 from .validate import tensor_where
 
-__all__ = ["Replays", "Step", "Batch", "Lane", "ENV_REPLAY", "DEVICE_TYPES", "set_replay", "replay_enabled"]
+__all__ = ["Replays", "Step", "Batch", "Lane", "ENV_REPLAY", "DEVICE_TYPES", "MAX_EXACT", "set_replay",
+           "replay_enabled"]
 
 logger = logging.getLogger(__name__)
 
 #: ``0`` turns replays off (every call takes the strategy's normal path).
 ENV_REPLAY = "HICACHE_REPLAY"
+#: Most keys of an exact count (:attr:`Replays.exact`) one pool keeps recorded.
+MAX_EXACT = 32
 
 
 def _env() -> bool:
@@ -132,7 +136,8 @@ class Replays:
     """
 
     def __init__(self, binding: Any, *, splits: tuple[int, ...] = (),
-                 shape: Callable[[int, int | None, bool], Hashable] | None = None) -> None:
+                 shape: Callable[[int, int | None, bool], Hashable] | None = None,
+                 exact: Callable[[Hashable], bool] | None = None) -> None:
         # not the binding itself: it holds this object (scratch), and a cycle would keep a dropped pool's
         # buffers alive until the garbage collector runs
         self.memos = index_memos(binding)
@@ -144,6 +149,12 @@ class Replays:
         #: of some bytes each): ``shape(n, layer, to_host)`` joins the key steps are recorded under, so steps of one
         #: shape are never replayed for a call of another.
         self.shape = shape
+        #: Whether a shape names one exact count (e.g. a split into runs of positions, whose starts and lengths follow
+        #: the count): an engine's counts vary, so at most :data:`MAX_EXACT` such keys are kept, the oldest recorded
+        #: dropped first (recorded again when its calls come again); other keys are few (layers, directions, traits).
+        self.exact = exact
+        self._exact: dict[tuple, None] = {}  # those keys, oldest first
+        self._record_lock = threading.Lock()
         self.device_index = binding.device.index if binding.device.index is not None else current_device_index()
         self._batches: list[Batch | None] = [None, None]  # by to_host
         self._steps: dict[tuple, tuple[Step, ...]] = {}
@@ -240,7 +251,15 @@ class Replays:
 
     def record(self, b: Batch, layer: int | None, to_host: bool, steps: list[Step]) -> None:
         """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
-        self._steps[self._key(b, layer, to_host)] = tuple(steps)
+        key = self._key(b, layer, to_host)
+        with self._record_lock:
+            if self.exact is not None and self.exact(key[3]) and key not in self._exact:
+                while len(self._exact) >= MAX_EXACT:
+                    old = next(iter(self._exact))
+                    del self._exact[old]
+                    self._steps.pop(old, None)
+                self._exact[key] = None
+            self._steps[key] = tuple(steps)
         self._ready[to_host].pop(layer, None)
 
     def _key(self, b: Batch, layer: int | None, to_host: bool) -> tuple:

@@ -63,7 +63,7 @@ from . import rowcopy_pages
 from .rowcopy_groups import RowGroup, _fusable, _group, _host_tables, build_groups  # noqa: F401
 from .rowcopy_launch import (  # noqa: F401
     DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
-    _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan, entry_tails, split_shape)
+    _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan, entry_tails, exact_shape, split_shape)
 from .rowcopy_tuning import (  # noqa: F401
     BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING,
     TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
@@ -283,10 +283,12 @@ class RowKernelStrategy(DirectionalStrategy):
     def _replays(self, binding: PoolBinding, prep: Prepared, splitting: bool) -> Replays:
         """The pool's :class:`~hicache_core.replay.Replays`: calls on either side of a TMA row limit take other launches,
         and (``splitting``: a tuning sets ``launch_bytes``) calls whose counts split otherwise: each records its steps
-        apart."""
+        apart (runs of positions per exact count, a bounded number of counts: :func:`exact_shape`)."""
         splits = tuple(sorted({lim for lim in prep.tma_rows if lim is not None}))
-        shape = functools.partial(split_shape, prep, self.entries_inner, binding.spec.page_size) if splitting else None
-        return Replays(binding, splits=splits, shape=shape)
+        if not splitting:
+            return Replays(binding, splits=splits)
+        shape = functools.partial(split_shape, prep, self.entries_inner, binding.spec.page_size)
+        return Replays(binding, splits=splits, shape=shape, exact=exact_shape)
 
     def _optional_kernel(self, module: Any, tuning: KernelTuning, field: str, *, option: str,
                          what: str) -> tuple[Any, Tuning | None]:

@@ -196,6 +196,12 @@ def split_shape(prep: Prepared, by_positions: bool, page_size: int, n: int, laye
     return tuple(out)
 
 
+def exact_shape(shape: Any) -> bool:
+    """Whether a :func:`split_shape` names one exact count (a group split by runs of positions): replays keep a
+    bounded number of those (:attr:`~hicache_core.replay.Replays.exact`)."""
+    return any(isinstance(plan, tuple) and any(isinstance(p, tuple) for p in plan) for plan in shape)
+
+
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:
     """The programs a launch runs: its budget, capped by its work items (tiles of ``tokens`` positions of ``n``,
     ``per_tile`` items each), at least one."""
