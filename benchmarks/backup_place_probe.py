@@ -212,7 +212,7 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
                                                       {"backup_fence": True, "tile_bytes": 65536})
         # all-layer backups in one launch (the tuning's launch_bytes off), and in launches of 8 MiB (the default: 32)
         VARIANTS[f"{_label} {_layout} one launch"] = (_shape, _layout, 1, None, {"backup_launch_bytes": 0})
-        for _mib in (8, 64, 128):
+        for _mib in (8, 48, 64, 128):
             VARIANTS[f"{_label} {_layout} launches of {_mib} MiB"] = (_shape, _layout, 1, None,
                                                                       {"backup_launch_bytes": _mib << 20})
         # split backups with twice the programs (a split costs a GEMM little: room for more in flight)

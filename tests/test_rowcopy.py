@@ -440,7 +440,9 @@ def test_split_backups_replay_exactly(layout, dtypes):
     """A backup split into launches of one entry each, or into runs of 16 positions (``entries_inner`` kernels),
     repeated with the same index tensors, is replayed (every launch of the split recorded; a run's index addresses
     moved by its start in each tensor's own element size) and still moves the rows the device holds at each call,
-    as the reference does."""
+    as the reference does.  A kernel's first launch after it compiles goes through Triton, not the driver, and is not
+    recorded: the first call may compile (int32 indices take another specialisation), the next records, and every
+    later one replays."""
     spec = _mla(LayerMap.unsharded(5), ps=2, cap=64)
     gen = torch.Generator().manual_seed(5)
     dev = _device(spec, gen)
@@ -453,7 +455,7 @@ def test_split_backups_replay_exactly(layout, dtypes):
     src = torch.arange(48, device=DEVICE, dtype=dtypes[1])
     fill_canary(pool)
     fill_canary(ref)
-    for call in range(3):
+    for call in range(4):
         for name, ts in dev.items():  # new rows each call: a replay must read what the device holds now
             for t, r in zip(ts, ref_dev[name]):
                 if t is not None:
@@ -465,7 +467,7 @@ def test_split_backups_replay_exactly(layout, dtypes):
         for name, buf in pool.host_buffers.items():
             assert torch.equal(buf.view(torch.uint8), ref.host_buffers[name].view(torch.uint8).cpu()), (call, name)
     prep = pool.binding.scratch[pool.strategy_name]
-    assert prep.replays is not None and prep.replays.hits == 2
+    assert prep.replays is not None and prep.replays.hits >= 2  # calls 2 and 3 at least (call 0 may compile)
 
 
 @pytest.mark.parametrize("layout", KERNELS)
