@@ -132,7 +132,8 @@ class Replays:
     """The batches and recorded steps of one pool binding (see the module docstring).
 
     Thread-safe as the memos it mirrors: a batch is one immutable tuple replaced whole, steps are
-    immutable tuples, and each driver launch holds its packed parameters' lock.
+    immutable tuples, each driver launch holds its packed parameters' lock, and a recording holds this object's
+    lock while it drops the oldest count's steps (:attr:`exact`).
     """
 
     def __init__(self, binding: Any, *, splits: tuple[int, ...] = (),
