@@ -20,7 +20,13 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
   holding N SMs costs the GEMM, apart from any memory traffic; ``... 100us``: in launches of 100 us), and ``copy
   engine`` moves the same bytes by one pinned ``copy_`` (what the link traffic alone costs it);
 * **launches of a few entries** (``N entries per launch``): the backup split into launches of N layers each, between
-  which the GEMM's blocks can take the SMs back.
+  which the GEMM's blocks can take the SMs back; ``... pdl``: every launch after a backup's first is a programmatic
+  dependent launch (Hopper's PDL, Triton's ``launch_pdl``): each program signals the next launch when it starts its
+  last work item (``griddepcontrol.launch_dependents``), so the next launch's programs may start while this one's
+  last tiles drain instead of after it ends, and waits for the launch before it at its end (``griddepcontrol.wait``:
+  a launch's end still implies its predecessor's, as in a plain stream).  The first launch of each backup is a plain
+  one, ordered after whatever ran before it on the stream.  Whether the link's idle time between launches is what
+  a split costs the ratio (1-2 points in the plugins' backups, record calls 57-62).
 
 The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
 by a power-of-two column step, the same :func:`hicache_core.rowcopy_tuning.tile` shape), over one device tensor
@@ -60,12 +66,17 @@ WORD, VEC = 4, 4
 def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_base, host_ent,
                 WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
                 LD_CM: tl.constexpr, LD_EV: tl.constexpr, ST_CM: tl.constexpr, ST_EV: tl.constexpr,
-                FENCE: tl.constexpr):
-    """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named."""
+                FENCE: tl.constexpr, PDL: tl.constexpr = False):
+    """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named; ``PDL``:
+    signal dependents at this program's last work item, wait for the launch before at the end."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = tl.cdiv(n, TOKENS)
     for item in range(pid, n_tiles * n_ents, nprog):
+        if PDL:
+            if item + nprog >= n_tiles * n_ents:  # this program's last item: the next launch may begin
+                tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;", "=r,r",
+                                          [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
         e = item // n_tiles
         t = (item - e * n_tiles) * TOKENS + tl.arange(0, TOKENS)
         live = t < n
@@ -83,6 +94,9 @@ def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_ba
                                       dtype=tl.int32, is_pure=False, pack=1)
         else:  # "gpu": the plugins' fence, until the GPU's memory system took them; "": none
             kl.tile_done(FENCE == "gpu")
+    if PDL:  # this launch ends only after the one before it (a no-op in a launch made without PDL)
+        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -101,7 +115,8 @@ def HOLD(out, ns):
 
 #: Hint and launch fields of a variant, and their values in ``base`` (the plugins' backup as shipped).
 BASE: dict[str, Any] = {"programs": 8, "warps": 4, "tile_bytes": 32768, "ld_cm": "", "ld_ev": "", "st_cm": "",
-                        "st_ev": "", "fence": "", "kind": "rows", "launch_entries": 0, "hold_us": 0}
+                        "st_ev": "", "fence": "", "kind": "rows", "launch_entries": 0, "hold_us": 0,
+                        "pdl": False}
 #: label -> the fields that differ from :data:`BASE`.
 VARIANTS: dict[str, dict[str, Any]] = {
     "base": {},
@@ -147,6 +162,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fence gpu 1 entry per launch": {"fence": "gpu", "launch_entries": 1},
     "fence gpu 2 programs 32 warps 128K 8 entries per launch": {"fence": "gpu", "programs": 2, "warps": 32,
                                                                 "tile_bytes": 131072, "launch_entries": 8},
+    # the same launches overlapping at their ends (programmatic dependent launch), and launches of 4 entries so
+    "fence gpu 8 entries per launch pdl": {"fence": "gpu", "launch_entries": 8, "pdl": True},
+    "fence gpu 4 entries per launch": {"fence": "gpu", "launch_entries": 4},
+    "fence gpu 4 entries per launch pdl": {"fence": "gpu", "launch_entries": 4, "pdl": True},
     "base again": {},
 }
 #: shape -> (entries, row bytes): MLA 61 x 576 bf16 (one entry per layer), MHA 80 x 8 x 128 bf16 (K and V entries).
@@ -203,11 +222,12 @@ class Workload:
         host_base = (self.host.data_ptr() - anchor.data_ptr()) // WORD
         step = v["launch_entries"] or self.entries
         for e0 in range(0, self.entries, step):  # one launch per `step` entries (all of them by default)
+            pdl = dict(PDL=True, launch_pdl=e0 > 0) if v["pdl"] else {}  # a backup's first launch: a plain one
             HINT_BACKUP[(v["programs"],)](
                 anchor, self.h, self.s, self.h.numel(), min(step, self.entries - e0), e0 * self.dev.stride(0),
                 self.dev.stride(0), host_base + e0 * self.host.stride(0), self.host.stride(0), WIDTH=self.words,
                 BLOCK=block, TOKENS=tokens, VEC=VEC, LD_CM=v["ld_cm"], LD_EV=v["ld_ev"], ST_CM=v["st_cm"],
-                ST_EV=v["st_ev"], FENCE=v["fence"], num_warps=v["warps"])
+                ST_EV=v["st_ev"], FENCE=v["fence"], num_warps=v["warps"], **pdl)
 
     def check(self, v: dict[str, Any]) -> None:
         """Backup from a zeroed host with canary slots: an ``AssertionError`` unless every slot holds its source row
