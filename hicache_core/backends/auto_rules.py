@@ -89,7 +89,10 @@ MEMORY_KERNEL_SHARE = 0.45
 #: must fit within its transfer time, as loads do.  ``auto``'s ``backup_room`` option (or :data:`ENV_BACKUP_ROOM`) sets
 #: it per pool.  Measured before the kernels' backups went out in launches of at most 32 MiB
 #: (:data:`hicache_core.rowcopy_tuning.BACKUP_LAUNCH_BYTES`, 2026-12-07), which cost a GEMM -1.4% to +2.7% (record calls
-#: 57-59): with them the room's premise no longer holds, but 1.0 has not been measured against them yet.
+#: 57-59): with them the room's premise no longer holds, but 1.0 has not been measured against them yet.  In record
+#: call 62 (H100, the peers' 4096-token backup cells, pages of 64) the copy engine ran 0.960-0.989 at +0.5% to +3.8%
+#: against those kernels' 0.926-0.934 at -0.2% to +2.5%, its submission well under the transfer time (1.0 picks it
+#: too); the cells this room decides (a submission of 1.0-1.2x the transfer time: small pages, fp8 rows) are untimed.
 BACKUP_ROOM = 1.2
 #: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (e.g. to pools the SGLang
 #: bridge makes).
