@@ -47,8 +47,8 @@ def _pages(gen: torch.Generator, pages: int, ps: int = 2, of: int = 64) -> torch
 
 
 def _pools(layout: str, cap: int | None, opts: dict | None = None, seed: int = 4):
-    """(kernel pool with guarded host buffers and ``backup_launch_bytes=cap``, reference pool, guards, row bytes); each
-    pool's device buffers in ``pool.test_dev``."""
+    """(kernel pool with guarded host buffers and ``backup_launch_bytes=cap``, reference pool, guards, row bytes, or
+    ``None`` where its groups' rows differ); each pool's device buffers in ``pool.test_dev``."""
     spec = _mla()
     gen = torch.Generator().manual_seed(seed)
     dev = make_device_buffers(spec, Case("rows", lambda device: spec), gen)
@@ -63,8 +63,8 @@ def _pools(layout: str, cap: int | None, opts: dict | None = None, seed: int = 4
     fill_canary(pool)
     fill_canary(ref)
     prep = pool.binding.scratch[pool.strategy_name]
-    (row,) = {g.width * g.word for g in prep.groups}
-    return pool, ref, guards, row
+    rows = {g.width * g.word for g in prep.groups}
+    return pool, ref, guards, rows.pop() if len(rows) == 1 else None
 
 
 def _same(pool: HostKVPool, ref: HostKVPool, guards: dict, what: str) -> None:

@@ -22,9 +22,9 @@ import pytest  # noqa: E402
 from hicache_core import HostKVPool, replay  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.replay import Replays  # noqa: E402
-from hicache_core.testing.conformance import Case, fill_canary, guarded_host_buffers, make_device_buffers  # noqa: E402
 
-from test_launch_split import REGISTRY, PIN, _mla, _new_rows, _pages, _same, launches  # noqa: E402,F401
+from test_launch_split import _new_rows, _pages, _same, launches  # noqa: E402,F401
+from test_launch_split import _pools as _split_pools  # noqa: E402
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a fake driver launch, for CPU runs")
 
@@ -36,20 +36,9 @@ CASES = {"page_first": ("page_first", {}),
 CAP = 3600  # bytes per launch: fused all-layer runs of 16; unfused: latent runs of 16, rope runs of 64
 
 
-def _pools(layout: str, opts: dict, seed: int = 4):
-    spec = _mla()
-    gen = torch.Generator().manual_seed(seed)
-    dev = make_device_buffers(spec, Case("rows", lambda device: spec), gen)
-    host, guards = guarded_host_buffers(REGISTRY, spec, layout, pin_memory=PIN)
-    pool = HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, host_buffers=host,
-                      strategy_options={"programs": 4096, "tile_bytes": 256, "backup_launch_bytes": CAP, **opts})
-    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
-    ref = HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
-                     pin_memory=False)
-    pool.test_dev, ref.test_dev = dev, ref_dev
-    fill_canary(pool)
-    fill_canary(ref)
-    return pool, ref, guards
+def _pools(layout: str, opts: dict):
+    """test_launch_split's pools, launches of at most ``CAP`` bytes (and as many programs as work items)."""
+    return _split_pools(layout, CAP, {"programs": 4096, **opts})[:3]
 
 
 class _Packed:
