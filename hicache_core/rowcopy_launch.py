@@ -113,17 +113,20 @@ class Prepared:
     #                                                                  its parts per page), or None
     page_launcher: Any = None
     page_dynamic: tuple[int, ...] = ()
-    #: entries tensor's address -> ``[k, k rounded up to even]`` int64: row ``i`` holds its entries ``i..k-1`` (16-byte
-    #: aligned rows), made with the pool where a direction's tuning splits calls (entry runs are views of it)
+    #: entries tensor's address -> ``[2, k rounded up to even]`` int64: row 0 its entries, row 1 its entries from the
+    #: second (16-byte aligned rows, so a run from an even entry is a view of row 0 and one from an odd entry of row 1,
+    #: each starting 16-byte aligned), made with the pool where a direction's tuning splits calls (entry runs are views
+    #: of it)
     tails: dict = field(default_factory=dict, compare=False, repr=False)
     slices: dict = field(default_factory=dict, compare=False, repr=False)  # (entries' address, per launch) -> runs
 
 
 def entry_tails(groups: tuple[RowGroup, ...], device: torch.device) -> dict[int, torch.Tensor]:
-    """:attr:`Prepared.tails` of ``groups``: for every entries tensor (all layers, each layer) a table whose row ``i``
-    starts with its entries ``i..k-1``, so that a run of entries from ``i`` is a view that starts 16-byte aligned, as
-    the whole tensor does (a slice would give the kernel another pointer specialisation), and is whole before any
-    launch reads it (made once, with the pool, on the host then copied: no stream's pending copy to wait for)."""
+    """:attr:`Prepared.tails` of ``groups``: for every entries tensor (all layers, each layer) a table of two rows, its
+    entries and its entries from the second, so that a run of entries from any ``i`` is a view (:func:`entry_run`) that
+    starts 16-byte aligned, as the whole tensor does (a slice would give the kernel another pointer specialisation),
+    and is whole before any launch reads it (made once, with the pool, on the host then copied: no stream's pending
+    copy to wait for)."""
     out: dict[int, torch.Tensor] = {}
     for g in groups:
         for layer in (None, *g.per_layer):
@@ -132,11 +135,17 @@ def entry_tails(groups: tuple[RowGroup, ...], device: torch.device) -> dict[int,
                 continue
             vals = ents.tolist()
             k = len(vals)
-            table = torch.zeros((k, k + k % 2), dtype=torch.int64)
-            for i in range(k):
-                table[i, :k - i] = torch.tensor(vals[i:], dtype=torch.int64)
+            table = torch.zeros((2, k + k % 2), dtype=torch.int64)
+            table[0, :k] = torch.tensor(vals, dtype=torch.int64)
+            table[1, :k - 1] = torch.tensor(vals[1:], dtype=torch.int64)
             out[ents.data_ptr()] = table.to(device)
     return out
+
+
+def entry_run(table: torch.Tensor, i: int, length: int) -> torch.Tensor:
+    """Entries ``i .. i+length-1`` of an :func:`entry_tails` table: a view starting 16-byte aligned (an even ``i`` in its
+    first row, an odd one in its second, one entry on)."""
+    return table[0, i:i + length] if i % 2 == 0 else table[1, i - 1:i - 1 + length]
 
 
 def _split_plan(lv: _Launch, k: int, n: int, by_positions: bool, page_size: int) -> tuple[int, int]:
@@ -171,7 +180,7 @@ def _splits(prep: Prepared, ents: torch.Tensor, lv: _Launch, h: torch.Tensor, d:
     runs = prep.slices.get(key)
     if runs is None:
         tails = prep.tails[ents.data_ptr()]
-        runs = prep.slices[key] = tuple(tails[i, :min(per, k - i)] for i in range(0, k, per))
+        runs = prep.slices[key] = tuple(entry_run(tails, i, min(per, k - i)) for i in range(0, k, per))
     return tuple((e, h, d) for e in runs)
 
 

@@ -395,3 +395,25 @@ def test_a_run_of_positions_replays_views_of_the_batch_from_its_start():
     assert args[0].data_ptr() == h.data_ptr() + 32 * 4 and args[0].tolist() == list(range(32, 48))
     assert args[1].tolist() == list(range(32, 48)) and args[2] == 16 and args[3] == "x"
     assert replay._args(whole, b)[:3] == [h, d, 100]
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 160])
+def test_entry_run_views_every_run_aligned_from_a_table_of_two_rows(k):
+    """An entries tensor's table holds two rows (its entries, and from its second), not one per start: every run from
+    every start is a 16-byte-aligned view holding exactly those entries."""
+    from hicache_core.rowcopy_launch import entry_run, entry_tails
+
+    class _G:  # a group with one entries tensor for every layer
+        per_layer: dict = {}
+
+        def entries(self, layer):
+            return ents
+
+    ents = torch.randperm(3 * k)[:k].to(DEVICE)
+    (table,) = entry_tails((_G(),), DEVICE).values()
+    assert table.shape == (2, k + k % 2) and table.dtype == torch.int64 and table.data_ptr() % 16 == 0
+    for i in range(k):
+        for length in range(1, k - i + 1):
+            run = entry_run(table, i, length)
+            assert run.data_ptr() % 16 == 0 and run.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+            assert run.tolist() == ents[i:i + length].tolist(), (i, length)
