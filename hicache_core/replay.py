@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 #: ``0`` turns replays off (every call takes the strategy's normal path).
 ENV_REPLAY = "HICACHE_REPLAY"
-#: Most keys of an exact count (:attr:`Replays.exact`) one pool keeps recorded.
+#: Most exact counts (:attr:`Replays.exact`) whose steps one pool keeps recorded (every layer and direction of each).
 MAX_EXACT = 32
 
 
@@ -151,10 +151,11 @@ class Replays:
         #: shape are never replayed for a call of another.
         self.shape = shape
         #: Whether a shape names one exact count (e.g. a split into runs of positions, whose starts and lengths follow
-        #: the count): an engine's counts vary, so at most :data:`MAX_EXACT` such keys are kept, the oldest recorded
-        #: dropped first (recorded again when its calls come again); other keys are few (layers, directions, traits).
+        #: the count): an engine's counts vary, so the steps of at most :data:`MAX_EXACT` such counts are kept (every
+        #: layer and direction of each), the count recorded longest ago dropped first (recorded again when its calls
+        #: come again); other keys are few (layers, directions, traits).
         self.exact = exact
-        self._exact: dict[tuple, None] = {}  # those keys, oldest first
+        self._exact: dict[int, dict[tuple, None]] = {}  # count -> its keys, counts recorded longest ago first
         self._record_lock = threading.Lock()
         self.device_index = binding.device.index if binding.device.index is not None else current_device_index()
         self._batches: list[Batch | None] = [None, None]  # by to_host
@@ -254,12 +255,15 @@ class Replays:
         """Keep ``steps`` (every launch of one call of ``layer`` with batch ``b``, in order)."""
         key = self._key(b, layer, to_host)
         with self._record_lock:
-            if self.exact is not None and self.exact(key[3]) and key not in self._exact:
-                while len(self._exact) >= MAX_EXACT:
-                    old = next(iter(self._exact))
-                    del self._exact[old]
-                    self._steps.pop(old, None)
-                self._exact[key] = None
+            if self.exact is not None and self.exact(key[3]):
+                keys = self._exact.pop(b.n, None)  # re-inserted last: the count recorded most lately
+                if keys is None:
+                    keys = {}
+                    while len(self._exact) >= MAX_EXACT:
+                        for old in self._exact.pop(next(iter(self._exact))):
+                            self._steps.pop(old, None)
+                keys[key] = None
+                self._exact[b.n] = keys
             self._steps[key] = tuple(steps)
         self._ready[to_host].pop(layer, None)
 

@@ -14,6 +14,8 @@ import torch
 
 import pytest
 
+from triton.runtime import interpreter as _interp
+
 from benchmarks import backup_hint_probe as probe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,3 +125,90 @@ def test_hints_reach_the_ptx(tmp_path: Path) -> None:
             label, found)
         assert [op for op in found if op.startswith("griddepcontrol")] == (
             ["griddepcontrol.launch_dependents;", "griddepcontrol.wait;"] if v["pdl"] else []), (label, found)
+
+
+PDL_LABELS = [label for label in probe.VARIANTS if probe.variant(label)["pdl"]]
+
+
+@pytest.mark.parametrize("label", PDL_LABELS)
+def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
+    """Each backup's first launch plain (``launch_pdl`` False), every later one dependent; all compiled with PDL;
+    the launches' entries cover the backup once, in order."""
+    calls = []
+
+    class _Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+    monkeypatch.setattr(probe, "HINT_BACKUP", _Rec())
+    wl = probe.Workload("mha", tokens=32, page_size=16, device="cpu", entries=19)
+    v = probe.variant(label)
+    for _ in range(2):  # two backups back to back: each starts with a plain launch
+        calls.clear()
+        wl.launch(v)
+        step = v["launch_entries"]
+        assert [kw["launch_pdl"] for _, _, kw in calls] == [False] + [True] * (len(calls) - 1)
+        assert all(kw["PDL"] is True for _, _, kw in calls)
+        assert [a[4] for _, a, _ in calls] == [min(step, 19 - e0) for e0 in range(0, 19, step)]
+        assert [a[5] for _, a, _ in calls] == [e0 * wl.dev.stride(0) for e0 in range(0, 19, step)]
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not hasattr(_interp.InterpreterBuilder, "create_inline_asm"),
+                    reason="Triton's interpreter, its inline-PTX hook recorded (CPU hosts)")
+@pytest.mark.parametrize("tokens, programs", [(16, 8), (48, 8), (128, 8), (64, 3)],
+                         ids=["zero-item-programs", "uneven", "even", "few-programs"])
+def test_pdl_each_program_signals_at_its_last_item_and_waits_at_its_end(tokens, programs, monkeypatch):
+    """Under the interpreter, inline PTX recorded per program with the stores issued so far: a program with items
+    signals ``launch_dependents`` exactly once, before its last item's stores and after all others; one without items
+    never signals; every program waits once, after all its stores. The rows still land."""
+    interp = _interp
+    log = []  # (program, asm or "store")
+
+    def asm(self, inline_asm, constraints, values, types, is_pure, pack):  # noqa: ARG001
+        log.append((self.grid_idx[0], inline_asm.split(";")[0]))
+        out = interp.TensorHandle(values[0].data.copy(), values[0].dtype)
+        return type("_Call", (), {"get_result": lambda self_, i: out})()
+    real_store = interp.InterpreterBuilder.create_masked_store
+
+    def store(self, ptrs, value, mask, cache_policy):
+        log.append((self.grid_idx[0], "store"))
+        return real_store(self, ptrs, value, mask, cache_policy)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_inline_asm", asm)
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_masked_store", store)
+    # fence on the CPU would be inline PTX too: recorded, harmless; launch_pdl is a compile option, not a kernel arg
+    v = {**probe.variant("fence gpu 4 entries per launch pdl"), "programs": programs}
+    wl = probe.Workload("mha", tokens=tokens, page_size=16, device="cpu", entries=7)
+    block, _, tile_tokens = probe.tile(wl.words, wl.words, probe.WORD, v["tile_bytes"])
+    n_tiles = -(-tokens // tile_tokens)
+    real_jit = probe.HINT_BACKUP
+
+    launches_seen = []
+
+    class _Split:  # one log segment per launch
+        def __getitem__(self, grid):
+            def go(*a, **kw):
+                kw.pop("launch_pdl", None)
+                launches_seen.append((len(log), a[4]))
+                return real_jit[grid](*a, **kw)
+            return go
+    monkeypatch.setattr(probe, "HINT_BACKUP", _Split())
+    wl.check(v)
+    launches_seen.append((len(log), None))
+    assert len(launches_seen) == 3  # 4 + 3 entries
+    for (start, n_ents), (end, _) in zip(launches_seen, launches_seen[1:]):
+        seg = log[start:end]
+        items = n_tiles * n_ents
+        for p in range(programs):
+            mine = [what for q, what in seg if q == p]
+            mine_items = len(range(p, items, programs))
+            assert mine.count("griddepcontrol.wait") == 1 and mine[-1] == "griddepcontrol.wait", (p, mine)
+            if mine_items == 0:
+                assert "griddepcontrol.launch_dependents" not in mine and "store" not in mine, (p, mine)
+                continue
+            assert mine.count("griddepcontrol.launch_dependents") == 1, (p, mine)
+            # items are separated by the fence (tile_done): the signal starts the last item's segment
+            fences = [i for i, w in enumerate(mine) if w == "fence.sc.gpu"]
+            assert len(fences) == mine_items, (p, mine)
+            sig = mine.index("griddepcontrol.launch_dependents")
+            before_last = fences[-2] if mine_items > 1 else -1
+            assert before_last < sig and all(w != "store" for w in mine[before_last + 1:sig]), (p, mine)
+            assert "store" in mine[sig:fences[-1]], (p, mine)

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.replay import Replays  # noqa: E402
+from hicache_core.rowcopy_launch import entry_run, entry_tails, exact_shape  # noqa: E402
 from hicache_core.testing.conformance import (Case, assert_guards_intact, fill_canary, guarded_host_buffers,  # noqa
                                               make_device_buffers)
 from hicache_kv_split.strategy import KVSplitKernelStrategy  # noqa: E402
@@ -397,23 +398,46 @@ def test_a_run_of_positions_replays_views_of_the_batch_from_its_start():
     assert replay._args(whole, b)[:3] == [h, d, 100]
 
 
-@pytest.mark.parametrize("k", [1, 2, 5, 160])
-def test_entry_run_views_every_run_aligned_from_a_table_of_two_rows(k):
-    """An entries tensor's table holds two rows (its entries, and from its second), not one per start: every run from
-    every start is a 16-byte-aligned view holding exactly those entries."""
-    from hicache_core.rowcopy_launch import entry_run, entry_tails
+class _G:
+    """A group whose entries tensor for every layer (``None``) and each layer are given."""
 
-    class _G:  # a group with one entries tensor for every layer
-        per_layer: dict = {}
+    def __init__(self, ents, per_layer=None):
+        self.ents, self.per_layer = ents, per_layer or {}
 
-        def entries(self, layer):
-            return ents
+    def entries(self, layer):
+        return self.ents if layer is None else self.per_layer[layer]
 
-    ents = torch.randperm(3 * k)[:k].to(DEVICE)
-    (table,) = entry_tails((_G(),), DEVICE).values()
-    assert table.shape == (2, k + k % 2) and table.dtype == torch.int64 and table.data_ptr() % 16 == 0
+
+@pytest.mark.parametrize("k", list(range(1, 12)) + [61, 64, 80, 160])
+def test_entry_run_every_start_and_length(k):
+    """Every run of every start: exactly the entries, 16-byte aligned, inside one row (never the padding, never
+    crossing into the other row), a view of the table."""
+    ents = (torch.randperm(4 * k)[:k] + 1).to(DEVICE)  # no zero entries: a padding zero read as an entry would show
+    (table,) = entry_tails((_G(ents),), DEVICE).values()
+    width = k + k % 2
+    assert table.shape == (2, width) and table.is_contiguous()
+    assert table[0, :k].tolist() == ents.tolist() and table[1, :k - 1].tolist() == ents[1:].tolist()
+    assert not table[0, k:].any() and not table[1, k - 1:].any()  # padding zeros only past the entries
+    base = table.data_ptr()
     for i in range(k):
         for length in range(1, k - i + 1):
             run = entry_run(table, i, length)
-            assert run.data_ptr() % 16 == 0 and run.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
-            assert run.tolist() == ents[i:i + length].tolist(), (i, length)
+            assert run.numel() == length and run.is_contiguous()
+            assert run.tolist() == ents[i:i + length].tolist(), (k, i, length)
+            off = (run.data_ptr() - base) // 8
+            row, col = divmod(off, width)
+            assert run.data_ptr() % 16 == 0 and row == i % 2 and col + length <= width - (row == 1) * (k % 2 == 0)
+            assert run.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+
+
+def test_entry_tails_one_table_per_entries_tensor_all_layers_and_each():
+    a, b = torch.tensor([3, 4, 5], device=DEVICE), torch.tensor([6], device=DEVICE)
+    out = entry_tails((_G(a, {0: b}),), DEVICE)
+    assert set(out) == {a.data_ptr(), b.data_ptr()}
+    assert out[b.data_ptr()].shape == (2, 2) and out[b.data_ptr()][0, 0] == 6
+
+
+def test_exact_shape_only_for_position_runs():
+    assert not exact_shape(())
+    assert not exact_shape((None,)) and not exact_shape(((None,),)) and not exact_shape(((3, None),))
+    assert exact_shape(((("positions", 40),),)) and exact_shape((None, (2, ("positions", 7))))

@@ -238,3 +238,46 @@ def test_steps_of_exact_counts_are_bounded_oldest_first(driver, launches, monkey
     assert [k[3] for k in rp._steps] == [((None,),), ((("positions", 46),),), ((("positions", 34),),)]
     _backup(pool, ref, None, h16, torch.arange(16))  # the one-launch key was kept: replayed
     assert rp.hits == hits + 2
+
+
+@cpu_only
+def test_one_count_of_per_layer_backups_keeps_every_layer_recorded(driver, launches, monkeypatch):
+    """The bound counts exact counts, not keys: per-layer backups of one count split by positions record one key per
+    layer, and with more layers than ``MAX_EXACT`` (here 2, for 32 against a 61- or 80-layer model) the second round
+    still replays every layer (a bound on keys evicted each layer's steps before its next call)."""
+    monkeypatch.setattr(replay, "MAX_EXACT", 2)
+    pool, ref, guards = _pools("page_first", {})
+    rp = driver(pool)
+    gen = torch.Generator().manual_seed(21)
+    n = 120  # one layer: runs of positions (80 + 40)
+    h, src = _pages(gen, n // 2), torch.arange(n)
+    for rnd in range(2):
+        _new_rows(pool, ref, gen)
+        for layer in (0, 1, 2):
+            _backup(pool, ref, layer, h, src)
+        _same(pool, ref, guards, f"round {rnd}")
+    assert rp.hits == 3 and list(rp._exact) == [n] and len(rp._exact[n]) == 3
+
+
+@cpu_only
+def test_a_new_count_past_the_bound_drops_every_key_of_the_count_recorded_longest_ago(driver, launches, monkeypatch):
+    """With room for one count: per-layer backups of a second count drop the first count's keys of every layer
+    together; the first count's next calls record again (no replay), the ones after replay; bytes right throughout."""
+    monkeypatch.setattr(replay, "MAX_EXACT", 1)
+    pool, ref, guards = _pools("page_first", {})
+    rp = driver(pool)
+    gen = torch.Generator().manual_seed(22)
+    first, second = (_pages(gen, 60), torch.arange(120)), (_pages(gen, 52), torch.arange(104))
+    for h, src in (first, second):
+        for layer in (0, 1, 2):
+            _backup(pool, ref, layer, h, src)
+    assert list(rp._exact) == [104] and all(k in rp._steps for k in rp._exact[104])
+    assert not [k for k in rp._steps if k[0] in (0, 1, 2) and ("positions", 120) in k[3][0]]
+    hits = rp.hits
+    for rnd in range(2):
+        _new_rows(pool, ref, gen)
+        for layer in (0, 1, 2):
+            _backup(pool, ref, layer, *first)
+        _same(pool, ref, guards, f"first count again, round {rnd}")
+        assert rp.hits == hits + 3 * rnd, rnd
+    assert list(rp._exact) == [120]
