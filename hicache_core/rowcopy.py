@@ -75,6 +75,12 @@ __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BAC
 logger = logging.getLogger(__name__)
 
 
+def _splitting(tuning: KernelTuning) -> tuple[bool, bool]:
+    """By ``to_host``: whether a direction's tunings split calls (``launch_bytes``: loads' row or page loads, backups)."""
+    return (any(t is not None and bool(t.launch_bytes) for t in (tuning.load, tuning.page_load)),
+            bool(tuning.backup.launch_bytes))
+
+
 def _size(nbytes: int) -> str:
     """``nbytes`` as ``explain`` prints a size: whole MiB as such, else bytes."""
     return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{nbytes} B"
@@ -262,9 +268,9 @@ class RowKernelStrategy(DirectionalStrategy):
         dynamic = launcher.positions(DYNAMIC_VALUES)
         launches = tuple({to_host: self._launch(binding.spec, g, tuning.direction(to_host), to_host, launcher, dynamic)
                           for to_host in (True, False)} for g in groups)
-        splitting = any(t is not None and t.launch_bytes for t in (tuning.backup, tuning.load, tuning.page_load))
+        splitting = _splitting(tuning)
         prep = Prepared(groups, launches, launcher, dynamic, tuning,
-                        tails=entry_tails(groups, binding.device) if splitting else {})
+                        tails=entry_tails(groups, binding.device) if any(splitting) else {})
         mode = tma_mode(self.tma, binding.device)
         if mode is not None:
             prep = self._prepare_tma(binding.spec, module, prep, automatic=mode == "auto")
@@ -280,14 +286,19 @@ class RowKernelStrategy(DirectionalStrategy):
                      [(g.names, g.width, g.word, g.vec) for g in groups], tuning, [t is not None for t in prep.tma],
                      [p is not None for p in prep.pages])
 
-    def _replays(self, binding: PoolBinding, prep: Prepared, splitting: bool) -> Replays:
+    def _replays(self, binding: PoolBinding, prep: Prepared, splitting: tuple[bool, bool]) -> Replays:
         """The pool's :class:`~hicache_core.replay.Replays`: calls on either side of a TMA row limit take other launches,
-        and (``splitting``: a tuning sets ``launch_bytes``) calls whose counts split otherwise: each records its steps
-        apart (runs of positions per exact count, a bounded number of counts: :func:`exact_shape`)."""
+        and in a direction whose tuning sets ``launch_bytes`` (``splitting``, by ``to_host``: :func:`_splitting`)
+        calls whose counts split otherwise: each records its steps apart (runs of positions per exact count, a bounded
+        number of counts: :func:`exact_shape`).  A direction that never splits keys its steps without working out a
+        split (its shape is ``None``): its replays, per-layer loads above all, pay nothing for the other's."""
         splits = tuple(sorted({lim for lim in prep.tma_rows if lim is not None}))
-        if not splitting:
+        if not any(splitting):
             return Replays(binding, splits=splits)
-        shape = functools.partial(split_shape, prep, self.entries_inner, binding.spec.page_size)
+        split = functools.partial(split_shape, prep, self.entries_inner, binding.spec.page_size)
+
+        def shape(n: int, layer: int | None, to_host: bool) -> tuple | None:
+            return split(n, layer, to_host) if splitting[to_host] else None
         return Replays(binding, splits=splits, shape=shape, exact=exact_shape)
 
     def _optional_kernel(self, module: Any, tuning: KernelTuning, field: str, *, option: str,

@@ -207,8 +207,10 @@ def split_shape(prep: Prepared, by_positions: bool, page_size: int, n: int, laye
 
 def exact_shape(shape: Any) -> bool:
     """Whether a :func:`split_shape` names one exact count (a group split by runs of positions): replays keep a
-    bounded number of those (:attr:`~hicache_core.replay.Replays.exact`)."""
-    return any(isinstance(plan, tuple) and any(isinstance(p, tuple) for p in plan) for plan in shape)
+    bounded number of those (:attr:`~hicache_core.replay.Replays.exact`); ``None`` (a direction that never splits)
+    names none."""
+    return shape is not None and any(isinstance(plan, tuple) and any(isinstance(p, tuple) for p in plan)
+                                     for plan in shape)
 
 
 def _grid(programs: int, n: int, tokens: int, per_tile: int) -> int:

@@ -16,7 +16,7 @@ from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay  # noqa: E402
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay, rowcopy  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.replay import Replays  # noqa: E402
 from hicache_core.rowcopy_launch import entry_run, entry_tails, exact_shape  # noqa: E402
@@ -246,7 +246,7 @@ def driver(monkeypatch, launches):
     def give(pool: HostKVPool) -> Replays:
         name = pool.strategy_name
         prep = pool.binding.scratch[name]
-        rp = pool.strategy._replays(pool.binding, prep, splitting=True)  # as prepare() makes them on CUDA
+        rp = pool.strategy._replays(pool.binding, prep, splitting=(True, True))  # as prepare() makes them on CUDA
         pool.binding.scratch[name] = replace(prep, replays=rp)
         pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
         return rp
@@ -438,6 +438,23 @@ def test_entry_tails_one_table_per_entries_tensor_all_layers_and_each():
 
 
 def test_exact_shape_only_for_position_runs():
-    assert not exact_shape(())
+    assert not exact_shape(()) and not exact_shape(None)
     assert not exact_shape((None,)) and not exact_shape(((None,),)) and not exact_shape(((3, None),))
     assert exact_shape(((("positions", 40),),)) and exact_shape((None, (2, ("positions", 7))))
+
+
+@pytest.mark.parametrize("layout", KERNELS)
+def test_a_direction_that_never_splits_keys_its_steps_without_a_split(layout, monkeypatch):
+    """The shipped tunings split backups only: a load's replay key carries no split shape (``None``, worked out with the
+    pool, not per call), a backup's does; a pool whose backups never split works out none."""
+    monkeypatch.setattr(replay, "current_device_index", lambda: 0)  # Replays of a CPU pool (made on CUDA only)
+    pool, _, _, _ = _pools(layout, None)  # the plugin's tuning: backups in launches of at most 32 MiB
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert rowcopy._splitting(prep.tuning) == (False, True)
+    rp = pool.strategy._replays(pool.binding, prep, rowcopy._splitting(prep.tuning))
+    assert rp.shape(48, 2, False) is None and rp.shape(48, None, False) is None
+    assert rp.shape(48, None, True) == rowcopy.split_shape(prep, KERNELS[layout].entries_inner, 2, 48, None, True)
+    pool, _, _, _ = _pools(layout, 0)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert rowcopy._splitting(prep.tuning) == (False, False)
+    assert pool.strategy._replays(pool.binding, prep, (False, False)).shape is None

@@ -121,7 +121,7 @@ def driver(monkeypatch, launches):
     def give(pool: HostKVPool) -> Replays:
         name = pool.strategy_name
         prep = pool.binding.scratch[name]
-        rp = pool.strategy._replays(pool.binding, prep, splitting=True)
+        rp = pool.strategy._replays(pool.binding, prep, splitting=(True, True))
         pool.binding.scratch[name] = replace(prep, replays=rp)
         pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
         return rp
