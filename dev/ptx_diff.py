@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import inspect
 import json
 import os
 import re
@@ -54,7 +55,7 @@ INDEX = ("host_idx", "dev_idx")
 def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 90,
                    types: dict[str, str] | None = None, maxnreg: int | None = None) -> Any:
     """``fn`` (a ``@triton.jit`` kernel) compiled for compute capability ``arch`` with the constexpr values ``consts``
-    (those it declares); other parameters typed by ``types``, else as the module's doc says; ``maxnreg`` caps the
+    (those it declares; a constexpr left out takes its default); other parameters typed by ``types``, else as the module's doc says; ``maxnreg`` caps the
     registers per thread (as a tuning's ``maxnreg`` does)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_kernel compiles for a GPU: run it in a process without TRITON_INTERPRET (kernels "
@@ -65,6 +66,10 @@ def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 
 
     names = fn.arg_names
     given = types or {}
+    for prm in getattr(fn, "params", ()):  # a constexpr left out takes its default (e.g. a kernel's PDL=False)
+        default = getattr(prm, "default", inspect.Parameter.empty)
+        if getattr(prm, "is_constexpr", False) and prm.name not in consts and default is not inspect.Parameter.empty:
+            consts = {**consts, prm.name: default}
     sig = {a: "constexpr" if a in consts else given.get(a, "i32" if a in INT32 else "*i64") for a in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
     options: dict[str, Any] = {"num_warps": warps}

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "tile_done",
+           "let_next_begin", "await_previous",
            "box_hits", "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run",
            "load_piece", "store_piece", "gather_page", "page_load", "page_group", "group_runs", "page_group_load",
            "PAGE_LOAD"]
@@ -142,6 +143,30 @@ def tile_done(FENCE: tl.constexpr):
     if FENCE:
         tl.inline_asm_elementwise("fence.sc.gpu;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def let_next_begin(item, n_items, nprog, PDL: tl.constexpr):
+    """With ``PDL``, at the start of this program's last work item (``item`` of ``n_items``, ``nprog`` programs
+    striding): the next launch on the stream, where it was made as a programmatic dependent launch (Hopper's PDL,
+    Triton's ``launch_pdl``), may begin once every program of this one has signalled or ended (PTX
+    ``griddepcontrol.launch_dependents``), so its programs start while this launch's last items drain instead of
+    after it ends.  A program with no items never signals (its end counts).  sm_90 and later; the launch passes
+    ``PDL`` False elsewhere."""
+    if PDL:
+        if item + nprog >= n_items:
+            tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;", "=r,r",
+                                      [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def await_previous(PDL: tl.constexpr):
+    """With ``PDL``, at the end of a program: wait until the launch this one depends on has completed and its writes
+    are visible (PTX ``griddepcontrol.wait``; at once in a launch made without PDL), so that a launch never completes
+    before the one before it: whatever waits on the last launch of a call waits on all of them."""
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -202,8 +202,10 @@ class Launcher:
 
     def __call__(self, grid: int, args: Sequence[Any], *, num_warps: int, static_key: int | None = None,
                  dynamic: Sequence[int] = (), maxnreg: int | None = None,
-                 packs: dict | None = None) -> tuple[Any, Any] | None:
+                 packs: dict | None = None, pdl: bool = False) -> tuple[Any, Any] | None:
         """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap).
+        ``pdl``: a programmatic dependent launch (Triton's ``launch_pdl``, a compile option: its own compiled kernel,
+        which the CUDA driver launch never takes: Triton's launcher sets the launch attribute).
 
         ``packs``: a dict owned by one launch whose positions outside ``dynamic`` hold the same values on
         every call with it (needs ``static_key``); the driver launch keeps that launch's packed parameters
@@ -217,7 +219,11 @@ class Launcher:
         """
         if len(args) != self._nargs and self._nargs:
             raise TypeError(f"{self.kernel}: expected {self._nargs} arguments, got {len(args)}")
-        opts = {"num_warps": num_warps} if maxnreg is None else {"num_warps": num_warps, "maxnreg": maxnreg}
+        opts: dict[str, Any] = {"num_warps": num_warps}
+        if maxnreg is not None:
+            opts["maxnreg"] = maxnreg
+        if pdl:
+            opts["launch_pdl"] = True
         api = self._api
         if api is None or not _ENABLED[0]:
             if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -235,9 +241,11 @@ class Launcher:
             key = launch_key(args, self._constexprs, num_warps, device)
             if maxnreg is not None:
                 key = (*key, "maxnreg", maxnreg)
+            if pdl:
+                key = (*key, "pdl")
             packs = None
         else:
-            key = ("static", device, num_warps, static_key, maxnreg, *[_traits(args[i]) for i in dynamic])
+            key = ("static", device, num_warps, static_key, maxnreg, pdl, *[_traits(args[i]) for i in dynamic])
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self.kernel[(grid,)](*args, **opts)

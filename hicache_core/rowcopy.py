@@ -113,6 +113,9 @@ class RowKernelStrategy(DirectionalStrategy):
         positions), so that a GEMM beside it gets the SMs back between them; a launch still moves at least one
         layer's rows, or one aligned run of positions, even where those are more; ``0``: one launch; ``None``: the
         tuning's.
+    :param backup_pdl: a backup's launches after its first are programmatic dependent launches (``Tuning.pdl``; CUDA
+        devices of compute capability 9.0 and later, kernels that declare ``PDL``): each may begin while the one
+        before drains its last tiles; ``None``: the tuning's.
     :param fuse_parts: move a row split over two host buffers in one launch (``None``: the class default).
     :param tma: per-layer loads through tensor descriptors (TMA bulk copies) where the host addressing
         allows: ``True``, ``False``, or ``None`` for ``HICACHE_KERNEL_TMA`` when set, else on CUDA compute
@@ -136,7 +139,8 @@ class RowKernelStrategy(DirectionalStrategy):
     def __init__(self, programs: int | None = None, *, backup_programs: int | None = None,
                  num_warps: int | None = None, tile_bytes: int | None = None, num_stages: int | None = None,
                  maxnreg: int | None = None, backup_fence: bool | None = None,
-                 backup_launch_bytes: int | None = None, fuse_parts: bool | None = None,
+                 backup_launch_bytes: int | None = None, backup_pdl: bool | None = None,
+                 fuse_parts: bool | None = None,
                  tma: bool | None = None, pages: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
@@ -157,6 +161,9 @@ class RowKernelStrategy(DirectionalStrategy):
             raise ConfigError(f"backup_launch_bytes must be an int >= 0 (0: one launch per call) or None (the "
                               f"tuning's), got {backup_launch_bytes!r}")
         self.backup_launch_bytes = backup_launch_bytes
+        if backup_pdl is not None and not isinstance(backup_pdl, bool):
+            raise ConfigError(f"backup_pdl must be True, False or None (the tuning's), got {backup_pdl!r}")
+        self.backup_pdl = backup_pdl
         if fuse_parts is not None:
             self.fuse = bool(fuse_parts)
         else:
@@ -206,6 +213,7 @@ class RowKernelStrategy(DirectionalStrategy):
                         if d.fence and fences else "")
                      + (f", launches of up to {_size(d.launch_bytes)} (a call of more: "
                         + ("every layer of a run of whole pages" if self.entries_inner else "some layers") + " per launch)"
+                        + (", each after the first a programmatic dependent launch (sm_90+)" if d.pdl else "")
                         if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
@@ -224,7 +232,7 @@ class RowKernelStrategy(DirectionalStrategy):
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
                  "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, backup_launch_bytes, "
-                 "tma, pages; "
+                 "backup_pdl, tma, pages; "
                  "HICACHE_KERNEL_PROGRAMS, "
                  "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
@@ -255,6 +263,8 @@ class RowKernelStrategy(DirectionalStrategy):
             backups = replace(backups, fence=self.backup_fence, fence_min_row_bytes=0)
         if self.backup_launch_bytes is not None:
             backups = replace(backups, launch_bytes=self.backup_launch_bytes)
+        if self.backup_pdl is not None:
+            backups = replace(backups, pdl=self.backup_pdl)
         return KernelTuning(backups, one(self.tuning.load, both),
                             None if tma is None else one(tma, both), None if page is None else one(page, both))
 
@@ -431,9 +441,13 @@ class RowKernelStrategy(DirectionalStrategy):
                 for lv, launcher, dyn, per_tile in runs:
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
-                    # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan)
+                    # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan); with
+                    # lv.pdl, each after the first a programmatic dependent launch (Triton's launcher, not replayed)
                     start = 0  # where the launch's positions start (a call split by positions; else it moves all n)
-                    for sub, hs, ds in _splits(prep, ents, lv, h, d, n, self.entries_inner, binding.spec.page_size):
+                    for i, (sub, hs, ds) in enumerate(_splits(prep, ents, lv, h, d, n, self.entries_inner,
+                                                              binding.spec.page_size)):
+                        if i == 1 and lv.pdl:
+                            kw = {**kw, "pdl": True}
                         m = hs.numel()
                         call = {"host_idx": hs, "dev_idx": ds, "n": m, "ents": sub, "n_ents": sub.numel()}
                         args = _fill(lv.args, lv.slots, call)

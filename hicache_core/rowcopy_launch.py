@@ -55,6 +55,9 @@ LAUNCH_VALUES = {
     "FENCE": "constexpr: after each work item every thread waits until the GPU has taken its writes (kernel_lib."
              "tile_done; the direction's Tuning.fence for rows of >= its fence_min_row_bytes, on CUDA outside Triton's "
              "interpreter only)",
+    "PDL": "constexpr: a call's launches after its first are programmatic dependent launches: each program signals the "
+           "next launch at its last work item and waits for the launch before at its end (kernel_lib.let_next_begin, "
+           "await_previous; the direction's Tuning.pdl, on CUDA devices of compute capability >= 9.0 only)",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
     "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
@@ -92,6 +95,7 @@ class _Launch:
     args: tuple
     slots: tuple[tuple[str, int], ...]
     row_bytes: int = 0  # bytes one index position moves per entry (the tuning's launch_bytes is counted in them)
+    pdl: bool = False  # the kernel declares PDL and it is on: a call's launches after its first are dependent ones
     packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
 
 
@@ -246,7 +250,7 @@ def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], 
     """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
     return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
                 page_size=spec.page_size, PAGE_SIZE=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
-                VEC=g.vec, STAGES=t.stages, FENCE=fenced(t, g))
+                VEC=g.vec, STAGES=t.stages, FENCE=fenced(t, g), PDL=dependent(t, g))
 
 
 def fenced(t: Tuning, g: RowGroup) -> bool:
@@ -256,13 +260,22 @@ def fenced(t: Tuning, g: RowGroup) -> bool:
             and not interpreting())
 
 
+def dependent(t: Tuning, g: RowGroup) -> bool:
+    """Whether a call's launches of ``g`` under ``t`` after its first are programmatic dependent launches (``PDL``):
+    the tuning asks for them (``pdl``) and the group is on a CUDA device of compute capability 9.0 or later outside
+    Triton's interpreter (``griddepcontrol`` is sm_90 PTX)."""
+    return (t.pdl and g.anchor.is_cuda and not interpreting()
+            and torch.cuda.get_device_capability(g.anchor.device)[0] >= 9)
+
+
 def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any],
            row_bytes: int = 0) -> _Launch:
     """A fixed launch: ``values`` bound by ``launcher``'s parameter names, its static key and per-call slots
     (``row_bytes``: what one index position moves per entry)."""
     args = launcher.bind(values)
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots, row_bytes)
+    pdl = bool(values.get("PDL")) and "PDL" in launcher.arg_names
+    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots, row_bytes, pdl)
 
 
 def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:

@@ -38,7 +38,10 @@ class Tuning:
     the wait not to cost them speed; ``launch_bytes``: the most bytes one launch moves: a call moving more goes out
     in several launches back to back (some entries each, or, where the strategy walks a tile's entries together,
     every entry of a run of positions), so that no launch holds its SMs for long; a launch still moves at least one
-    entry's rows, or one aligned run of positions, even where those are more (0: one launch per group)."""
+    entry's rows, or one aligned run of positions, even where those are more (0: one launch per group); ``pdl``: a
+    call's launches after its first are programmatic dependent launches (Hopper's PDL) where the kernel declares
+    ``PDL``, on CUDA devices of compute capability 9.0 and later: each may begin while the one before drains its
+    last work items (:func:`hicache_core.kernel_lib.let_next_begin`), and ends only after it."""
 
     programs: int
     num_warps: int
@@ -48,6 +51,7 @@ class Tuning:
     fence: bool = False
     fence_min_row_bytes: int = 0
     launch_bytes: int = 0
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("programs", "num_warps", "tile_bytes", "stages"):
@@ -59,8 +63,9 @@ class Tuning:
                               f"elements exceeds Triton's largest tensor), got {self.tile_bytes}")
         if self.num_warps & (self.num_warps - 1):
             raise ConfigError(f"num_warps must be a power of two (1, 2, 4, ...), got {self.num_warps}")
-        if not isinstance(self.fence, bool):
-            raise ConfigError(f"fence must be True or False, got {self.fence!r}")
+        for name in ("fence", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("fence_min_row_bytes", "launch_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -16,7 +16,7 @@ from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay, rowcopy  # noqa: E402
+from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay, rowcopy, rowcopy_launch  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.replay import Replays  # noqa: E402
 from hicache_core.rowcopy_launch import entry_run, entry_tails, exact_shape  # noqa: E402
@@ -458,3 +458,89 @@ def test_a_direction_that_never_splits_keys_its_steps_without_a_split(layout, mo
     prep = pool.binding.scratch[pool.strategy_name]
     assert rowcopy._splitting(prep.tuning) == (False, False)
     assert pool.strategy._replays(pool.binding, prep, (False, False)).shape is None
+
+
+# -- programmatic dependent launches (backup_pdl) ----------------------------------------------------------
+def test_pdl_options_are_checked_and_reach_the_backup_tuning():
+    """``backup_pdl`` must be a bool (or ``None``: the tuning's); it sets the backups' ``Tuning.pdl`` only."""
+    with pytest.raises(rowcopy.ConfigError, match="backup_pdl must be True, False or None"):
+        LayerFirstKernelStrategy(backup_pdl=1)
+    with pytest.raises(rowcopy.ConfigError, match="pdl must be True or False"):
+        rowcopy.Tuning(1, 1, 1, pdl="yes")
+    t = LayerFirstKernelStrategy(backup_pdl=True).effective_tuning(torch.device("cpu"))
+    assert t.backup.pdl and not t.load.pdl
+    assert not LayerFirstKernelStrategy().effective_tuning(torch.device("cpu")).backup.pdl
+
+
+@pytest.mark.parametrize("layout", TWO)
+def test_pdl_is_off_on_the_cpu_and_for_kernels_that_do_not_declare_it(layout, launches):
+    """On the CPU (Triton's interpreter, no griddepcontrol) a backup asked for PDL passes ``PDL`` False and makes
+    plain launches, bit-exact; a kernel without a ``PDL`` parameter never gets dependent launches."""
+    if DEVICE.type == "cuda":
+        pytest.skip("the CPU's launches")
+    n = 48
+    h, src = _pages(torch.Generator().manual_seed(12), n // 2), torch.arange(n)
+    pool, ref, guards, row = _pools(layout, 2 * n * 8, {"backup_pdl": True})
+    pool.backup_all_layers(h, src)
+    ref.backup_all_layers(h, src)
+    _same(pool, ref, guards, "pdl asked on the CPU")
+    assert len(launches) > 1 and all(c["PDL"] is False for _, c in launches)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert not any(lv.pdl for per in prep.launches for lv in per.values())
+    values = {"PDL": True, **{name: 0 for name in rowcopy.LAUNCH_VALUES if name != "PDL"}}
+
+    class NoPdl:  # a launcher of a kernel that declares no PDL
+        arg_names = ("anchor", "n")
+
+        def bind(self, v):
+            return (v["anchor"], v["n"])
+
+        def static_key(self, args, dynamic):
+            return 0
+    assert not rowcopy_launch._bound(NoPdl(), (), rowcopy.Tuning(1, 1, 1, pdl=True), 1, values).pdl
+
+
+@pytest.mark.parametrize("layout", KERNELS)
+def test_with_pdl_every_launch_after_a_calls_first_is_dependent(layout, monkeypatch):
+    """Where PDL is on (forced here: the CPU has none), every launch of a split backup passes ``PDL`` True and every
+    one after the call's first is made with ``pdl=True``; a call in one launch makes none; loads never do."""
+    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
+    monkeypatch.setattr(rowcopy_launch, "dependent", lambda t, g: t.pdl)
+    log = []
+    monkeypatch.setattr(Launcher, "__call__", lambda self, grid, args, **kw: log.append(
+        (dict(zip(self.arg_names, args))["PDL"], kw.get("pdl", False))))  # nothing runs: PDL has no interpreter
+    n = 48
+    h, src = _pages(torch.Generator().manual_seed(13), n // 2), torch.arange(n)
+    pool, *_ = _pools(layout, 2 * n * 8, {"backup_pdl": True})
+    pool.backup_all_layers(h, src)
+    assert len(log) > 1 and log == [(True, False)] + [(True, True)] * (len(log) - 1), log
+    log.clear()
+    pool.backup_all_layers(h[:2], src[:2])  # fits one launch
+    assert log == [(True, False)] * len(log) and log
+    log.clear()
+    pool.load_layer(0, h, src)
+    assert log and all(not pdl and not dep for pdl, dep in log), log
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launches: CUDA, compute capability 9.0 and later")
+@pytest.mark.parametrize("layout", KERNELS)
+def test_pdl_split_backups_are_bit_exact_on_the_gpu(layout, launches):
+    """Split backups with dependent launches move exactly the reference's bytes, call after call, canaries intact,
+    with the tuning's replays on (a call with dependent launches is never recorded: Triton's launcher makes them)."""
+    n = 48
+    gen = torch.Generator().manual_seed(14)
+    h, src = _pages(gen, n // 2), torch.arange(n)
+    pool, _, _, row = _pools(layout, 0)
+    k = pool.binding.scratch[pool.strategy_name].groups[0].entries(None).numel()
+    inner = KERNELS[layout].entries_inner
+    pool, ref, guards, _ = _pools(layout, 16 * k * row if inner else n * row, {"backup_pdl": True})
+    assert any(lv.pdl for per in pool.binding.scratch[pool.strategy_name].launches for lv in per.values())
+    for call in range(3):
+        _new_rows(pool, ref, gen)
+        launches.clear()
+        pool.backup_all_layers(h.to(DEVICE), src.to(DEVICE))
+        ref.backup_all_layers(h, src)
+        _same(pool, ref, guards, f"call {call}")
+        assert len(launches) > 2 and all(c["PDL"] for _, c in launches)

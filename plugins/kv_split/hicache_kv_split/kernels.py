@@ -28,10 +28,11 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
            host_off_b, host_page_b, host_tok_b, capacity, dev_rows, WIDTH: tl.constexpr,
            SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, TOKENS: tl.constexpr,
            VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, ENTRIES_INNER: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, ENTRIES_INNER: tl.constexpr, PDL: tl.constexpr = False):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        kl.let_next_begin(item, n_items, nprog, PDL)
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         dev_row = kl.device_rows(dev_off, dev_stride, e, d)
@@ -41,3 +42,4 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
             host_b = kl.paged_rows(host_off_b, host_page_b, host_tok_b, e, h, PAGE_SIZE)
             kl.move_rows(anchor, dev_row + SPLIT, host_b, ok, WIDTH - SPLIT, BLOCK_B, VEC, TO_HOST)
         kl.tile_done(FENCE)
+    kl.await_previous(PDL)

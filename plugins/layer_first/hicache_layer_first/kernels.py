@@ -25,12 +25,14 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 @triton.jit(do_not_specialize=["n", "n_ents"])
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok, capacity, dev_rows,
            WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
-           TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr):
+           TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr = False):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        kl.let_next_begin(item, n_items, nprog, PDL)
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, False)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         host_row = tl.load(host_off + e) + h * tl.load(host_tok + e)
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
         kl.tile_done(FENCE)
+    kl.await_previous(PDL)

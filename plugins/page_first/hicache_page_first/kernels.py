@@ -33,12 +33,14 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
            dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
            TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, ENTRIES_INNER: tl.constexpr,
-           PAGE_SIZE: tl.constexpr):
+           PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = False):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        kl.let_next_begin(item, n_items, nprog, PDL)
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)
         h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
         host_row = kl.paged_rows(host_off, host_page, host_tok, e, h, PAGE_SIZE)
         kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), host_row, ok, WIDTH, BLOCK, VEC, TO_HOST)
         kl.tile_done(FENCE)
+    kl.await_previous(PDL)
