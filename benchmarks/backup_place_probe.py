@@ -30,7 +30,7 @@ its default); ``... unfenced`` variants back up without the per-tile fence the p
 tiles of 64 KiB; ``... one launch`` backs up every layer in one launch (``backup_launch_bytes=0``; the plugins split an
 all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of N
 MiB`` in launches of N MiB, ``... pdl`` with each launch after a backup's first a programmatic dependent launch
-(``backup_pdl=True``, sm_90+), ``... 16 programs`` with 16 backup programs, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs.  Options (``programs``, ``num_warps``,
+(``backup_pdl=True``, sm_90+; the plugins' default since 2026-12-07, ``... no pdl`` without), ``... 16 programs`` with 16 backup programs, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs.  Options (``programs``, ``num_warps``,
 ``num_stages``) apply to every direction: a variant's loads
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
@@ -219,6 +219,7 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
         # split backups whose launches after the first are programmatic dependent launches (sm_90+): each may begin
         # while the one before drains its last tiles (the split's cost: the link idle between launches?)
         VARIANTS[f"{_label} {_layout} pdl"] = (_shape, _layout, 1, None, {"backup_pdl": True})
+        VARIANTS[f"{_label} {_layout} no pdl"] = (_shape, _layout, 1, None, {"backup_pdl": False})
         VARIANTS[f"{_label} {_layout} launches of 8 MiB pdl"] = (_shape, _layout, 1, None,
                                                                  {"backup_launch_bytes": 8 << 20, "backup_pdl": True})
         # split backups with twice the programs (a split costs a GEMM little: room for more in flight)

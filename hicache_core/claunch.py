@@ -5,7 +5,8 @@ takes to get there; through :mod:`ctypes` the launch alone costs 7.4-10.2 us the
 (``benchmarks/launch_floor.py``).  This module builds, once per machine and Python, a small CPython extension
 (the C source below, compiled with the system C compiler, as Triton builds its own launchers) whose
 ``launch(handle, grid, stream, *values)`` copies a packed launch's parameter pointer array onto its stack,
-points each dynamic parameter at its new value there, and calls ``cuLaunchKernel`` through its address.  It
+points each dynamic parameter at its new value there, and calls ``cuLaunchKernel`` through its address (for a
+dependent launch ``cuLaunchKernelEx``, with the programmatic stream serialization attribute on).  It
 writes nothing shared, so concurrent launches of one packed launch need no lock, and it releases the GIL
 around the driver call (which blocks while the launch queue is full).
 
@@ -55,6 +56,7 @@ _NAME = "_hicache_claunch"
 _SOURCE = r"""
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -65,8 +67,32 @@ _SOURCE = r"""
 typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                         void **, void **);
 
+/* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out (no CUDA header here): an id padded to 8 bytes and a
+   64-byte value; grid, block, shared bytes, stream, attributes and their count */
+typedef struct {
+  int id;
+  char pad[4];
+  union {
+    char raw[64];
+    int on;
+  } value;
+} launch_attr_t;
+typedef struct {
+  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared;
+  void *stream;
+  launch_attr_t *attrs;
+  unsigned n_attrs;
+} launch_config_t;
+_Static_assert(sizeof(launch_attr_t) == 72 && offsetof(launch_attr_t, value) == 8, "CUlaunchAttribute layout");
+_Static_assert(sizeof(void *) != 8 || (sizeof(launch_config_t) == 56 && offsetof(launch_config_t, stream) == 32),
+               "CUlaunchConfig layout");
+typedef int (*launch_ex_t)(const launch_config_t *, void *, void **, void **);
+/* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
+#define PDL_ATTRIBUTE 6
+
 typedef struct {
   launch_t launch;
+  launch_ex_t launch_ex; /* set: a dependent launch, through cuLaunchKernelEx with PDL_ATTRIBUTE on */
   void *function;
   unsigned block, shared;
   void **params; /* the packed launch's pointer array (static parameters point into its storage) */
@@ -83,14 +109,15 @@ static void drop(PyObject *capsule) {
   }
 }
 
-/* make(launch_address, function, block, shared, params_address, n_params, dynamic_indices, owner) -> handle */
+/* make(launch_address, function, block, shared, params_address, n_params, dynamic_indices, owner[, ex_address])
+   -> handle; ex_address (cuLaunchKernelEx's, 0: none) makes every launch of the handle a dependent one */
 static PyObject *make(PyObject *self, PyObject *args) {
-  unsigned long long launch, function, params;
+  unsigned long long launch, function, params, launch_ex = 0;
   unsigned block, shared;
   int n_params;
   PyObject *dynamic, *owner;
-  if (!PyArg_ParseTuple(args, "KKIIKiO!O", &launch, &function, &block, &shared, &params, &n_params, &PyTuple_Type,
-                        &dynamic, &owner))
+  if (!PyArg_ParseTuple(args, "KKIIKiO!O|K", &launch, &function, &block, &shared, &params, &n_params, &PyTuple_Type,
+                        &dynamic, &owner, &launch_ex))
     return NULL;
   Py_ssize_t n_dynamic = PyTuple_GET_SIZE(dynamic);
   if (!launch || !params || n_params < 0 || n_params > MAX_PARAMS || n_dynamic > MAX_DYNAMIC) {
@@ -100,6 +127,7 @@ static PyObject *make(PyObject *self, PyObject *args) {
   Handle *h = PyMem_Malloc(sizeof(Handle));
   if (!h) return PyErr_NoMemory();
   h->launch = (launch_t)(uintptr_t)launch;
+  h->launch_ex = (launch_ex_t)(uintptr_t)launch_ex;
   h->function = (void *)(uintptr_t)function;
   h->block = block;
   h->shared = shared;
@@ -153,18 +181,30 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   memcpy(params, h->params, sizeof(void *) * (size_t)h->n_params);
   for (int i = 0; i < h->n_dynamic; ++i) params[h->dynamic[i]] = &values[i];
   launch_t fn = h->launch;
+  launch_ex_t fn_ex = h->launch_ex;
   void *function = h->function;
   unsigned block = h->block, shared = h->shared;
   int res;
-  Py_BEGIN_ALLOW_THREADS
-  res = fn(function, (unsigned)grid, 1, 1, block, 1, 1, shared, (void *)(uintptr_t)stream, params, NULL);
-  Py_END_ALLOW_THREADS
+  if (fn_ex) {
+    launch_attr_t attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = PDL_ATTRIBUTE;
+    attr.value.on = 1;
+    launch_config_t cfg = {(unsigned)grid, 1, 1, block, 1, 1, shared, (void *)(uintptr_t)stream, &attr, 1};
+    Py_BEGIN_ALLOW_THREADS
+    res = fn_ex(&cfg, function, params, NULL);
+    Py_END_ALLOW_THREADS
+  } else {
+    Py_BEGIN_ALLOW_THREADS
+    res = fn(function, (unsigned)grid, 1, 1, block, 1, 1, shared, (void *)(uintptr_t)stream, params, NULL);
+    Py_END_ALLOW_THREADS
+  }
   return PyLong_FromLong(res);
 }
 
 static PyMethodDef methods[] = {
     {"make", make, METH_VARARGS,
-     "make(launch_address, function, block, shared, params_address, n_params, dynamic, owner)"},
+     "make(launch_address, function, block, shared, params_address, n_params, dynamic, owner[, ex_address])"},
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "launch(handle, grid, stream, *values)"},
     {NULL, NULL, 0, NULL}};
 

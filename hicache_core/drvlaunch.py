@@ -17,9 +17,12 @@ kernel's Triton signature (constexprs dropped; a tensor descriptor is a
 128-byte tensor map, then its shape as 32-bit and its strides as 64-bit
 integers; pointers 64-bit) and checked against the ``.entry`` parameter list
 of the kernel's PTX, size by size; trailing parameters must be the global and
-profile scratch pointers of a kernel that uses no scratch.  Any difference,
-any launch attribute Triton would set (clusters, cooperative grids,
-programmatic dependent launch, oversized shared memory), an argument type
+profile scratch pointers of a kernel that uses no scratch.  A kernel compiled
+for programmatic dependent launch (Triton's ``launch_pdl``) is launched through
+``cuLaunchKernelEx`` with that one attribute, as Triton's launcher does.  Any
+difference, any other launch attribute Triton would set (clusters, cooperative
+grids, oversized shared memory), a driver without ``cuLaunchKernelEx`` for a
+dependent launch, an argument type
 this module does not pack, or a missing driver symbol gives ``None``, and the
 caller keeps Triton's launcher (:class:`hicache_core.launch.Launcher` does, also
 for a launch whose descriptors :meth:`DriverKernel.pack` cannot encode).
@@ -56,13 +59,34 @@ class DriverLaunchError(RuntimeError):
     """The CUDA driver refused a launch or a tensor-map encoding (the message names the call and the error)."""
 
 
+#: ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the launch may begin before the one before it on the
+#: stream ends, once every program of that one has signalled (``griddepcontrol.launch_dependents``) or ended.
+_PDL_ATTRIBUTE = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (here one int)."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (``cuLaunchKernelEx``'s grid, block, shared memory, stream and attributes)."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("n_attrs", ctypes.c_uint)]
+
+
 _LIB: list[Any] = []
 _C_ON = claunch._ON  # the compiled call's switch (claunch.set_c_launch), read per launch
 
 
-def _launch_address(lib: Any) -> int | None:
-    """The C address of ``lib.cuLaunchKernel`` when it is a C function (``None`` for a stand-in object)."""
-    f = getattr(lib, "cuLaunchKernel", None)
+def _launch_address(lib: Any, name: str = "cuLaunchKernel") -> int | None:
+    """The C address of ``lib.<name>`` when it is a C function (``None`` for a stand-in object or a driver without
+    it)."""
+    f = getattr(lib, name, None)
     if not isinstance(f, ctypes._CFuncPtr):  # type: ignore[attr-defined]
         return None
     return ctypes.cast(f, ctypes.c_void_p).value
@@ -80,6 +104,11 @@ def _cuda() -> Any:
         # exact C types (no per-call conversion; a plain int would be passed as a C int, so nothing else
         # may call it).
         lib.cuLaunchKernel.restype = ctypes.c_int
+        try:  # dependent launches (drivers of CUDA 12.0 and later; else those keep Triton's launcher)
+            lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), c_void_p, c_void_p, c_void_p]
+            lib.cuLaunchKernelEx.restype = ctypes.c_int
+        except AttributeError:
+            pass
         u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
         lib.cuTensorMapEncodeTiled.argtypes = [c_void_p, ctypes.c_int, c_uint, c_void_p, u64p, u64p, u32p, u32p,
                                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -177,16 +206,26 @@ class Packed:
     arguments.
     """
 
-    __slots__ = ("array", "keep", "setters", "objs", "lock", "grid", "stream", "call", "fast")
+    __slots__ = ("array", "keep", "setters", "objs", "lock", "grid", "stream", "call", "fast", "config")
 
     def __init__(self, array: Any, keep: list, setters: tuple[tuple[int, Any, bool], ...], function: int,
-                 block: int, shared: int, fast: tuple[Any, Any] | None = None) -> None:
+                 block: int, shared: int, fast: tuple[Any, Any] | None = None, pdl: bool = False) -> None:
         self.array, self.keep, self.setters = array, keep, setters
         self.objs = tuple(obj for _, obj, _ in setters)  # the dynamic values' C objects, in ``setters`` order
         self.lock = threading.Lock()
         self.grid, self.stream, one = ctypes.c_uint(1), ctypes.c_void_p(0), ctypes.c_uint(1)
-        self.call = (ctypes.c_void_p(function), self.grid, one, one, ctypes.c_uint(block), one, one,
-                     ctypes.c_uint(shared), self.stream, array, None)
+        #: ``cuLaunchKernelEx``'s configuration (grid and stream rewritten per call) for a dependent launch, else
+        #: ``None`` (``call`` is then ``cuLaunchKernel``'s arguments)
+        self.config: _LaunchConfig | None = None
+        self.call: tuple[Any, ...]
+        if pdl:
+            attr = _LaunchAttribute(id=_PDL_ATTRIBUTE, value=1)
+            self.config = _LaunchConfig(1, 1, 1, block, 1, 1, shared, None, ctypes.pointer(attr), 1)
+            keep.append(attr)
+            self.call = (ctypes.byref(self.config), ctypes.c_void_p(function), array, None)
+        else:
+            self.call = (ctypes.c_void_p(function), self.grid, one, one, ctypes.c_uint(block), one, one,
+                         ctypes.c_uint(shared), self.stream, array, None)
         #: ``(launch, handle)`` of the compiled call (:mod:`hicache_core.claunch`), or ``None`` (ctypes only).
         self.fast = fast
 
@@ -200,9 +239,11 @@ class DriverKernel:
     """A compiled Triton kernel as ``cuLaunchKernel`` sees it; :meth:`build` returns ``None`` where not verified."""
 
     def __init__(self, lib: Any, compiled: Any, plan: list[tuple[str, int, int]], scratch: int, num_warps: int,
-                 shared: int, metas: Sequence[dict]) -> None:
+                 shared: int, metas: Sequence[dict], pdl: bool = False) -> None:
         self.lib, self.compiled, self.plan, self.scratch = lib, compiled, plan, scratch
         self.block, self.shared, self.metas = 32 * num_warps, shared, metas
+        #: compiled for programmatic dependent launch: launched through ``cuLaunchKernelEx`` with that attribute
+        self.pdl = pdl
 
     @classmethod
     def build(cls, compiled: Any) -> DriverKernel | None:
@@ -226,8 +267,11 @@ class DriverKernel:
                 not isinstance(getattr(compiled, "function", None), int):
             return "no metadata, signature, PTX or function handle", None
         if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False) or \
-                getattr(md, "launch_pdl", False) or getattr(md, "shared", 0) > _MAX_PLAIN_SHARED:
+                getattr(md, "shared", 0) > _MAX_PLAIN_SHARED:
             return "launch attributes", None
+        pdl = bool(getattr(md, "launch_pdl", False))
+        if pdl and getattr(lib, "cuLaunchKernelEx", None) is None:
+            return "a dependent launch and no cuLaunchKernelEx", None
         if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
             return "scratch memory", None
         metas = getattr(md, "tensordesc_meta", None)
@@ -244,7 +288,7 @@ class DriverKernel:
         # build that appends anything else (instrumentation) gives more than two and is refused.
         if head != [_size(kind) for kind, _, _ in plan] or any(s != 8 for s in tail) or len(tail) > 2:
             return f"parameter sizes {sizes} vs {[_size(kind) for kind, _, _ in plan]}", None
-        return "", cls(lib, compiled, plan, len(tail), md.num_warps, md.shared, metas or ())
+        return "", cls(lib, compiled, plan, len(tail), md.num_warps, md.shared, metas or (), pdl)
 
     def _encode(self, desc: Any, meta: dict) -> Any:
         """A tensor map for host descriptor ``desc`` (``base``, ``shape``, ``strides``), as Triton encodes it."""
@@ -304,18 +348,20 @@ class DriverKernel:
             keep.append(obj)
             array[len(self.plan) + j] = ctypes.addressof(obj)
         return Packed(array, keep, tuple(setters), self.compiled.function, self.block, self.shared,
-                      self._fast(array, keep, n, tuple(dyn_params)))
+                      self._fast(array, keep, n, tuple(dyn_params)), self.pdl)
 
     def _fast(self, array: Any, keep: list, n: int, dyn_params: tuple[int, ...]) -> tuple[Any, Any] | None:
         """The compiled call's ``(launch, handle)`` for a packed launch, or ``None`` (ctypes) where it is
         unavailable: no compiled module, a driver without a C entry point (a stand-in), too many parameters."""
         addr = _launch_address(self.lib)
-        mod = claunch.module() if addr is not None else None
+        ex = _launch_address(self.lib, "cuLaunchKernelEx") if self.pdl else 0
+        mod = claunch.module() if addr is not None and ex is not None else None
         if mod is None or n > claunch.MAX_PARAMS or len(dyn_params) > claunch.MAX_DYNAMIC:
             return None
-        # the handle keeps ``keep`` (the array and every static parameter's storage) alive itself
+        # the handle keeps ``keep`` (the array and every static parameter's storage) alive itself; a dependent
+        # launch goes through cuLaunchKernelEx (ex) with the programmatic-serialization attribute
         return mod.launch, mod.make(addr, self.compiled.function, self.block, self.shared, ctypes.addressof(array),
-                                    n, dyn_params, keep)
+                                    n, dyn_params, keep, ex)
 
     def launch(self, grid: int, stream: int, packed: Packed, args: Sequence[Any]) -> bool:
         """Launch on ``grid`` programs with ``packed`` updated from ``args``' dynamic positions.
@@ -342,14 +388,19 @@ class DriverKernel:
             res = fast[0](fast[1], grid, stream, *values)
         else:
             with packed.lock:
-                packed.grid.value, packed.stream.value = grid, stream
                 for obj, v in zip(packed.objs, values):
                     obj.value = v
-                res = self.lib.cuLaunchKernel(*packed.call)
+                cfg = packed.config
+                if cfg is None:
+                    packed.grid.value, packed.stream.value = grid, stream
+                    res = self.lib.cuLaunchKernel(*packed.call)
+                else:
+                    cfg.grid_x, cfg.stream = grid, stream
+                    res = self.lib.cuLaunchKernelEx(*packed.call)
         if res == _CUDA_ERROR_INVALID_CONTEXT:
             return False
         if res:
-            err = _error(self.lib, res, "cuLaunchKernel")
+            err = _error(self.lib, res, "cuLaunchKernelEx" if self.pdl else "cuLaunchKernel")
             raise DriverLaunchError(f"{err}; HICACHE_DRIVER_LAUNCH=0 launches through Triton's launcher instead (an "
                                     "error that persists there too, such as an illegal address, came from an earlier "
                                     "kernel)")

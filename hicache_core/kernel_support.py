@@ -45,6 +45,7 @@ __all__ = [
     "require_pinned",
     "sm_budget",
     "interpreting",
+    "dependent_launches",
     "ENV_PROGRAMS",
 ]
 
@@ -57,6 +58,13 @@ _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dependent_launches(device: torch.device) -> bool:
+    """Whether launches on ``device`` may be programmatic dependent launches (PTX ``griddepcontrol``, compute
+    capability 9.0 and later): a CUDA device outside Triton's interpreter."""
+    return (device.type == "cuda" and not interpreting() and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 #: Oldest Triton whose CPU interpreter runs the kernels: 3.6's fails in their persistent loops (``tl.range`` from

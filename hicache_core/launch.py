@@ -204,8 +204,8 @@ class Launcher:
                  dynamic: Sequence[int] = (), maxnreg: int | None = None,
                  packs: dict | None = None, pdl: bool = False) -> tuple[Any, Any] | None:
         """Launch on ``grid`` programs.  ``maxnreg`` caps registers per thread (Triton's option; ``None``: no cap).
-        ``pdl``: a programmatic dependent launch (Triton's ``launch_pdl``, a compile option: its own compiled kernel,
-        which the CUDA driver launch never takes: Triton's launcher sets the launch attribute).
+        ``pdl``: a programmatic dependent launch (Triton's ``launch_pdl``, a compile option: its own compiled kernel;
+        the CUDA driver launch makes it through ``cuLaunchKernelEx``, as Triton's launcher does).
 
         ``packs``: a dict owned by one launch whose positions outside ``dynamic`` hold the same values on
         every call with it (needs ``static_key``); the driver launch keeps that launch's packed parameters

@@ -42,6 +42,7 @@ from . import claunch, replay
 from .binding import PoolBinding
 from .errors import ConfigError
 from .kernel_support import (
+    dependent_launches,
     interpreting,
     kernel_unsupported_reason,
     on_pool_device,
@@ -200,11 +201,12 @@ class RowKernelStrategy(DirectionalStrategy):
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """The launch shape per direction on ``spec``'s device, for ``hicache explain``."""
         t = self.effective_tuning(spec.device)
-        # the launch passes FENCE on CUDA only, to kernels that declare it (known once the kernel module is imported:
-        # describe imports nothing; the shipped plugins' kernels declare it)
+        # the launch passes FENCE on CUDA only, PDL on compute capability >= 9.0 only, to kernels that declare them
+        # (known once the kernel module is imported: describe imports nothing; the shipped plugins' kernels declare both)
         kernel = getattr(sys.modules.get(self.kernel_module), "KERNEL", None)
         fences = (spec.device.type == "cuda" and not interpreting()
                   and "FENCE" in getattr(kernel, "arg_names", ("FENCE",)))
+        dependents = dependent_launches(spec.device) and "PDL" in getattr(kernel, "arg_names", ("PDL",))
 
         def one(d: Tuning) -> str:
             extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")
@@ -213,7 +215,7 @@ class RowKernelStrategy(DirectionalStrategy):
                         if d.fence and fences else "")
                      + (f", launches of up to {_size(d.launch_bytes)} (a call of more: "
                         + ("every layer of a run of whole pages" if self.entries_inner else "some layers") + " per launch)"
-                        + (", each after the first a programmatic dependent launch (sm_90+)" if d.pdl else "")
+                        + (", each after the first a programmatic dependent launch" if d.pdl and dependents else "")
                         if d.launch_bytes else ""))
             return f"{d.programs} programs x {d.num_warps} warps, {d.tile_bytes} B tiles{extra}"
         tma = ""
@@ -442,7 +444,7 @@ class RowKernelStrategy(DirectionalStrategy):
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
                     # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan); with
-                    # lv.pdl, each after the first a programmatic dependent launch (Triton's launcher, not replayed)
+                    # lv.pdl, each after the first a programmatic dependent launch (recorded and replayed as any other)
                     start = 0  # where the launch's positions start (a call split by positions; else it moves all n)
                     for i, (sub, hs, ds) in enumerate(_splits(prep, ents, lv, h, d, n, self.entries_inner,
                                                               binding.spec.page_size)):

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 
 from .errors import ConfigError
-from .kernel_support import interpreting
+from .kernel_support import dependent_launches, interpreting
 from .replay import Replays, Step, step as replay_step
 from .rowcopy_groups import RowGroup
 from .rowcopy_tma import TmaLaunch
@@ -264,8 +264,7 @@ def dependent(t: Tuning, g: RowGroup) -> bool:
     """Whether a call's launches of ``g`` under ``t`` after its first are programmatic dependent launches (``PDL``):
     the tuning asks for them (``pdl``) and the group is on a CUDA device of compute capability 9.0 or later outside
     Triton's interpreter (``griddepcontrol`` is sm_90 PTX)."""
-    return (t.pdl and g.anchor.is_cuda and not interpreting()
-            and torch.cuda.get_device_capability(g.anchor.device)[0] >= 9)
+    return t.pdl and dependent_launches(g.anchor.device)
 
 
 def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, values: dict[str, Any],

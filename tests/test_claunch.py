@@ -33,6 +33,27 @@ class Driver:
         return self.result
 
 
+_LAUNCH_EX_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(drvlaunch._LaunchConfig), ctypes.c_void_p,
+                                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
+class DriverEx(Driver):
+    """:class:`Driver` with ``cuLaunchKernelEx``: records ``(function, grid, block, shared, stream, attributes,
+    parameter bytes, extra)`` of each dependent launch."""
+
+    def __init__(self, n_params: int, result: int = 0) -> None:
+        super().__init__(n_params, result)
+        self.fn_ex = _LAUNCH_EX_T(self._launch_ex)
+        self.address_ex = ctypes.cast(self.fn_ex, ctypes.c_void_p).value
+
+    def _launch_ex(self, cfg, fn, params, extra):
+        c = cfg.contents
+        self.calls.append(("ex", fn, (c.grid_x, c.grid_y, c.grid_z), (c.block_x, c.block_y, c.block_z), c.shared,
+                           c.stream, [(c.attrs[i].id, c.attrs[i].value) for i in range(c.n_attrs)],
+                           [ctypes.string_at(params[i], 8) for i in range(self.n)], extra))
+        return self.result
+
+
 def _storage(*values: int) -> tuple[list, object]:
     objs = [ctypes.c_uint64(v) for v in values]
     return objs, (ctypes.c_void_p * len(objs))(*[ctypes.addressof(o) for o in objs])
@@ -51,6 +72,23 @@ def test_a_launch_carries_the_static_parameters_and_the_new_dynamic_values():
     assert [o.value for o in objs] == [11, 22, 33, 44]  # nothing shared written
     drv.result = 700
     assert mod.launch(h, 1, 0, 1, 2) == 700  # the driver's result, as is
+
+
+@needs_module
+def test_a_dependent_launch_goes_through_cuLaunchKernelEx_with_the_programmatic_attribute():
+    """A handle made with ``cuLaunchKernelEx``'s address launches through it: the same function, grid, block, shared
+    memory, stream and parameters as a plain launch, one attribute (programmatic stream serialization, 6, on)."""
+    mod = claunch.module()
+    drv = DriverEx(3)
+    objs, array = _storage(11, 22, 33)
+    h = mod.make(drv.address, 0x1234, 128, 4096, ctypes.addressof(array), 3, (1,), objs, drv.address_ex)
+    assert mod.launch(h, 7, 0x50, 99) == 0
+    assert drv.calls == [("ex", 0x1234, (7, 1, 1), (128, 1, 1), 4096, 0x50, [(6, 1)],
+                          [v.to_bytes(8, "little") for v in (11, 99, 33)], None)]
+    drv.result = 700
+    assert mod.launch(h, 1, 0, 1) == 700
+    plain = mod.make(drv.address, 0x1234, 128, 0, ctypes.addressof(array), 3, (), objs, 0)  # 0: a plain launch
+    assert mod.launch(plain, 2, 0) == 700 and drv.calls[-1][0] == 0x1234
 
 
 @needs_module

@@ -78,6 +78,21 @@ class FakeLib:
         return 0
 
 
+class FakeLibEx(FakeLib):
+    """:class:`FakeLib` with ``cuLaunchKernelEx``: records each dependent launch's configuration and attributes."""
+
+    def cuLaunchKernelEx(self, config, fn, params, extra):
+        assert all(lock.locked() for lock in self.locks)
+        cfg = config._obj  # ctypes.byref's object: the packed launch's CUlaunchConfig
+        read = lambda i, t: t.from_address(params[i]).value  # noqa: E731
+        self.launches.append(dict(ex=True, fn=fn.value, grid=(cfg.grid_x, cfg.grid_y, cfg.grid_z),
+                                  block=(cfg.block_x, cfg.block_y, cfg.block_z), shared=cfg.shared,
+                                  stream=cfg.stream or 0, attrs=[(cfg.attrs[i].id, cfg.attrs[i].value)
+                                                                 for i in range(cfg.n_attrs)],
+                                  anchor=read(0, ctypes.c_uint64), n=read(6, ctypes.c_int32), extra=extra))
+        return self.launch_result
+
+
 def _compiled(ptx=PTX, sig=SIG, meta=META, **md):
     fields = dict(name="K", num_warps=4, num_ctas=1, shared=1024, global_scratch_size=0, profile_scratch_size=0,
                   launch_cooperative_grid=False, launch_pdl=False, tensordesc_meta=meta)
@@ -120,7 +135,7 @@ def test_expected_params_expand_descriptors_and_drop_constexprs():
     dict(global_scratch_size=128), dict(profile_scratch_size=64), dict(num_ctas=2), dict(launch_pdl=True),
     dict(launch_cooperative_grid=True), dict(shared=229 * 1024), dict(name="L"),
     dict(sig={**SIG, "n": "fp16"}),
-], ids=["size", "missing", "extra-trailing", "scratch", "profile", "cluster", "pdl", "coop", "oversized", "name",
+], ids=["size", "missing", "extra-trailing", "scratch", "profile", "cluster", "pdl-no-ex", "coop", "oversized", "name",
         "type"])
 def test_anything_unverified_keeps_tritons_launcher(lib, change):
     assert DriverKernel.build(_compiled(**change)) is None
@@ -188,6 +203,33 @@ def test_driver_errors(lib):
     assert not k.launch(1, 0, packed, args)
     lib.launch_result = 700
     with pytest.raises(DriverLaunchError, match=r"cuLaunchKernel failed: \? \(700\)"):
+        k.launch(1, 0, packed, args)
+
+
+def test_a_dependent_launch_goes_through_cuLaunchKernelEx_with_the_programmatic_attribute(monkeypatch):
+    """A kernel compiled with ``launch_pdl`` is launched through ``cuLaunchKernelEx``: the same function, grid, block,
+    shared memory, stream and parameters as a plain launch, one attribute (programmatic stream serialization, 6, on);
+    a driver without ``cuLaunchKernelEx`` keeps Triton's launcher for it."""
+    monkeypatch.setattr(drvlaunch, "_LIB", [FakeLib()])
+    assert DriverKernel.build(_compiled(launch_pdl=True)) is None
+    lib = FakeLibEx()
+    monkeypatch.setattr(drvlaunch, "_LIB", [lib])
+    k = DriverKernel.build(_compiled(launch_pdl=True))
+    assert k is not None and k.pdl and not DriverKernel.build(_compiled()).pdl
+    anchor, other = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int32)
+    args = [anchor, _desc(torch.zeros(40 * 288, dtype=torch.int32)), None, 100, 288]
+    packed = k.pack(args, dynamic=(0, 3))
+    lib.locks.append(packed.lock)
+    assert k.launch(3, 0x5, packed, args) and k.launch(7, 0x6, packed, [other, args[1], None, 4096, 288])
+    a, b = lib.launches
+    assert a == dict(ex=True, fn=0xF00, grid=(3, 1, 1), block=(128, 1, 1), shared=1024, stream=0x5, attrs=[(6, 1)],
+                     anchor=anchor.data_ptr(), n=100, extra=None)
+    assert (b["grid"], b["stream"], b["anchor"], b["n"], b["attrs"]) == ((7, 1, 1), 0x6, other.data_ptr(), 4096,
+                                                                         [(6, 1)])
+    assert ctypes.sizeof(drvlaunch._LaunchConfig) == 56 and ctypes.sizeof(drvlaunch._LaunchAttribute) == 72
+    assert drvlaunch._LaunchConfig.stream.offset == 32 and drvlaunch._LaunchAttribute.value.offset == 8
+    lib.launch_result = 700
+    with pytest.raises(DriverLaunchError, match=r"cuLaunchKernelEx failed: \? \(700\)"):
         k.launch(1, 0, packed, args)
 
 

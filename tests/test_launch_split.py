@@ -462,14 +462,16 @@ def test_a_direction_that_never_splits_keys_its_steps_without_a_split(layout, mo
 
 # -- programmatic dependent launches (backup_pdl) ----------------------------------------------------------
 def test_pdl_options_are_checked_and_reach_the_backup_tuning():
-    """``backup_pdl`` must be a bool (or ``None``: the tuning's); it sets the backups' ``Tuning.pdl`` only."""
+    """``backup_pdl`` must be a bool (or ``None``: the tuning's, on in the shipped plugins); it sets the backups'
+    ``Tuning.pdl`` only."""
     with pytest.raises(rowcopy.ConfigError, match="backup_pdl must be True, False or None"):
         LayerFirstKernelStrategy(backup_pdl=1)
     with pytest.raises(rowcopy.ConfigError, match="pdl must be True or False"):
         rowcopy.Tuning(1, 1, 1, pdl="yes")
-    t = LayerFirstKernelStrategy(backup_pdl=True).effective_tuning(torch.device("cpu"))
-    assert t.backup.pdl and not t.load.pdl
-    assert not LayerFirstKernelStrategy().effective_tuning(torch.device("cpu")).backup.pdl
+    for cls in KERNELS.values():  # on by default, in backups only; backup_pdl=False turns it off
+        t = cls().effective_tuning(torch.device("cpu"))
+        assert t.backup.pdl and not t.load.pdl
+        assert not cls(backup_pdl=False).effective_tuning(torch.device("cpu")).backup.pdl
 
 
 @pytest.mark.parametrize("layout", TWO)
@@ -527,20 +529,25 @@ def test_with_pdl_every_launch_after_a_calls_first_is_dependent(layout, monkeypa
                     reason="programmatic dependent launches: CUDA, compute capability 9.0 and later")
 @pytest.mark.parametrize("layout", KERNELS)
 def test_pdl_split_backups_are_bit_exact_on_the_gpu(layout, launches):
-    """Split backups with dependent launches move exactly the reference's bytes, call after call, canaries intact,
-    with the tuning's replays on (a call with dependent launches is never recorded: Triton's launcher makes them)."""
+    """Split backups with dependent launches move exactly the reference's bytes, call after call, canaries intact;
+    with the same index tensors later calls replay them (cuLaunchKernelEx, the programmatic attribute on)."""
     n = 48
     gen = torch.Generator().manual_seed(14)
     h, src = _pages(gen, n // 2), torch.arange(n)
+    hd, sd = h.to(DEVICE), src.to(DEVICE)
     pool, _, _, row = _pools(layout, 0)
     k = pool.binding.scratch[pool.strategy_name].groups[0].entries(None).numel()
     inner = KERNELS[layout].entries_inner
     pool, ref, guards, _ = _pools(layout, 16 * k * row if inner else n * row, {"backup_pdl": True})
-    assert any(lv.pdl for per in pool.binding.scratch[pool.strategy_name].launches for lv in per.values())
-    for call in range(3):
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert any(lv.pdl for per in prep.launches for lv in per.values())
+    for call in range(4):
         _new_rows(pool, ref, gen)
         launches.clear()
-        pool.backup_all_layers(h.to(DEVICE), src.to(DEVICE))
+        pool.backup_all_layers(hd, sd)
         ref.backup_all_layers(h, src)
         _same(pool, ref, guards, f"call {call}")
-        assert len(launches) > 2 and all(c["PDL"] for _, c in launches)
+        if call == 0:
+            assert len(launches) > 2 and all(c["PDL"] for _, c in launches)
+    if prep.replays is not None and replay.replay_enabled():
+        assert prep.replays.hits >= 1  # the dependent launches went through the driver, were recorded and replayed

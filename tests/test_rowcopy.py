@@ -583,6 +583,7 @@ def test_describe_states_the_launch_shape_explain_prints(monkeypatch):
                            f"loads {ld.programs} programs x 2 warps, {ld.tile_bytes} B tiles, 3 stages")
     assert b.launch_bytes == 32 << 20 and not ld.launch_bytes
     assert "fenced" not in line  # the launch fences on CUDA only
+    assert b.pdl and "dependent" not in line  # and makes dependent launches on compute capability >= 9.0 only
     monkeypatch.setenv("HICACHE_KERNEL_PROGRAMS", "5")
     assert "backups 5 programs" in LayerFirstKernelStrategy().describe(spec, None)[0]
 

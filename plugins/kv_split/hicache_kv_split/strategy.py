@@ -32,9 +32,11 @@ NAME = "page_first_kv_split.kernel"
 #: moving more than BACKUP_LAUNCH_BYTES goes out in launches of every layer of a run of tokens (H100, record call 59):
 #: MLA bf16 0.924 at +1.1% (one launch 0.946 at +12%), at 32768 tokens 0.928 at -1.4% (0.950 at +15%), MHA 0.923 at
 #: +0.7% (0.946 at +14%), fp8 576 B 0.876 at +2.4% (0.920 at +8%).
+#: Those launches after a call's first are programmatic dependent launches (pdl, sm_90+: each may begin while the
+#: one before drains; H100, record call 63): the other layouts' MHA rows 0.925-0.934 -> 0.940-0.945 at +1-2%.
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
-                  launch_bytes=BACKUP_LAUNCH_BYTES),
+                  launch_bytes=BACKUP_LAUNCH_BYTES, pdl=True),
     load=Tuning(programs=16, num_warps=8, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)

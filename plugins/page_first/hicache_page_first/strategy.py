@@ -25,9 +25,11 @@ __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 #: (token-major) every layer of a run of tokens per launch, MLA bf16 0.921 at +0.5% (one launch 0.936 at +21%), at
 #: 32768 tokens 0.926 at +0.2% (0.934 at +25%), MHA 0.923 at -0.6% (0.946 at +14%); page_first_direct some layers per
 #: launch, MLA bf16 0.925 at +2.3% (0.934 at +21%).
+#: Those launches after a call's first are programmatic dependent launches (pdl, sm_90+: each may begin while the
+#: one before drains; H100, record call 63): MHA page_first 0.925 -> 0.940 at +0.8% -> +1.6%.
 TUNING = KernelTuning(
     backup=Tuning(programs=8, num_warps=4, tile_bytes=32768, fence=True, fence_min_row_bytes=2048,
-                  launch_bytes=BACKUP_LAUNCH_BYTES),
+                  launch_bytes=BACKUP_LAUNCH_BYTES, pdl=True),
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
