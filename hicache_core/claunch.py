@@ -75,6 +75,7 @@ typedef struct {
   union {
     char raw[64];
     int on;
+    unsigned long long align; /* 8-byte aligned, as cuda.h's union (it holds pointers) */
   } value;
 } launch_attr_t;
 typedef struct {

@@ -65,9 +65,11 @@ _PDL_ATTRIBUTE = 6
 
 
 class _LaunchAttribute(ctypes.Structure):
-    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (here one int)."""
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union (here one int; 8-byte aligned, as the
+    union's pointers make it)."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("pad2", ctypes.c_int),
+                ("rest", ctypes.c_uint64 * 7)]
 
 
 class _LaunchConfig(ctypes.Structure):

@@ -147,13 +147,14 @@ def tile_done(FENCE: tl.constexpr):
 
 @triton.jit
 def let_next_begin(item, n_items, nprog, PDL: tl.constexpr):
-    """With ``PDL``, at the start of this program's last work item (``item`` of ``n_items``, ``nprog`` programs
-    striding): the next launch on the stream, where it was made as a programmatic dependent launch (Hopper's PDL,
-    Triton's ``launch_pdl``), may begin once every program of this one has signalled or ended (PTX
+    """With ``PDL`` 2 (a launch of a call but its last), at the start of this program's last work item (``item`` of
+    ``n_items``, ``nprog`` programs striding): the next launch on the stream, made as a programmatic dependent launch
+    (Hopper's PDL, Triton's ``launch_pdl``), may begin once every program of this one has signalled or ended (PTX
     ``griddepcontrol.launch_dependents``), so its programs start while this launch's last items drain instead of
-    after it ends.  A program with no items never signals (its end counts).  sm_90 and later; the launch passes
-    ``PDL`` False elsewhere."""
-    if PDL:
+    after it ends.  A program with no items never signals (its end counts).  A call's last launch (``PDL`` 1) never
+    signals: whatever follows the call on the stream starts after it ends, as after a plain launch.  sm_90 and
+    later; the launch passes ``PDL`` 0 elsewhere."""
+    if PDL >= 2:
         if item + nprog >= n_items:
             tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;", "=r,r",
                                       [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
@@ -161,10 +162,11 @@ def let_next_begin(item, n_items, nprog, PDL: tl.constexpr):
 
 @triton.jit
 def await_previous(PDL: tl.constexpr):
-    """With ``PDL``, at the end of a program: wait until the launch this one depends on has completed and its writes
-    are visible (PTX ``griddepcontrol.wait``; at once in a launch made without PDL), so that a launch never completes
-    before the one before it: whatever waits on the last launch of a call waits on all of them."""
-    if PDL:
+    """With ``PDL`` 1 or 2, at the end of a program: wait until the launch this one depends on has completed and its
+    writes are visible (PTX ``griddepcontrol.wait``; at once in a launch made without PDL, such as a call's first), so
+    that a launch never completes before the one before it: whatever waits on the last launch of a call waits on all
+    of them."""
+    if PDL >= 1:
         tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
                                   dtype=tl.int32, is_pure=False, pack=1)
 

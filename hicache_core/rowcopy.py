@@ -444,19 +444,19 @@ class RowKernelStrategy(DirectionalStrategy):
                     kw = dict(num_warps=lv.tuning.num_warps, static_key=lv.key, dynamic=dyn,
                               maxnreg=lv.tuning.maxnreg, packs=lv.packs)
                     # one launch, unless the tuning's launch_bytes splits the call (rowcopy_launch._split_plan); with
-                    # lv.pdl, each after the first a programmatic dependent launch (recorded and replayed as any other)
+                    # lv.pdl, each after the first a programmatic dependent launch, each but the last letting the next
+                    # begin (_Launch.split_launch; recorded and replayed as any other)
                     start = 0  # where the launch's positions start (a call split by positions; else it moves all n)
-                    for i, (sub, hs, ds) in enumerate(_splits(prep, ents, lv, h, d, n, self.entries_inner,
-                                                              binding.spec.page_size)):
-                        if i == 1 and lv.pdl:
-                            kw = {**kw, "pdl": True}
+                    split = _splits(prep, ents, lv, h, d, n, self.entries_inner, binding.spec.page_size)
+                    for i, (sub, hs, ds) in enumerate(split):
                         m = hs.numel()
                         call = {"host_idx": hs, "dev_idx": ds, "n": m, "ents": sub, "n_ents": sub.numel()}
                         args = _fill(lv.args, lv.slots, call)
+                        kw_i = lv.split_launch(args, i, len(split) - 1, kw)
                         items = per_tile // ents.numel() * sub.numel()
-                        used = launcher(_grid(lv.tuning.programs, m, lv.tokens, items), args, **kw)
-                        steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items, kw,
-                                      None if m == n else (start, m))
+                        used = launcher(_grid(lv.tuning.programs, m, lv.tokens, items), args, **kw_i)
+                        steps = _keep(steps, used, launcher, args, lv.slots, lv.tuning.programs, lv.tokens, items,
+                                      kw_i, None if m == n else (start, m))
                         start += m
         if steps is not None:  # only made with a batch, hence replays
             rp.record(cast(Batch, b), layer, to_host, steps)  # type: ignore[union-attr]

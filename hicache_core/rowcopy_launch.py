@@ -23,7 +23,7 @@ from .rowcopy_tma import TmaLaunch
 from .rowcopy_tuning import KernelTuning, Tuning
 from .spec import PoolSpec
 
-__all__ = ["LAUNCH_VALUES", "DYNAMIC_VALUES", "Prepared"]
+__all__ = ["LAUNCH_VALUES", "DYNAMIC_VALUES", "Prepared", "PDL_OFF", "PDL_LAST", "PDL_CHAIN"]
 
 #: Every name a row-copy kernel may declare, and what the launch passes for it.
 LAUNCH_VALUES = {
@@ -55,9 +55,11 @@ LAUNCH_VALUES = {
     "FENCE": "constexpr: after each work item every thread waits until the GPU has taken its writes (kernel_lib."
              "tile_done; the direction's Tuning.fence for rows of >= its fence_min_row_bytes, on CUDA outside Triton's "
              "interpreter only)",
-    "PDL": "constexpr: a call's launches after its first are programmatic dependent launches: each program signals the "
-           "next launch at its last work item and waits for the launch before at its end (kernel_lib.let_next_begin, "
-           "await_previous; the direction's Tuning.pdl, on CUDA devices of compute capability >= 9.0 only)",
+    "PDL": "constexpr int: how a launch of a split call takes part in programmatic dependent launches (the direction's "
+           "Tuning.pdl, on CUDA devices of compute capability >= 9.0 only): 2 for every launch of the call but its last "
+           "(each program signals the next launch at its last work item: kernel_lib.let_next_begin), 1 for its last, "
+           "and 1 or 2 waits for the launch before at each program's end (kernel_lib.await_previous); 0: a call in one "
+           "launch, or PDL off (PDL_OFF, PDL_LAST, PDL_CHAIN)",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
     "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
@@ -72,6 +74,8 @@ LAUNCH_VALUES = {
     "GROUP": "constexpr: page loads: pages per work item (1, or a power of two for small pages: see "
              "rowcopy_pages.group_pages; PART then covers a page, PARTS is 1, R1..R4 are 0)",
 }
+#: ``PDL`` launch values: a plain call (one launch, or PDL off); the last launch of a split call; the others.
+PDL_OFF, PDL_LAST, PDL_CHAIN = 0, 1, 2
 #: The launch values that change from call to call (the rest is fixed per pool, group and direction).
 DYNAMIC_VALUES = ("host_idx", "dev_idx", "n", "ents", "n_ents")
 
@@ -95,8 +99,26 @@ class _Launch:
     args: tuple
     slots: tuple[tuple[str, int], ...]
     row_bytes: int = 0  # bytes one index position moves per entry (the tuning's launch_bytes is counted in them)
-    pdl: bool = False  # the kernel declares PDL and it is on: a call's launches after its first are dependent ones
+    #: where PDL is on (the kernel declares it): the static key of each PDL value (PDL_OFF, PDL_LAST, PDL_CHAIN; ``args``
+    #: holds PDL_OFF) and PDL's position in ``args``; a split call's launches after its first are dependent ones
+    pdl_keys: tuple[int, ...] = ()
+    pdl_at: int = -1
     packs: dict = field(init=False, default_factory=dict, compare=False, repr=False)  # the launcher's packed parameters
+
+    @property
+    def pdl(self) -> bool:
+        """Whether a split call's launches after its first are programmatic dependent launches."""
+        return bool(self.pdl_keys)
+
+    def split_launch(self, args: list, i: int, last: int, kw: dict) -> dict:
+        """Launch ``i`` of a call's ``0..last``: with PDL on and the call split, ``args``' PDL set (PDL_CHAIN, or PDL_LAST
+        for the last) and the keyword arguments of that launch (its static key, and ``pdl`` after the first); else
+        ``kw`` as it is."""
+        if not self.pdl_keys or not last:
+            return kw
+        mode = PDL_LAST if i == last else PDL_CHAIN
+        args[self.pdl_at] = mode
+        return {**kw, "static_key": self.pdl_keys[mode], "pdl": i > 0}
 
 
 @dataclass(frozen=True)
@@ -273,8 +295,13 @@ def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, valu
     (``row_bytes``: what one index position moves per entry)."""
     args = launcher.bind(values)
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-    pdl = bool(values.get("PDL")) and "PDL" in launcher.arg_names
-    return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots, row_bytes, pdl)
+    key = launcher.static_key(args, dynamic)
+    if not (values.get("PDL") and "PDL" in launcher.arg_names):
+        return _Launch(tokens, key, t, args, slots, row_bytes)
+    at = launcher.arg_names.index("PDL")
+    keys = tuple(launcher.static_key(args[:at] + (mode,) + args[at + 1:], dynamic)
+                 for mode in (PDL_OFF, PDL_LAST, PDL_CHAIN))
+    return _Launch(tokens, keys[PDL_OFF], t, args[:at] + (PDL_OFF,) + args[at + 1:], slots, row_bytes, keys, at)
 
 
 def _tma_plan(prep: Prepared, gi: int, n: int) -> dict[int, tuple[TmaLaunch, ...]] | None:

@@ -21,7 +21,7 @@ from dataclasses import replace  # noqa: E402
 import pytest  # noqa: E402
 
 from hicache_core import (HostKVPool, LayerMap, PoolSpec, claunch, create_registry, kernel_lib,  # noqa: E402
-                          rowcopy, rowcopy_launch)
+                          kernel_support, rowcopy, rowcopy_launch)
 from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.rowcopy import Tuning, build_groups  # noqa: E402
 from hicache_core.testing.conformance import Case, make_device_buffers  # noqa: E402
@@ -170,6 +170,8 @@ def test_describe_on_cuda_names_the_fence_and_its_floor_for_backups_only(monkeyp
 
     per = "every layer of a run of whole pages" if cls.entries_inner else "some layers"  # the backups' launch_bytes
     split = f", launches of up to 32 MiB (a call of more: {per} per launch)"
+    if kernel_support.dependent_launches(spec.device):  # a GPU of compute capability >= 9.0 (the default backup_pdl)
+        split += ", each after the first a programmatic dependent launch"
     backups, loads = parts()
     assert backups.endswith(f"B tiles, each tile's writes awaited (fenced) for rows of >= {floor} B{split}"), backups
     assert "fenced" not in loads

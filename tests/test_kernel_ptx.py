@@ -8,7 +8,8 @@ per tile; a 64-bit division there (the page split by a runtime page size) held `
 instructions in each kernel's PTX must not grow with ``TOKENS``, backups and loads, for a power-of-two page size
 and another.  A row kernel's backup launched with ``FENCE`` (the plugins' backups) waits once per work item until the
 GPU has taken its writes (``kernel_lib.tile_done``): one ``fence.sc.gpu`` in its PTX, none in a load's; launched with
-``PDL``, one ``griddepcontrol.launch_dependents`` and one ``griddepcontrol.wait``."""
+``PDL`` 2, one ``griddepcontrol.launch_dependents`` and one ``griddepcontrol.wait``; with ``PDL`` 1 (a split call's last
+launch) the wait only."""
 
 from __future__ import annotations
 
@@ -36,13 +37,17 @@ for name, kernel, extra in (("layer_first", lf.KERNEL, {"BLOCK": 128}),
         for page in (64, 48):
             for tokens in (16, 64):
                 consts = dict(WIDTH=82, TOKENS=tokens, VEC=2, TO_HOST=to_host, STAGES=1, PAGE_SIZE=page,
-                              FENCE=to_host, PDL=to_host, **extra)
+                              FENCE=to_host, PDL=2 if to_host else 0, **extra)
                 ptx = compile_kernel(kernel, consts).asm["ptx"]
                 key = f"{'backup' if to_host else 'load'}, page {page}, {tokens} tokens"
                 out.setdefault(name, {})[key] = len(DIV64.findall(ptx))
                 out.setdefault("fences", {})[f"{name} {key}"] = ptx.count("fence.sc.gpu")
                 out.setdefault("pdl", {})[f"{name} {key}"] = [ptx.count("griddepcontrol.launch_dependents"),
                                                                ptx.count("griddepcontrol.wait")]
+                if to_host and page == 64 and tokens == 16:  # a split call's last launch: it waits, never signals
+                    ptx = compile_kernel(kernel, {**consts, "PDL": 1}).asm["ptx"]
+                    out.setdefault("pdl last", {})[name] = [ptx.count("griddepcontrol.launch_dependents"),
+                                                            ptx.count("griddepcontrol.wait")]
 from hicache_core import kernel_lib as kl
 from hicache_core.rowcopy_pages import pieces
 for page in (64, 48):
@@ -80,7 +85,7 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD", "PAGE_LOAD grouped",
-                           "PAGED_TMA_LOAD", "fences", "pdl"}
+                           "PAGED_TMA_LOAD", "fences", "pdl", "pdl last"}
     grouped = counts.pop("PAGE_LOAD grouped")
     # backups fence once per work item (kernel_lib.tile_done: one fence.sc.gpu per thread), loads not at all
     fences = counts.pop("fences")
@@ -89,6 +94,8 @@ def test_row_kernels_divide_in_64_bits_per_tile_not_per_row(tmp_path):
     # its end) in the PTX (kernel_lib.let_next_begin, await_previous); loads, PDL False, neither
     pdl = counts.pop("pdl")
     assert pdl and all(v == ([1, 1] if k.split(" ", 1)[1].startswith("backup") else [0, 0]) for k, v in pdl.items()), pdl
+    last = counts.pop("pdl last")
+    assert len(last) == 3 and all(v == [0, 1] for v in last.values()), last
     for page in (64, 48):  # per item, not per page of the item
         for strided in (False, True):
             few, many = (grouped[f"load, page {page}, group {g}, strided {strided}"] for g in (2, 8))

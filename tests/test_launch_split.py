@@ -486,7 +486,7 @@ def test_pdl_is_off_on_the_cpu_and_for_kernels_that_do_not_declare_it(layout, la
     pool.backup_all_layers(h, src)
     ref.backup_all_layers(h, src)
     _same(pool, ref, guards, "pdl asked on the CPU")
-    assert len(launches) > 1 and all(c["PDL"] is False for _, c in launches)
+    assert len(launches) > 1 and all(c["PDL"] == 0 for _, c in launches)
     prep = pool.binding.scratch[pool.strategy_name]
     assert not any(lv.pdl for per in prep.launches for lv in per.values())
     values = {"PDL": True, **{name: 0 for name in rowcopy.LAUNCH_VALUES if name != "PDL"}}
@@ -504,8 +504,9 @@ def test_pdl_is_off_on_the_cpu_and_for_kernels_that_do_not_declare_it(layout, la
 
 @pytest.mark.parametrize("layout", KERNELS)
 def test_with_pdl_every_launch_after_a_calls_first_is_dependent(layout, monkeypatch):
-    """Where PDL is on (forced here: the CPU has none), every launch of a split backup passes ``PDL`` True and every
-    one after the call's first is made with ``pdl=True``; a call in one launch makes none; loads never do."""
+    """Where PDL is on (forced here: the CPU has none), a split backup's launches pass ``PDL`` 2 (PDL_CHAIN: the next
+    may begin) but the last, which passes 1 (PDL_LAST: it waits, never signals), and every one after the call's first
+    is made with ``pdl=True``; a call in one launch is a plain one (``PDL`` 0); loads never take part."""
     monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
     monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
     monkeypatch.setattr(rowcopy_launch, "dependent", lambda t, g: t.pdl)
@@ -516,10 +517,10 @@ def test_with_pdl_every_launch_after_a_calls_first_is_dependent(layout, monkeypa
     h, src = _pages(torch.Generator().manual_seed(13), n // 2), torch.arange(n)
     pool, *_ = _pools(layout, 2 * n * 8, {"backup_pdl": True})
     pool.backup_all_layers(h, src)
-    assert len(log) > 1 and log == [(True, False)] + [(True, True)] * (len(log) - 1), log
+    assert len(log) > 2 and log == [(2, False)] + [(2, True)] * (len(log) - 2) + [(1, True)], log
     log.clear()
     pool.backup_all_layers(h[:2], src[:2])  # fits one launch
-    assert log == [(True, False)] * len(log) and log
+    assert log == [(0, False)] * len(log) and log
     log.clear()
     pool.load_layer(0, h, src)
     assert log and all(not pdl and not dep for pdl, dep in log), log
@@ -528,9 +529,18 @@ def test_with_pdl_every_launch_after_a_calls_first_is_dependent(layout, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launches: CUDA, compute capability 9.0 and later")
 @pytest.mark.parametrize("layout", KERNELS)
-def test_pdl_split_backups_are_bit_exact_on_the_gpu(layout, launches):
+def test_pdl_split_backups_are_bit_exact_on_the_gpu(layout, monkeypatch):
     """Split backups with dependent launches move exactly the reference's bytes, call after call, canaries intact;
-    with the same index tensors later calls replay them (cuLaunchKernelEx, the programmatic attribute on)."""
+    with the same index tensors a call after the first is recorded from driver launches, the first plain and the
+    rest through ``cuLaunchKernelEx`` with the programmatic attribute, and later calls replay those steps."""
+    log, real = [], Launcher.__call__
+
+    def spying(self, grid, args, **kw):  # returns what the launch returned: the strategy records driver launches
+        log.append((dict(zip(self.arg_names, args))["PDL"], kw.get("pdl", False)))
+        return real(self, grid, args, **kw)
+    monkeypatch.setattr(Launcher, "__call__", spying)
+    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
     n = 48
     gen = torch.Generator().manual_seed(14)
     h, src = _pages(gen, n // 2), torch.arange(n)
@@ -543,11 +553,15 @@ def test_pdl_split_backups_are_bit_exact_on_the_gpu(layout, launches):
     assert any(lv.pdl for per in prep.launches for lv in per.values())
     for call in range(4):
         _new_rows(pool, ref, gen)
-        launches.clear()
+        log.clear()
         pool.backup_all_layers(hd, sd)
         ref.backup_all_layers(h, src)
         _same(pool, ref, guards, f"call {call}")
         if call == 0:
-            assert len(launches) > 2 and all(c["PDL"] for _, c in launches)
-    if prep.replays is not None and replay.replay_enabled():
-        assert prep.replays.hits >= 1  # the dependent launches went through the driver, were recorded and replayed
+            assert len(log) > 2 and log == [(2, False)] + [(2, True)] * (len(log) - 2) + [(1, True)], log
+    if prep.replays is None or not replay.replay_enabled():
+        return
+    assert prep.replays.hits >= 1  # replayed the recorded driver launches
+    (steps,) = prep.replays._steps.values()
+    assert [st.kernel.pdl for st in steps] == [False] + [True] * (len(steps) - 1)
+    assert [st.packed.config is not None for st in steps] == [False] + [True] * (len(steps) - 1)

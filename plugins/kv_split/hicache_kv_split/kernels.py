@@ -28,7 +28,7 @@ def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host
            host_off_b, host_page_b, host_tok_b, capacity, dev_rows, WIDTH: tl.constexpr,
            SPLIT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr, TOKENS: tl.constexpr,
            VEC: tl.constexpr, TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, ENTRIES_INNER: tl.constexpr, PDL: tl.constexpr = False):
+           PAGE_SIZE: tl.constexpr, ENTRIES_INNER: tl.constexpr, PDL: tl.constexpr = 0):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):

@@ -33,7 +33,7 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
            dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
            TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, ENTRIES_INNER: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = False):
+           PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = 0):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
