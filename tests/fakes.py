@@ -98,3 +98,16 @@ def readdressed_layer_first(name: str, change: Any) -> object:
 
     Readdressed.name = name
     return Readdressed()
+
+
+def give_replays(pool):  # type: ignore[no-untyped-def]
+    """``pool`` (a kernel strategy's) with replays and lanes as ``prepare()`` makes them on CUDA, recording split calls
+    of both directions (for the fake driver launches of CPU tests); returns its ``Replays``."""
+    from dataclasses import replace
+
+    name = pool.strategy_name
+    prep = pool.binding.scratch[name]
+    rp = pool.strategy._replays(pool.binding, prep, splitting=(True, True))
+    pool.binding.scratch[name] = replace(prep, replays=rp)
+    pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
+    return rp

@@ -18,7 +18,6 @@ import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, create_registry, replay, rowcopy, rowcopy_launch  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
-from hicache_core.replay import Replays  # noqa: E402
 from hicache_core.rowcopy_launch import entry_run, entry_tails, exact_shape  # noqa: E402
 from hicache_core.testing.conformance import (Case, assert_guards_intact, fill_canary, guarded_host_buffers,  # noqa
                                               make_device_buffers)
@@ -243,14 +242,9 @@ def driver(monkeypatch, launches):
     monkeypatch.setattr(replay, "current_device_index", lambda: 0)
     monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)
 
-    def give(pool: HostKVPool) -> Replays:
-        name = pool.strategy_name
-        prep = pool.binding.scratch[name]
-        rp = pool.strategy._replays(pool.binding, prep, splitting=(True, True))  # as prepare() makes them on CUDA
-        pool.binding.scratch[name] = replace(prep, replays=rp)
-        pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
-        return rp
-    return give
+    from fakes import give_replays
+
+    return give_replays
 
 
 def _new_rows(pool: HostKVPool, ref: HostKVPool, gen: torch.Generator) -> None:

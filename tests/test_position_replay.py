@@ -15,7 +15,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -118,13 +117,10 @@ def driver(monkeypatch, launches):
     monkeypatch.setattr(replay, "current_device_index", lambda: 0)
     monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)
 
+    from fakes import give_replays
+
     def give(pool: HostKVPool) -> Replays:
-        name = pool.strategy_name
-        prep = pool.binding.scratch[name]
-        rp = pool.strategy._replays(pool.binding, prep, splitting=(True, True))
-        pool.binding.scratch[name] = replace(prep, replays=rp)
-        pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
-        return rp
+        return give_replays(pool)
     give.world = world
     return give
 
