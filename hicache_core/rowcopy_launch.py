@@ -295,10 +295,9 @@ def _bound(launcher: Any, dynamic: tuple[int, ...], t: Tuning, tokens: int, valu
     (``row_bytes``: what one index position moves per entry)."""
     args = launcher.bind(values)
     slots = tuple((name, i) for i, name in enumerate(launcher.arg_names) if name in DYNAMIC_VALUES)
-    key = launcher.static_key(args, dynamic)
     if not (values.get("PDL") and "PDL" in launcher.arg_names):
-        return _Launch(tokens, key, t, args, slots, row_bytes)
-    at = launcher.arg_names.index("PDL")
+        return _Launch(tokens, launcher.static_key(args, dynamic), t, args, slots, row_bytes)
+    at = launcher.arg_names.index("PDL")  # a call in one launch passes PDL_OFF; split calls the others (split_launch)
     keys = tuple(launcher.static_key(args[:at] + (mode,) + args[at + 1:], dynamic)
                  for mode in (PDL_OFF, PDL_LAST, PDL_CHAIN))
     return _Launch(tokens, keys[PDL_OFF], t, args[:at] + (PDL_OFF,) + args[at + 1:], slots, row_bytes, keys, at)
