@@ -93,6 +93,8 @@ MEMORY_KERNEL_SHARE = 0.45
 #: call 62 (H100, the peers' 4096-token backup cells, pages of 64) the copy engine ran 0.960-0.989 at +0.5% to +3.8%
 #: against those kernels' 0.926-0.934 at -0.2% to +2.5%, its submission well under the transfer time (1.0 picks it
 #: too); the cells this room decides (a submission of 1.0-1.2x the transfer time: small pages, fp8 rows) are untimed.
+#: With the split's launches made dependent (record call 64) the kernels ran 0.916-0.945 at -1.3% to +0.9% (fp8 656 B
+#: 0.878 at +3.1%): still below the copy engine in those cells.
 BACKUP_ROOM = 1.2
 #: Environment variable giving ``auto``'s ``backup_room`` where the option is not passed (e.g. to pools the SGLang
 #: bridge makes).
