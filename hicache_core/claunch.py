@@ -84,7 +84,8 @@ typedef struct {
   launch_attr_t *attrs;
   unsigned n_attrs;
 } launch_config_t;
-_Static_assert(sizeof(launch_attr_t) == 72 && offsetof(launch_attr_t, value) == 8, "CUlaunchAttribute layout");
+_Static_assert(sizeof(launch_attr_t) == 72 && offsetof(launch_attr_t, value) == 8 && _Alignof(launch_attr_t) == 8,
+               "CUlaunchAttribute layout");
 _Static_assert(sizeof(void *) != 8 || (sizeof(launch_config_t) == 56 && offsetof(launch_config_t, stream) == 32),
                "CUlaunchConfig layout");
 typedef int (*launch_ex_t)(const launch_config_t *, void *, void **, void **);

@@ -68,8 +68,8 @@ _CU_PSS = 6
 
 def test_the_ctypes_structs_have_cuda_h_sizes_and_offsets():
     """drvlaunch's structs against the transcription: every field drvlaunch writes at cuda.h's offset, the same
-    sizes (an array of attributes would stride alike).  cuda.h's attribute is 8-aligned (its value union holds
-    pointers); drvlaunch's is only 4-aligned (harmless for the heap-allocated one it passes, see the review)."""
+    sizes (an array of attributes would stride alike) and alignment (cuda.h's attribute is 8-aligned: its value union
+    holds pointers)."""
     ours_c, ours_a = drvlaunch._LaunchConfig, drvlaunch._LaunchAttribute
     assert ctypes.sizeof(ours_c) == ctypes.sizeof(_CuConfig) == 56
     assert ctypes.sizeof(ours_a) == ctypes.sizeof(_CuAttr) == 72
@@ -81,6 +81,7 @@ def test_the_ctypes_structs_have_cuda_h_sizes_and_offsets():
     assert ours_a.id.offset == _CuAttr.id.offset == 0
     assert ours_a.value.offset == _CuAttr.value.offset + _CuValue.programmaticStreamSerializationAllowed.offset == 8
     assert ctypes.alignment(_CuAttr) == 8 and ctypes.alignment(_CuConfig) == 8
+    assert ctypes.alignment(ours_a) == 8 and ctypes.alignment(ours_c) == 8
 
 
 _EX_T = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
