@@ -3,6 +3,7 @@ cannot verify, and (on a GPU) moves the same bytes as Triton's launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import types
@@ -252,16 +253,26 @@ class _Kernel:
         return launch
 
 
-@pytest.fixture
-def fast_launcher(monkeypatch, lib):
-    kernel = _Kernel()
+@contextlib.contextmanager
+def driver_launcher(kernel):
+    """A :class:`Launcher` of ``kernel`` on a fake device 0 and stream 9, with fast and driver launches on while it is
+    used (restored after)."""
     launcher = Launcher(kernel)
     launcher._api = (lambda: 0, lambda device: 9, types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
     saved = launch_mod._ENABLED[0], launch_mod._DRIVER[0]
     launch_mod._ENABLED[0] = True
     set_driver_launch(True)
-    yield kernel, launcher
-    launch_mod._ENABLED[0], launch_mod._DRIVER[0] = saved
+    try:
+        yield launcher
+    finally:
+        launch_mod._ENABLED[0], launch_mod._DRIVER[0] = saved
+
+
+@pytest.fixture
+def fast_launcher(monkeypatch, lib):
+    kernel = _Kernel()
+    with driver_launcher(kernel) as launcher:
+        yield kernel, launcher
 
 
 def test_launcher_takes_the_driver_launch_only_with_packs(fast_launcher, lib, monkeypatch):

@@ -24,11 +24,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, claunch, drvlaunch, replay, rowcopy_launch  # noqa: E402
-from hicache_core import launch as launch_mod  # noqa: E402
 from hicache_core.drvlaunch import DriverKernel  # noqa: E402
-from hicache_core.launch import Launcher, set_driver_launch  # noqa: E402
+from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.testing.conformance import CASES, make_device_buffers  # noqa: E402
-from test_drvlaunch import FakeLibEx, _compiled, _desc  # noqa: E402
+from test_drvlaunch import FakeLibEx, _compiled, _desc, driver_launcher  # noqa: E402
 from test_launch_split import KERNELS, REGISTRY, _pages, _pools  # noqa: E402
 
 
@@ -175,13 +174,8 @@ def ex_launcher(monkeypatch):
     lib = FakeLibEx()
     monkeypatch.setattr(drvlaunch, "_LIB", [lib])
     kernel = _PdlKernel()
-    launcher = Launcher(kernel)
-    launcher._api = (lambda: 0, lambda device: 9, types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    saved = launch_mod._ENABLED[0], launch_mod._DRIVER[0]
-    launch_mod._ENABLED[0] = True
-    set_driver_launch(True)
-    yield lib, kernel, launcher
-    launch_mod._ENABLED[0], launch_mod._DRIVER[0] = saved
+    with driver_launcher(kernel) as launcher:
+        yield lib, kernel, launcher
 
 
 def test_a_dependent_launch_compiles_and_packs_apart_and_takes_cuLaunchKernelEx(ex_launcher):

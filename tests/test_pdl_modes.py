@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import types
 
 import torch
 
@@ -28,12 +27,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, drvlaunch, replay, rowcopy_launch  # noqa: E402
-from hicache_core import launch as launch_mod  # noqa: E402
-from hicache_core.launch import Launcher, set_driver_launch  # noqa: E402
+from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.rowcopy_launch import PDL_CHAIN, PDL_LAST, PDL_OFF, _bound, _fill  # noqa: E402
 from hicache_core.rowcopy_tuning import Tuning  # noqa: E402
 from hicache_core.testing.conformance import Case, make_device_buffers  # noqa: E402
-from test_drvlaunch import FakeLibEx, _compiled, _desc  # noqa: E402
+from test_drvlaunch import FakeLibEx, _compiled, _desc, driver_launcher  # noqa: E402
 from test_launch_split import KERNELS, REGISTRY, _pages, _pools  # noqa: E402
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a fake driver launch, for CPU runs")
@@ -203,12 +201,7 @@ def test_driver_launches_run_the_kernel_of_their_own_mode_with_their_own_packs(m
     lib = FakeLibEx()
     monkeypatch.setattr(drvlaunch, "_LIB", [lib])
     kernel = _ModeKernel()
-    launcher = Launcher(kernel)
-    launcher._api = (lambda: 0, lambda device: 9, types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None))
-    saved = launch_mod._ENABLED[0], launch_mod._DRIVER[0]
-    launch_mod._ENABLED[0] = True
-    set_driver_launch(True)
-    try:
+    with driver_launcher(kernel) as launcher:
         values = {"anchor": torch.zeros(4, dtype=torch.int32), "desc": _desc(torch.zeros(40 * 288, dtype=torch.int32)),
                   "none": None, "n": None, "PDL": True}
         lv = _bound(launcher, (3,), Tuning(1, 4, 1, pdl=True), 16, values)
@@ -232,8 +225,6 @@ def test_driver_launches_run_the_kernel_of_their_own_mode_with_their_own_packs(m
         assert len(lv.packs) == 4 and len({id(p) for p in lv.packs.values()}) == 4
         for key, packed in lv.packs.items():  # key = ("static", device, warps, static key, maxnreg, pdl, ...)
             assert (packed.config is not None) == key[5]
-    finally:
-        launch_mod._ENABLED[0], launch_mod._DRIVER[0] = saved
 
 
 def test_the_ctypes_launch_attribute_is_8_byte_aligned_as_cuda_h():
