@@ -111,3 +111,36 @@ def give_replays(pool):  # type: ignore[no-untyped-def]
     pool.binding.scratch[name] = replace(prep, replays=rp)
     pool._lanes = (pool.strategy.lane(pool.binding, False), pool.strategy.lane(pool.binding, True))
     return rp
+
+
+class _NoRelaunch:
+    """A driver kernel that never relaunches: a replay then takes the step's fallback (the launcher itself)."""
+
+    pdl = False
+
+    def relaunch(self, grid, stream, packed, values):  # type: ignore[no-untyped-def]  # noqa: ARG002
+        return False
+
+
+class _NoSetters:
+    setters = ()
+
+
+def fake_pdl_driver(monkeypatch, spy) -> None:  # type: ignore[no-untyped-def]
+    """Row launches only (TMA and page loads off), PDL forced on (the CPU has none), and every launch handed to
+    ``spy(launcher, grid, args, kw)`` instead of run, then reported as a driver launch (so calls record steps), with a
+    current device and stream on the CPU."""
+    from hicache_core import replay, rowcopy_launch
+    from hicache_core.launch import Launcher
+
+    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
+    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
+    monkeypatch.setattr(rowcopy_launch, "dependent", lambda t, g: t.pdl)
+
+    def reporting(self, grid, args, **kw):  # type: ignore[no-untyped-def]
+        spy(self, grid, args, kw)
+        return _NoRelaunch(), _NoSetters()
+    monkeypatch.setattr(Launcher, "__call__", reporting)
+    monkeypatch.setattr(Launcher, "driver_ready", lambda self: True)
+    monkeypatch.setattr(replay, "current_device_index", lambda: 0)
+    monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)

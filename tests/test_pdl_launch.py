@@ -25,7 +25,6 @@ import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, claunch, drvlaunch, replay, rowcopy_launch  # noqa: E402
 from hicache_core.drvlaunch import DriverKernel  # noqa: E402
-from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.testing.conformance import CASES, make_device_buffers  # noqa: E402
 from test_drvlaunch import FakeLibEx, _compiled, _desc, driver_launcher  # noqa: E402
 from test_launch_split import KERNELS, REGISTRY, _pages, _pools  # noqa: E402
@@ -196,34 +195,18 @@ def test_a_dependent_launch_compiles_and_packs_apart_and_takes_cuLaunchKernelEx(
 
 
 # -- the strategy: first launch plain, the rest dependent, per group, replays included ---------------------
-class _NoRelaunch:
-    pdl = False
-
-    def relaunch(self, grid, stream, packed, values):  # noqa: ARG002 - a replay then takes the step's fallback
-        return False
-
-
-class _Packed:
-    setters = ()
-
-
 @pytest.fixture
 def pdl_log(monkeypatch):
     """PDL forced on (the CPU has none) and launches that run nothing but report a driver launch (so the strategy
     records steps): the log holds ``(group anchor address, PDL constexpr, pdl keyword)`` per launch."""
-    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
-    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
-    monkeypatch.setattr(rowcopy_launch, "dependent", lambda t, g: t.pdl)
+    from fakes import fake_pdl_driver
+
     log: list = []
 
-    def reporting(self, grid, args, **kw):
-        values = dict(zip(self.arg_names, args))
+    def spy(launcher, grid, args, kw):
+        values = dict(zip(launcher.arg_names, args))
         log.append((values["anchor"].data_ptr(), values["PDL"], kw.get("pdl", False)))
-        return _NoRelaunch(), _Packed()
-    monkeypatch.setattr(Launcher, "__call__", reporting)
-    monkeypatch.setattr(Launcher, "driver_ready", lambda self: True)
-    monkeypatch.setattr(replay, "current_device_index", lambda: 0)
-    monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)
+    fake_pdl_driver(monkeypatch, spy)
     return log
 
 

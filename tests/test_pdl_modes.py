@@ -26,7 +26,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from hicache_core import HostKVPool, LayerMap, PoolSpec, drvlaunch, replay, rowcopy_launch  # noqa: E402
+from hicache_core import HostKVPool, LayerMap, PoolSpec, drvlaunch  # noqa: E402
 from hicache_core.launch import Launcher  # noqa: E402
 from hicache_core.rowcopy_launch import PDL_CHAIN, PDL_LAST, PDL_OFF, _bound, _fill  # noqa: E402
 from hicache_core.rowcopy_tuning import Tuning  # noqa: E402
@@ -37,36 +37,20 @@ from test_launch_split import KERNELS, REGISTRY, _pages, _pools  # noqa: E402
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a fake driver launch, for CPU runs")
 
 
-class _NoRelaunch:
-    pdl = False
-
-    def relaunch(self, grid, stream, packed, values):  # noqa: ARG002 - replays then take the step's fallback
-        return False
-
-
-class _Packed:
-    setters = ()
-
-
 @pytest.fixture
 def checked(monkeypatch):
     """PDL forced on; every launch checked (its static key is its arguments' key) and logged as
     ``(anchor address, PDL value, pdl keyword, static key)``; each reports a driver launch, so calls record steps."""
-    monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")
-    monkeypatch.setenv("HICACHE_KERNEL_PAGES", "0")
-    monkeypatch.setattr(rowcopy_launch, "dependent", lambda t, g: t.pdl)
+    from fakes import fake_pdl_driver
+
     log: list = []
 
-    def spy(self, grid, args, **kw):
-        values = dict(zip(self.arg_names, args))
-        own = self.static_key(args, kw.get("dynamic", ()))
+    def spy(launcher, grid, args, kw):
+        values = dict(zip(launcher.arg_names, args))
+        own = launcher.static_key(args, kw.get("dynamic", ()))
         assert kw["static_key"] == own, ("a launch keyed with another launch's static key", values["PDL"], kw)
         log.append((values["anchor"].data_ptr(), values["PDL"], kw.get("pdl", False), kw["static_key"]))
-        return _NoRelaunch(), _Packed()
-    monkeypatch.setattr(Launcher, "__call__", spy)
-    monkeypatch.setattr(Launcher, "driver_ready", lambda self: True)
-    monkeypatch.setattr(replay, "current_device_index", lambda: 0)
-    monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)
+    fake_pdl_driver(monkeypatch, spy)
     return log
 
 
