@@ -21,8 +21,8 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
   engine`` moves the same bytes by one pinned ``copy_`` (what the link traffic alone costs it);
 * **launches of a few entries** (``N entries per launch``): the backup split into launches of N layers each, between
   which the GEMM's blocks can take the SMs back; ``... pdl``: every launch after a backup's first is a programmatic
-  dependent launch (Hopper's PDL, Triton's ``launch_pdl``): each program signals the next launch when it starts its
-  last work item (``griddepcontrol.launch_dependents``), so the next launch's programs may start while this one's
+  dependent launch (Hopper's PDL, Triton's ``launch_pdl``): in every launch but the backup's last, each program
+  signals the next launch when it starts its last work item (``griddepcontrol.launch_dependents``), so the next launch's programs may start while this one's
   last tiles drain instead of after it ends, and waits for the launch before it at its end (``griddepcontrol.wait``:
   a launch's end still implies its predecessor's, as in a plain stream; a short launch between two lets the third
   begin before the first ends).  The first launch of each backup is a plain one, ordered after whatever ran before it
@@ -67,17 +67,15 @@ WORD, VEC = 4, 4
 def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_base, host_ent,
                 WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
                 LD_CM: tl.constexpr, LD_EV: tl.constexpr, ST_CM: tl.constexpr, ST_EV: tl.constexpr,
-                FENCE: tl.constexpr, PDL: tl.constexpr = False):
-    """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named; ``PDL``:
-    signal dependents at this program's last work item, wait for the launch before at the end."""
+                FENCE: tl.constexpr, PDL: tl.constexpr = 0):
+    """Rows ``dev_idx`` of each entry to host slots ``host_idx`` (words from ``anchor``), hints as named; ``PDL`` as
+    the plugins' kernels take it (``kernel_lib.let_next_begin``, ``kernel_lib.await_previous``): 2 in a backup's
+    launches but its last (signal dependents at this program's last work item), 1 in its last (wait only), 0 off."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     n_tiles = tl.cdiv(n, TOKENS)
     for item in range(pid, n_tiles * n_ents, nprog):
-        if PDL:
-            if item + nprog >= n_tiles * n_ents:  # this program's last item: the next launch may begin
-                tl.inline_asm_elementwise("griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;", "=r,r",
-                                          [tl.program_id(0)], dtype=tl.int32, is_pure=False, pack=1)
+        kl.let_next_begin(item, n_tiles * n_ents, nprog, PDL)
         e = item // n_tiles
         t = (item - e * n_tiles) * TOKENS + tl.arange(0, TOKENS)
         live = t < n
@@ -95,9 +93,7 @@ def HINT_BACKUP(anchor, host_idx, dev_idx, n, n_ents, dev_base, dev_ent, host_ba
                                       dtype=tl.int32, is_pure=False, pack=1)
         else:  # "gpu": the plugins' fence, until the GPU's memory system took them; "": none
             kl.tile_done(FENCE == "gpu")
-    if PDL:  # this launch ends only after the one before it (a no-op in a launch made without PDL)
-        tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, $1;", "=r,r", [tl.program_id(0)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    kl.await_previous(PDL)  # this launch ends only after the one before it
 
 
 @triton.jit
@@ -223,7 +219,8 @@ class Workload:
         host_base = (self.host.data_ptr() - anchor.data_ptr()) // WORD
         step = v["launch_entries"] or self.entries
         for e0 in range(0, self.entries, step):  # one launch per `step` entries (all of them by default)
-            pdl = dict(PDL=True, launch_pdl=e0 > 0) if v["pdl"] else {}  # a backup's first launch: a plain one
+            last = e0 + step >= self.entries  # a backup's last launch waits but never signals; its first is plain
+            pdl = dict(PDL=1 if last else 2, launch_pdl=e0 > 0) if v["pdl"] and step < self.entries else {}
             HINT_BACKUP[(v["programs"],)](
                 anchor, self.h, self.s, self.h.numel(), min(step, self.entries - e0), e0 * self.dev.stride(0),
                 self.dev.stride(0), host_base + e0 * self.host.stride(0), self.host.stride(0), WIDTH=self.words,

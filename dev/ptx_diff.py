@@ -66,7 +66,7 @@ def compile_kernel(fn: Any, consts: dict[str, Any], warps: int = 4, arch: int = 
 
     names = fn.arg_names
     given = types or {}
-    for prm in getattr(fn, "params", ()):  # a constexpr left out takes its default (e.g. a kernel's PDL=False)
+    for prm in getattr(fn, "params", ()):  # a constexpr left out takes its default (e.g. a kernel's PDL=0)
         default = getattr(prm, "default", inspect.Parameter.empty)
         if getattr(prm, "is_constexpr", False) and prm.name not in consts and default is not inspect.Parameter.empty:
             consts = {**consts, prm.name: default}

@@ -272,7 +272,8 @@ def _fixed_values(spec: PoolSpec, g: RowGroup, tables: dict[str, torch.Tensor], 
     """The launch values every launch of ``g`` shares (per-call ones ``None``), with entry ``tables``."""
     return dict(anchor=g.anchor, host_idx=None, dev_idx=None, n=None, ents=None, n_ents=None, **tables,
                 page_size=spec.page_size, PAGE_SIZE=spec.page_size, capacity=spec.capacity, dev_rows=g.rows,
-                VEC=g.vec, STAGES=t.stages, FENCE=fenced(t, g), PDL=dependent(t, g))
+                VEC=g.vec, STAGES=t.stages, FENCE=fenced(t, g),
+                PDL=PDL_CHAIN if dependent(t, g) else PDL_OFF)  # PDL_CHAIN: _bound keys and sets each value
 
 
 def fenced(t: Tuning, g: RowGroup) -> bool:

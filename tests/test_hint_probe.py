@@ -89,7 +89,7 @@ for label in probe.VARIANTS:
     if v["kind"] != "rows":
         continue
     consts = dict(WIDTH=288, BLOCK=512, TOKENS=16, VEC=4, LD_CM=v["ld_cm"], LD_EV=v["ld_ev"], ST_CM=v["st_cm"],
-                  ST_EV=v["st_ev"], FENCE=v["fence"], PDL=v["pdl"])
+                  ST_EV=v["st_ev"], FENCE=v["fence"], PDL=2 if v["pdl"] else 0)
     types = {"anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64", "dev_base": "i64", "dev_ent": "i64",
              "host_base": "i64", "host_ent": "i64"}
     ptx = compile_kernel(probe.HINT_BACKUP, consts, warps=v["warps"], types=types).asm["ptx"]
@@ -133,8 +133,9 @@ PDL_LABELS = [label for label in probe.VARIANTS if probe.variant(label)["pdl"]]
 
 @pytest.mark.parametrize("label", PDL_LABELS)
 def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
-    """Each backup's first launch plain (``launch_pdl`` False), every later one dependent; all compiled with PDL;
-    the launches' entries cover the backup once, in order."""
+    """Each backup's first launch plain (``launch_pdl`` False), every later one dependent; every launch but the last
+    compiled to signal its dependents (``PDL`` 2), the last to wait only (1); the launches' entries cover the backup
+    once, in order."""
     calls = []
 
     class _Rec:
@@ -148,7 +149,7 @@ def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
         wl.launch(v)
         step = v["launch_entries"]
         assert [kw["launch_pdl"] for _, _, kw in calls] == [False] + [True] * (len(calls) - 1)
-        assert all(kw["PDL"] is True for _, _, kw in calls)
+        assert [kw["PDL"] for _, _, kw in calls] == [2] * (len(calls) - 1) + [1]
         assert [a[4] for _, a, _ in calls] == [min(step, 19 - e0) for e0 in range(0, 19, step)]
         assert [a[5] for _, a, _ in calls] == [e0 * wl.dev.stride(0) for e0 in range(0, 19, step)]
 
@@ -159,8 +160,9 @@ def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
                          ids=["zero-item-programs", "uneven", "even", "few-programs"])
 def test_pdl_each_program_signals_at_its_last_item_and_waits_at_its_end(tokens, programs, monkeypatch):
     """Under the interpreter, inline PTX recorded per program with the stores issued so far: a program with items
-    signals ``launch_dependents`` exactly once, before its last item's stores and after all others; one without items
-    never signals; every program waits once, after all its stores. The rows still land."""
+    signals ``launch_dependents`` exactly once, before its last item's stores and after all others, in every launch but
+    the backup's last, which never signals; one without items never signals; every program waits once, after all its
+    stores. The rows still land."""
     interp = _interp
     log = []  # (program, asm or "store")
 
@@ -195,15 +197,21 @@ def test_pdl_each_program_signals_at_its_last_item_and_waits_at_its_end(tokens, 
     wl.check(v)
     launches_seen.append((len(log), None))
     assert len(launches_seen) == 3  # 4 + 3 entries
-    for (start, n_ents), (end, _) in zip(launches_seen, launches_seen[1:]):
+    for k, ((start, n_ents), (end, _)) in enumerate(zip(launches_seen, launches_seen[1:])):
         seg = log[start:end]
+        last = k == len(launches_seen) - 2
         items = n_tiles * n_ents
         for p in range(programs):
             mine = [what for q, what in seg if q == p]
             mine_items = len(range(p, items, programs))
             assert mine.count("griddepcontrol.wait") == 1 and mine[-1] == "griddepcontrol.wait", (p, mine)
+            if mine_items == 0 or last:
+                assert "griddepcontrol.launch_dependents" not in mine, (p, mine)
             if mine_items == 0:
-                assert "griddepcontrol.launch_dependents" not in mine and "store" not in mine, (p, mine)
+                assert "store" not in mine, (p, mine)
+                continue
+            if last:
+                assert mine.count("fence.sc.gpu") == mine_items and "store" in mine, (p, mine)
                 continue
             assert mine.count("griddepcontrol.launch_dependents") == 1, (p, mine)
             # items are separated by the fence (tile_done): the signal starts the last item's segment
