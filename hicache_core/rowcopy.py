@@ -32,7 +32,6 @@ import functools
 import importlib
 import importlib.util
 import logging
-import sys
 from dataclasses import replace
 from typing import Any, ClassVar, cast
 
@@ -198,15 +197,25 @@ class RowKernelStrategy(DirectionalStrategy):
                         f"makes each chunk such a row")
         return self.layout_reason(spec, layout)
 
+    def _kernel_params(self) -> tuple[str, ...]:
+        """The parameter names of ``kernel_module``'s ``KERNEL`` (none where it cannot be imported: the first transfer
+        raises that error with its fix)."""
+        try:
+            kernel = importlib.import_module(self.kernel_module).KERNEL
+        except Exception as exc:  # noqa: BLE001 - explain describes; the transfer reports it
+            logger.debug("describe: %s.KERNEL not importable (%s)", self.kernel_module, exc)
+            return ()
+        return tuple(getattr(kernel, "arg_names", ()))
+
     def describe(self, spec: PoolSpec, layout: Layout) -> list[str]:
         """The launch shape per direction on ``spec``'s device, for ``hicache explain``."""
         t = self.effective_tuning(spec.device)
-        # the launch passes FENCE on CUDA only, PDL on compute capability >= 9.0 only, to kernels that declare them
-        # (known once the kernel module is imported: describe imports nothing; the shipped plugins' kernels declare both)
-        kernel = getattr(sys.modules.get(self.kernel_module), "KERNEL", None)
-        fences = (spec.device.type == "cuda" and not interpreting()
-                  and "FENCE" in getattr(kernel, "arg_names", ("FENCE",)))
-        dependents = dependent_launches(spec.device) and "PDL" in getattr(kernel, "arg_names", ("PDL",))
+        # the launch passes FENCE on CUDA only, PDL on compute capability >= 9.0 only, to kernels that declare them:
+        # where either could apply, the kernel module is imported to read its parameters (as the first call would)
+        cuda = spec.device.type == "cuda" and not interpreting()
+        params = self._kernel_params() if cuda else ()
+        fences = cuda and "FENCE" in params
+        dependents = cuda and dependent_launches(spec.device) and "PDL" in params
 
         def one(d: Tuning) -> str:
             extra = ((f", {d.stages} stages" if d.stages > 1 else "") + (f", maxnreg {d.maxnreg}" if d.maxnreg else "")

@@ -255,6 +255,35 @@ def test_a_kernel_without_fence_ignores_backup_fence(monkeypatch, tmp_path):
     assert "fenced" in LayerFirstKernelStrategy().describe(cuda_spec, None)[0]
 
 
+def test_describe_reads_a_kernel_module_not_yet_imported(monkeypatch, tmp_path):
+    """explain on CUDA before any transfer: the kernel module is imported to read its parameters, so a kernel without
+    ``FENCE`` or ``PDL`` is not described as fenced or chained (it was assumed to declare both); a module that cannot
+    be imported claims neither (the first transfer raises its error)."""
+    src = _no_fence_source().replace(", PDL: tl.constexpr = 0", "")
+    src = src.replace("kl.let_next_begin(item, n_items, nprog, PDL)", "pass").replace("kl.await_previous(PDL)", "pass")
+    assert "PDL" not in src
+    (tmp_path / "review_plain_kernel.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "review_plain_kernel", raising=False)
+    monkeypatch.setattr(rowcopy, "interpreting", lambda: False)
+    monkeypatch.setattr(claunch, "module", lambda: None)
+    monkeypatch.setattr(rowcopy, "dependent_launches", lambda device: True)  # a Hopper-class GPU
+
+    class Plain(LayerFirstKernelStrategy):
+        name, kernel_module = "test.plain", "review_plain_kernel"
+
+    class Missing(LayerFirstKernelStrategy):
+        name, kernel_module = "test.missing", "review_no_such_kernel_module"
+
+    spec = _mha(2048, torch.device("cuda"))
+    for cls in (Plain, Missing):
+        line = cls().describe(spec, None)[0]
+        assert "fenced" not in line and "programmatic dependent" not in line, (cls.name, line)
+    assert "review_plain_kernel" in sys.modules
+    shipped = LayerFirstKernelStrategy().describe(spec, None)[0]
+    assert "fenced" in shipped and "programmatic dependent" in shipped, shipped
+
+
 # -- the peer record at the shipped defaults ------------------------------------------------------------------------
 def test_the_peer_backups_at_the_fenced_defaults_take_over_no_cell():
     """docs/perf/peers-backups-h100-cb3dfb2-2026-12-07.json (the backups as shipped, fenced by the floor; the grid of
