@@ -169,3 +169,14 @@ def test_the_recorded_peer_runs_take_over_no_cell_as_the_shipped_table_says(name
     assert len(table["entries"]) == 8 and not any(e["take_over"] for e in table["entries"])
     assert not any(e.take_over for e in load_table(ROOT / "hicache_core/integrations/sglang/takeover.json")
                    .entries.values())
+
+
+def test_the_mla_peer_cells_with_dependent_launches_take_over_no_cell():
+    """docs/perf/peers-mla-h100-9fa7edf-2026-12-07.json (record call 66: MLA bf16 backups and lone loads with the
+    backups' dependent launches on, as shipped): SGLang keeps its four cells, each for a named reason."""
+    with open(ROOT / "docs" / "perf" / "peers-mla-h100-9fa7edf-2026-12-07.json", encoding="utf-8") as fh:
+        table = T.build(json.load(fh), say=lambda _: None)
+    cells = {(e["kind"], e["layout"], e["op"]) for e in table["entries"]}
+    assert cells == {("mla", lay, op) for lay in ("layer_first", "page_first") for op in ("backup", "load")}
+    assert not any(e["take_over"] for e in table["entries"])
+    assert all("is worse on" in e["note"] for e in table["entries"])
