@@ -34,7 +34,8 @@ MiB`` in launches of N MiB, ``... pdl`` with each launch after a backup's first 
 ``num_stages``) apply to every direction: a variant's loads
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
-ratio to a pinned memcpy of the same bytes in this run, and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
+ratio to a pinned memcpy of the same bytes in this run, the host time of one all-layer backup issued on an idle GPU
+(``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
 another stream during all-layer backups (with ``--bursts`` also a burst of one-layer backups, and the GEMM beside
 it).
 """
@@ -61,7 +62,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import StrategyInfo, hookimpl  # noqa: E402
 from hicache_core import kernel_lib as kl, rowcopy_pages  # noqa: E402
-from hicache_core.bench import _check, _gemm_slowdown, _median_ms, _Memcpy, _workload  # noqa: E402
+from hicache_core.bench import _check, _gemm_slowdown, _host_us, _median_ms, _Memcpy, _workload  # noqa: E402
 from hicache_core.pool import HostKVPool  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
@@ -213,7 +214,7 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
                                                       {"backup_fence": True, "tile_bytes": 65536})
         # all-layer backups in one launch (the tuning's launch_bytes off), and in launches of 8 MiB (the default: 32)
         VARIANTS[f"{_label} {_layout} one launch"] = (_shape, _layout, 1, None, {"backup_launch_bytes": 0})
-        for _mib in (8, 48, 64, 128):
+        for _mib in (8, 16, 48, 64, 128):
             VARIANTS[f"{_label} {_layout} launches of {_mib} MiB"] = (_shape, _layout, 1, None,
                                                                       {"backup_launch_bytes": _mib << 20})
         # split backups whose launches after the first are programmatic dependent launches (sm_90+): each may begin
@@ -264,6 +265,8 @@ def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) ->
         "variant": label, "strategy": pool.strategy_name, "tokens": args.tokens, "page_size": args.page_size,
         "backup_layer": one / layer_ms / 1e6 / memcpy.gbps(one, True, args.reps),
         "backup_all_layers": total / all_ms / 1e6 / memcpy.gbps(total, True, args.reps),
+        # host time of one all-layer backup issued on an idle GPU (median): what its launches cost the caller's thread
+        "host_all_layers_us": _host_us(backup, max(5, args.reps // 2)),
     }
     if args.gemm:
         row["gemm_all_layers"] = _gemm_slowdown(backup)

@@ -76,3 +76,23 @@ def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
     assert (t.backup.programs, t.backup.num_warps, t.backup.tile_bytes, t.backup.fence,
             t.backup.fence_min_row_bytes) == (2, 32, 131072, True, 0)
     assert t.load.programs != 2
+
+
+def test_a_row_gives_the_host_time_of_the_all_layer_backup_it_timed(monkeypatch):
+    """Each row carries ``host_all_layers_us``: the host time of the same all-layer backup call the ratio times (so
+    ``... pdl`` and ``... no pdl`` rows compare the caller's cost of dependent launches in one process)."""
+    import argparse
+    import types
+
+    calls = []
+    spec = types.SimpleNamespace(layer_map=types.SimpleNamespace(num_device_layers=4), bytes_per_token=64)
+    pool = types.SimpleNamespace(spec=spec, strategy_name="s", backup_layer=lambda *a: None,
+                                 backup_all_layers=lambda h, s: calls.append((h, s)))
+    monkeypatch.setattr(probe, "_build", lambda *a: (pool, None, "h", "s", None))
+    monkeypatch.setattr(probe, "_check", lambda *a, **kw: None)
+    monkeypatch.setattr(probe, "_median_ms", lambda fn, reps: 1.0)
+    monkeypatch.setattr(probe, "_host_us", lambda fn, reps: (fn(), reps, 12.5)[2])
+    memcpy = types.SimpleNamespace(gbps=lambda nbytes, to_host, reps: 1.0)
+    args = argparse.Namespace(tokens=64, page_size=16, reps=15, gemm=False, bursts=False, loads=False)
+    row = probe._measure("fp8-656 layer_first pdl", args, None, memcpy)
+    assert row["host_all_layers_us"] == 12.5 and calls == [("h", "s")]  # the backup itself was the timed call
