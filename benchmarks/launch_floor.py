@@ -15,7 +15,13 @@ several bursts of launches, each burst synchronised before it starts) of:
   same on a second pool without the pool's fast path (the pool's checks, then the strategy's replay);
 * ``load_layer_new_batch`` / ``..._nolane``: per call of a batch loaded layer by layer with index tensors the pool
   has not seen (an engine's pattern: each batch's first call is checked and resolved, the others replay).
-  These four are timed in alternating rounds (a drift of the host's speed reaches them alike).
+  These four are timed in alternating rounds (a drift of the host's speed reaches them alike);
+* ``c_loop_ex`` / ``c_loop_ex_pdl``: the C loop through ``cuLaunchKernelEx``, with no attribute, and with the
+  programmatic stream serialization attribute for the kernel compiled with ``launch_pdl`` (a dependent launch's
+  driver cost);
+* ``backup_<shape>_pdl`` / ``..._plain``: a replayed all-layer backup (``layer_first``, 4096 tokens) split into
+  launches, with dependent launches and without (``backup_pdl``), per driver launch, in alternating rounds, with
+  ``..._call_us`` per call and ``..._launches``: whether dependent launches cost the caller's thread more.
 
 Host timings only; nothing here is a pass/fail check.
 """
@@ -47,6 +53,9 @@ from hicache_core.registry import create_registry  # noqa: E402
 from launch_cost import _per_call_us  # noqa: E402  (benchmarks/ is this script's directory)
 
 _C = r"""
+#include <stddef.h>
+#include <string.h>
+%(launch_ex_types)s
 typedef int (*launch_t)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                         void**);
 int loop_launch(void* launch, void* fn, unsigned grid, unsigned block, unsigned shared, void* stream, void** params,
@@ -56,7 +65,20 @@ int loop_launch(void* launch, void* fn, unsigned grid, unsigned block, unsigned 
     res = ((launch_t)launch)(fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0);
   return res;
 }
-"""
+/* the same through cuLaunchKernelEx, with the programmatic stream serialization attribute on (pdl) or no attribute */
+int loop_launch_ex(void* launch_ex, void* fn, unsigned grid, unsigned block, unsigned shared, void* stream,
+                   void** params, int n, int pdl) {
+  launch_attr_t attr;
+  memset(&attr, 0, sizeof attr);
+  attr.id = PDL_ATTRIBUTE;
+  attr.value.on = 1;
+  launch_config_t cfg = {grid, 1, 1, block, 1, 1, shared, stream, pdl ? &attr : NULL, pdl ? 1u : 0u};
+  int res = 0;
+  for (int i = 0; i < n && !res; ++i)
+    res = ((launch_ex_t)launch_ex)(&cfg, fn, params, 0);
+  return res;
+}
+""" % {"launch_ex_types": claunch.LAUNCH_EX_TYPES}
 
 
 def _helper() -> Any:
@@ -68,6 +90,8 @@ def _helper() -> Any:
     h.loop_launch.restype = ctypes.c_int
     h.loop_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    h.loop_launch_ex.restype = ctypes.c_int
+    h.loop_launch_ex.argtypes = h.loop_launch.argtypes + [ctypes.c_int]
     return h
 
 
@@ -87,6 +111,51 @@ def _per_launch_us(fn: Callable[[], Any], launches: int = 1, calls: int = 100) -
     """:func:`launch_cost._per_call_us` of ``fn`` (after one warm-up call) per launch (``fn`` makes ``launches``)."""
     fn()
     return round(_per_call_us(fn, calls=calls) / launches, 2)
+
+
+def _relaunches(fn: Callable[[], Any]) -> int:
+    """Driver launches a replayed call of ``fn`` makes (:meth:`~hicache_core.drvlaunch.DriverKernel.relaunch` calls)."""
+    count, real = [0], drvlaunch.DriverKernel.relaunch
+
+    def counting(self: Any, *a: Any, **kw: Any) -> Any:
+        count[0] += 1
+        return real(self, *a, **kw)
+    drvlaunch.DriverKernel.relaunch = counting  # type: ignore[method-assign]
+    try:
+        fn()
+    finally:
+        drvlaunch.DriverKernel.relaunch = real  # type: ignore[method-assign]
+    return count[0]
+
+
+def _split_backups(reg: Any) -> dict[str, Any]:
+    """Host time of a replayed all-layer backup split into launches, with dependent launches (``backup_pdl``, the
+    default on compute capability >= 9.0) and without, two pools of each shape timed in alternating rounds: per call
+    and per driver launch (``backup_<shape>_<pdl|plain>`` us per launch, ``..._call_us``, ``..._launches``)."""
+    row: dict[str, Any] = {}
+    for shape in ("mla61x576-bf16", "mha80x8x128-bf16"):
+        spec = SHAPES[shape](4096, 64, torch.device("cuda"))
+        hi, si, _ = _indices(spec, torch.Generator().manual_seed(1))
+        fns = {}
+        for mode, on in (("pdl", True), ("plain", False)):
+            pool = HostKVPool(spec, "layer_first", "kernel", _device_buffers(spec, 2 * 4096 + 64), registry=reg,
+                              host_buffers=allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=True),
+                              strategy_options={"backup_pdl": on}, validate="shapes")
+            call = (lambda p=pool: p.backup_all_layers(hi, si))
+            for _ in range(3):  # compile, record, replay
+                call()
+            torch.cuda.synchronize()
+            n = _relaunches(call)
+            key = f"backup_{shape.split('-')[0]}_{mode}"
+            row[f"{key}_launches"] = n
+            fns[key] = (call, max(n, 1))
+        per_launch = _alternating(fns)
+        for key, (_, n) in fns.items():
+            row[key] = per_launch[key]
+            row[f"{key}_call_us"] = round(per_launch[key] * n, 1)
+        del fns
+        torch.cuda.empty_cache()
+    return row
 
 
 def main() -> int:
@@ -131,6 +200,15 @@ def main() -> int:
         except (OSError, subprocess.CalledProcessError) as exc:
             row["c_loop"] = f"not built: {exc}"
             h = None
+        ex = getattr(cu, "cuLaunchKernelEx", None)
+        if h is not None and ex is not None:  # the driver's cost of cuLaunchKernelEx, plain and dependent
+            ex_addr = ctypes.cast(ex, ctypes.c_void_p).value
+            dependent = _empty[(1,)](x, launch_pdl=True)  # compiled for programmatic dependent launch
+            for name, kernel, pdl in (("c_loop_ex", compiled, 0), ("c_loop_ex_pdl", dependent, 1)):
+                row[name] = _per_launch_us(
+                    lambda k=kernel, pdl=pdl: h.loop_launch_ex(ex_addr, k.function, 1, 32 * k.metadata.num_warps,
+                                                               k.metadata.shared, stream, params, 100, pdl),
+                    launches=100, calls=5)
     else:
         h, addr = None, None
     reg = create_registry()
@@ -185,9 +263,10 @@ def main() -> int:
             row["replay_c_loop"] = _per_launch_us(
                 lambda: h.loop_launch(addr, c[0].value, g, c[4].value, c[7].value, b.stream, st.packed.array, 100),
                 launches=100, calls=5)
+    row.update(_split_backups(reg))
     print(json.dumps(row), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(row, f, indent=1)
+    with open(args.out, "w") as out:
+        json.dump(row, out, indent=1)
     return 0
 
 

@@ -37,7 +37,7 @@ from types import ModuleType
 
 from .envflags import check_switch, env_on
 
-__all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "MAX_PARAMS", "module", "set_c_launch"]
+__all__ = ["ENV_C_LAUNCH", "ENV_CACHE_DIR", "LAUNCH_EX_TYPES", "MAX_PARAMS", "module", "set_c_launch"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +53,10 @@ MAX_DYNAMIC = 16
 BUILD_TIMEOUT_S = 60
 
 _NAME = "_hicache_claunch"
-_SOURCE = r"""
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stddef.h>
-#include <stdint.h>
-#include <string.h>
-
-#define MAX_PARAMS %(max_params)d
-#define MAX_DYNAMIC %(max_dynamic)d
-#define CAPSULE "hicache.claunch"
-
-typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
-                        void **, void **);
-
+#: C declarations of ``cuLaunchKernelEx``'s configuration (``CUlaunchAttribute``, ``CUlaunchConfig``, the programmatic
+#: stream serialization attribute's id) as cuda.h lays them out, for C code built without the CUDA headers (needs
+#: <stddef.h>); the compiled launch and benchmarks/launch_floor.py's driver loop share them.
+LAUNCH_EX_TYPES = r"""
 /* CUlaunchAttribute and CUlaunchConfig as cuda.h lays them out (no CUDA header here): an id padded to 8 bytes and a
    64-byte value; grid, block, shared bytes, stream, attributes and their count */
 typedef struct {
@@ -91,7 +81,22 @@ _Static_assert(sizeof(void *) != 8 || (sizeof(launch_config_t) == 56 && offsetof
 typedef int (*launch_ex_t)(const launch_config_t *, void *, void **, void **);
 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */
 #define PDL_ATTRIBUTE 6
+"""
+_SOURCE = r"""
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
+#define MAX_PARAMS %(max_params)d
+#define MAX_DYNAMIC %(max_dynamic)d
+#define CAPSULE "hicache.claunch"
+
+typedef int (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                        void **, void **);
+
+%(launch_ex_types)s
 typedef struct {
   launch_t launch;
   launch_ex_t launch_ex; /* set: a dependent launch, through cuLaunchKernelEx with PDL_ATTRIBUTE on */
@@ -213,7 +218,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "%(name)s", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit_%(name)s(void) { return PyModule_Create(&mod); }
-""" % {"max_params": MAX_PARAMS, "max_dynamic": MAX_DYNAMIC, "name": _NAME}
+""" % {"max_params": MAX_PARAMS, "max_dynamic": MAX_DYNAMIC, "name": _NAME, "launch_ex_types": LAUNCH_EX_TYPES}
 
 
 def _env() -> bool:
