@@ -22,12 +22,13 @@ memory traffic.  Each variant here changes one thing against the plugins' row ke
 * **launches of a few entries** (``N entries per launch``): the backup split into launches of N layers each, between
   which the GEMM's blocks can take the SMs back; ``... pdl``: every launch after a backup's first is a programmatic
   dependent launch (Hopper's PDL, Triton's ``launch_pdl``): in every launch but the backup's last, each program
-  signals the next launch when it starts its last work item (``griddepcontrol.launch_dependents``), so the next launch's programs may start while this one's
-  last tiles drain instead of after it ends, and waits for the launch before it at its end (``griddepcontrol.wait``:
-  a launch's end still implies its predecessor's, as in a plain stream; a short launch between two lets the third
-  begin before the first ends).  The first launch of each backup is a plain one, ordered after whatever ran before it
-  on the stream.  Hopper and later only (``griddepcontrol`` is sm_90 PTX).  Whether the link's idle time between launches is what
-  a split costs the ratio (1-2 points in the plugins' backups, record calls 57-62).
+  signals the next launch when it starts its last work item (``griddepcontrol.launch_dependents``), so the next
+  launch's programs may start while this one's last tiles drain instead of after it ends, and waits for the launch
+  before it at its end (``griddepcontrol.wait``: a launch's end still implies its predecessor's, as in a plain stream;
+  a short launch between two lets the third begin before the first ends).  The first launch of each backup is a
+  plain one, ordered after whatever ran before it on the stream; a backup in one launch is a plain call.  Hopper and
+  later only (``griddepcontrol`` is sm_90 PTX).  Whether the link's idle time between launches is what a split costs
+  the ratio (1-2 points in the plugins' backups, record calls 57-62).
 
 The kernel is the plugins' ``layer_first`` row copy written out (work items layer-major, a tile of index positions
 by a power-of-two column step, the same :func:`hicache_core.rowcopy_tuning.tile` shape), over one device tensor

@@ -35,9 +35,9 @@ MiB`` in launches of N MiB, ``... pdl`` with each launch after a backup's first 
 run with them too, page loads included.  Every variant is
 checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
 ratio to a pinned memcpy of the same bytes in this run, the host time of one all-layer backup issued on an idle GPU
-(``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on
-another stream during all-layer backups (with ``--bursts`` also a burst of one-layer backups, and the GEMM beside
-it).
+(``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and with ``--gemm`` the
+slowdown of a bf16 8192^3 GEMM on another stream during all-layer backups (with ``--bursts`` also a burst of
+one-layer backups, and the GEMM beside it).
 """
 
 from __future__ import annotations

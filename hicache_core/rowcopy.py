@@ -17,8 +17,9 @@ and ``tuning`` (:class:`KernelTuning`, per direction).  Everything else is here:
   :mod:`hicache_core.rowcopy_tma`).
 
 Launch values are passed to the kernel **by name**: a kernel declares the
-parameters it uses from :data:`LAUNCH_VALUES`, in any order.  Nothing here
-imports Triton.
+parameters it uses from :data:`LAUNCH_VALUES`, in any order.  Importing this
+module imports no Triton (``prepare``, and ``describe`` on CUDA, import the
+plugin's kernel module).
 
 This module keeps :class:`RowKernelStrategy`; the rest of the host side lives by role in
 :mod:`hicache_core.rowcopy_tuning` (tunings, tiles), :mod:`hicache_core.rowcopy_groups` (row groups) and

@@ -284,6 +284,46 @@ def test_describe_reads_a_kernel_module_not_yet_imported(monkeypatch, tmp_path):
     assert "fenced" in shipped and "programmatic dependent" in shipped, shipped
 
 
+def test_describe_reads_each_parameter_on_its_own_and_imports_nothing_off_cuda(monkeypatch, tmp_path):
+    """A kernel declaring ``FENCE`` but not ``PDL`` is described as fenced, not chained (each claim reads its own
+    parameter); off CUDA, or under Triton's interpreter, describe imports no kernel module (neither claim can apply)."""
+    src = inspect.getsource(importlib.import_module(LayerFirstKernelStrategy.kernel_module))
+    src = src.replace(", PDL: tl.constexpr = 0", "")
+    src = src.replace("kl.let_next_begin(item, n_items, nprog, PDL)", "pass").replace("kl.await_previous(PDL)", "pass")
+    assert "PDL" not in src and "FENCE" in src
+    (tmp_path / "review_fence_only_kernel.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "review_fence_only_kernel", raising=False)
+    monkeypatch.setattr(rowcopy, "interpreting", lambda: False)
+    monkeypatch.setattr(claunch, "module", lambda: None)
+    monkeypatch.setattr(rowcopy, "dependent_launches", lambda device: True)
+
+    class FenceOnly(LayerFirstKernelStrategy):
+        name, kernel_module = "test.fence_only", "review_fence_only_kernel"
+
+    line = FenceOnly().describe(_mha(2048, torch.device("cuda")), None)[0]
+    assert "fenced" in line and "programmatic dependent" not in line, line
+    assert "review_fence_only_kernel" in sys.modules
+    # a module whose import fails with any error (not only ImportError; here one that needs what this machine lacks)
+    (tmp_path / "review_raising_kernel.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.delitem(sys.modules, "review_raising_kernel", raising=False)
+
+    class Raising(LayerFirstKernelStrategy):
+        name, kernel_module = "test.raising", "review_raising_kernel"
+
+    line = Raising().describe(_mha(2048, torch.device("cuda")), None)[0]
+    assert "fenced" not in line and "programmatic dependent" not in line, line
+
+    monkeypatch.setattr(rowcopy.RowKernelStrategy, "_kernel_params",
+                        lambda self: pytest.fail(f"describe imported {self.kernel_module} off CUDA"))
+    cpu = _mha(2048, torch.device("cpu"))
+    line = LayerFirstKernelStrategy().describe(cpu, None)[0]
+    assert "fenced" not in line and "programmatic dependent" not in line, line
+    monkeypatch.setattr(rowcopy, "interpreting", lambda: True)
+    line = LayerFirstKernelStrategy().describe(_mha(2048, torch.device("cuda")), None)[0]
+    assert "fenced" not in line and "programmatic dependent" not in line, line
+
+
 # -- the peer record at the shipped defaults ------------------------------------------------------------------------
 def test_the_peer_backups_at_the_fenced_defaults_take_over_no_cell():
     """docs/perf/peers-backups-h100-cb3dfb2-2026-12-07.json (the backups as shipped, fenced by the floor; the grid of

@@ -4,6 +4,7 @@ catches a backup that moves nothing.  On the GPU the probe checks each variant a
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -92,10 +93,11 @@ for label in probe.VARIANTS:
                   ST_EV=v["st_ev"], FENCE=v["fence"], PDL=2 if v["pdl"] else 0)
     types = {"anchor": "*i32", "host_idx": "*i64", "dev_idx": "*i64", "dev_base": "i64", "dev_ent": "i64",
              "host_base": "i64", "host_ent": "i64"}
-    ptx = compile_kernel(probe.HINT_BACKUP, consts, warps=v["warps"], types=types).asm["ptx"]
-    words = [line.split() for line in ptx.splitlines() if line.strip()]
-    ops = {w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in words}  # past a predicate
-    out[label] = sorted(op for op in ops if op.startswith(("ld.global", "st.global", "fence", "griddepcontrol")))
+    for key, pdl in ((label, consts["PDL"]),) + (((label + " | last launch", 1),) if v["pdl"] else ()):
+        ptx = compile_kernel(probe.HINT_BACKUP, {**consts, "PDL": pdl}, warps=v["warps"], types=types).asm["ptx"]
+        words = [line.split() for line in ptx.splitlines() if line.strip()]
+        ops = {w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in words}  # past a predicate
+        out[key] = sorted(op for op in ops if op.startswith(("ld.global", "st.global", "fence", "griddepcontrol")))
 ptx = compile_kernel(probe.HOLD, {}, warps=4, types={"out": "*i32", "ns": "i64"}).asm["ptx"]
 words = [line.split() for line in ptx.splitlines() if line.strip()]
 ops = {w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in words}
@@ -108,7 +110,8 @@ print(json.dumps(out))
 def test_hints_reach_the_ptx(tmp_path: Path) -> None:
     """Each variant's hints are in its kernel's PTX for sm_90 (a hint Triton dropped would make its A/B time the base
     kernel under another name): the row stores of ``st .cs`` are ``st.global.cs``, the fence variants fence, the PDL
-    variants signal their dependents and wait for the launch before (no other variant does)."""
+    variants signal their dependents and wait for the launch before (no other variant does); compiled for a backup's
+    last launch (``PDL`` 1) they wait only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     res = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, env=env, timeout=600,
@@ -116,6 +119,10 @@ def test_hints_reach_the_ptx(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     ops = json.loads(res.stdout.strip().splitlines()[-1])
     assert ops.pop("HOLD") == ["globaltimer", "st.global.b32"], "HOLD reads the timer and stores one word, no more"
+    lasts = {k: ops.pop(k) for k in [k for k in ops if k.endswith(" | last launch")]}
+    assert len(lasts) == len(PDL_LABELS)
+    for key, found in lasts.items():  # a backup's last launch (PDL 1) waits for the one before and signals nothing
+        assert [op for op in found if op.startswith("griddepcontrol")] == ["griddepcontrol.wait;"], (key, found)
     for label, found in ops.items():
         v = probe.variant(label)
         want = {f"st.global{v['st_cm']}" + (".L1::evict_first" if v["st_ev"] else ""),
@@ -131,8 +138,9 @@ def test_hints_reach_the_ptx(tmp_path: Path) -> None:
 PDL_LABELS = [label for label in probe.VARIANTS if probe.variant(label)["pdl"]]
 
 
+@pytest.mark.parametrize("entries", [19, 16], ids=["last-launch-short", "even-split"])
 @pytest.mark.parametrize("label", PDL_LABELS)
-def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
+def test_pdl_variants_first_launch_plain_rest_dependent(label, entries, monkeypatch):
     """Each backup's first launch plain (``launch_pdl`` False), every later one dependent; every launch but the last
     compiled to signal its dependents (``PDL`` 2), the last to wait only (1); the launches' entries cover the backup
     once, in order."""
@@ -142,16 +150,40 @@ def test_pdl_variants_first_launch_plain_rest_dependent(label, monkeypatch):
         def __getitem__(self, grid):
             return lambda *a, **kw: calls.append((grid, a, kw))
     monkeypatch.setattr(probe, "HINT_BACKUP", _Rec())
-    wl = probe.Workload("mha", tokens=32, page_size=16, device="cpu", entries=19)
+    wl = probe.Workload("mha", tokens=32, page_size=16, device="cpu", entries=entries)
     v = probe.variant(label)
     for _ in range(2):  # two backups back to back: each starts with a plain launch
         calls.clear()
         wl.launch(v)
         step = v["launch_entries"]
+        assert len(calls) >= 2 and (entries % step == 0) == (entries == 16)  # 16: every launch full, the last too
         assert [kw["launch_pdl"] for _, _, kw in calls] == [False] + [True] * (len(calls) - 1)
         assert [kw["PDL"] for _, _, kw in calls] == [2] * (len(calls) - 1) + [1]
-        assert [a[4] for _, a, _ in calls] == [min(step, 19 - e0) for e0 in range(0, 19, step)]
-        assert [a[5] for _, a, _ in calls] == [e0 * wl.dev.stride(0) for e0 in range(0, 19, step)]
+        assert [a[4] for _, a, _ in calls] == [min(step, entries - e0) for e0 in range(0, entries, step)]
+        assert [a[5] for _, a, _ in calls] == [e0 * wl.dev.stride(0) for e0 in range(0, entries, step)]
+
+
+@pytest.mark.parametrize("label", PDL_LABELS)
+@pytest.mark.parametrize("more", [0, -1, -3], ids=["entries-per-launch", "one-fewer", "few"])
+def test_pdl_variants_backup_in_one_launch_is_a_plain_call(label, more, monkeypatch):
+    """A backup of no more entries than a launch takes (``launch_entries`` >= entries) is one plain launch, as the
+    plugins' call in one launch (``PDL_OFF``): ``PDL`` 0 (the kernel's default), no ``launch_pdl``; it neither
+    signals a launch that is not its own nor waits."""
+    default = inspect.signature(probe.HINT_BACKUP.fn).parameters["PDL"].default
+    calls = []
+
+    class _Rec:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, a, kw))
+    monkeypatch.setattr(probe, "HINT_BACKUP", _Rec())
+    v = probe.variant(label)
+    entries = v["launch_entries"] + more
+    wl = probe.Workload("mha", tokens=32, page_size=16, device="cpu", entries=entries)
+    wl.launch(v)
+    assert len(calls) == 1 and calls[0][1][4] == entries, calls
+    kw = calls[0][2]
+    assert not kw.get("launch_pdl", False) and kw.get("PDL", 0) == 0 and type(kw.get("PDL", 0)) is int, kw
+    assert default == 0 and type(default) is int, default  # a kernel left without PDL compiles as PDL 0
 
 
 @pytest.mark.skipif(DEVICE != "cpu" or not hasattr(_interp.InterpreterBuilder, "create_inline_asm"),

@@ -486,7 +486,7 @@ def test_pdl_is_off_on_the_cpu_and_for_kernels_that_do_not_declare_it(layout, la
     assert len(launches) > 1 and all(type(c["PDL"]) is int and c["PDL"] == 0 for _, c in launches)
     prep = pool.binding.scratch[pool.strategy_name]
     assert not any(lv.pdl for per in prep.launches for lv in per.values())
-    values = {"PDL": True, **{name: 0 for name in rowcopy.LAUNCH_VALUES if name != "PDL"}}
+    values = {"PDL": rowcopy_launch.PDL_CHAIN, **{name: 0 for name in rowcopy.LAUNCH_VALUES if name != "PDL"}}
 
     class NoPdl:  # a launcher of a kernel that declares no PDL
         arg_names = ("anchor", "n")

@@ -133,15 +133,15 @@ def test_each_group_of_a_really_split_backup_chains_apart(layout, checked):
 
 def test_bound_gives_each_pdl_value_the_key_of_its_arguments():
     """``_bound`` with PDL on: three distinct keys, keys[m] the static key of the arguments holding m, the launch's
-    own key and arguments those of PDL_OFF; with PDL off (False) the launch keeps False (equal, as a key, to
-    PDL_OFF: harmless, the kernel behaves alike) and no PDL keys."""
+    own key and arguments those of PDL_OFF; with PDL off (PDL_OFF, as ``_fixed_values`` passes it) the launch keeps
+    the int PDL_OFF and no PDL keys."""
 
     class K:
         arg_names = ["anchor", "n", "W", "PDL"]
         constexprs = [2, 3]
 
     launcher = Launcher(K())
-    values = {"anchor": torch.zeros(4), "n": None, "W": 8, "PDL": True}
+    values = {"anchor": torch.zeros(4), "n": None, "W": 8, "PDL": PDL_CHAIN}  # as _fixed_values passes PDL on
     lv = _bound(launcher, (1,), Tuning(1, 1, 1, pdl=True), 16, values)
     assert lv.pdl and lv.pdl_at == 3 and lv.args[3] == PDL_OFF and lv.key == lv.pdl_keys[PDL_OFF]
     assert len(set(lv.pdl_keys)) == 3
@@ -153,8 +153,8 @@ def test_bound_gives_each_pdl_value_the_key_of_its_arguments():
         args = _fill(lv.args, lv.slots, {"n": 5})
         kw = lv.split_launch(args, i, last, {"static_key": lv.key})
         assert args[3] == mode and kw["static_key"] == launcher.static_key(args, (1,)) and kw.get("pdl", False) == dep
-    off = _bound(launcher, (1,), Tuning(1, 1, 1), 16, {**values, "PDL": False})
-    assert not off.pdl and off.args[3] is False and off.key == lv.key
+    off = _bound(launcher, (1,), Tuning(1, 1, 1), 16, {**values, "PDL": PDL_OFF})
+    assert not off.pdl and type(off.args[3]) is int and off.args[3] == PDL_OFF and off.key == lv.key
 
 
 # -- the real Launcher, a fake driver: each driver launch's compiled kernel and packed launch ------------------
@@ -187,7 +187,7 @@ def test_driver_launches_run_the_kernel_of_their_own_mode_with_their_own_packs(m
     kernel = _ModeKernel()
     with driver_launcher(kernel) as launcher:
         values = {"anchor": torch.zeros(4, dtype=torch.int32), "desc": _desc(torch.zeros(40 * 288, dtype=torch.int32)),
-                  "none": None, "n": None, "PDL": True}
+                  "none": None, "n": None, "PDL": PDL_CHAIN}
         lv = _bound(launcher, (3,), Tuning(1, 4, 1, pdl=True), 16, values)
         kw = dict(num_warps=4, static_key=lv.key, dynamic=(3,), maxnreg=None, packs=lv.packs)
         intended: dict[int, tuple] = {}
