@@ -27,20 +27,20 @@ Launch-shape variants (more programs, more stages) and the other row widths stan
 ``probe.kv_layer_major``, io_backend ``probe``) and with 8 warps instead of its 4 (``... 4 warps`` variants name
 its default); ``... unfenced`` variants back up without the per-tile fence the plugins' backups now keep
 (``backup_fence=False``; :func:`hicache_core.kernel_lib.tile_done`), ``... fenced 64K`` ones fence every row with
-tiles of 64 KiB; ``... one launch`` backs up every layer in one launch (``backup_launch_bytes=0``; the plugins split an
-all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of N
+tiles of 64 KiB; ``... one launch`` backs up every layer in one launch (``backup_launch_bytes=0``; the plugins split
+an all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of N
 MiB`` in launches of N MiB, ``... pdl`` with each launch after a backup's first a programmatic dependent launch
-(``backup_pdl=True``, sm_90+; the plugins' default since 2026-12-07, ``... no pdl`` without), ``... page backups`` (``layer_first`` rows) with backups of whole pages as flat words
-(:data:`PAGE_BACKUP_KERNEL`, the strategy ``probe.page_backup_lf``, io_backend ``probe_pages``: whether host lines
-written whole make narrow rows such as fp8 656 B, which end mid-line, back up faster or steadier),
-``... 16 programs`` with 16 backup programs, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs.  Options (``programs``, ``num_warps``,
-``num_stages``) apply to every direction: a variant's loads
-run with them too, page loads included.  Every variant is
-checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the
-ratio to a pinned memcpy of the same bytes in this run, the host time of one all-layer backup issued on an idle GPU
+(``backup_pdl=True``, sm_90+; the plugins' default since 2026-12-07, ``... no pdl`` without), ``... page backups``
+(``layer_first`` rows) with backups of whole pages as flat words (:data:`PAGE_BACKUP_KERNEL`, the strategy
+``probe.page_backup_lf``, io_backend ``probe_pages``: whether host lines written whole make narrow rows such as fp8
+656 B, which end mid-line, back up faster or steadier), ``... 16 programs`` with 16 backup programs, and ``... 2
+programs 32 warps 128K`` backs up with two wide fenced programs. Options (``programs``, ``num_warps``, ``num_stages``)
+apply to every direction: a variant's loads run with them too, page loads included. Every variant is checked bit-exact
+first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the ratio to a pinned
+memcpy of the same bytes in this run, the host time of one all-layer backup issued on an idle GPU
 (``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and with ``--gemm`` the
-slowdown of a bf16 8192^3 GEMM on another stream during all-layer backups (with ``--bursts`` also a burst of
-one-layer backups, and the GEMM beside it).
+slowdown of a bf16 8192^3 GEMM on another stream during all-layer backups (with ``--bursts`` also a burst of one-layer
+backups, and the GEMM beside it).
 """
 
 from __future__ import annotations
