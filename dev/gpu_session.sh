@@ -257,7 +257,7 @@ for line in sys.stdin:
       note "backup place probe: $(result $?)"; cat "$W/place.log"
       IFS=';' read -ra labels <<<"${PLACE_NCU:-fp8-656 layer_first;fp8-656 page_first_direct;fp8-656 page_first_direct runtime page_size}"
       for lab in "${labels[@]}"; do f="$W/ncu_place_${lab// /_}.log"
-        timeout ${NCU_T:-90} ncu --target-processes all --clock-control none -k regex:^KERNEL --launch-skip 2 \
+        timeout ${NCU_T:-90} ncu --target-processes all --clock-control none -k regex:KERNEL$ --launch-skip 2 \
           --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
           --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
           --section InstructionStats --metrics lts__t_sectors_aperture_sysmem_op_write.sum,lts__t_requests_aperture_sysmem_op_write.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,smsp__sass_inst_executed_op_global_st.sum,smsp__sass_inst_executed_op_global_ld.sum \
