@@ -149,7 +149,7 @@ def PAGE_BACKUP_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_
                 host_tok + e), ok, WIDTH, BLOCK, VEC, False)
 
 
-#: Words :data:`PAGE_BACKUP_KERNEL` copies per step of a page (8 KiB of 4-byte words).
+#: Words :data:`PAGE_BACKUP_KERNEL` copies per step of a page (16 KiB of the 8-byte words the MLA rows here move in).
 PAGE_CHUNK = tl.constexpr(2048)
 #: ``layer_first`` with backups of whole pages (:data:`PAGE_BACKUP_KERNEL`), its loads as the plugin has them.
 PB_MODULE = f"{MODULE}_layer_first_page_backups"
@@ -227,6 +227,9 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 layer_first page backups": ("mla61x656-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
     "fp8-576 layer_first page backups": ("mla61x576-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
     "bf16-576 layer_first page backups": ("mla61x576-bf16", "layer_first", 1, "probe.page_backup_lf", {}),
+    # the page backups' like for like on rows the plugin fences (1152 B): no fence, no dependent launches
+    "bf16-576 layer_first unfenced no pdl": ("mla61x576-bf16", "layer_first", 1, None,
+                                             {"backup_fence": False, "backup_pdl": False}),
     "fp8-656 page_first_direct": ("mla61x656-fp8", "page_first_direct", 1, None, {}),
     "fp8-656 page_first_direct runtime page_size": ("mla61x656-fp8", "page_first_direct", 1, "probe.runtime_page",
                                                     {}),

@@ -4,7 +4,11 @@ canaries untouched, through the probe's own kernels.  A probe whose variant move
 kernel that is not the one it names; on the GPU the probe checks each variant again before timing it.  On CPU the
 kernels run in Triton's interpreter."""
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -146,3 +150,220 @@ def test_page_backups_copy_run_pages_flat_and_others_row_by_row(scatter):
                                 ref_dev[name]):
             if mine is not None:
                 assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), (scatter, name)
+
+
+#: Rows of the page-backup tests: (dtype, kv_lora_rank, qk_rope_head_dim, row_bytes) - fp8 656 B (no parts), fp8 576 B,
+#: bf16 576 B and bf16 1152 B (latent and rope parts).
+PB_ROWS = {"fp8-656": (torch.uint8, 512, 64, 656), "fp8-576": (torch.uint8, 512, 64, None),
+           "bf16-576": (torch.bfloat16, 256, 32, None), "bf16-1152": (torch.bfloat16, 512, 64, None)}
+#: (page size, rows, device rows, layer map, index dtype, strategy options)
+PB_CASES = [(ps, rows, "packed", "unsharded", torch.int64, {}) for ps in (1, 2, 3, 4, 16, 128) for rows in PB_ROWS] + [
+    (3, "fp8-656", "packed", "unsharded", torch.int64, {"backup_launch_bytes": 1}),  # a launch per layer entry
+    (16, "bf16-576", "packed", "sharded", torch.int64, {"backup_launch_bytes": 1}),
+    (4, "fp8-576", "packed", "sharded", torch.int32, {}),
+    (2, "fp8-656", "packed", "unsharded", torch.int32, {"backup_launch_bytes": 1}),
+    (3, "fp8-656", "packed", "unsharded", torch.int64, {"tile_bytes": 256}),  # tiles of one token: TOKENS < PAGE_SIZE
+    (16, "fp8-656", "packed", "sharded", torch.int64, {"tile_bytes": 256}),
+    (128, "fp8-656", "packed", "unsharded", torch.int64, {"tile_bytes": 8192}),
+    (4, "fp8-656", "strided", "unsharded", torch.int64, {}),  # device rows wider than a row: never flat
+    (16, "bf16-576", "strided", "sharded", torch.int32, {}),
+    (4, "bf16-576", "split", "unsharded", torch.int64, {}),  # host rows wider than a part: never flat
+    (16, "fp8-576", "split", "sharded", torch.int64, {"backup_launch_bytes": 1}),
+]
+
+
+def _pb_pairs(ps: int, pages: int, dev_rows: int, huge: int) -> tuple[list, list, int]:
+    """Host slots and device rows of a backup mixing every kind of page (not whole pages at the end), and how many of
+    its valid pairs sit in pages that are not runs (the row path's).  Runs on both sides: host page 2 with device
+    rows from 5 (not a page start), the second last host page with the last device rows.  Not runs: device rows
+    scattered, host slots reversed, slots that start a page but go on elsewhere, a host run not starting a page,
+    device rows running past the last, host slots running past the last, out-of-range slots and rows (negative,
+    huge, capacity), and a part of a page last."""
+    cap = ps * pages
+    h: list[int] = []
+    d: list[int] = []
+    row_pairs = 0
+
+    def page(hs: list[int], ds: list[int], flat: bool) -> None:
+        nonlocal row_pairs
+        h.extend(hs)
+        d.extend(ds)
+        if not flat:
+            row_pairs += sum(0 <= a < cap and 0 <= b < dev_rows for a, b in zip(hs, ds))
+    run = lambda start: list(range(start, start + ps))  # noqa: E731
+    page(run(2 * ps), run(5), True)
+    page(run((pages - 2) * ps), run(dev_rows - ps), True)  # the last device rows
+    if ps > 1:
+        page(run(0), [11 * j + 1 for j in range(ps)], False)  # rows 11 apart
+        page(run(4 * ps)[::-1], run(ps), False)
+        page([ps] + run(5 * ps + 1)[:ps - 1], run(11 * ps), False)  # starts a page, then slots of another
+        page(run(6 * ps + 1), run(3 * ps), False)
+        page(run(8 * ps), run(dev_rows - ps + 1), False)  # one row past the last
+        page(run((pages - 1) * ps + 1), run(2 * ps), False)  # one slot past the last
+    page([-1, huge, cap, -huge][:ps] + run(3 * ps)[4:], run(4 * ps), False)  # bad slots (none valid for ps <= 4)
+    page(run(9 * ps), [-1, huge, dev_rows, -huge][:ps] + run(6 * ps)[4:], False)  # bad rows
+    if ps > 1:
+        page(run(10 * ps)[:ps - 1], run(7 * ps)[:ps - 1], False)  # n not a multiple of the page size
+    return h, d, row_pairs
+
+
+@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES,
+                         ids=[f"ps{c[0]}-{c[1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + "".join(f"-{k}{v}" for k, v in
+                                                                                         c[5].items())
+                              for c in PB_CASES])
+def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
+                                                                    layers, index_dtype, options):
+    """``probe.page_backup_lf`` called as with validation off (device-resident indices under ``validate="shapes"``):
+    every pair in range moves byte for byte as the reference backend moves it, nothing else changes (canaries, guard
+    bytes around the host buffers and the device allocations), whatever the page size (non powers of two, pages of
+    one, more than a tile), rows, layer map, index dtype and launch split; pages whose slots and rows are runs go flat
+    (under the interpreter: the row path moves exactly the other pages' valid pairs, each once)."""
+    from hicache_core import LayerMap, PoolSpec
+    from hicache_core.testing.conformance import (Case, assert_device_guards_intact, assert_guards_intact,
+                                                  fill_canary, guarded_host_buffers, make_device_buffers)
+
+    dtype, lora, rope, row_bytes = PB_ROWS[rows]
+    lmap = LayerMap.unsharded(3) if layers == "unsharded" else LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)
+    pages = 13
+    spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
+                        capacity=ps * pages, row_bytes=row_bytes, device=DEVICE)
+    gen = torch.Generator().manual_seed(ps)
+    case = Case("rows", lambda device: spec, strided=device_rows == "strided", split_parts=device_rows == "split")
+    dev = make_device_buffers(spec, case, gen)
+    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
+    host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
+    pool = _pb_pool(spec, dev, host, options)
+    ref = probe.HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
+                           pin_memory=False)
+    fill_canary(pool)
+    fill_canary(ref)
+    dev_rows = pool.binding.device_rows
+    huge = 2**31 - 1 if index_dtype == torch.int32 else 2**40
+    h, d, row_pairs = _pb_pairs(ps, pages, dev_rows, huge)
+    moved: list[int] = []
+    interpreted = DEVICE.type == "cpu"
+    if interpreted:  # the row path's rows, counted where the interpreter calls the helper
+        real = kl.move_rows
+
+        def counting(anchor, dev_row, host_row, ok, *rest):
+            moved.append(int(ok.handle.data.sum()))
+            return real(anchor, dev_row, host_row, ok, *rest)
+        monkeypatch.setattr(kl, "move_rows", counting)
+    launches.clear()
+    pool.strategy.backup(pool.binding, torch.tensor(h, dtype=index_dtype).to(DEVICE),
+                         torch.tensor(d, dtype=index_dtype).to(DEVICE), None)
+    valid = [(a, b) for a, b in zip(h, d) if 0 <= a < spec.capacity and 0 <= b < dev_rows]
+    ref.strategy.backup(ref.binding, torch.tensor([a for a, _ in valid]), torch.tensor([b for _, b in valid]), None)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert {k for k, _, _ in launches} == {probe.PAGE_BACKUP_KERNEL}
+    if options.get("backup_launch_bytes") == 1:
+        assert len(launches) == sum(g.entries(None).numel() for g in pool.binding.scratch[pool.strategy_name].groups)
+    assert any(t.view(torch.uint8).ne(0xA5).any() for t in ref.host_buffers.values())
+    for name, buf in pool.host_buffers.items():
+        want = ref.host_buffers[name].view(torch.uint8).cpu()
+        got = buf.view(torch.uint8).cpu()
+        assert torch.equal(got, want), (name, (got != want).nonzero()[:4].tolist())
+    assert_guards_intact("page backup", guards)
+    assert_device_guards_intact("page backup", dev)
+    for name in dev:  # a backup writes no device byte
+        for mine, theirs in zip(dev[name], ref_dev[name]):
+            if mine is not None:
+                assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), name
+    if interpreted:
+        groups = pool.binding.scratch[pool.strategy_name].groups
+        entries = sum(g.entries(None).numel() for g in groups)
+        flat_ok = device_rows == "packed"
+        pairs = row_pairs if flat_ok else len(valid)
+        assert sum(moved) == pairs * entries, (sum(moved), pairs, entries)
+
+
+def _pb_pool(spec, dev, host, options):
+    """A ``probe.page_backup_lf`` pool on ``host`` with strategy ``options``."""
+    return probe.HostKVPool(spec, "layer_first", probe.backend("probe.page_backup_lf"), dev, registry=REGISTRY,
+                            strategy="probe.page_backup_lf", host_buffers=host, strategy_options=options)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])
+@pytest.mark.parametrize("case", [c.id for c in CASES])
+def test_page_backups_conform_on_every_case(monkeypatch, launches, case, split):
+    """The conformance round trip of every case (MLA and MHA rows, strided and split device rows, sharded layer maps,
+    layers some components lack) through ``probe.page_backup_lf``, all-layer backups in one launch or in a launch per
+    layer entry (``backup_launch_bytes=1``), then per-layer backups with 32-bit indices of the last host page."""
+    from hicache_core.testing import conformance
+
+    options = {"backup_launch_bytes": 1} if split else {}
+    real = conformance.HostKVPool
+
+    def pool(*args, **kw):
+        if kw.get("strategy") == "probe.page_backup_lf":
+            kw["strategy_options"] = options
+        return real(*args, **kw)
+    monkeypatch.setattr(conformance, "HostKVPool", pool)
+    backend = probe.backend("probe.page_backup_lf")
+    check_strategy(REGISTRY, CASE[case], "layer_first", backend, strategy="probe.page_backup_lf", device=DEVICE)
+    check_strategy(REGISTRY, CASE[case], "layer_first", backend, strategy="probe.page_backup_lf", device=DEVICE,
+                   variant="last-page-i32-dev", per_layer_backup=True, seed=1)
+    backups = [c for k, _, c in launches if c.get("TO_HOST")]
+    assert {k for k, _, c in launches if c.get("TO_HOST")} == {probe.PAGE_BACKUP_KERNEL}
+    assert backups and (not split or {c["n_ents"] for c in backups} == {1})
+
+
+_PB_PTX = r"""
+import json, sys
+sys.path.insert(0, "dev")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from ptx_diff import compile_kernel
+from benchmarks import backup_place_probe as probe
+
+fn = probe.PAGE_BACKUP_KERNEL
+INT32 = ("n", "n_ents", "capacity", "dev_rows")
+
+
+def aligned(consts, word, warps=4):  # as a launch specialises: every pointer 16-byte aligned
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else f"*i{word}" if a == "anchor" else "*i64"
+           for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+out = {}
+# (PAGE_SIZE, TOKENS, WIDTH, VEC, word bits, STAGES): rows of 656, 576 and 1152 bytes in 8-byte words (what a launch
+# takes), 656 B in 4-byte words, a one-word row (a 4-byte index scale); pages of one, of 3, smaller than a tile,
+# larger, not a multiple of it
+for ps, tokens, width, vec, word, stages in ((1, 32, 82, 2, 64, 1), (3, 32, 82, 2, 64, 1), (16, 32, 72, 2, 64, 2),
+                                             (64, 16, 144, 2, 64, 1), (128, 32, 82, 2, 64, 1),
+                                             (16, 64, 164, 4, 32, 3), (3, 8, 288, 4, 32, 1), (4, 256, 1, 1, 32, 1)):
+    for to_host in (True, False):
+        consts = dict(WIDTH=width, BLOCK=min(256, 1 << (width - 1).bit_length()), TOKENS=tokens, VEC=vec,
+                      TO_HOST=to_host, STAGES=stages, PAGE_SIZE=ps)
+        key = f"{'backup' if to_host else 'load'} ps{ps} tokens{tokens} width{width} i{word}"
+        compile_kernel(fn, consts, types={"anchor": f"*i{word}", "host_idx": "*i32", "dev_idx": "*i32"})
+        ptx = aligned(consts, word).asm["ptx"]
+        out[key] = sorted({w for line in ptx.splitlines() for w in line.split()[:2]
+                           if w.startswith(("ld.global.v", "st.global.v"))})
+print(json.dumps(out))
+"""
+
+
+def test_page_backup_kernel_compiles_for_sm90_and_its_flat_pages_go_in_wide_words(tmp_path):
+    """``PAGE_BACKUP_KERNEL`` compiles for sm_90 outside the interpreter (the scalar ``if`` on a page's run check, the
+    page's positions in steps of ``TOKENS`` whatever the page size, the module's ``PAGE_CHUNK``) with 32- and 64-bit
+    indices, pages of 1 to 128 tokens and rows of 1 to 288 words; with the pointers aligned as a launch has them, a
+    backup's flat pages move in 16-byte vectors (where ``VEC`` allows), and a load, the row kernel's, has none of them
+    (its rows move word by word here)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    res = subprocess.run([sys.executable, "-c", _PB_PTX], capture_output=True, text=True, env=env, timeout=900,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    ops = json.loads(res.stdout.strip().splitlines()[-1])
+    for key, found in ops.items():
+        word = key.rsplit(" ", 1)[1]
+        want = ({"i64": ["ld.global.v2.b64", "st.global.v2.b64"], "i32": ["ld.global.v4.b32", "st.global.v4.b32"]}[word]
+                if key.startswith("backup") and "width1 " not in key else [])
+        assert found == want, (key, found)
