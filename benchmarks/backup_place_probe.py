@@ -98,8 +98,8 @@ def PAGE_LOAD_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_st
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
-def PAGE_BACKUP_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok, capacity,
-                       dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+def PAGE_BACKUP_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                       capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
                        TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """``layer_first``'s row kernel, but backups copy whole pages as flat words: a work item is one page of one entry
     (``PAGE_SIZE * WIDTH`` words); where its host slots and device rows are runs and both sides' rows are packed
@@ -130,16 +130,9 @@ def PAGE_BACKUP_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_
                     c = c0 + tl.arange(0, PAGE_CHUNK)
                     m = c < PAGE_SIZE * WIDTH
                     tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
-            else:
-                for s0 in tl.static_range(0, PAGE_SIZE, TOKENS):
-                    i = s0 + tl.arange(0, TOKENS)
-                    t = pg * PAGE_SIZE + i
-                    live = (i < PAGE_SIZE) & (t < n)
-                    h = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
-                    d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
-                    ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
-                    kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), tl.load(host_off + e) + h * tok,
-                                 ok, WIDTH, BLOCK, VEC, True)
+            else:  # row by row (PAGE_SIZE positions cover the page: gather_page needs no power of two there)
+                kl.gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok,
+                               capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_SIZE, VEC, True)
     else:
         n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
         for item in tl.range(pid, n_items, nprog, num_stages=STAGES):

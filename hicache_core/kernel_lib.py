@@ -410,9 +410,10 @@ def page_load(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, h
 @triton.jit
 def gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
                 dev_rows, page_size, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr,
-                PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr):
+                PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, TO_HOST: tl.constexpr = False):
     """Page ``pg`` of entry ``e`` row by row, in tiles of ``TOKENS`` positions (the row kernel's): its valid pairs
-    (positions below ``n``, slots and rows in range) move, the rest move nothing."""
+    (positions below ``n``, slots and rows in range) move, the rest move nothing; to the device, or with ``TO_HOST``
+    to the host.  ``PAGE_TOKENS``: at least ``page_size``."""
     for s0 in tl.range(0, PAGE_TOKENS, TOKENS):
         i = s0 + tl.arange(0, TOKENS)
         t = pg * page_size + i
@@ -421,7 +422,7 @@ def gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_o
         d = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
         ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
         move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
-                  paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, False)
+                  paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, TO_HOST)
 
 
 @triton.jit
