@@ -144,3 +144,23 @@ def fake_pdl_driver(monkeypatch, spy) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(Launcher, "driver_ready", lambda self: True)
     monkeypatch.setattr(replay, "current_device_index", lambda: 0)
     monkeypatch.setattr(replay, "current_stream_handle", lambda index: 0)
+
+
+def compiled_json(script: str, cache: Any = None, timeout: int = 600) -> Any:
+    """Run ``script`` (``python -c``, from the checkout's root) outside Triton's interpreter, so that it compiles real
+    kernels for a GPU (Triton's bundled tools, no GPU needed), with its own Triton cache under ``cache`` where given
+    (nothing left in the user's); the JSON of its last line of output.  A failing script fails the test with its
+    error output."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if cache is not None:
+        env["TRITON_CACHE_DIR"] = str(cache)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

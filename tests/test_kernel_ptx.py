@@ -13,11 +13,6 @@ launch) the wait only."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 _COUNT = r"""
 import json, re, sys
@@ -78,12 +73,9 @@ print(json.dumps(out))
 
 
 def test_row_kernels_divide_in_64_bits_per_tile_not_per_row(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compiled afresh, and nothing left in the user's Triton cache
-    res = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    from fakes import compiled_json
+
+    counts = compiled_json(_COUNT, tmp_path)  # compiled afresh, and nothing left in the user's Triton cache
     assert set(counts) == {"layer_first", "page_first", "page_first_kv_split", "PAGE_LOAD", "PAGE_LOAD grouped",
                            "PAGED_TMA_LOAD", "fences", "pdl", "pdl last"}
     grouped = counts.pop("PAGE_LOAD grouped")

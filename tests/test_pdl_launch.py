@@ -319,16 +319,9 @@ def test_a_kernel_triton_compiles_with_launch_pdl_is_a_dependent_driver_launch()
     as a dependent driver launch (cuLaunchKernelEx) where the driver has it and keeps Triton's launcher where not;
     compiled without, a plain one; PDL's signal and wait are in both (the constexpr PDL 2, not the option, puts them
     there: the call's first launch signals too)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    from fakes import compiled_json
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _REAL_PDL], capture_output=True, text=True, env=env, timeout=600,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = compiled_json(_REAL_PDL)
     assert out["False"] == {"meta": False, "signal": 1, "wait": 1, "with_ex": False, "no_ex": False}, out
     assert out["True"] == {"meta": True, "signal": 1, "wait": 1, "with_ex": True, "no_ex": None}, out
 

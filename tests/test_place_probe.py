@@ -4,11 +4,7 @@ canaries untouched, through the probe's own kernels.  A probe whose variant move
 kernel that is not the one it names; on the GPU the probe checks each variant again before timing it.  On CPU the
 kernels run in Triton's interpreter."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -356,12 +352,9 @@ def test_page_backup_kernel_compiles_for_sm90_and_its_flat_pages_go_in_wide_word
     indices, pages of 1 to 128 tokens and rows of 1 to 288 words; with the pointers aligned as a launch has them, a
     backup's flat pages move in 16-byte vectors (where ``VEC`` allows), and a load, the row kernel's, has none of them
     (its rows move word by word here)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    res = subprocess.run([sys.executable, "-c", _PB_PTX], capture_output=True, text=True, env=env, timeout=900,
-                         cwd=Path(__file__).resolve().parents[1])
-    assert res.returncode == 0, res.stderr[-3000:]
-    ops = json.loads(res.stdout.strip().splitlines()[-1])
+    from fakes import compiled_json
+
+    ops = compiled_json(_PB_PTX, tmp_path, timeout=900)
     for key, found in ops.items():
         word = key.rsplit(" ", 1)[1]
         want = ({"i64": ["ld.global.v2.b64", "st.global.v2.b64"], "i32": ["ld.global.v4.b32", "st.global.v4.b32"]}[word]
