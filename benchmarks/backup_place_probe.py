@@ -390,7 +390,7 @@ def main() -> int:
             pool.backup_all_layers(h, s)
         torch.cuda.synchronize()
         return 0
-    memcpy, rows, corrupt = _Memcpy(), [], 0
+    memcpy, rows, corrupt, failed = _Memcpy(), [], 0, 0
     for label in labels:
         try:
             row = _measure(label, args, reg, memcpy)
@@ -398,13 +398,17 @@ def main() -> int:
             corrupt += 1
             print(json.dumps({"variant": label, "CORRUPT": str(exc)}), flush=True)
             continue
+        except Exception as exc:  # e.g. a probe kernel this Triton cannot compile: the other variants still run
+            failed += 1
+            print(json.dumps({"variant": label, "ERROR": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
+            continue
         finally:
             torch.cuda.empty_cache()  # the variant's pool is gone: its pinned and device memory go back
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         with open(args.out, "w") as f:  # rewritten after every row: a killed run keeps its results
             json.dump(rows, f, indent=1)
-    return 1 if corrupt else 0
+    return 1 if corrupt or failed else 0
 
 
 if __name__ == "__main__":

@@ -100,6 +100,31 @@ def test_a_row_gives_the_host_time_of_the_all_layer_backup_it_timed(monkeypatch)
     assert row["host_all_layers_us"] == 12.5 and calls == [("h", "s")]  # the backup itself was the timed call
 
 
+def test_a_variant_that_raises_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
+    """A variant that raises (a probe kernel this Triton cannot compile, say) prints an ``ERROR`` row and the run goes
+    on with the next variant; the file keeps the rows measured, and the exit status says something failed."""
+    import json
+    import sys
+
+    labels = ["fp8-656 layer_first page backups", "fp8-656 layer_first"]
+
+    def measure(label, args, reg, memcpy):
+        if label == labels[0]:
+            raise RuntimeError("PassManager::run failed")
+        return {"variant": label, "backup_all_layers": 0.9}
+
+    monkeypatch.setattr(probe, "_measure", measure)
+    monkeypatch.setattr(probe, "require_cuda", lambda path: None)
+    monkeypatch.setattr(probe, "_Memcpy", lambda: None)
+    out = tmp_path / "place.json"
+    monkeypatch.setattr(sys, "argv", ["probe", "--out", str(out), "--variants", ",".join(labels)])
+    assert probe.main() == 1
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed[0] == {"variant": labels[0], "ERROR": "RuntimeError: PassManager::run failed"}
+    assert printed[1]["variant"] == labels[1]
+    assert json.loads(out.read_text()) == [{"variant": labels[1], "backup_all_layers": 0.9}]
+
+
 @pytest.mark.parametrize("scatter", ["none", "device rows of one page", "every page"])
 def test_page_backups_copy_run_pages_flat_and_others_row_by_row(scatter):
     """``probe.page_backup_lf`` backs up pages whose slots and rows are runs as flat words and the others row by row:
