@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import itertools
 import statistics
 import json
@@ -50,7 +51,7 @@ from hicache_core import claunch, drvlaunch  # noqa: E402
 from hicache_core.bench import SHAPES, _device_buffers, _indices  # noqa: E402
 from hicache_core.pool import HostKVPool, allocate_host_buffers  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
-from launch_cost import _per_call_us  # noqa: E402  (benchmarks/ is this script's directory)
+from launch_cost import _per_call_us  # type: ignore[import-not-found]  # noqa: E402  (benchmarks/ is this script's directory)
 
 _C = r"""
 #include <stddef.h>
@@ -136,12 +137,12 @@ def _split_backups(reg: Any) -> dict[str, Any]:
     for shape in ("mla61x576-bf16", "mha80x8x128-bf16"):
         spec = SHAPES[shape](4096, 64, torch.device("cuda"))
         hi, si, _ = _indices(spec, torch.Generator().manual_seed(1))
-        fns = {}
+        fns: dict[str, tuple[Callable[[], Any], int]] = {}
         for mode, on in (("pdl", True), ("plain", False)):
             pool = HostKVPool(spec, "layer_first", "kernel", _device_buffers(spec, 2 * 4096 + 64), registry=reg,
                               host_buffers=allocate_host_buffers(reg.layout("layer_first").plan(spec), pin_memory=True),
                               strategy_options={"backup_pdl": on}, validate="shapes")
-            call = (lambda p=pool: p.backup_all_layers(hi, si))
+            call: Callable[[], Any] = functools.partial(pool.backup_all_layers, hi, si)
             for _ in range(3):  # compile, record, replay
                 call()
             torch.cuda.synchronize()
@@ -189,7 +190,7 @@ def main() -> int:
             lib = dll("libcuda.so.1")
             f = lib.cuLaunchKernel
             f.restype = ctypes.c_int
-            row[name] = _per_launch_us(lambda f=f: f(*call))
+            row[name] = _per_launch_us(functools.partial(f, *call))
         cu = ctypes.CDLL("libcuda.so.1")
         addr = ctypes.cast(cu.cuLaunchKernel, ctypes.c_void_p).value
         try:
@@ -206,8 +207,8 @@ def main() -> int:
             dependent = _empty[(1,)](x, launch_pdl=True)  # compiled for programmatic dependent launch
             for name, kernel, pdl in (("c_loop_ex", compiled, 0), ("c_loop_ex_pdl", dependent, 1)):
                 row[name] = _per_launch_us(
-                    lambda k=kernel, pdl=pdl: h.loop_launch_ex(ex_addr, k.function, 1, 32 * k.metadata.num_warps,
-                                                               k.metadata.shared, stream, params, 100, pdl),
+                    functools.partial(h.loop_launch_ex, ex_addr, kernel.function, 1, 32 * kernel.metadata.num_warps,
+                                      kernel.metadata.shared, stream, params, 100, pdl),
                     launches=100, calls=5)
     else:
         h, addr = None, None
@@ -220,7 +221,7 @@ def main() -> int:
     layer = spec.layer_map.device_layers[0]
     for _ in range(3):
         pool.load_layer(layer, hi, di)
-    prep = pool.binding.scratch[pool.strategy.name]
+    prep = pool.binding.scratch[pool.strategy_name]
     # a second pool on other buffers, without the pool's fast path (its checks, then the strategy's replay);
     # the two are timed in alternating rounds, so a drift of the host's speed reaches both alike
     other = HostKVPool(spec, "layer_first", "kernel", _device_buffers(spec, 2 * 4096 + 64),
