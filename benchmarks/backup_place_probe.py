@@ -220,6 +220,13 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 layer_first page backups": ("mla61x656-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
     "fp8-576 layer_first page backups": ("mla61x576-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
     "bf16-576 layer_first page backups": ("mla61x576-bf16", "layer_first", 1, "probe.page_backup_lf", {}),
+    # the same with fewer programs, and split otherwise (page backups: 0.93-0.94 but a GEMM +15-17% in the split launches
+    # of 32 MiB and 8 programs, where the row kernel costs it +0.2% on 576-byte rows; H100 2026-12-07)
+    **{f"{lab} layer_first page backups {what}": (shape, "layer_first", 1, "probe.page_backup_lf", opts)
+       for lab, shape in (("fp8-656", "mla61x656-fp8"), ("fp8-576", "mla61x576-fp8"), ("bf16-576", "mla61x576-bf16"))
+       for what, opts in (("4 programs", {"backup_programs": 4}), ("2 programs", {"backup_programs": 2}),
+                          ("launches of 8 MiB", {"backup_launch_bytes": 8 << 20}),
+                          ("one launch", {"backup_launch_bytes": 0}))},
     # the page backups' like for like on rows the plugin fences (1152 B): no fence, no dependent launches
     "bf16-576 layer_first unfenced no pdl": ("mla61x576-bf16", "layer_first", 1, None,
                                              {"backup_fence": False, "backup_pdl": False}),
@@ -302,6 +309,7 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
                                                                  {"backup_launch_bytes": 8 << 20, "backup_pdl": True})
         # split backups with twice the programs (a split costs a GEMM little: room for more in flight)
         VARIANTS[f"{_label} {_layout} 16 programs"] = (_shape, _layout, 1, None, {"backup_programs": 16})
+        VARIANTS[f"{_label} {_layout} 4 programs"] = (_shape, _layout, 1, None, {"backup_programs": 4})
         # two programs of 32 warps, 128 KiB tiles, fenced: holding an SM costs a GEMM by itself (the hint probe's
         # "hold N programs" floors: +5-7% for 1-2 programs, +11-12% for 4-8, H100 2026-12-07), so fewer and wider
         # programs; 128 bytes of a tile per thread, so that no row width spills
