@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -66,6 +67,7 @@ from benchmarks.needs_cuda import require_cuda  # noqa: E402
 from hicache_core import StrategyInfo, hookimpl  # noqa: E402
 from hicache_core import kernel_lib as kl, rowcopy_pages  # noqa: E402
 from hicache_core.bench import _check, _gemm_slowdown, _host_us, _median_ms, _Memcpy, _workload  # noqa: E402
+from hicache_core.bench.timing import _queue, _two_streams  # noqa: E402
 from hicache_core.pool import HostKVPool  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 
@@ -336,6 +338,27 @@ def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPoo
     return pool, dev, h, s, d
 
 
+def _ms_beside_gemm(transfer: Callable[[], object], reps: int = 5, size: int = 8192) -> float:
+    """Median event-timed milliseconds of one ``transfer`` on its own stream while bf16 ``size``^3 GEMMs run back to
+    back on another, queued first (every SM busy with the GEMM when the transfer's launches come): the transfer's own
+    speed beside the model, where the GEMM slowdown is the model's beside the transfer.  The GEMMs queued cover four
+    times the transfer's time alone; a transfer slowed more than that finishes partly alone (the figure flatters it)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    work, side, transfer_ms = _two_streams(transfer)
+    with torch.cuda.stream(work):
+        gemm_ms = _median_ms(lambda: a @ b, 3, warmup=1)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        _queue(work, lambda: a @ b, int(4 * transfer_ms / max(gemm_ms, 1e-3)) + 4)
+        e0, e1 = _queue(side, transfer, 1, timed=True)
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) -> dict[str, Any]:
     """One variant's row, after its bit-exact check (an ``AssertionError`` when it fails)."""
     pool, dev, h, s, d = _build(label, args.tokens, args.page_size, reg)
@@ -355,6 +378,9 @@ def _measure(label: str, args: argparse.Namespace, reg: Any, memcpy: _Memcpy) ->
     }
     if args.gemm:
         row["gemm_all_layers"] = _gemm_slowdown(backup)
+        # and the backup's own ratio while the GEMMs run (a kernel that leaves the GEMM its SMs waits for them)
+        row["backup_all_layers_beside_gemm"] = total / _ms_beside_gemm(backup) / 1e6 / memcpy.gbps(total, True,
+                                                                                                   args.reps)
     if args.bursts:  # one backup_layer per owned layer back to back, as a layer-by-layer write-back issues them
         owned = pool.spec.layer_map.device_layers
         burst_b = lambda: [pool.backup_layer(lay, h, s) for lay in owned]  # noqa: E731

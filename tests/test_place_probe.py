@@ -100,6 +100,31 @@ def test_a_row_gives_the_host_time_of_the_all_layer_backup_it_timed(monkeypatch)
     assert row["host_all_layers_us"] == 12.5 and calls == [("h", "s")]  # the backup itself was the timed call
 
 
+def test_with_gemm_a_row_gives_the_backups_ratio_beside_the_gemm_from_the_same_call(monkeypatch):
+    """``--gemm`` rows carry the GEMM's slowdown beside the all-layer backup and the backup's own ratio while GEMMs run
+    (``backup_all_layers_beside_gemm``), both timing that same backup call, the ratio against memcpy like the others."""
+    import argparse
+    import types
+
+    calls = []
+    spec = types.SimpleNamespace(layer_map=types.SimpleNamespace(num_device_layers=4), bytes_per_token=64)
+    pool = types.SimpleNamespace(spec=spec, strategy_name="s", backup_layer=lambda *a: None,
+                                 backup_all_layers=lambda h, s: calls.append((h, s)))
+    monkeypatch.setattr(probe, "_build", lambda *a: (pool, None, "h", "s", None))
+    monkeypatch.setattr(probe, "_check", lambda *a, **kw: None)
+    monkeypatch.setattr(probe, "_median_ms", lambda fn, reps: 1.0)
+    monkeypatch.setattr(probe, "_host_us", lambda fn, reps: 12.5)
+    monkeypatch.setattr(probe, "_gemm_slowdown", lambda fn: (fn(), 0.25)[1])
+    monkeypatch.setattr(probe, "_ms_beside_gemm", lambda fn: (fn(), 4.0)[1])
+    memcpy = types.SimpleNamespace(gbps=lambda nbytes, to_host, reps: 2e-6 if to_host else 1.0)
+    args = argparse.Namespace(tokens=64, page_size=16, reps=15, gemm=True, bursts=False, loads=False)
+    row = probe._measure("fp8-656 layer_first", args, None, memcpy)
+    assert row["gemm_all_layers"] == 0.25
+    assert row["backup_all_layers_beside_gemm"] == pytest.approx(64 * 64 / 4.0 / 1e6 / 2e-6)
+    assert row["backup_all_layers"] == pytest.approx(64 * 64 / 1.0 / 1e6 / 2e-6)
+    assert calls == [("h", "s"), ("h", "s")]  # the backup itself, once for each
+
+
 def test_a_variant_that_raises_is_recorded_and_the_others_still_run(monkeypatch, tmp_path, capsys):
     """A variant that raises (a probe kernel this Triton cannot compile, say) prints an ``ERROR`` row and the run goes
     on with the next variant; the file keeps the rows measured, and the exit status says something failed."""
