@@ -32,7 +32,9 @@ Loads of layouts whose host page of one layer is one contiguous run of rows (hos
 rows packed, or each row a part of wider device rows) may instead copy whole pages as flat words: :func:`page_item`, :func:`load_piece`,
 :func:`store_piece`, :func:`gather_page` (pages that are not runs), :func:`page_group`, :func:`group_runs` (small pages
 several per work item, :func:`page_group_load`) and the complete kernel :data:`PAGE_LOAD`, which a plugin re-exports as its
-``PAGE_LOAD_KERNEL`` (see :class:`hicache_core.rowcopy.RowKernelStrategy`).
+``PAGE_LOAD_KERNEL`` (see :class:`hicache_core.rowcopy.RowKernelStrategy`).  Backups of such pages may go the
+other way as flat words too: :func:`page_backup`, which a plugin's ``KERNEL`` runs where it declares ``PAGES``
+(:mod:`hicache_core.rowcopy_pages`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import triton.language as tl
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "tile_done",
            "let_next_begin", "await_previous",
            "box_hits", "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run",
-           "load_piece", "store_piece", "gather_page", "page_load", "page_group", "group_runs", "page_group_load",
+           "load_piece", "store_piece", "gather_page", "page_load", "page_backup", "page_group", "group_runs", "page_group_load",
            "PAGE_LOAD"]
 
 
@@ -423,6 +425,40 @@ def gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_o
         ok = live & (h >= 0) & (h < capacity) & (d >= 0) & (d < dev_rows)
         move_rows(anchor, device_rows(dev_off, dev_stride, e, d),
                   paged_rows(host_off, host_page, host_tok, e, h, page_size), ok, WIDTH, BLOCK, VEC, TO_HOST)
+
+
+@triton.jit
+def page_backup(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                capacity, dev_rows, page_size: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                TOKENS: tl.constexpr, PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """Back up whole pages as flat words (device to host): a work item is one page of one entry; where its host
+    slots and device rows are runs (:func:`page_run`, over ``PAGE_TOKENS`` positions, a power of two >= ``page_size``)
+    and the entry's rows are packed on both sides (host token stride and device token stride ``WIDTH`` words), the
+    page's ``page_size * WIDTH`` words go from device row ``d0`` to the host page's first word in steps of ``CHUNK``
+    words (a power of two), so every host line but those at a page's ends is written whole (row by row, a row that
+    ends mid-line leaves the line between two rows written in two halves); any other page is gathered row by row
+    (:func:`gather_page`), its valid pairs alone.  ``page_size`` is a constexpr (the launch value ``PAGE_SIZE``)."""
+    pid, nprog = programs()
+    per_ent = tl.cdiv(n.to(tl.int64), page_size)
+    n_items = per_ent * n_ents.to(tl.int64)
+    for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
+        e, pg, _, h0, d0, inb = page_item(item, ents, host_idx, dev_idx, n, page_size, capacity, dev_rows, per_ent, 1)
+        packed = ((tl.load(host_tok + e) == WIDTH) & (tl.load(dev_stride + e) == WIDTH)).to(tl.int32)
+        run = page_run(host_idx, dev_idx, pg, n, page_size, h0, d0, inb * packed, PAGE_TOKENS)
+        if run > 0:
+            src = tl.load(dev_off + e) + d0 * WIDTH
+            dst = tl.load(host_off + e) + (h0 // page_size) * tl.load(host_page + e)
+            if VEC > 1:
+                src = tl.multiple_of(src, VEC)
+                dst = tl.multiple_of(dst, VEC)
+            for c0 in tl.static_range(0, page_size * WIDTH, CHUNK):
+                c = c0 + tl.arange(0, CHUNK)
+                m = c < page_size * WIDTH
+                tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
+        else:
+            gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok,
+                        capacity, dev_rows, page_size, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, True)
 
 
 @triton.jit

@@ -66,11 +66,11 @@ from .rowcopy_launch import (  # noqa: F401
     DYNAMIC_VALUES, LAUNCH_VALUES, _LAUNCHERS, Prepared, _bound, _fill, _fixed_values, _grid, _keep,
     _Launch, _launcher, _route, _Run, _split_plan, _splits, _tma_plan, entry_tails, exact_shape, split_shape)
 from .rowcopy_tuning import (  # noqa: F401
-    BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_LOAD_TUNING,
-    TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
+    BACKUP_LAUNCH_BYTES, MAX_BLOCK_BYTES, MAX_TILE_BYTES, MAX_TOKENS, MAX_VECTOR_BYTES, PAGE_BACKUP_TUNING,
+    PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BACKUP_LAUNCH_BYTES", "RowGroup",
-           "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS",
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "PAGE_BACKUP_TUNING", "BACKUP_LAUNCH_BYTES",
+           "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS",
            "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,12 @@ class RowKernelStrategy(DirectionalStrategy):
         for ``HICACHE_KERNEL_PAGES`` when set, else automatic: groups whose pages hold at least
         :data:`~hicache_core.rowcopy_pages.AUTO_MIN_PART_BYTES` per host part; when the strategy has a page load
         kernel; calls TMA takes stay TMA's.
+    :param page_backups: backups of whole pages as flat words (:func:`hicache_core.rowcopy_pages.backup_reason`;
+        ``KernelTuning.page_backup``, a kernel that declares ``PAGES``): ``True`` (every group whose rows allow it),
+        ``False``, or ``None`` for automatic (rows of at most
+        :data:`~hicache_core.rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES` in pages of at least
+        :data:`~hicache_core.rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES`).  Page backups take ``backup_programs``,
+        ``programs`` and ``backup_launch_bytes`` as row backups do; they neither fence nor chain launches.
     """
 
     name: ClassVar[str]
@@ -142,7 +148,7 @@ class RowKernelStrategy(DirectionalStrategy):
                  maxnreg: int | None = None, backup_fence: bool | None = None,
                  backup_launch_bytes: int | None = None, backup_pdl: bool | None = None,
                  fuse_parts: bool | None = None,
-                 tma: bool | None = None, pages: bool | None = None) -> None:
+                 tma: bool | None = None, pages: bool | None = None, page_backups: bool | None = None) -> None:
         self.programs = None if programs is None else parse_programs(programs, "programs")
         self.backup_programs = None if backup_programs is None else parse_programs(backup_programs,
                                                                                      "backup_programs")
@@ -176,6 +182,9 @@ class RowKernelStrategy(DirectionalStrategy):
             raise ConfigError(f"pages must be True, False or None (HICACHE_KERNEL_PAGES, else automatic), got "
                               f"{pages!r}")
         self.pages = pages
+        if page_backups is not None and not isinstance(page_backups, bool):
+            raise ConfigError(f"page_backups must be True, False or None (automatic), got {page_backups!r}")
+        self.page_backups = page_backups
 
     # -- resolution -----------------------------------------------------------------------------
     def layout_reason(self, spec: PoolSpec, layout: Layout) -> str | None:
@@ -242,9 +251,15 @@ class RowKernelStrategy(DirectionalStrategy):
                      f" of >= {rowcopy_pages.AUTO_MIN_PART_BYTES} bytes per host buffer")
             pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
-        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages} (options programs, "
-                 "backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, backup_launch_bytes, "
-                 "backup_pdl, tma, pages; "
+        page_backups = ""
+        if t.page_backup is not None and self.page_backups is not False:
+            which = ("where" if self.page_backups else
+                     f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
+                     f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB where")
+            page_backups = f"; backups of whole pages {which} host and device rows are packed {one(t.page_backup)}"
+        lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages}{page_backups} (options "
+                 "programs, backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, "
+                 "backup_launch_bytes, backup_pdl, tma, pages, page_backups; "
                  "HICACHE_KERNEL_PROGRAMS, "
                  "HICACHE_KERNEL_TMA, HICACHE_KERNEL_PAGES)"]
         if spec.device.type == "cuda" and not interpreting():
@@ -277,8 +292,14 @@ class RowKernelStrategy(DirectionalStrategy):
             backups = replace(backups, launch_bytes=self.backup_launch_bytes)
         if self.backup_pdl is not None:
             backups = replace(backups, pdl=self.backup_pdl)
+        page_backups = self.tuning.page_backup
+        if page_backups is not None:
+            page_backups = one(page_backups, backup)
+            if self.backup_launch_bytes is not None:
+                page_backups = replace(page_backups, launch_bytes=self.backup_launch_bytes)
         return KernelTuning(backups, one(self.tuning.load, both),
-                            None if tma is None else one(tma, both), None if page is None else one(page, both))
+                            None if tma is None else one(tma, both), None if page is None else one(page, both),
+                            page_backups)
 
     def prepare(self, binding: PoolBinding) -> None:
         """Check pinning, import the kernel, build groups, fixed launch values and keys (once per pool)."""
@@ -288,7 +309,10 @@ class RowKernelStrategy(DirectionalStrategy):
         tuning = self.effective_tuning(binding.device)
         groups = build_groups(binding, fuse_parts=self.fuse, strategy=self.name)
         dynamic = launcher.positions(DYNAMIC_VALUES)
-        launches = tuple({to_host: self._launch(binding.spec, g, tuning.direction(to_host), to_host, launcher, dynamic)
+        if self.page_backups and (tuning.page_backup is None or "PAGES" not in launcher.arg_names):
+            raise ConfigError(f"{self.name} has no page backups (a KERNEL in {self.kernel_module} declaring PAGES and "
+                              "a page_backup tuning); leave the page_backups option unset")
+        launches = tuple({to_host: self._launch(binding.spec, g, tuning, to_host, launcher, dynamic)
                           for to_host in (True, False)} for g in groups)
         splitting = _splitting(tuning)
         prep = Prepared(groups, launches, launcher, dynamic, tuning,
@@ -397,12 +421,27 @@ class RowKernelStrategy(DirectionalStrategy):
             launches.append(tuple(parts))
         return replace(prep, pages=tuple(launches), page_launcher=launcher, page_dynamic=dynamic)
 
-    def _launch(self, spec: PoolSpec, g: RowGroup, t: Tuning, to_host: bool, launcher: Any,
+    def _page_backups(self, spec: PoolSpec, g: RowGroup, tuning: KernelTuning, launcher: Any) -> bool:
+        """Whether ``g``'s backups copy whole pages (``page_backups`` option, the kernel and tuning, and
+        :func:`~hicache_core.rowcopy_pages.backup_reason`)."""
+        if self.page_backups is False or tuning.page_backup is None or "PAGES" not in launcher.arg_names:
+            return False
+        why = rowcopy_pages.backup_reason(g, spec.page_size, automatic=self.page_backups is None)
+        if why:
+            logger.info("%s: backups of %s go by rows: %s", self.name, "/".join(g.names), why)
+        return why is None
+
+    def _launch(self, spec: PoolSpec, g: RowGroup, tuning: KernelTuning, to_host: bool, launcher: Any,
                 dynamic: tuple[int, ...]) -> _Launch:
+        pages = to_host and self._page_backups(spec, g, tuning, launcher)
+        t = cast(Tuning, tuning.page_backup) if pages else tuning.direction(to_host)
         block, block_b, tokens = tile(g.width, g.split, g.word, t.tile_bytes)
         values = _fixed_values(spec, g, g.tables, t) | dict(
             WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, TO_HOST=to_host,
-            ENTRIES_INNER=self.entries_inner)
+            ENTRIES_INNER=self.entries_inner, PAGES=pages, PAGE_TOKENS=1, PAGE_CHUNK=1)
+        if pages:  # (row launches pass 1: no specialisation of theirs per page size through these two)
+            values |= dict(PAGE_TOKENS=1 << (spec.page_size - 1).bit_length(),
+                           PAGE_CHUNK=max(g.vec, _pow2_floor(t.tile_bytes // g.word)))
         return _bound(launcher, dynamic, t, tokens, values, g.width * g.word)
 
     # -- transfers ----------------------------------------------------------------------------------

@@ -62,7 +62,11 @@ LAUNCH_VALUES = {
            "launch, or PDL off (PDL_OFF, PDL_LAST, PDL_CHAIN)",
     "STAGES": "constexpr: software-pipelining depth of the work-item loop (tl.range num_stages; 1: none)",
     "ENTRIES_INNER": "constexpr: the strategy's entries_inner (work-item order, see kernel_lib.work_item)",
-    "PAGE_TOKENS": "constexpr: page loads: a power of two >= page_size (one vector checks a page's indices)",
+    "PAGE_TOKENS": "constexpr: page loads and page backups: a power of two >= page_size (one vector checks a page's "
+                   "indices)",
+    "PAGES": "constexpr: backups of whole pages as flat words (kernel_lib.page_backup; rowcopy_pages.backup_reason), "
+             "False for every other launch",
+    "PAGE_CHUNK": "constexpr: page backups: words one step of a flat page copies (a power of two)",
     "PART": "constexpr: words per part of a page (page loads, see rowcopy_pages.pieces; GROUP > 1: a power of two "
             "covering the page, masked to it)",
     "PARTS": "constexpr: whole parts per page",

@@ -16,6 +16,10 @@ group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's):
 (pages of at least :data:`AUTO_MIN_PART_BYTES` per host part), every group whose host pages allow it with
 ``pages=True`` or ``HICACHE_KERNEL_PAGES=1``.
 
+Backups may copy whole pages the other way (:func:`backup_reason`): a plugin whose ``KERNEL`` declares ``PAGES``
+and whose tuning has ``KernelTuning.page_backup`` backs up the groups :func:`backup_reason` accepts page by page
+(by default with ``automatic``; ``page_backups=True``: every group it allows, ``False``: none).
+
 Nothing here imports Triton.
 """
 
@@ -34,9 +38,9 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
-__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PagePart", "pages_mode",
-           "pages_enabled", "page_parts", "strided", "group_reason", "pieces", "group_pages",
-           "launch_pieces"]
+__all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "PagePart", "pages_mode", "pages_enabled", "page_parts", "strided",
+           "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +145,41 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automa
                 return (f"a host page of its {part.width * g.word}-byte {what} holds {page_bytes} bytes, under the "
                         f"{AUTO_MIN_PART_BYTES} bytes automatic page loads take (the row kernel keeps more reads in "
                         "flight; pages=True or HICACHE_KERNEL_PAGES=1 takes it)")
+    return None
+
+
+#: Automatic page backups take a group only where its rows hold at most this many bytes and a page of them at least
+#: :data:`PAGE_BACKUP_MIN_PAGE_BYTES`: what was measured ahead of the row kernel (``rowcopy_tuning.PAGE_BACKUP_TUNING``:
+#: 576-, 656- and 1152-byte rows in pages of 64).  Wider rows (MHA's 2 KiB rows back up at 0.95-0.97 by rows) and
+#: smaller pages were not measured: they keep the row kernel unless ``page_backups=True``.
+PAGE_BACKUP_MAX_ROW_BYTES = 1152
+#: See :data:`PAGE_BACKUP_MAX_ROW_BYTES` (64 rows of 576 bytes).
+PAGE_BACKUP_MIN_PAGE_BYTES = 36864
+
+
+def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> str | None:
+    """Why ``g``'s backups cannot copy whole pages as flat words (``None``: they can): pages of 2 ..
+    :data:`MAX_PAGE_TOKENS` tokens, the row in one host buffer, host rows and device rows packed (token strides of
+    the row width: a page is then one run of words on both sides), a page under 2**31 words.  ``automatic``: also
+    rows of at most :data:`PAGE_BACKUP_MAX_ROW_BYTES` and pages of at least :data:`PAGE_BACKUP_MIN_PAGE_BYTES`."""
+    if page_size < 2:
+        return "pages of one token are single rows"
+    if page_size > MAX_PAGE_TOKENS:
+        return f"pages of more than {MAX_PAGE_TOKENS} tokens"
+    if g.split != g.width:
+        return "its rows are split over two host buffers"
+    if any(int(v) != g.width for v in g.tables["host_tok"].tolist()):
+        return "its host token stride is not the row width (host rows are not packed)"
+    if any(int(v) != g.width for v in g.tables["dev_stride"].tolist()):
+        return "its device token stride is not the row width (device rows are not packed)"
+    if page_size * g.width >= 2**31:
+        return "a page of its rows holds 2**31 words or more"
+    if automatic:
+        row, page = g.width * g.word, page_size * g.width * g.word
+        if row > PAGE_BACKUP_MAX_ROW_BYTES or page < PAGE_BACKUP_MIN_PAGE_BYTES:
+            return (f"its {row}-byte rows in pages of {page} bytes are outside what automatic page backups take "
+                    f"(rows of <= {PAGE_BACKUP_MAX_ROW_BYTES} bytes in pages of >= {PAGE_BACKUP_MIN_PAGE_BYTES}; "
+                    "page_backups=True takes them)")
     return None
 
 

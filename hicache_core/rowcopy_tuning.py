@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "BACKUP_LAUNCH_BYTES", "tile",
+__all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "PAGE_BACKUP_TUNING", "BACKUP_LAUNCH_BYTES",
+           "tile",
            "MAX_BLOCK_BYTES", "MAX_TOKENS", "MAX_VECTOR_BYTES", "MAX_TILE_BYTES"]
 
 #: Widest column step of a tile; longer rows take several steps.
@@ -79,12 +80,16 @@ class Tuning:
 class KernelTuning:
     """A strategy's :class:`Tuning` per direction; ``tma_load``: per-layer loads through tensor
     descriptors (``None``: the strategy has no TMA loads); ``page_load``: loads of whole pages as flat
-    words (``tile_bytes``: the largest part of a page one work item reads; ``None``: no page loads)."""
+    words (``tile_bytes``: the largest part of a page one work item reads; ``None``: no page loads);
+    ``page_backup``: backups of whole pages as flat words, for the groups whose backups take them
+    (``tile_bytes``: the bytes of a page one step copies, and the tile of pages gathered row by row; ``None``: every
+    backup by rows)."""
 
     backup: Tuning
     load: Tuning
     tma_load: Tuning | None = None
     page_load: Tuning | None = None
+    page_backup: Tuning | None = None
 
     def direction(self, to_host: bool) -> Tuning:
         return self.backup if to_host else self.load
@@ -108,6 +113,14 @@ PAGE_LOAD_TUNING = Tuning(programs=16, num_warps=16, tile_bytes=65536)
 #: rows of >= 1152 B 0.921-0.933 of memcpy at -0.6% to +2.3% (one launch: 0.934-0.948 at +12% to +21%); fp8 rows
 #: 0.853-0.876 at +0.6-2.7% (0.874-0.920 at +8-14%); launches of 8 MiB lost 2-9 more points, of 64 MiB cost +3-8%.
 BACKUP_LAUNCH_BYTES = 32 << 20
+#: Launch shape of backups of whole pages as flat words (``kernel_lib.page_backup``, a plugin's ``KERNEL`` declaring
+#: ``PAGES``), for a plugin's ``KernelTuning.page_backup``: 4 programs, steps of 16 KiB, no fence, no dependent
+#: launches, the row backups' launch size.  On an H100 (2026-12-07, benchmarks/backup_place_probe.py, record calls
+#: 68-69; MLA all-layer backups, 4096 tokens, page 64) against the row kernel's default (8 programs): fp8 656-byte rows
+#: 0.934 of memcpy at +0.2% GEMM against 0.820-0.836 at +2.6% to +10.1%, fp8 576 B 0.937 / +0.5% against 0.906 /
+#: +0.7%, bf16 576 (1152-byte rows) 0.938 / +0.9% against 0.919 / +0.1%; at 8 programs the pages reached 0.93-0.94
+#: too but cost the GEMM +15-17%, at 2 programs they fell to 0.63-0.66; the row kernel at 4 programs fell to 0.49-0.71.
+PAGE_BACKUP_TUNING = Tuning(programs=4, num_warps=4, tile_bytes=16384, launch_bytes=BACKUP_LAUNCH_BYTES)
 
 
 def _pow2_floor(x: int) -> int:

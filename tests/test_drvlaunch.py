@@ -356,7 +356,8 @@ from hicache_layer_first import kernels as lf
 
 drvlaunch._LIB[:] = [types.SimpleNamespace()]  # verification only: no driver call is made
 
-ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_tok")}
+ptr64 = {n: "*i64" for n in ("host_idx", "dev_idx", "ents", "dev_off", "dev_stride", "host_off", "host_page",
+                             "host_tok")}
 row = compile_kernel(lf.KERNEL, dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=False, STAGES=1,
                                      FENCE=False),
                      types={"anchor": "*i32", **ptr64, "n": "i32", "n_ents": "i32", "capacity": "i32", "dev_rows": "i32"})
@@ -386,8 +387,8 @@ def test_real_kernels_verify_against_their_ptx():
     # Written out by hand from the kernels' signatures: anchor, two 2-D descriptors (map, 2 x i32 shape,
     # 2 x i64 stride), host_idx, dev_idx, then the 13 int arguments (the _b descriptors are None: constexprs).
     assert tma["sizes"][:26] == [8, 128, 4, 4, 8, 8, 128, 4, 4, 8, 8, 8, 8] + [4] * 13
-    assert row["sizes"][:12] == [8, 8, 8, 4, 8, 4, 8, 8, 8, 8, 4, 4]
-    for k, n in ((row, 12), (tma, 26)):
+    assert row["sizes"][:13] == [8, 8, 8, 4, 8, 4, 8, 8, 8, 8, 8, 4, 4]
+    for k, n in ((row, 13), (tma, 26)):
         assert len(k["kinds"]) == n and k["scratch"] in (1, 2) and k["sizes"][n:] == [8] * k["scratch"]
 
 

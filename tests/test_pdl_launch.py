@@ -293,7 +293,8 @@ from hicache_core import drvlaunch
 from hicache_core.drvlaunch import DriverKernel, ptx_params
 from hicache_layer_first import kernels as lf
 
-consts = dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=True, STAGES=1, FENCE=True, PDL=2)
+consts = dict(WIDTH=288, BLOCK=256, TOKENS=16, VEC=4, TO_HOST=True, STAGES=1, FENCE=True, PDL=2, PAGES=False,
+              PAGE_SIZE=1, PAGE_TOKENS=1, PAGE_CHUNK=1)
 names = lf.KERNEL.arg_names
 ints = ("n", "n_ents", "capacity", "dev_rows")
 sig = {a: "constexpr" if a in consts else ("i32" if a in ints else ("*i32" if a == "anchor" else "*i64")) for a in names}

@@ -114,17 +114,20 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert t.backup.programs < t.load.programs  # loads are latency-bound: more programs in flight
     assert t.tma_load is not None and t.tma_load.programs <= 4  # TMA loads: a few programs, bulk copies in flight
     assert t.page_load is not None  # every in-tree plugin offers page loads (its groups decide where they apply)
-    every = lambda **kw: KernelTuning(*(replace(x, **kw) for x in (t.backup, t.load, t.tma_load,  # noqa: E731
-                                                                    t.page_load)))
+    every = lambda **kw: KernelTuning(*(None if x is None else replace(x, **kw)  # noqa: E731
+                                        for x in (t.backup, t.load, t.tma_load, t.page_load, t.page_backup)))
     monkeypatch.setenv(ENV_PROGRAMS, "5")
     assert cls().effective_tuning(cpu) == every(programs=5)
     opts = {"num_warps": 2, "tile_bytes": 1024, "maxnreg": 96}
     assert cls(7, **opts).effective_tuning(cpu) == every(programs=7, **opts)
-    # backup_programs bounds backups alone, over the option and the environment
+    # backup_programs bounds backups alone (page backups too), over the option and the environment
+    pb = lambda p: None if t.page_backup is None else replace(t.page_backup, programs=p)  # noqa: E731
     assert cls(7, backup_programs=3).effective_tuning(cpu) == replace(every(programs=7),
-                                                                       backup=replace(t.backup, programs=3))
+                                                                       backup=replace(t.backup, programs=3),
+                                                                       page_backup=pb(3))
     assert cls(backup_programs=2).effective_tuning(cpu) == replace(every(programs=5),
-                                                                    backup=replace(t.backup, programs=2))
+                                                                    backup=replace(t.backup, programs=2),
+                                                                    page_backup=pb(2))
     # on CUDA the environment and the defaults are capped at 4x the SMs; an explicit option is taken as given
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the cap applies where CUDA is there to ask
@@ -132,7 +135,8 @@ def test_effective_tuning_option_beats_environment_beats_default(monkeypatch, cl
     assert cls(100).effective_tuning(cuda).load.programs == 100
     assert cls().effective_tuning(cuda) == every(programs=4)
     monkeypatch.delenv(ENV_PROGRAMS)
-    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load), cap(t.page_load))
+    assert cls().effective_tuning(cuda) == KernelTuning(cap(t.backup), cap(t.load), cap(t.tma_load), cap(t.page_load),
+                                                        None if t.page_backup is None else cap(t.page_backup))
     for bad in ("abc", "+-5", "--3", "\u00b2", "2.5", "0", "-3"):  # never a raw ValueError from int()
         monkeypatch.setenv(ENV_PROGRAMS, bad)
         with pytest.raises(ConfigError, match=ENV_PROGRAMS):

@@ -2,7 +2,9 @@
 
 Host slot ``s`` of entry ``e`` starts at ``host_off[e] + s * host_tok[e]``
 words: no page arithmetic.  Work items walk one layer entry's token tiles
-before the next entry (layer-major, like the host buffer).  Built from
+before the next entry (layer-major, like the host buffer).  With ``PAGES``,
+backups copy whole pages as flat words instead (:func:`hicache_core.kernel_lib.page_backup`;
+the page stride is ``page_size * host_tok``, so ``host_page`` addresses the same rows).  Built from
 :mod:`hicache_core.kernel_lib`; launched by :class:`hicache_core.rowcopy.RowKernelStrategy`
 with the values it names.
 """
@@ -23,11 +25,17 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 
 
 @triton.jit(do_not_specialize=["n", "n_ents"])
-def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_tok, capacity, dev_rows,
-           WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
-           TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr = 0):
+def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
+           dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
+           TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr = 0,
+           PAGES: tl.constexpr = False, PAGE_SIZE: tl.constexpr = 1, PAGE_TOKENS: tl.constexpr = 1,
+           PAGE_CHUNK: tl.constexpr = 1):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
+    if TO_HOST and PAGES:  # backups of whole pages as flat words (rowcopy_pages.backup_reason), unfenced, unchained
+        kl.page_backup(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                       capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, STAGES, PAGE_CHUNK)
+        n_items = 0  # (a constant: the row loop below is compiled out)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         kl.let_next_begin(item, n_items, nprog, PDL)
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, False)

@@ -1,0 +1,294 @@
+"""Backups of whole pages as flat words in a plugin's own kernel (``layer_first``'s ``KERNEL`` with ``PAGES``;
+``kernel_lib.page_backup``; ``rowcopy_pages.backup_reason``): which groups take them, and byte for byte what the
+reference backend writes, canaries and guard bytes untouched, with any indices a shapes-validated call may pass.
+On CPU the kernels run in Triton's interpreter."""
+
+import dataclasses
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+
+import pytest  # noqa: E402
+
+from hicache_core import HostKVPool, LayerMap, PoolSpec, rowcopy_pages  # noqa: E402
+from hicache_core import kernel_lib as kl  # noqa: E402
+from hicache_core.errors import ConfigError  # noqa: E402
+from hicache_core.registry import create_registry  # noqa: E402
+from hicache_core.rowcopy import PAGE_BACKUP_TUNING, KernelTuning  # noqa: E402
+from hicache_core.testing.conformance import (CASES, Case, assert_device_guards_intact, assert_guards_intact,  # noqa: E402
+                                              check_strategy, fill_canary, guarded_host_buffers, make_device_buffers)
+from test_place_probe import PB_CASES, PB_ROWS, _pb_pairs  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+REGISTRY = create_registry()
+CASE = {c.id: c for c in CASES}
+LF = "layer_first.kernel"
+
+
+def _lf():  # the plugin's modules (imported once the interpreter is set)
+    from hicache_layer_first import kernels, strategy
+
+    return kernels, strategy
+
+
+def _mla(ps: int, rows: str, cap_pages: int = 8, layers: int = 2) -> PoolSpec:
+    dtype, lora, rope, row_bytes = PB_ROWS[rows]
+    return PoolSpec.mla(layer_map=LayerMap.unsharded(layers), kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype,
+                        page_size=ps, capacity=ps * cap_pages, row_bytes=row_bytes, device=DEVICE)
+
+
+def _pool(spec: PoolSpec, options: dict | None = None, case: Case | None = None, host=None) -> HostKVPool:
+    dev = make_device_buffers(spec, case or Case("rows", lambda device: spec), torch.Generator().manual_seed(3))
+    return HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+                      pin_memory=DEVICE.type == "cuda" and host is None, strategy_options=options or {})
+
+
+def _pages_by_group(pool: HostKVPool) -> list[bool]:
+    """Per group, whether its backups launch with ``PAGES`` (and its loads never)."""
+    prep = pool.binding.scratch[pool.strategy_name]
+    names = prep.launcher.arg_names
+    out = []
+    for by_dir in prep.launches:
+        values = {to_host: dict(zip(names, by_dir[to_host].args)) for to_host in (True, False)}
+        assert not values[False]["PAGES"]
+        out.append(bool(values[True]["PAGES"]))
+    return out
+
+
+# -- which groups --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ps,rows,want", [
+    (64, "fp8-656", True), (64, "fp8-576", True), (32, "bf16-1152", True),  # 656, 576, 1152 B rows: measured
+    (64, "bf16-576", True),  # 576 B bf16 rows (256 + 32 elements)
+    (16, "fp8-656", False), (16, "bf16-1152", False),  # pages of 10.5 and 18 KiB: under PAGE_BACKUP_MIN_PAGE_BYTES
+    (1, "fp8-656", False)])
+def test_automatic_page_backups_take_narrow_rows_in_large_pages(ps, rows, want):
+    """Automatic: rows of at most 1152 bytes in pages of at least 36 KiB (what was measured ahead of the row kernel);
+    loads never; ``page_backups=True`` takes every packed group of pages of 2 tokens or more, ``False`` none."""
+    spec = _mla(ps, rows, cap_pages=2, layers=1)
+    assert _pages_by_group(_pool(spec)) == [want]
+    assert _pages_by_group(_pool(spec, {"page_backups": True})) == [ps > 1]
+    assert _pages_by_group(_pool(spec, {"page_backups": False})) == [False]
+
+
+def test_mha_rows_keep_row_backups_unless_asked():
+    spec = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=8, head_dim=128, dtype=torch.bfloat16,
+                        page_size=64, capacity=128, device=DEVICE)
+    pool = _pool(spec)
+    assert _pages_by_group(pool) == [False]  # 2048-byte rows: not measured, the row kernel's 0.95-0.97
+    assert "2048-byte rows" in rowcopy_pages.backup_reason(pool.binding.scratch[LF].groups[0], 64, automatic=True)
+    assert _pages_by_group(_pool(spec, {"page_backups": True})) == [True]
+
+
+def test_page_backups_take_their_own_tuning_and_the_backup_options():
+    """Page backups launch with ``KernelTuning.page_backup`` (4 programs, no fence, no dependent launches), which takes
+    ``backup_programs``, ``programs``, ``backup_launch_bytes`` and the shared overrides as row backups do."""
+    _, strat = _lf()
+    cpu = torch.device("cpu")
+    cls = strat.LayerFirstKernelStrategy
+    t = cls().effective_tuning(cpu).page_backup
+    assert t == dataclasses.replace(PAGE_BACKUP_TUNING, programs=t.programs) and not t.fence and not t.pdl
+    assert cls(backup_programs=6, num_warps=8, backup_launch_bytes=0).effective_tuning(cpu).page_backup == \
+        dataclasses.replace(PAGE_BACKUP_TUNING, programs=6, num_warps=8, launch_bytes=0)
+    assert cls(3).effective_tuning(cpu).page_backup.programs == 3
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=1)
+    pool = _pool(spec, {"backup_programs": 5})
+    prep = pool.binding.scratch[pool.strategy_name]
+    lv = prep.launches[0][True]
+    values = dict(zip(prep.launcher.arg_names, lv.args))
+    assert lv.tuning == dataclasses.replace(PAGE_BACKUP_TUNING, programs=5)
+    assert values["FENCE"] is False and values["PDL"] == 0 and values["PAGE_SIZE"] == 64
+    assert values["PAGE_TOKENS"] == 64 and values["PAGE_CHUNK"] == PAGE_BACKUP_TUNING.tile_bytes // pool.binding.scratch[
+        pool.strategy_name].groups[0].word
+    assert pool.strategy.launch_grid(pool.binding, 128, None, to_host=True) <= 5
+
+
+@pytest.mark.parametrize("bad", [1, "yes", 0.0])
+def test_page_backups_option_is_checked(bad):
+    _, strat = _lf()
+    with pytest.raises(ConfigError, match="page_backups must be True, False or None"):
+        strat.LayerFirstKernelStrategy(page_backups=bad)
+
+
+def test_page_backups_true_on_a_plugin_without_them_is_a_config_error():
+    """``page_backups=True`` where the tuning has no ``page_backup`` (or the kernel no ``PAGES``) fails at pool set-up,
+    naming the option; unset, the same pool backs up by rows."""
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=1)
+    dev = make_device_buffers(spec, Case("rows", lambda device: spec), torch.Generator().manual_seed(3))
+    with pytest.raises(ConfigError, match="page_backups"):
+        HostKVPool(spec, "page_first", "kernel", dev, registry=REGISTRY, pin_memory=DEVICE.type == "cuda",
+                   strategy_options={"page_backups": True})
+    _, strat = _lf()
+    no_tuning = type("NoPageBackups", (strat.LayerFirstKernelStrategy,),
+                     {"tuning": KernelTuning(strat.TUNING.backup, strat.TUNING.load)})
+    with pytest.raises(ConfigError, match="page_backups"):
+        no_tuning(page_backups=True).prepare(_pool(spec).binding)
+
+
+@pytest.mark.parametrize("ps,rows,why", [
+    (1, "fp8-656", "one token"), (2048, "fp8-656", "more than 1024"), (16, "fp8-656", "automatic page backups"),
+    (16, "bf16-1152", "automatic page backups")])
+def test_backup_reason_names_what_keeps_a_group_on_rows(ps, rows, why):
+    spec = _mla(ps, rows, cap_pages=1, layers=1)
+    g = _pool(spec, {"page_backups": False}).binding.scratch[LF].groups[0]
+    assert why in rowcopy_pages.backup_reason(g, ps, automatic=True)
+
+
+@pytest.mark.parametrize("kind", ["strided", "split"])
+def test_backup_reason_refuses_rows_not_packed_on_either_side(kind):
+    """Device rows wider than the row (a part of them in this host buffer) or host rows of two parts: never flat."""
+    spec = _mla(64, "bf16-576", cap_pages=1, layers=1)
+    case = Case("rows", lambda device: spec, strided=kind == "strided", split_parts=kind == "split")
+    pool = _pool(spec, {"page_backups": True}, case)
+    groups = pool.binding.scratch[LF].groups
+    assert _pages_by_group(pool) == [False] * len(groups)
+    assert all("packed" in rowcopy_pages.backup_reason(g, 64) for g in groups)
+
+
+def test_explain_states_page_backups():
+    _, strat = _lf()
+    spec = _mla(64, "fp8-656", cap_pages=1, layers=1)
+    from hicache_core.registry import create_registry as reg  # noqa: F401 - the layout comes from the registry
+    layout = REGISTRY.layout("layer_first")
+    text = " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
+    assert "backups of whole pages of rows of <= 1152 B in pages of >= 36 KiB" in text and "page_backups" in text
+    assert "backups of whole pages" not in " ".join(
+        strat.LayerFirstKernelStrategy(page_backups=False).describe(spec, layout))
+
+
+# -- bytes ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES,
+                         ids=[f"ps{c[0]}-{c[1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + "".join(f"-{k}{v}" for k, v in
+                                                                                         c[5].items())
+                              for c in PB_CASES])
+def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
+                                                                    layers, index_dtype, options):
+    """``layer_first.kernel`` with ``page_backups=True`` called as with validation off (device-resident indices under
+    ``validate="shapes"``): every pair in range moves byte for byte as the reference backend moves it, nothing else
+    changes (canaries, guard bytes around host buffers and device allocations), whatever the page size, rows, layer
+    map, index dtype and launch split; pages whose slots and rows are runs go flat (under the interpreter the row
+    path moves exactly the other pages' valid pairs, each once), groups refused go by rows."""
+    kernels, _ = _lf()
+    dtype, lora, rope, row_bytes = PB_ROWS[rows]
+    lmap = LayerMap.unsharded(3) if layers == "unsharded" else LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)
+    pages = 13
+    spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
+                        capacity=ps * pages, row_bytes=row_bytes, device=DEVICE)
+    case = Case("rows", lambda device: spec, strided=device_rows == "strided", split_parts=device_rows == "split")
+    dev = make_device_buffers(spec, case, torch.Generator().manual_seed(ps))
+    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
+    host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
+    pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+                      strategy_options={"page_backups": True, **options})
+    ref = HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
+                     pin_memory=False)
+    fill_canary(pool)
+    fill_canary(ref)
+    flat = _pages_by_group(pool)
+    assert flat == [device_rows == "packed" and ps > 1] * len(flat)
+    dev_rows = pool.binding.device_rows
+    huge = 2**31 - 1 if index_dtype == torch.int32 else 2**40
+    h, d, row_pairs = _pb_pairs(ps, pages, dev_rows, huge)
+    moved: list[int] = []
+    interpreted = DEVICE.type == "cpu"
+    if interpreted:  # the row path's rows, counted where the interpreter calls the helper
+        real = kl.move_rows
+
+        def counting(anchor, dev_row, host_row, ok, *rest):
+            moved.append(int(ok.handle.data.sum()))
+            return real(anchor, dev_row, host_row, ok, *rest)
+        monkeypatch.setattr(kl, "move_rows", counting)
+    launches.clear()
+    pool.strategy.backup(pool.binding, torch.tensor(h, dtype=index_dtype).to(DEVICE),
+                         torch.tensor(d, dtype=index_dtype).to(DEVICE), None)
+    valid = [(a, b) for a, b in zip(h, d) if 0 <= a < spec.capacity and 0 <= b < dev_rows]
+    ref.strategy.backup(ref.binding, torch.tensor([a for a, _ in valid]), torch.tensor([b for _, b in valid]), None)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert {k for k, _, _ in launches} == {kernels.KERNEL}
+    assert {bool(c["PAGES"]) for _, _, c in launches} == set(flat)
+    if options.get("backup_launch_bytes") == 1:
+        assert len(launches) == sum(g.entries(None).numel() for g in pool.binding.scratch[LF].groups)
+    for name, buf in pool.host_buffers.items():
+        want, got = ref.host_buffers[name].view(torch.uint8).cpu(), buf.view(torch.uint8).cpu()
+        assert torch.equal(got, want), (name, (got != want).nonzero()[:4].tolist())
+    assert_guards_intact("page backup", guards)
+    assert_device_guards_intact("page backup", dev)
+    for name in dev:  # a backup writes no device byte
+        for mine, theirs in zip(dev[name], ref_dev[name]):
+            if mine is not None:
+                assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), name
+    if interpreted:
+        entries = sum(g.entries(None).numel() for g in pool.binding.scratch[LF].groups)
+        assert sum(moved) == (row_pairs if all(flat) else len(valid)) * entries, (sum(moved), row_pairs, entries)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])
+@pytest.mark.parametrize("case", [c.id for c in CASES])
+def test_page_backups_conform_on_every_case(monkeypatch, launches, case, split):
+    """The conformance round trip of every case through ``layer_first.kernel`` with ``page_backups=True``: all-layer
+    backups in the default launches or a launch per layer entry, then per-layer backups with 32-bit indices of the
+    last host page."""
+    from hicache_core.testing import conformance
+
+    options = {"page_backups": True, **({"backup_launch_bytes": 1} if split else {})}
+    real = conformance.HostKVPool
+
+    def pool(*args, **kw):
+        if args[2] == "kernel" or kw.get("io_backend") == "kernel":
+            kw["strategy_options"] = options
+        return real(*args, **kw)
+    monkeypatch.setattr(conformance, "HostKVPool", pool)
+    flat = _pages_by_group(check_strategy(REGISTRY, CASE[case], "layer_first", "kernel", device=DEVICE))
+    check_strategy(REGISTRY, CASE[case], "layer_first", "kernel", device=DEVICE, variant="last-page-i32-dev",
+                   per_layer_backup=True, seed=1)
+    backups = [c for _, _, c in launches if c.get("TO_HOST")]
+    assert backups and not any(c.get("PAGES") for _, _, c in launches if not c.get("TO_HOST"))
+    assert {bool(c["PAGES"]) for c in backups} == set(flat)  # every group as its launch says, each taken
+    if split:
+        assert {c["n_ents"] for c in backups} == {1}
+
+
+_PTX = r"""
+import json, sys
+sys.path.insert(0, "dev")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hicache_layer_first import kernels as lf
+
+fn = lf.KERNEL
+INT32 = ("n", "n_ents", "capacity", "dev_rows")
+out = {}
+# (PAGES, TO_HOST, PAGE_SIZE, TOKENS, WIDTH, VEC): 656-byte rows in 8-byte words in pages of 64 and 3, 1152-byte rows
+for pages, to_host, ps, tokens, width, vec in ((True, True, 64, 16, 82, 2), (True, True, 3, 32, 82, 2),
+                                              (True, True, 32, 16, 144, 2), (False, True, 64, 16, 82, 2),
+                                              (True, False, 64, 16, 82, 2)):
+    consts = dict(WIDTH=width, BLOCK=1 << (width - 1).bit_length(), TOKENS=tokens, VEC=vec, TO_HOST=to_host, STAGES=1,
+                  FENCE=False, PDL=0, PAGES=pages, PAGE_SIZE=ps, PAGE_TOKENS=1 << (ps - 1).bit_length(),
+                  PAGE_CHUNK=2048 if pages else 1)
+    names = fn.arg_names
+    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "*i64" for a in names}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a].startswith("*")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    out[f"pages{int(pages)} to_host{int(to_host)} ps{ps} width{width}"] = sorted(
+        {w for line in ptx.splitlines() for w in line.split()[:2] if w.startswith(("ld.global.v", "st.global.v"))})
+print(json.dumps(out))
+"""
+
+
+def test_the_kernel_compiles_for_sm90_with_page_backups_in_wide_words(tmp_path):
+    """``layer_first``'s ``KERNEL`` compiles for sm_90 outside the interpreter with ``PAGES`` (pages of 64 and of 3
+    tokens, 656- and 1152-byte rows) and without: with the pointers aligned as a launch has them, page backups move
+    their flat pages in 16-byte vectors; row backups of 656-byte rows (82 words, VEC 2) move 16-byte vectors too, and
+    ``PAGES`` on a load is the row kernel's load (the same accesses)."""
+    from fakes import compiled_json
+
+    ops = compiled_json(_PTX, tmp_path, timeout=900)
+    assert len(ops) == 5, ops
+    for key, found in ops.items():
+        want = ["ld.global.v2.b64", "st.global.v2.b64"] if key.startswith("pages1 to_host1") else []
+        assert found == want, (key, found)
