@@ -14,13 +14,11 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from hicache_core import HostKVPool, LayerMap, PoolSpec, rowcopy_pages  # noqa: E402
-from hicache_core import kernel_lib as kl  # noqa: E402
 from hicache_core.errors import ConfigError  # noqa: E402
 from hicache_core.registry import create_registry  # noqa: E402
 from hicache_core.rowcopy import PAGE_BACKUP_TUNING, KernelTuning  # noqa: E402
-from hicache_core.testing.conformance import (CASES, Case, assert_device_guards_intact, assert_guards_intact,  # noqa: E402
-                                              check_strategy, fill_canary, guarded_host_buffers, make_device_buffers)
-from test_place_probe import PB_CASES, PB_ROWS, _pb_pairs  # noqa: E402
+from hicache_core.testing.conformance import CASES, Case, check_strategy, make_device_buffers  # noqa: E402
+from test_place_probe import PB_CASES, PB_IDS, PB_ROWS, pb_any_indices  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 REGISTRY = create_registry()
@@ -150,7 +148,6 @@ def test_backup_reason_refuses_rows_not_packed_on_either_side(kind):
 def test_explain_states_page_backups():
     _, strat = _lf()
     spec = _mla(64, "fp8-656", cap_pages=1, layers=1)
-    from hicache_core.registry import create_registry as reg  # noqa: F401 - the layout comes from the registry
     layout = REGISTRY.layout("layer_first")
     text = " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
     assert "backups of whole pages of rows of <= 1152 B in pages of >= 36 KiB" in text and "page_backups" in text
@@ -159,70 +156,28 @@ def test_explain_states_page_backups():
 
 
 # -- bytes ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES,
-                         ids=[f"ps{c[0]}-{c[1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + "".join(f"-{k}{v}" for k, v in
-                                                                                         c[5].items())
-                              for c in PB_CASES])
+@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES, ids=PB_IDS)
 def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
                                                                     layers, index_dtype, options):
     """``layer_first.kernel`` with ``page_backups=True`` called as with validation off (device-resident indices under
     ``validate="shapes"``): every pair in range moves byte for byte as the reference backend moves it, nothing else
     changes (canaries, guard bytes around host buffers and device allocations), whatever the page size, rows, layer
-    map, index dtype and launch split; pages whose slots and rows are runs go flat (under the interpreter the row
-    path moves exactly the other pages' valid pairs, each once), groups refused go by rows."""
+    map, index dtype and launch split (``test_place_probe.pb_any_indices``); pages whose slots and rows are runs go
+    flat (under the interpreter the row path moves exactly the other pages' valid pairs, each once), groups refused go
+    by rows."""
     kernels, _ = _lf()
-    dtype, lora, rope, row_bytes = PB_ROWS[rows]
-    lmap = LayerMap.unsharded(3) if layers == "unsharded" else LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)
-    pages = 13
-    spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
-                        capacity=ps * pages, row_bytes=row_bytes, device=DEVICE)
-    case = Case("rows", lambda device: spec, strided=device_rows == "strided", split_parts=device_rows == "split")
-    dev = make_device_buffers(spec, case, torch.Generator().manual_seed(ps))
-    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
-    host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
-    pool = HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
-                      strategy_options={"page_backups": True, **options})
-    ref = HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
-                     pin_memory=False)
-    fill_canary(pool)
-    fill_canary(ref)
+
+    def make(spec, dev, host, opts):
+        return HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+                          strategy_options={"page_backups": True, **opts})
+    pool, moved, row_pairs, valid, entries = pb_any_indices(monkeypatch, launches, make, ps, rows, device_rows,
+                                                            layers, index_dtype, options)
     flat = _pages_by_group(pool)
     assert flat == [device_rows == "packed" and ps > 1] * len(flat)
-    dev_rows = pool.binding.device_rows
-    huge = 2**31 - 1 if index_dtype == torch.int32 else 2**40
-    h, d, row_pairs = _pb_pairs(ps, pages, dev_rows, huge)
-    moved: list[int] = []
-    interpreted = DEVICE.type == "cpu"
-    if interpreted:  # the row path's rows, counted where the interpreter calls the helper
-        real = kl.move_rows
-
-        def counting(anchor, dev_row, host_row, ok, *rest):
-            moved.append(int(ok.handle.data.sum()))
-            return real(anchor, dev_row, host_row, ok, *rest)
-        monkeypatch.setattr(kl, "move_rows", counting)
-    launches.clear()
-    pool.strategy.backup(pool.binding, torch.tensor(h, dtype=index_dtype).to(DEVICE),
-                         torch.tensor(d, dtype=index_dtype).to(DEVICE), None)
-    valid = [(a, b) for a, b in zip(h, d) if 0 <= a < spec.capacity and 0 <= b < dev_rows]
-    ref.strategy.backup(ref.binding, torch.tensor([a for a, _ in valid]), torch.tensor([b for _, b in valid]), None)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
     assert {k for k, _, _ in launches} == {kernels.KERNEL}
     assert {bool(c["PAGES"]) for _, _, c in launches} == set(flat)
-    if options.get("backup_launch_bytes") == 1:
-        assert len(launches) == sum(g.entries(None).numel() for g in pool.binding.scratch[LF].groups)
-    for name, buf in pool.host_buffers.items():
-        want, got = ref.host_buffers[name].view(torch.uint8).cpu(), buf.view(torch.uint8).cpu()
-        assert torch.equal(got, want), (name, (got != want).nonzero()[:4].tolist())
-    assert_guards_intact("page backup", guards)
-    assert_device_guards_intact("page backup", dev)
-    for name in dev:  # a backup writes no device byte
-        for mine, theirs in zip(dev[name], ref_dev[name]):
-            if mine is not None:
-                assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), name
-    if interpreted:
-        entries = sum(g.entries(None).numel() for g in pool.binding.scratch[LF].groups)
-        assert sum(moved) == (row_pairs if all(flat) else len(valid)) * entries, (sum(moved), row_pairs, entries)
+    if moved is not None:
+        assert moved == (row_pairs if all(flat) else valid) * entries, (moved, row_pairs, entries)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])

@@ -80,19 +80,28 @@ def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
     assert t.load.programs != 2
 
 
-def test_a_row_gives_the_host_time_of_the_all_layer_backup_it_timed(monkeypatch):
-    """Each row carries ``host_all_layers_us``: the host time of the same all-layer backup call the ratio times (so
-    ``... pdl`` and ``... no pdl`` rows compare the caller's cost of dependent launches in one process)."""
-    import argparse
+def _fake_pool(monkeypatch) -> list:
+    """A stand-in pool of 4 layers x 64 bytes per token for ``_measure`` (built and checked without a GPU, each timing
+    1 ms); returns the list its ``backup_all_layers`` calls go into."""
     import types
 
-    calls = []
+    calls: list = []
     spec = types.SimpleNamespace(layer_map=types.SimpleNamespace(num_device_layers=4), bytes_per_token=64)
     pool = types.SimpleNamespace(spec=spec, strategy_name="s", backup_layer=lambda *a: None,
                                  backup_all_layers=lambda h, s: calls.append((h, s)))
     monkeypatch.setattr(probe, "_build", lambda *a: (pool, None, "h", "s", None))
     monkeypatch.setattr(probe, "_check", lambda *a, **kw: None)
     monkeypatch.setattr(probe, "_median_ms", lambda fn, reps: 1.0)
+    return calls
+
+
+def test_a_row_gives_the_host_time_of_the_all_layer_backup_it_timed(monkeypatch):
+    """Each row carries ``host_all_layers_us``: the host time of the same all-layer backup call the ratio times (so
+    ``... pdl`` and ``... no pdl`` rows compare the caller's cost of dependent launches in one process)."""
+    import argparse
+    import types
+
+    calls = _fake_pool(monkeypatch)
     monkeypatch.setattr(probe, "_host_us", lambda fn, reps: (fn(), reps, 12.5)[2])
     memcpy = types.SimpleNamespace(gbps=lambda nbytes, to_host, reps: 1.0)
     args = argparse.Namespace(tokens=64, page_size=16, reps=15, gemm=False, bursts=False, loads=False)
@@ -106,13 +115,7 @@ def test_with_gemm_a_row_gives_the_backups_ratio_beside_the_gemm_from_the_same_c
     import argparse
     import types
 
-    calls = []
-    spec = types.SimpleNamespace(layer_map=types.SimpleNamespace(num_device_layers=4), bytes_per_token=64)
-    pool = types.SimpleNamespace(spec=spec, strategy_name="s", backup_layer=lambda *a: None,
-                                 backup_all_layers=lambda h, s: calls.append((h, s)))
-    monkeypatch.setattr(probe, "_build", lambda *a: (pool, None, "h", "s", None))
-    monkeypatch.setattr(probe, "_check", lambda *a, **kw: None)
-    monkeypatch.setattr(probe, "_median_ms", lambda fn, reps: 1.0)
+    calls = _fake_pool(monkeypatch)
     monkeypatch.setattr(probe, "_host_us", lambda fn, reps: 12.5)
     monkeypatch.setattr(probe, "_gemm_slowdown", lambda fn: (fn(), 0.25)[1])
     monkeypatch.setattr(probe, "_ms_beside_gemm", lambda fn: (fn(), 4.0)[1])
@@ -217,6 +220,9 @@ PB_CASES = [(ps, rows, "packed", "unsharded", torch.int64, {}) for ps in (1, 2, 
     (16, "fp8-576", "split", "sharded", torch.int64, {"backup_launch_bytes": 1}),
 ]
 
+#: Test ids of :data:`PB_CASES`.
+PB_IDS = [f"ps{c[0]}-{c[1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + "".join(f"-{k}{v}" for k, v in c[5].items())
+          for c in PB_CASES]
 
 def _pb_pairs(ps: int, pages: int, dev_rows: int, huge: int) -> tuple[list, list, int]:
     """Host slots and device rows of a backup mixing every kind of page (not whole pages at the end), and how many of
@@ -253,17 +259,13 @@ def _pb_pairs(ps: int, pages: int, dev_rows: int, huge: int) -> tuple[list, list
     return h, d, row_pairs
 
 
-@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES,
-                         ids=[f"ps{c[0]}-{c[1]}-{c[2]}-{c[3]}-{str(c[4])[6:]}" + "".join(f"-{k}{v}" for k, v in
-                                                                                         c[5].items())
-                              for c in PB_CASES])
-def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
-                                                                    layers, index_dtype, options):
-    """``probe.page_backup_lf`` called as with validation off (device-resident indices under ``validate="shapes"``):
-    every pair in range moves byte for byte as the reference backend moves it, nothing else changes (canaries, guard
-    bytes around the host buffers and the device allocations), whatever the page size (non powers of two, pages of
-    one, more than a tile), rows, layer map, index dtype and launch split; pages whose slots and rows are runs go flat
-    (under the interpreter: the row path moves exactly the other pages' valid pairs, each once)."""
+def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, layers, index_dtype, options):
+    """Build a pool of ``rows`` (``make_pool(spec, dev, host, options)``) on guarded host buffers, back up
+    :func:`_pb_pairs` through its strategy as a shapes-validated call would (device-resident indices), and check it
+    byte for byte against the reference backend's backup of the valid pairs alone: host buffers equal, canaries, guard
+    bytes and every device byte untouched; with ``backup_launch_bytes=1`` a launch per layer entry.  Returns
+    ``(pool, moved, row_pairs, valid, entries)``: the rows the row path moved (counted under the interpreter, else
+    ``None``), the valid pairs in pages that are not runs, the valid pairs, and the layer entries backed up."""
     from hicache_core import LayerMap, PoolSpec
     from hicache_core.testing.conformance import (Case, assert_device_guards_intact, assert_guards_intact,
                                                   fill_canary, guarded_host_buffers, make_device_buffers)
@@ -278,7 +280,7 @@ def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, 
     dev = make_device_buffers(spec, case, gen)
     ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
     host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
-    pool = _pb_pool(spec, dev, host, options)
+    pool = make_pool(spec, dev, host, options)
     ref = probe.HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
                            pin_memory=False)
     fill_canary(pool)
@@ -302,9 +304,9 @@ def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, 
     ref.strategy.backup(ref.binding, torch.tensor([a for a, _ in valid]), torch.tensor([b for _, b in valid]), None)
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-    assert {k for k, _, _ in launches} == {probe.PAGE_BACKUP_KERNEL}
+    entries = sum(g.entries(None).numel() for g in pool.binding.scratch[pool.strategy_name].groups)
     if options.get("backup_launch_bytes") == 1:
-        assert len(launches) == sum(g.entries(None).numel() for g in pool.binding.scratch[pool.strategy_name].groups)
+        assert len(launches) == entries
     assert any(t.view(torch.uint8).ne(0xA5).any() for t in ref.host_buffers.values())
     for name, buf in pool.host_buffers.items():
         want = ref.host_buffers[name].view(torch.uint8).cpu()
@@ -316,12 +318,23 @@ def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, 
         for mine, theirs in zip(dev[name], ref_dev[name]):
             if mine is not None:
                 assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), name
-    if interpreted:
-        groups = pool.binding.scratch[pool.strategy_name].groups
-        entries = sum(g.entries(None).numel() for g in groups)
-        flat_ok = device_rows == "packed"
-        pairs = row_pairs if flat_ok else len(valid)
-        assert sum(moved) == pairs * entries, (sum(moved), pairs, entries)
+    return pool, sum(moved) if interpreted else None, row_pairs, len(valid), entries
+
+
+@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES, ids=PB_IDS)
+def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
+                                                                    layers, index_dtype, options):
+    """``probe.page_backup_lf`` called as with validation off (device-resident indices under ``validate="shapes"``):
+    every pair in range moves byte for byte as the reference backend moves it, nothing else changes (canaries, guard
+    bytes around the host buffers and the device allocations), whatever the page size (non powers of two, pages of
+    one, more than a tile), rows, layer map, index dtype and launch split; pages whose slots and rows are runs go flat
+    (under the interpreter: the row path moves exactly the other pages' valid pairs, each once)."""
+    _, moved, row_pairs, valid, entries = pb_any_indices(monkeypatch, launches, _pb_pool, ps, rows, device_rows,
+                                                         layers, index_dtype, options)
+    assert {k for k, _, _ in launches} == {probe.PAGE_BACKUP_KERNEL}
+    if moved is not None:
+        pairs = row_pairs if device_rows == "packed" else valid
+        assert moved == pairs * entries, (moved, pairs, entries)
 
 
 def _pb_pool(spec, dev, host, options):
