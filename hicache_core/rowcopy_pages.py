@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
-           "PAGE_BACKUP_MIN_PAGE_BYTES", "PagePart", "pages_mode", "pages_enabled", "page_parts", "strided",
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "PagePart", "pages_mode", "pages_enabled", "page_parts", "strided",
            "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
 
 logger = logging.getLogger(__name__)
@@ -155,6 +155,9 @@ def group_reason(g: RowGroup, page_size: int, *, strided_ok: bool = True, automa
 PAGE_BACKUP_MAX_ROW_BYTES = 1152
 #: See :data:`PAGE_BACKUP_MAX_ROW_BYTES` (64 rows of 576 bytes).
 PAGE_BACKUP_MIN_PAGE_BYTES = 36864
+#: Whether automatic page backups (the ``page_backups`` option unset) take the groups :func:`backup_reason` accepts;
+#: off, only ``page_backups=True`` does.
+AUTO_PAGE_BACKUPS = True
 
 
 def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> str | None:
@@ -175,6 +178,8 @@ def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> st
     if page_size * g.width >= 2**31:
         return "a page of its rows holds 2**31 words or more"
     if automatic:
+        if not AUTO_PAGE_BACKUPS:
+            return "automatic page backups are off (rowcopy_pages.AUTO_PAGE_BACKUPS; page_backups=True takes them)"
         row, page = g.width * g.word, page_size * g.width * g.word
         if row > PAGE_BACKUP_MAX_ROW_BYTES or page < PAGE_BACKUP_MIN_PAGE_BYTES:
             return (f"its {row}-byte rows in pages of {page} bytes are outside what automatic page backups take "

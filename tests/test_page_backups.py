@@ -62,25 +62,41 @@ def _pages_by_group(pool: HostKVPool) -> list[bool]:
     (64, "bf16-576", True),  # 576 B bf16 rows (256 + 32 elements)
     (16, "fp8-656", False), (16, "bf16-1152", False),  # pages of 10.5 and 18 KiB: under PAGE_BACKUP_MIN_PAGE_BYTES
     (1, "fp8-656", False)])
-def test_automatic_page_backups_take_narrow_rows_in_large_pages(ps, rows, want):
+def test_automatic_page_backups_take_narrow_rows_in_large_pages(monkeypatch, ps, rows, want):
     """Automatic: rows of at most 1152 bytes in pages of at least 36 KiB (what was measured ahead of the row kernel);
     loads never; ``page_backups=True`` takes every packed group of pages of 2 tokens or more, ``False`` none."""
     spec = _mla(ps, rows, cap_pages=2, layers=1)
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)  # (whatever the shipped switch)
     assert _pages_by_group(_pool(spec)) == [want]
     assert _pages_by_group(_pool(spec, {"page_backups": True})) == [ps > 1]
     assert _pages_by_group(_pool(spec, {"page_backups": False})) == [False]
 
 
-def test_mha_rows_keep_row_backups_unless_asked():
+def test_automatic_page_backups_can_be_switched_off(monkeypatch):
+    """``AUTO_PAGE_BACKUPS`` off: unset ``page_backups`` backs up by rows (and says why), ``True`` still by pages."""
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", False)
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=1)
+    pool = _pool(spec)
+    assert _pages_by_group(pool) == [False] and _pages_by_group(_pool(spec, {"page_backups": True})) == [True]
+    assert "AUTO_PAGE_BACKUPS" in rowcopy_pages.backup_reason(pool.binding.scratch[LF].groups[0], 64, automatic=True)
+    _, strat = _lf()
+    layout = REGISTRY.layout("layer_first")
+    assert "backups of whole pages" not in " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
+    assert "backups of whole pages where" in " ".join(
+        strat.LayerFirstKernelStrategy(page_backups=True).describe(spec, layout))
+
+
+def test_mha_rows_keep_row_backups_unless_asked(monkeypatch):
     spec = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=8, head_dim=128, dtype=torch.bfloat16,
                         page_size=64, capacity=128, device=DEVICE)
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
     pool = _pool(spec)
     assert _pages_by_group(pool) == [False]  # 2048-byte rows: not measured, the row kernel's 0.95-0.97
     assert "2048-byte rows" in rowcopy_pages.backup_reason(pool.binding.scratch[LF].groups[0], 64, automatic=True)
     assert _pages_by_group(_pool(spec, {"page_backups": True})) == [True]
 
 
-def test_page_backups_take_their_own_tuning_and_the_backup_options():
+def test_page_backups_take_their_own_tuning_and_the_backup_options(monkeypatch):
     """Page backups launch with ``KernelTuning.page_backup`` (4 programs, no fence, no dependent launches), which takes
     ``backup_programs``, ``programs``, ``backup_launch_bytes`` and the shared overrides as row backups do."""
     _, strat = _lf()
@@ -91,6 +107,7 @@ def test_page_backups_take_their_own_tuning_and_the_backup_options():
     assert cls(backup_programs=6, num_warps=8, backup_launch_bytes=0).effective_tuning(cpu).page_backup == \
         dataclasses.replace(PAGE_BACKUP_TUNING, programs=6, num_warps=8, launch_bytes=0)
     assert cls(3).effective_tuning(cpu).page_backup.programs == 3
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
     spec = _mla(64, "fp8-656", cap_pages=2, layers=1)
     pool = _pool(spec, {"backup_programs": 5})
     prep = pool.binding.scratch[pool.strategy_name]
@@ -128,7 +145,8 @@ def test_page_backups_true_on_a_plugin_without_them_is_a_config_error():
 @pytest.mark.parametrize("ps,rows,why", [
     (1, "fp8-656", "one token"), (2048, "fp8-656", "more than 1024"), (16, "fp8-656", "automatic page backups"),
     (16, "bf16-1152", "automatic page backups")])
-def test_backup_reason_names_what_keeps_a_group_on_rows(ps, rows, why):
+def test_backup_reason_names_what_keeps_a_group_on_rows(monkeypatch, ps, rows, why):
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
     spec = _mla(ps, rows, cap_pages=1, layers=1)
     g = _pool(spec, {"page_backups": False}).binding.scratch[LF].groups[0]
     assert why in rowcopy_pages.backup_reason(g, ps, automatic=True)
@@ -145,7 +163,8 @@ def test_backup_reason_refuses_rows_not_packed_on_either_side(kind):
     assert all("packed" in rowcopy_pages.backup_reason(g, 64) for g in groups)
 
 
-def test_explain_states_page_backups():
+def test_explain_states_page_backups(monkeypatch):
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
     _, strat = _lf()
     spec = _mla(64, "fp8-656", cap_pages=1, layers=1)
     layout = REGISTRY.layout("layer_first")
