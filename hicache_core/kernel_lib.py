@@ -45,8 +45,8 @@ import triton.language as tl
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "tile_done",
            "let_next_begin", "await_previous",
            "box_hits", "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run",
-           "load_piece", "store_piece", "gather_page", "page_load", "page_backup", "page_group", "group_runs", "page_group_load",
-           "PAGE_LOAD"]
+           "load_piece", "store_piece", "gather_page", "page_load", "page_backup", "page_group", "group_runs",
+           "page_group_load", "PAGE_LOAD"]
 
 
 @triton.jit

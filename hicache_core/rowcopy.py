@@ -70,8 +70,8 @@ from .rowcopy_tuning import (  # noqa: F401
     PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning, Tuning, _pow2_ceil, _pow2_floor, tile)
 
 __all__ = ["Tuning", "KernelTuning", "TMA_LOAD_TUNING", "PAGE_LOAD_TUNING", "PAGE_BACKUP_TUNING", "BACKUP_LAUNCH_BYTES",
-           "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES", "MAX_TOKENS",
-           "MAX_VECTOR_BYTES"]
+           "RowGroup", "RowKernelStrategy", "build_groups", "tile", "LAUNCH_VALUES", "DYNAMIC_VALUES", "MAX_BLOCK_BYTES",
+           "MAX_TOKENS", "MAX_VECTOR_BYTES"]
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ group :func:`group_reason` accepts through it (calls that TMA takes stay TMA's):
 
 Backups may copy whole pages the other way (:func:`backup_reason`): a plugin whose ``KERNEL`` declares ``PAGES``
 and whose tuning has ``KernelTuning.page_backup`` backs up the groups :func:`backup_reason` accepts page by page
-(by default with ``automatic``; ``page_backups=True``: every group it allows, ``False``: none).
+(``page_backups=True``: every group it allows; ``False``: none; unset: with ``automatic`` where
+:data:`AUTO_PAGE_BACKUPS` is on, else none).
 
 Nothing here imports Triton.
 """
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
-           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "PagePart", "pages_mode", "pages_enabled", "page_parts", "strided",
-           "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "PagePart", "pages_mode", "pages_enabled", "page_parts",
+           "strided", "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> st
     """Why ``g``'s backups cannot copy whole pages as flat words (``None``: they can): pages of 2 ..
     :data:`MAX_PAGE_TOKENS` tokens, the row in one host buffer, host rows and device rows packed (token strides of
     the row width: a page is then one run of words on both sides), a page under 2**31 words.  ``automatic``: also
-    rows of at most :data:`PAGE_BACKUP_MAX_ROW_BYTES` and pages of at least :data:`PAGE_BACKUP_MIN_PAGE_BYTES`."""
+    :data:`AUTO_PAGE_BACKUPS` on, rows of at most :data:`PAGE_BACKUP_MAX_ROW_BYTES` and pages of at least
+    :data:`PAGE_BACKUP_MIN_PAGE_BYTES`."""
     if page_size < 2:
         return "pages of one token are single rows"
     if page_size > MAX_PAGE_TOKENS:
