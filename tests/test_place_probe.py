@@ -80,6 +80,21 @@ def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
     assert t.load.programs != 2
 
 
+@pytest.mark.parametrize("label,want", [("fp8-656 layer_first plugin page backups", True),
+                                         ("fp8-656 layer_first row backups", False),
+                                         ("bf16-576 page_first row backups", False)])
+def test_plugin_page_backup_and_row_backup_variants_set_page_backups(monkeypatch, label, want):
+    """``... plugin page backups`` builds ``layer_first``'s own pool with page backups forced on, ``... row backups``
+    with them off (every layout takes the option); both pass through the registry's option check."""
+    seen = []
+    monkeypatch.setattr(probe, "HostKVPool", lambda *a, **kw: seen.append(kw["strategy_options"]))
+    monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
+    probe._build(label, 64, 16, None)
+    assert seen == [{"page_backups": want}]
+    spec = CASE["mla656-fp8-ps128"].build(DEVICE)
+    assert REGISTRY.resolve(spec, probe.VARIANTS[label][1], "kernel", options=seen[0]).strategy.page_backups is want
+
+
 def _fake_pool(monkeypatch) -> list:
     """A stand-in pool of 4 layers x 64 bytes per token for ``_measure`` (built and checked without a GPU, each timing
     1 ms); returns the list its ``backup_all_layers`` calls go into."""
