@@ -441,9 +441,10 @@ class RowKernelStrategy(DirectionalStrategy):
         values = _fixed_values(spec, g, g.tables, t) | dict(
             WIDTH=g.width, SPLIT=g.split, BLOCK=block, BLOCK_B=block_b, TOKENS=tokens, TO_HOST=to_host,
             ENTRIES_INNER=self.entries_inner, PAGES=pages, PAGE_TOKENS=1, PAGE_CHUNK=1)
-        if pages:  # (row launches pass 1: no specialisation of theirs per page size through these two)
+        if pages:  # (row launches pass 1 for these two; PAGE_SIZE, bound for every launch, keys them per page size)
+            page_words = spec.page_size * g.width  # a step of at most a page (padded to a power of two)
             values |= dict(PAGE_TOKENS=1 << (spec.page_size - 1).bit_length(),
-                           PAGE_CHUNK=max(g.vec, _pow2_floor(t.tile_bytes // g.word)))
+                           PAGE_CHUNK=max(g.vec, min(_pow2_floor(t.tile_bytes // g.word), _pow2_ceil(page_words))))
         return _bound(launcher, dynamic, t, tokens, values, g.width * g.word)
 
     # -- transfers ----------------------------------------------------------------------------------

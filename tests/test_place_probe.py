@@ -266,6 +266,7 @@ def _pb_pairs(ps: int, pages: int, dev_rows: int, huge: int) -> tuple[list, list
         page([ps] + run(5 * ps + 1)[:ps - 1], run(11 * ps), False)  # starts a page, then slots of another
         page(run(6 * ps + 1), run(3 * ps), False)
         page(run(8 * ps), run(dev_rows - ps + 1), False)  # one row past the last
+        page(run(11 * ps), run(12 * ps)[:ps - 1] + [dev_rows - 1], False)  # a run but for its last row
         page(run((pages - 1) * ps + 1), run(2 * ps), False)  # one slot past the last
     page([-1, huge, cap, -huge][:ps] + run(3 * ps)[4:], run(4 * ps), False)  # bad slots (none valid for ps <= 4)
     page(run(9 * ps), [-1, huge, dev_rows, -huge][:ps] + run(6 * ps)[4:], False)  # bad rows
@@ -287,7 +288,7 @@ def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, laye
 
     dtype, lora, rope, row_bytes = PB_ROWS[rows]
     lmap = LayerMap.unsharded(3) if layers == "unsharded" else LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)
-    pages = 13
+    pages = 14
     spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
                         capacity=ps * pages, row_bytes=row_bytes, device=DEVICE)
     gen = torch.Generator().manual_seed(ps)
