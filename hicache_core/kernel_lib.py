@@ -45,7 +45,7 @@ import triton.language as tl
 __all__ = ["programs", "work_size", "work_item", "index_tile", "device_rows", "paged_rows", "move_rows", "tile_done",
            "let_next_begin", "await_previous",
            "box_hits", "store_box_rows", "load_entry", "PAGED_TMA_LOAD", "page_item", "page_bounds", "page_run",
-           "load_piece", "store_piece", "gather_page", "page_load", "page_backup", "page_group", "group_runs",
+           "load_piece", "store_piece", "gather_page", "page_load", "copy_words", "page_backup", "page_group", "group_runs",
            "page_group_load", "PAGE_LOAD"]
 
 
@@ -428,6 +428,14 @@ def gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_o
 
 
 @triton.jit
+def copy_words(anchor, dst, src, c0, total, CHUNK: tl.constexpr):
+    """Words ``c0 .. c0+CHUNK-1`` (those below ``total``) from ``anchor + src`` to ``anchor + dst``."""
+    c = c0 + tl.arange(0, CHUNK)
+    m = c < total
+    tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
+
+
+@triton.jit
 def page_backup(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
                 capacity, dev_rows, page_size: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
                 TOKENS: tl.constexpr, PAGE_TOKENS: tl.constexpr, VEC: tl.constexpr, STAGES: tl.constexpr,
@@ -454,14 +462,10 @@ def page_backup(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride,
                 dst = tl.multiple_of(dst, VEC)
             if page_size * WIDTH <= 8 * CHUNK:  # a few steps (a 64 x 656-byte page: 3): unrolled, as measured
                 for c0 in tl.static_range(0, page_size * WIDTH, CHUNK):
-                    c = c0 + tl.arange(0, CHUNK)
-                    m = c < page_size * WIDTH
-                    tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
+                    copy_words(anchor, dst, src, c0, page_size * WIDTH, CHUNK)
             else:  # large pages of wide rows: a loop (unrolled, hundreds of steps would compile for minutes)
                 for c0 in tl.range(0, page_size * WIDTH, CHUNK):
-                    c = c0 + tl.arange(0, CHUNK)
-                    m = c < page_size * WIDTH
-                    tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
+                    copy_words(anchor, dst, src, c0, page_size * WIDTH, CHUNK)
         else:
             gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok,
                         capacity, dev_rows, page_size, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, True)
