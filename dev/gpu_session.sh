@@ -170,6 +170,7 @@ for step in "$@"; do
       for p in "plugins=plugins/layer_first/tests/test_layer_first_kernel.py plugins/page_first/tests/test_page_first_kernel.py plugins/kv_split/tests/test_kv_split_kernel.py" \
                "rowcopy=tests/test_rowcopy.py" "split=tests/test_launch_split.py tests/test_position_replay.py" \
                "relayout=tests/test_relayout.py" "pages=tests/test_page_loads.py tests/test_page_group_kernel.py tests/test_launch.py" \
+               "pagebackups=tests/test_page_backups.py" \
                "tma=tests/test_tma.py -k=not(round_trip)" "tma2=tests/test_tma.py -k=round_trip" \
                "replay=tests/test_replay.py -k=(gpu_replayed_bursts)and(cuda)" \
                "replay4=tests/test_replay.py -k=(gpu_replayed_bursts)and(not(cuda))" \

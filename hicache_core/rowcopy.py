@@ -130,8 +130,8 @@ class RowKernelStrategy(DirectionalStrategy):
         kernel; calls TMA takes stay TMA's.
     :param page_backups: backups of whole pages as flat words (:func:`hicache_core.rowcopy_pages.backup_reason`;
         ``KernelTuning.page_backup``, a kernel that declares ``PAGES``): ``True`` (every group whose rows allow it),
-        ``False``, or ``None`` for automatic where :data:`~hicache_core.rowcopy_pages.AUTO_PAGE_BACKUPS` is on (off
-        in this release; rows of at most
+        ``False``, or ``None`` for automatic where :data:`~hicache_core.rowcopy_pages.AUTO_PAGE_BACKUPS` is on (on
+        in this release: rows of at most
         :data:`~hicache_core.rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES` in pages of at least
         :data:`~hicache_core.rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES`).  Page backups take ``backup_programs``,
         ``programs`` and ``backup_launch_bytes`` as row backups do; they neither fence nor chain launches.

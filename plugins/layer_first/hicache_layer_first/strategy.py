@@ -35,9 +35,9 @@ TUNING = KernelTuning(
     load=Tuning(programs=16, num_warps=16, tile_bytes=65536),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
-    # backups of whole pages of narrow rows as flat words (rowcopy_pages.backup_reason; KERNEL's PAGES; page_backups=True
-    # until rowcopy_pages.AUTO_PAGE_BACKUPS is on): H100 record calls 68-69, MLA fp8 656 B 0.934 / +0.2% GEMM against the
-    # rows' 0.820-0.836 (rowcopy_tuning.PAGE_BACKUP_TUNING)
+    # backups of whole pages of narrow rows as flat words (rowcopy_pages.backup_reason; KERNEL's PAGES; automatic for
+    # rows of <= 1152 B in pages of >= 36 KiB): H100 record call 70, MLA fp8 656 B 0.940 / -0.3% GEMM against the rows'
+    # 0.858 / +1.6% in the same run (rowcopy_tuning.PAGE_BACKUP_TUNING)
     page_backup=PAGE_BACKUP_TUNING,
 )
 
