@@ -314,7 +314,7 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
         VARIANTS[f"{_label} {_layout} 4 programs"] = (_shape, _layout, 1, None, {"backup_programs": 4})
         # backups by rows where the plugin would back whole pages up (page_backups off: the default before them)
         VARIANTS[f"{_label} {_layout} row backups"] = (_shape, _layout, 1, None, {"page_backups": False})
-        if _layout == "layer_first":  # the plugin's own page backups (kernel_lib.page_backup), forced on
+        if _layout in ("layer_first", "page_first_direct"):  # the plugins' own page backups (kernel_lib.page_backup)
             VARIANTS[f"{_label} {_layout} plugin page backups"] = (_shape, _layout, 1, None, {"page_backups": True})
         # two programs of 32 warps, 128 KiB tiles, fenced: holding an SM costs a GEMM by itself (the hint probe's
         # "hold N programs" floors: +5-7% for 1-2 programs, +11-12% for 4-8, H100 2026-12-07), so fewer and wider

@@ -1,9 +1,11 @@
-"""Backups of whole pages as flat words in a plugin's own kernel (``layer_first``'s ``KERNEL`` with ``PAGES``;
+"""Backups of whole pages as flat words in a plugin's own kernel (``layer_first``'s and ``page_first``'s ``KERNEL``
+with ``PAGES``, ``page_first_direct`` where a layer's page is one run;
 ``kernel_lib.page_backup``; ``rowcopy_pages.backup_reason``): which groups take them, and byte for byte what the
 reference backend writes, canaries and guard bytes untouched, with any indices a shapes-validated call may pass.
 On CPU the kernels run in Triton's interpreter."""
 
 import dataclasses
+import importlib
 import os
 
 import torch
@@ -38,9 +40,10 @@ def _mla(ps: int, rows: str, cap_pages: int = 8, layers: int = 2) -> PoolSpec:
                         page_size=ps, capacity=ps * cap_pages, row_bytes=row_bytes, device=DEVICE)
 
 
-def _pool(spec: PoolSpec, options: dict | None = None, case: Case | None = None, host=None) -> HostKVPool:
+def _pool(spec: PoolSpec, options: dict | None = None, case: Case | None = None, host=None,
+          layout: str = "layer_first") -> HostKVPool:
     dev = make_device_buffers(spec, case or Case("rows", lambda device: spec), torch.Generator().manual_seed(3))
-    return HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+    return HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, host_buffers=host,
                       pin_memory=DEVICE.type == "cuda" and host is None, strategy_options=options or {})
 
 
@@ -62,14 +65,27 @@ def _pages_by_group(pool: HostKVPool) -> list[bool]:
     (64, "bf16-576", True),  # 576 B bf16 rows (256 + 32 elements)
     (16, "fp8-656", False), (16, "bf16-1152", False),  # pages of 10.5 and 18 KiB: under PAGE_BACKUP_MIN_PAGE_BYTES
     (1, "fp8-656", False)])
-def test_automatic_page_backups_take_narrow_rows_in_large_pages(monkeypatch, ps, rows, want):
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_automatic_page_backups_take_narrow_rows_in_large_pages(monkeypatch, ps, rows, want, layout):
     """Automatic: rows of at most 1152 bytes in pages of at least 36 KiB (what was measured ahead of the row kernel);
     loads never; ``page_backups=True`` takes every packed group of pages of 2 tokens or more, ``False`` none."""
-    spec = _mla(ps, rows, cap_pages=2, layers=1)
+    spec = _mla(ps, rows, cap_pages=2, layers=2)
     monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)  # (whatever the shipped switch)
-    assert _pages_by_group(_pool(spec)) == [want]
-    assert _pages_by_group(_pool(spec, {"page_backups": True})) == [ps > 1]
-    assert _pages_by_group(_pool(spec, {"page_backups": False})) == [False]
+    assert _pages_by_group(_pool(spec, layout=layout)) == [want]
+    assert _pages_by_group(_pool(spec, {"page_backups": True}, layout=layout)) == [ps > 1]
+    assert _pages_by_group(_pool(spec, {"page_backups": False}, layout=layout)) == [False]
+
+
+def test_token_major_page_first_keeps_row_backups(monkeypatch):
+    """``page_first`` (``[S, L, row]``): a token's rows of every layer are contiguous, so a layer's page is no run of
+    words: its backups stay on rows even with ``page_backups=True``, and say why."""
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=2)
+    for options in ({}, {"page_backups": True}):
+        pool = _pool(spec, options, layout="page_first")
+        assert _pages_by_group(pool) == [False]
+        group = pool.binding.scratch["page_first.kernel"].groups[0]
+        assert "host token stride" in rowcopy_pages.backup_reason(group, 64)
 
 
 def test_automatic_page_backups_can_be_switched_off(monkeypatch):
@@ -133,7 +149,7 @@ def test_page_backups_true_on_a_plugin_without_them_is_a_config_error():
     spec = _mla(64, "fp8-656", cap_pages=2, layers=1)
     dev = make_device_buffers(spec, Case("rows", lambda device: spec), torch.Generator().manual_seed(3))
     with pytest.raises(ConfigError, match="page_backups"):
-        HostKVPool(spec, "page_first", "kernel", dev, registry=REGISTRY, pin_memory=DEVICE.type == "cuda",
+        HostKVPool(spec, "page_first_kv_split", "kernel", dev, registry=REGISTRY, pin_memory=DEVICE.type == "cuda",
                    strategy_options={"page_backups": True})
     _, strat = _lf()
     no_tuning = type("NoPageBackups", (strat.LayerFirstKernelStrategy,),
@@ -175,22 +191,27 @@ def test_explain_states_page_backups(monkeypatch):
 
 
 # -- bytes ---------------------------------------------------------------------------------------------------------
+KERNELS = {"layer_first": "hicache_layer_first.kernels", "page_first_direct": "hicache_page_first.kernels",
+           "page_first": "hicache_page_first.kernels"}
+
+
 @pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES, ids=PB_IDS)
-def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
-                                                                    layers, index_dtype, options):
-    """``layer_first.kernel`` with ``page_backups=True`` called as with validation off (device-resident indices under
-    ``validate="shapes"``): every pair in range moves byte for byte as the reference backend moves it, nothing else
-    changes (canaries, guard bytes around host buffers and device allocations), whatever the page size, rows, layer
-    map, index dtype and launch split (``test_place_probe.pb_any_indices``); pages whose slots and rows are runs go
-    flat (under the interpreter the row path moves exactly the other pages' valid pairs, each once), groups refused go
-    by rows."""
-    kernels, _ = _lf()
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, layout, ps, rows,
+                                                                    device_rows, layers, index_dtype, options):
+    """``layer_first.kernel`` and ``page_first_direct.kernel`` with ``page_backups=True`` called as with validation off
+    (device-resident indices under ``validate="shapes"``): every pair in range moves byte for byte as the reference
+    backend moves it, nothing else changes (canaries, guard bytes around host buffers and device allocations),
+    whatever the page size, rows, layer map, index dtype and launch split (``test_place_probe.pb_any_indices``);
+    pages whose slots and rows are runs go flat (under the interpreter the row path moves exactly the other pages'
+    valid pairs, each once), groups refused go by rows."""
+    kernels = importlib.import_module(KERNELS[layout])
 
     def make(spec, dev, host, opts):
-        return HostKVPool(spec, "layer_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+        return HostKVPool(spec, layout, "kernel", dev, registry=REGISTRY, host_buffers=host,
                           strategy_options={"page_backups": True, **opts})
     pool, moved, row_pairs, valid, entries = pb_any_indices(monkeypatch, launches, make, ps, rows, device_rows,
-                                                            layers, index_dtype, options)
+                                                            layers, index_dtype, options, layout=layout)
     flat = _pages_by_group(pool)
     assert flat == [device_rows == "packed" and ps > 1] * len(flat)
     assert {k for k, _, _ in launches} == {kernels.KERNEL}
@@ -201,10 +222,11 @@ def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, 
 
 @pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])
 @pytest.mark.parametrize("case", [c.id for c in CASES])
-def test_page_backups_conform_on_every_case(monkeypatch, launches, case, split):
-    """The conformance round trip of every case through ``layer_first.kernel`` with ``page_backups=True``: all-layer
-    backups in the default launches or a launch per layer entry, then per-layer backups with 32-bit indices of the
-    last host page."""
+@pytest.mark.parametrize("layout", list(KERNELS))
+def test_page_backups_conform_on_every_case(monkeypatch, launches, layout, case, split):
+    """The conformance round trip of every case through the ``layout``'s kernel strategy with ``page_backups=True``:
+    all-layer backups in the default launches or a launch per layer entry, then per-layer backups with 32-bit indices
+    of the last host page (token-major ``page_first``: every group on rows, its pages being no runs)."""
     from hicache_core.testing import conformance
 
     options = {"page_backups": True, **({"backup_launch_bytes": 1} if split else {})}
@@ -215,13 +237,15 @@ def test_page_backups_conform_on_every_case(monkeypatch, launches, case, split):
             kw["strategy_options"] = options
         return real(*args, **kw)
     monkeypatch.setattr(conformance, "HostKVPool", pool)
-    flat = _pages_by_group(check_strategy(REGISTRY, CASE[case], "layer_first", "kernel", device=DEVICE))
-    check_strategy(REGISTRY, CASE[case], "layer_first", "kernel", device=DEVICE, variant="last-page-i32-dev",
+    flat = _pages_by_group(check_strategy(REGISTRY, CASE[case], layout, "kernel", device=DEVICE))
+    check_strategy(REGISTRY, CASE[case], layout, "kernel", device=DEVICE, variant="last-page-i32-dev",
                    per_layer_backup=True, seed=1)
+    if layout == "page_first" and CASE[case].build(DEVICE).layer_map.host_layer_num > 1:
+        assert not any(flat)
     backups = [c for _, _, c in launches if c.get("TO_HOST")]
     assert backups and not any(c.get("PAGES") for _, _, c in launches if not c.get("TO_HOST"))
     assert {bool(c["PAGES"]) for c in backups} == set(flat)  # every group as its launch says, each taken
-    if split:
+    if split and layout != "page_first":  # (token-major page_first splits by runs of tokens, every layer in each)
         assert {c["n_ents"] for c in backups} == {1}
 
 
@@ -232,38 +256,42 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hicache_layer_first import kernels as lf
+from hicache_page_first import kernels as pf
 
-fn = lf.KERNEL
 INT32 = ("n", "n_ents", "capacity", "dev_rows")
 out = {}
-# (PAGES, TO_HOST, PAGE_SIZE, TOKENS, WIDTH, VEC): 656-byte rows in 8-byte words in pages of 64 and 3, 1152-byte rows
-# and 16 KiB rows in pages of 1024 (a page of 1024 steps: a loop, not unrolled, or this compiles for minutes)
-for pages, to_host, ps, tokens, width, vec in ((True, True, 64, 16, 82, 2), (True, True, 3, 32, 82, 2),
-                                              (True, True, 32, 16, 144, 2), (False, True, 64, 16, 82, 2),
-                                              (True, False, 64, 16, 82, 2), (True, True, 1024, 1, 2048, 2)):
+# (kernel, PAGES, TO_HOST, PAGE_SIZE, TOKENS, WIDTH, VEC): 656-byte rows in 8-byte words in pages of 64 and 3,
+# 1152-byte rows and 16 KiB rows in pages of 1024 (a page of 1024 steps: a loop, not unrolled, or this compiles for
+# minutes); page_first's kernel (page_first_direct) with and without PAGES
+for name, pages, to_host, ps, tokens, width, vec in (
+        ("lf", True, True, 64, 16, 82, 2), ("lf", True, True, 3, 32, 82, 2), ("lf", True, True, 32, 16, 144, 2),
+        ("lf", False, True, 64, 16, 82, 2), ("lf", True, False, 64, 16, 82, 2), ("lf", True, True, 1024, 1, 2048, 2),
+        ("pf", True, True, 64, 16, 82, 2), ("pf", False, True, 64, 16, 82, 2)):
+    fn = lf.KERNEL if name == "lf" else pf.KERNEL
     consts = dict(WIDTH=width, BLOCK=min(512, 1 << (width - 1).bit_length()), TOKENS=tokens, VEC=vec, TO_HOST=to_host,
                   STAGES=1, FENCE=False, PDL=0, PAGES=pages, PAGE_SIZE=ps, PAGE_TOKENS=1 << (ps - 1).bit_length(),
-                  PAGE_CHUNK=2048 if pages else 1)
+                  PAGE_CHUNK=2048 if pages else 1, **({} if name == "lf" else {"ENTRIES_INNER": False}))
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "*i64" for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a].startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-    out[f"pages{int(pages)} to_host{int(to_host)} ps{ps} width{width}"] = sorted(
+    out[f"pages{int(pages)} to_host{int(to_host)} ps{ps} width{width} {name}"] = sorted(
         {w for line in ptx.splitlines() for w in line.split()[:2] if w.startswith(("ld.global.v", "st.global.v"))})
 print(json.dumps(out))
 """
 
 
-def test_the_kernel_compiles_for_sm90_with_page_backups_in_wide_words(tmp_path):
-    """``layer_first``'s ``KERNEL`` compiles for sm_90 outside the interpreter with ``PAGES`` (pages of 64 and of 3
-    tokens, 656- and 1152-byte rows; 16 KiB rows in pages of 1024, within the test's time) and without: with the pointers aligned as a launch has them, page backups move
-    their flat pages in 16-byte vectors; row backups of 656-byte rows (82 words, VEC 2) move 16-byte vectors too, and
-    ``PAGES`` on a load is the row kernel's load (the same accesses)."""
+def test_the_kernels_compile_for_sm90_with_page_backups_in_wide_words(tmp_path):
+    """``layer_first``'s ``KERNEL`` (and ``page_first``'s, pages of 64) compiles for sm_90 outside the interpreter with
+    ``PAGES`` (pages of 64 and of 3 tokens, 656- and 1152-byte rows; 16 KiB rows in pages of 1024, within the test's
+    time) and without: with the pointers aligned as a launch has them, page backups move their flat pages in 16-byte
+    vectors; row backups of 656-byte rows (82 words, VEC 2) move 16-byte vectors too, and ``PAGES`` on a load is the
+    row kernel's load (the same accesses)."""
     from fakes import compiled_json
 
     ops = compiled_json(_PTX, tmp_path, timeout=900)
-    assert len(ops) == 6, ops
+    assert len(ops) == 8, ops
     for key, found in ops.items():
         want = ["ld.global.v2.b64", "st.global.v2.b64"] if key.startswith("pages1 to_host1") else []
         assert found == want, (key, found)

@@ -82,10 +82,12 @@ def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
 
 @pytest.mark.parametrize("label,want", [("fp8-656 layer_first plugin page backups", True),
                                          ("fp8-656 layer_first row backups", False),
+                                         ("fp8-656 page_first_direct plugin page backups", True),
                                          ("bf16-576 page_first row backups", False)])
 def test_plugin_page_backup_and_row_backup_variants_set_page_backups(monkeypatch, label, want):
-    """``... plugin page backups`` builds ``layer_first``'s own pool with page backups forced on, ``... row backups``
-    with them off (every layout takes the option); both pass through the registry's option check."""
+    """``... plugin page backups`` builds ``layer_first``'s or ``page_first_direct``'s own pool with page backups
+    forced on, ``... row backups`` with them off (every layout takes the option); both pass through the registry's
+    option check."""
     seen = []
     monkeypatch.setattr(probe, "HostKVPool", lambda *a, **kw: seen.append(kw["strategy_options"]))
     monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
@@ -275,8 +277,9 @@ def _pb_pairs(ps: int, pages: int, dev_rows: int, huge: int) -> tuple[list, list
     return h, d, row_pairs
 
 
-def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, layers, index_dtype, options):
-    """Build a pool of ``rows`` (``make_pool(spec, dev, host, options)``) on guarded host buffers, back up
+def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, layers, index_dtype, options,
+                   layout="layer_first"):
+    """Build a pool of ``rows`` (``make_pool(spec, dev, host, options)``) on guarded ``layout`` host buffers, back up
     :func:`_pb_pairs` through its strategy as a shapes-validated call would (device-resident indices), and check it
     byte for byte against the reference backend's backup of the valid pairs alone: host buffers equal, canaries, guard
     bytes and every device byte untouched; with ``backup_launch_bytes=1`` a launch per layer entry.  Returns
@@ -295,9 +298,9 @@ def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, laye
     case = Case("rows", lambda device: spec, strided=device_rows == "strided", split_parts=device_rows == "split")
     dev = make_device_buffers(spec, case, gen)
     ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
-    host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
+    host, guards = guarded_host_buffers(REGISTRY, spec, layout, pin_memory=DEVICE.type == "cuda")
     pool = make_pool(spec, dev, host, options)
-    ref = probe.HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
+    ref = probe.HostKVPool(spec, layout, "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
                            pin_memory=False)
     fill_canary(pool)
     fill_canary(ref)

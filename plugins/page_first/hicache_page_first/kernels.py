@@ -10,7 +10,10 @@ in strides and in the order of work items (``ENTRIES_INNER``, set by each strate
 * ``page_first_direct`` (``[P, L, page_size, row]``): a page of one layer is
   contiguous, so consecutive items are the token tiles of one layer entry.
 
-Built from :mod:`hicache_core.kernel_lib`; launched by
+With ``PAGES``, backups copy whole pages as flat words instead
+(:func:`hicache_core.kernel_lib.page_backup`): a layer's page is one packed run of rows in ``page_first_direct`` only
+(:func:`hicache_core.rowcopy_pages.backup_reason` keeps token-major ``page_first`` rows, strided by every layer, on
+the row path).  Built from :mod:`hicache_core.kernel_lib`; launched by
 :class:`hicache_core.rowcopy.RowKernelStrategy` with the values it names.
 """
 
@@ -33,9 +36,14 @@ PAGE_LOAD_KERNEL = kl.PAGE_LOAD
 def KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok, capacity,
            dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
            TO_HOST: tl.constexpr, STAGES: tl.constexpr, FENCE: tl.constexpr, ENTRIES_INNER: tl.constexpr,
-           PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = 0):
+           PAGE_SIZE: tl.constexpr, PDL: tl.constexpr = 0, PAGES: tl.constexpr = False,
+           PAGE_TOKENS: tl.constexpr = 1, PAGE_CHUNK: tl.constexpr = 1):
     pid, nprog = kl.programs()
     n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
+    if TO_HOST and PAGES:  # backups of whole pages as flat words (rowcopy_pages.backup_reason), unfenced, unchained
+        kl.page_backup(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
+                       capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_TOKENS, VEC, STAGES, PAGE_CHUNK)
+        n_items = 0  # (a constant: the row loop below is compiled out)
     for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
         kl.let_next_begin(item, n_items, nprog, PDL)
         e, tile = kl.work_item(item, ents, n_tiles, n_ents, ENTRIES_INNER)

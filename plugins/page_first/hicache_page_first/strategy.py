@@ -7,8 +7,8 @@ explains itself) where Triton is missing.
 
 from __future__ import annotations
 
-from hicache_core.rowcopy import (BACKUP_LAUNCH_BYTES, PAGE_LOAD_TUNING, TMA_LOAD_TUNING, KernelTuning,
-                                  RowKernelStrategy, Tuning)
+from hicache_core.rowcopy import (BACKUP_LAUNCH_BYTES, PAGE_BACKUP_TUNING, PAGE_LOAD_TUNING, TMA_LOAD_TUNING,
+                                  KernelTuning, RowKernelStrategy, Tuning)
 
 __all__ = ["PageFirstKernelStrategy", "PageFirstDirectKernelStrategy", "TUNING"]
 
@@ -33,6 +33,9 @@ TUNING = KernelTuning(
     load=Tuning(programs=16, num_warps=16, tile_bytes=32768),
     tma_load=TMA_LOAD_TUNING,  # per-layer loads through TMA on compute capability 9.x/10.x
     page_load=PAGE_LOAD_TUNING,  # loads of whole contiguous pages as flat words (rowcopy_pages)
+    # backups of whole pages of narrow rows as flat words where a layer's page is one packed run (page_first_direct;
+    # rowcopy_pages.backup_reason; KERNEL's PAGES): the same kernel_lib.page_backup as layer_first's
+    page_backup=PAGE_BACKUP_TUNING,
 )
 
 
