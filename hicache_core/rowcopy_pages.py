@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,10 +38,11 @@ from .envflags import OFF, ON
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from .layout import HostPlan
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
-           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "PagePart", "pages_mode", "pages_enabled", "page_parts",
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "packed_host_rows", "PagePart", "pages_mode", "pages_enabled", "page_parts",
            "strided", "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
 
 logger = logging.getLogger(__name__)
@@ -160,6 +162,14 @@ PAGE_BACKUP_MIN_PAGE_BYTES = 36864
 #: off, only ``page_backups=True`` does.  On since the plugin kernel's page backups ran bit-exact on a GPU and matched
 #: the probe kernel's figures (H100, record call 70: fp8 656 B 0.940 at -0.3% GEMM against its rows' 0.858 at +1.6%).
 AUTO_PAGE_BACKUPS = True
+
+
+def packed_host_rows(plan: HostPlan) -> bool:
+    """Whether any row of ``plan`` sits in one host segment whose token stride is its width (rows packed: a layer's
+    page then one run of words, as :func:`backup_reason` asks of the bound group; token-major layouts of more than
+    one layer have none)."""
+    parts = Counter(s.component for s in plan.segments)
+    return any(parts[s.component] == 1 and s.addressing.token == s.width for s in plan.segments)
 
 
 def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> str | None:

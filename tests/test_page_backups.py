@@ -190,6 +190,21 @@ def test_explain_states_page_backups(monkeypatch):
         strat.LayerFirstKernelStrategy(page_backups=False).describe(spec, layout))
 
 
+@pytest.mark.parametrize("layout,layers,want", [("page_first_direct", 3, True), ("page_first", 3, False),
+                                                ("page_first", 1, True)])
+def test_explain_states_page_backups_only_where_host_rows_are_packed(monkeypatch, layout, layers, want):
+    """``hicache explain`` names page backups for ``page_first_direct`` (a layer's page one run) and not for
+    token-major ``page_first`` of several layers, whose host rows are strided by every layer (never taken)."""
+    from hicache_core.rowcopy import RowKernelStrategy
+
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    spec = _mla(64, "fp8-656", cap_pages=1, layers=layers)
+    strategy = REGISTRY.resolve(spec, layout, "kernel").strategy
+    assert isinstance(strategy, RowKernelStrategy)
+    text = " ".join(strategy.describe(spec, REGISTRY.layout(layout)))
+    assert ("backups of whole pages" in text) is want, text
+
+
 # -- bytes ---------------------------------------------------------------------------------------------------------
 KERNELS = {"layer_first": "hicache_layer_first.kernels", "page_first_direct": "hicache_page_first.kernels",
            "page_first": "hicache_page_first.kernels"}
