@@ -235,6 +235,34 @@ def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, 
         assert moved == (row_pairs if all(flat) else valid) * entries, (moved, row_pairs, entries)
 
 
+@pytest.mark.parametrize("ps,rows,layers,index_dtype,options", [
+    (64, "fp8-656", "one", torch.int64, {}), (64, "fp8-656", "one", torch.int32, {"backup_launch_bytes": 1}),
+    (3, "fp8-656", "one", torch.int64, {"tile_bytes": 256}), (16, "bf16-576", "sharded-one", torch.int32, {}),
+    (4, "fp8-576", "sharded-one-padded", torch.int64, {}), (16, "fp8-656", "unsharded", torch.int64, {})],
+    ids=["ps64-one", "ps64-one-i32-launch-per-page", "ps3-one-tile256", "ps16-sharded-one-i32",
+         "ps4-sharded-one-padded", "ps16-three-layers"])
+def test_token_major_page_first_backs_up_pages_of_one_host_layer_alone(monkeypatch, launches, ps, rows, layers,
+                                                                       index_dtype, options):
+    """Token-major ``page_first`` (``[S, L, row]``) with ``page_backups=True``: where the component has one host layer
+    (one layer, or a shard owning one unpadded) its rows are packed and a page is one run, so pages go flat (and, in
+    launches of runs of tokens, every run holds whole pages); a padded shard of one owned layer (host layers 2) or
+    several layers stay on rows.  Byte for byte as the reference backend, whatever the indices."""
+    kernels = importlib.import_module(KERNELS["page_first"])
+
+    def make(spec, dev, host, opts):
+        return HostKVPool(spec, "page_first", "kernel", dev, registry=REGISTRY, host_buffers=host,
+                          strategy_options={"page_backups": True, **opts})
+    pool, moved, row_pairs, valid, entries = pb_any_indices(monkeypatch, launches, make, ps, rows, "packed", layers,
+                                                            index_dtype, options, layout="page_first")
+    one = pool.binding.spec.layer_map.host_layer_num == 1
+    assert _pages_by_group(pool) == [one and ps > 1]
+    assert {k for k, _, _ in launches} == {kernels.KERNEL} and {bool(c["PAGES"]) for _, _, c in launches} == {one}
+    if options.get("backup_launch_bytes") == 1:
+        assert len(launches) > 1 and all(c["n"] % ps == 0 for _, _, c in launches[:-1])
+    if moved is not None:
+        assert moved == (row_pairs if one else valid) * entries, (moved, row_pairs, entries)
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])
 @pytest.mark.parametrize("case", [c.id for c in CASES])
 @pytest.mark.parametrize("layout", list(KERNELS))
@@ -277,15 +305,16 @@ INT32 = ("n", "n_ents", "capacity", "dev_rows")
 out = {}
 # (kernel, PAGES, TO_HOST, PAGE_SIZE, TOKENS, WIDTH, VEC): 656-byte rows in 8-byte words in pages of 64 and 3,
 # 1152-byte rows and 16 KiB rows in pages of 1024 (a page of 1024 steps: a loop, not unrolled, or this compiles for
-# minutes); page_first's kernel (page_first_direct) with and without PAGES
+# minutes); page_first's kernel (page_first_direct) with and without PAGES, and with PAGES for token-major page_first
+# ("pfi", ENTRIES_INNER: a component of one host layer, its rows packed)
 for name, pages, to_host, ps, tokens, width, vec in (
         ("lf", True, True, 64, 16, 82, 2), ("lf", True, True, 3, 32, 82, 2), ("lf", True, True, 32, 16, 144, 2),
         ("lf", False, True, 64, 16, 82, 2), ("lf", True, False, 64, 16, 82, 2), ("lf", True, True, 1024, 1, 2048, 2),
-        ("pf", True, True, 64, 16, 82, 2), ("pf", False, True, 64, 16, 82, 2)):
+        ("pf", True, True, 64, 16, 82, 2), ("pf", False, True, 64, 16, 82, 2), ("pfi", True, True, 64, 16, 82, 2)):
     fn = lf.KERNEL if name == "lf" else pf.KERNEL
     consts = dict(WIDTH=width, BLOCK=min(512, 1 << (width - 1).bit_length()), TOKENS=tokens, VEC=vec, TO_HOST=to_host,
                   STAGES=1, FENCE=False, PDL=0, PAGES=pages, PAGE_SIZE=ps, PAGE_TOKENS=1 << (ps - 1).bit_length(),
-                  PAGE_CHUNK=2048 if pages else 1, **({} if name == "lf" else {"ENTRIES_INNER": False}))
+                  PAGE_CHUNK=2048 if pages else 1, **({} if name == "lf" else {"ENTRIES_INNER": name == "pfi"}))
     names = fn.arg_names
     sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else "*i64" for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a].startswith("*")}
@@ -306,7 +335,7 @@ def test_the_kernels_compile_for_sm90_with_page_backups_in_wide_words(tmp_path):
     from fakes import compiled_json
 
     ops = compiled_json(_PTX, tmp_path, timeout=900)
-    assert len(ops) == 8, ops
+    assert len(ops) == 9, ops
     for key, found in ops.items():
         want = ["ld.global.v2.b64", "st.global.v2.b64"] if key.startswith("pages1 to_host1") else []
         assert found == want, (key, found)

@@ -290,7 +290,12 @@ def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, laye
                                                   fill_canary, guarded_host_buffers, make_device_buffers)
 
     dtype, lora, rope, row_bytes = PB_ROWS[rows]
-    lmap = LayerMap.unsharded(3) if layers == "unsharded" else LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True)
+    lmap = {"unsharded": lambda: LayerMap.unsharded(3),
+            "sharded": lambda: LayerMap.sharded_cp(5, 2, 1, pad_to_largest=True),
+            "one": lambda: LayerMap.unsharded(1),  # one host layer: token-major page_first rows are packed
+            "sharded-one": lambda: LayerMap.sharded_cp(2, 2, 1),  # one layer owned, one host layer
+            # one layer owned of a host sized for two (padded): token-major page_first rows strided by 2 layers
+            "sharded-one-padded": lambda: LayerMap.sharded_cp(3, 2, 1, pad_to_largest=True)}[layers]()
     pages = 14
     spec = PoolSpec.mla(layer_map=lmap, kv_lora_rank=lora, qk_rope_head_dim=rope, dtype=dtype, page_size=ps,
                         capacity=ps * pages, row_bytes=row_bytes, device=DEVICE)
@@ -324,7 +329,7 @@ def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, laye
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     entries = sum(g.entries(None).numel() for g in pool.binding.scratch[pool.strategy_name].groups)
-    if options.get("backup_launch_bytes") == 1:
+    if options.get("backup_launch_bytes") == 1 and layout != "page_first":  # (page_first: runs of tokens per launch)
         assert len(launches) == entries
     assert any(t.view(torch.uint8).ne(0xA5).any() for t in ref.host_buffers.values())
     for name, buf in pool.host_buffers.items():
