@@ -143,6 +143,10 @@ class RowKernelStrategy(DirectionalStrategy):
     tuning: ClassVar[KernelTuning]
     fuse_parts: ClassVar[bool] = False
     entries_inner: ClassVar[bool] = False
+    #: Whether the ``page_backups`` option unset takes page backups automatically (with
+    #: :data:`~hicache_core.rowcopy_pages.AUTO_PAGE_BACKUPS`): a plugin keeps its page backups opt-in (``False``) until
+    #: they have run bit-exact on a GPU and measured ahead of its row backups.
+    auto_page_backups: ClassVar[bool] = True
 
     def __init__(self, programs: int | None = None, *, backup_programs: int | None = None,
                  num_warps: int | None = None, tile_bytes: int | None = None, num_stages: int | None = None,
@@ -253,8 +257,8 @@ class RowKernelStrategy(DirectionalStrategy):
             pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         page_backups = ""
-        if t.page_backup is not None and (self.page_backups or
-                                          self.page_backups is None and rowcopy_pages.AUTO_PAGE_BACKUPS) and \
+        if t.page_backup is not None and (self.page_backups or self.page_backups is None and self.auto_page_backups
+                                          and rowcopy_pages.AUTO_PAGE_BACKUPS) and \
                 rowcopy_pages.packed_host_rows(layout.plan(spec)):
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
@@ -429,7 +433,12 @@ class RowKernelStrategy(DirectionalStrategy):
         :func:`~hicache_core.rowcopy_pages.backup_reason`)."""
         if self.page_backups is False or tuning.page_backup is None or "PAGES" not in launcher.arg_names:
             return False
-        why = rowcopy_pages.backup_reason(g, spec.page_size, automatic=self.page_backups is None)
+        automatic = self.page_backups is None
+        if automatic and not self.auto_page_backups:
+            logger.info("%s: backups of %s go by rows: its page backups are opt-in (page_backups=True)", self.name,
+                        "/".join(g.names))
+            return False
+        why = rowcopy_pages.backup_reason(g, spec.page_size, automatic=automatic)
         if why:
             logger.info("%s: backups of %s go by rows: %s", self.name, "/".join(g.names), why)
         return why is None

@@ -70,7 +70,8 @@ def test_automatic_page_backups_take_narrow_rows_in_large_pages(monkeypatch, ps,
     """Automatic: rows of at most 1152 bytes in pages of at least 36 KiB (what was measured ahead of the row kernel);
     loads never; ``page_backups=True`` takes every packed group of pages of 2 tokens or more, ``False`` none."""
     spec = _mla(ps, rows, cap_pages=2, layers=2)
-    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)  # (whatever the shipped switch)
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)  # (whatever the shipped switches)
+    monkeypatch.setattr(type(REGISTRY.resolve(spec, layout, "kernel").strategy), "auto_page_backups", True)
     assert _pages_by_group(_pool(spec, layout=layout)) == [want]
     assert _pages_by_group(_pool(spec, {"page_backups": True}, layout=layout)) == [ps > 1]
     assert _pages_by_group(_pool(spec, {"page_backups": False}, layout=layout)) == [False]
@@ -201,8 +202,26 @@ def test_explain_states_page_backups_only_where_host_rows_are_packed(monkeypatch
     spec = _mla(64, "fp8-656", cap_pages=1, layers=layers)
     strategy = REGISTRY.resolve(spec, layout, "kernel").strategy
     assert isinstance(strategy, RowKernelStrategy)
+    monkeypatch.setattr(type(strategy), "auto_page_backups", True)
     text = " ".join(strategy.describe(spec, REGISTRY.layout(layout)))
     assert ("backups of whole pages" in text) is want, text
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_a_strategy_may_keep_its_page_backups_opt_in(monkeypatch, caplog, layout):
+    """``auto_page_backups = False`` on a strategy class (a plugin whose page backups have not run on a GPU):
+    ``page_backups`` unset backs up by rows, logs why and ``hicache explain`` names no page backups; ``True`` still
+    takes them."""
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=2)
+    cls = type(REGISTRY.resolve(spec, layout, "kernel").strategy)
+    monkeypatch.setattr(cls, "auto_page_backups", False)
+    with caplog.at_level("INFO", logger="hicache_core.rowcopy"):
+        assert _pages_by_group(_pool(spec, layout=layout)) == [False]
+    assert "opt-in (page_backups=True)" in caplog.text
+    assert _pages_by_group(_pool(spec, {"page_backups": True}, layout=layout)) == [True]
+    assert "backups of whole pages" not in " ".join(cls().describe(spec, REGISTRY.layout(layout)))
+    assert "backups of whole pages" in " ".join(cls(page_backups=True).describe(spec, REGISTRY.layout(layout)))
 
 
 # -- bytes ---------------------------------------------------------------------------------------------------------

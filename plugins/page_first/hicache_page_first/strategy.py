@@ -47,6 +47,7 @@ class PageFirstKernelStrategy(RowKernelStrategy):
     kernel_module = "hicache_page_first.kernels"
     entries_inner = True
     tuning = TUNING
+    auto_page_backups = False  # (pages of one host layer alone: not run on a GPU yet; page_backups=True takes them)
 
 
 class PageFirstDirectKernelStrategy(RowKernelStrategy):
@@ -57,3 +58,4 @@ class PageFirstDirectKernelStrategy(RowKernelStrategy):
     kernel_module = "hicache_page_first.kernels"
     entries_inner = False
     tuning = TUNING
+    auto_page_backups = False  # (not run on a GPU yet: layer_first's were; page_backups=True takes them)
