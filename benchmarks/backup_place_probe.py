@@ -31,16 +31,17 @@ tiles of 64 KiB; ``... one launch`` backs up every layer in one launch (``backup
 an all-layer backup into launches of at most :data:`hicache_core.rowcopy.BACKUP_LAUNCH_BYTES`), ``... launches of N
 MiB`` in launches of N MiB, ``... pdl`` with each launch after a backup's first a programmatic dependent launch
 (``backup_pdl=True``, sm_90+; the plugins' default since 2026-12-07, ``... no pdl`` without), ``... page backups``
-(``layer_first`` rows) with backups of whole pages as flat words (:data:`PAGE_BACKUP_KERNEL`, the strategy
-``probe.page_backup_lf``, io_backend ``probe_pages``: whether host lines written whole make narrow rows such as fp8
-656 B, which end mid-line, back up faster or steadier), ``... 16 programs`` with 16 backup programs, and ``... 2
-programs 32 warps 128K`` backs up with two wide fenced programs. Options (``programs``, ``num_warps``, ``num_stages``)
-apply to every direction: a variant's loads run with them too, page loads included. Every variant is checked bit-exact
-first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers); each row gives the ratio to a pinned
-memcpy of the same bytes in this run, the host time of one all-layer backup issued on an idle GPU
-(``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and with ``--gemm`` the
-slowdown of a bf16 8192^3 GEMM on another stream during all-layer backups (with ``--bursts`` also a burst of one-layer
-backups, and the GEMM beside it).
+(``layer_first`` rows) with the plugin's own backups of whole pages as flat words (``page_backups=True``,
+:func:`hicache_core.kernel_lib.page_backup`, as ``... plugin page backups``: whether host lines written whole make
+narrow rows such as fp8 656 B, which end mid-line, back up faster or steadier; the earlier records of these labels,
+calls 68-69, came from a probe kernel of the same algorithm, since removed), ``... 16 programs`` with 16 backup
+programs, and ``... 2 programs 32 warps 128K`` backs up with two wide fenced programs. Options (``programs``,
+``num_warps``, ``num_stages``) apply to every direction: a variant's loads run with them too, page loads included.
+Every variant is checked bit-exact first (:func:`hicache_core.bench._check`: a round trip from scrambled buffers);
+each row gives the ratio to a pinned memcpy of the same bytes in this run, the host time of one all-layer backup
+issued on an idle GPU (``host_all_layers_us``, median: e.g. ``... pdl`` against ``... no pdl`` in one process), and
+with ``--gemm`` the slowdown of a bf16 8192^3 GEMM on another stream during all-layer backups (with ``--bursts`` also
+a burst of one-layer backups, and the GEMM beside it).
 """
 
 from __future__ import annotations
@@ -99,65 +100,6 @@ def PAGE_LOAD_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_st
                  STAGES, STRIDED)  # page_size: a runtime value
 
 
-@triton.jit(do_not_specialize=["n", "n_ents"])
-def PAGE_BACKUP_KERNEL(anchor, host_idx, dev_idx, n, ents, n_ents, dev_off, dev_stride, host_off, host_page, host_tok,
-                       capacity, dev_rows, WIDTH: tl.constexpr, BLOCK: tl.constexpr, TOKENS: tl.constexpr, VEC: tl.constexpr,
-                       TO_HOST: tl.constexpr, STAGES: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """``layer_first``'s row kernel, but backups copy whole pages as flat words: a work item is one page of one entry
-    (``PAGE_SIZE * WIDTH`` words); where its host slots and device rows are runs and both sides' rows are packed
-    (``host_tok`` and ``dev_stride`` of ``WIDTH`` words), the page goes in chunks of :data:`PAGE_CHUNK` words, so
-    every host line but a page's ends is written whole (a 656-byte row ends mid-line: row by row, each line between
-    two rows is written twice, in two halves); other pages go row by row (the row kernel's tiles of ``TOKENS``).
-    Loads as the row kernel moves them.  No fence, no dependent launches."""
-    pid, nprog = kl.programs()
-    if TO_HOST:
-        per_ent = tl.cdiv(n.to(tl.int64), PAGE_SIZE)
-        n_items = per_ent * n_ents.to(tl.int64)
-        for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-            e, pg, _, h0, d0, inb = kl.page_item(item, ents, host_idx, dev_idx, n, PAGE_SIZE, capacity, dev_rows,
-                                                  per_ent, 1)
-            tok, stride = tl.load(host_tok + e), tl.load(dev_stride + e)
-            run = inb * ((tok == WIDTH) & (stride == WIDTH)).to(tl.int32)
-            for s0 in tl.static_range(0, PAGE_SIZE, TOKENS):  # the page's positions: runs on both sides?
-                i = s0 + tl.arange(0, TOKENS)
-                t = pg * PAGE_SIZE + i
-                live = (i < PAGE_SIZE) & (t < n)
-                hh = tl.load(host_idx + t, mask=live, other=-1).to(tl.int64)
-                dd = tl.load(dev_idx + t, mask=live, other=-1).to(tl.int64)
-                run = run * tl.min(((hh == h0 + i) & (dd == d0 + i) | (i >= PAGE_SIZE)).to(tl.int32), 0)
-            if run > 0:
-                src = tl.multiple_of(tl.load(dev_off + e) + d0 * WIDTH, VEC)
-                dst = tl.multiple_of(tl.load(host_off + e) + h0 * WIDTH, VEC)
-                for c0 in tl.static_range(0, PAGE_SIZE * WIDTH, PAGE_CHUNK):
-                    c = c0 + tl.arange(0, PAGE_CHUNK)
-                    m = c < PAGE_SIZE * WIDTH
-                    tl.store(anchor + dst + c, tl.load(anchor + src + c, mask=m), mask=m)
-            else:  # row by row (PAGE_SIZE positions cover the page: gather_page needs no power of two there)
-                kl.gather_page(anchor, host_idx, dev_idx, n, e, pg, dev_off, dev_stride, host_off, host_page, host_tok,
-                               capacity, dev_rows, PAGE_SIZE, WIDTH, BLOCK, TOKENS, PAGE_SIZE, VEC, True)
-    else:
-        n_tiles, n_items = kl.work_size(n, n_ents, TOKENS)
-        for item in tl.range(pid, n_items, nprog, num_stages=STAGES):
-            e, tile = kl.work_item(item, ents, n_tiles, n_ents, False)
-            h, d, ok = kl.index_tile(host_idx, dev_idx, tile, n, capacity, dev_rows, TOKENS)
-            kl.move_rows(anchor, kl.device_rows(dev_off, dev_stride, e, d), tl.load(host_off + e) + h * tl.load(
-                host_tok + e), ok, WIDTH, BLOCK, VEC, False)
-
-
-#: Words :data:`PAGE_BACKUP_KERNEL` copies per step of a page (16 KiB of the 8-byte words the MLA rows here move in).
-PAGE_CHUNK = tl.constexpr(2048)
-#: ``layer_first`` with backups of whole pages (:data:`PAGE_BACKUP_KERNEL`), its loads as the plugin has them.
-PB_MODULE = f"{MODULE}_layer_first_page_backups"
-
-
-def _pb_module() -> None:
-    if PB_MODULE not in sys.modules:
-        from hicache_layer_first import kernels as lf  # type: ignore[import-not-found]  # a plugin, not the core
-
-        sys.modules[PB_MODULE] = types.SimpleNamespace(KERNEL=PAGE_BACKUP_KERNEL, TMA_LOAD_KERNEL=lf.TMA_LOAD_KERNEL,
-                                                       PAGE_LOAD_KERNEL=lf.PAGE_LOAD_KERNEL)  # type: ignore[assignment]
-
-
 #: Per-layer TMA loads as the plugins have them (automatic TMA takes rows of >= 1152 bytes: the bf16 and MHA variants).
 TMA_LOAD_KERNEL = kl.PAGED_TMA_LOAD
 #: ``layer_first``'s row kernel with the page-load kernel as it was: a module of its own, as a strategy names one.
@@ -181,21 +123,17 @@ STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any], str]] = {
                               {"kernel_module": LF_MODULE}, "layer_first, page loads by runtime page size"),
     "probe.kv_layer_major": ("page_first_kv_split", "hicache_kv_split.strategy", "KVSplitKernelStrategy",
                              {"entries_inner": False}, "page_first_kv_split's kernel, layer-major"),
-    "probe.page_backup_lf": ("layer_first", "hicache_layer_first.strategy", "LayerFirstKernelStrategy",
-                             {"kernel_module": PB_MODULE}, "layer_first, backups of whole pages as flat words"),
 }
 
 
-def backend(name: str) -> str:
-    """The io_backend probe strategy ``name`` registers under (one strategy per layout and io_backend)."""
-    return "probe_pages" if name == "probe.page_backup_lf" else "probe"
+#: The io_backend the probe's strategies register under (one strategy per layout and io_backend).
+BACKEND = "probe"
 
 
 def _strategy(name: str, **options: Any) -> Any:
     """An instance of probe strategy ``name`` (:data:`STRATEGIES`)."""
     _, module, base, attrs, _ = STRATEGIES[name]
     _lf_module()
-    _pb_module()
     cls = type(name, (getattr(importlib.import_module(module), base),), {"name": name, **attrs})
     return cls(**options)
 
@@ -209,7 +147,7 @@ class _Plugin:
     @hookimpl
     def hicache_register_strategies(register: Callable[[StrategyInfo], None]) -> None:
         for name, (layout, _, _, _, what) in STRATEGIES.items():
-            register(StrategyInfo(name, backend(name), (layout,), functools.partial(_strategy, name),
+            register(StrategyInfo(name, BACKEND, (layout,), functools.partial(_strategy, name),
                                   sharded=(False, True), description=f"probe: {what}"))
 
 
@@ -218,20 +156,23 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 layer_first": ("mla61x656-fp8", "layer_first", 1, None, {}),
     "fp8-656 layer_first spread 16": ("mla61x656-fp8", "layer_first", 16, None, {}),
     "fp8-656 layer_first spread 61": ("mla61x656-fp8", "layer_first", 61, None, {}),
-    # backups of whole pages as flat words (probe.page_backup_lf): every host line written whole, but a page's ends
-    "fp8-656 layer_first page backups": ("mla61x656-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
-    "fp8-576 layer_first page backups": ("mla61x576-fp8", "layer_first", 1, "probe.page_backup_lf", {}),
-    "bf16-576 layer_first page backups": ("mla61x576-bf16", "layer_first", 1, "probe.page_backup_lf", {}),
-    # the same with fewer programs, and split otherwise (page backups: 0.93-0.94 but a GEMM +15-17% in the split launches
-    # of 32 MiB and 8 programs, where the row kernel costs it +0.2% on 576-byte rows; H100 2026-12-07)
-    **{f"{lab} layer_first page backups {what}": (shape, "layer_first", 1, "probe.page_backup_lf", opts)
+    # layer_first's own backups of whole pages as flat words (page_backups=True, kernel_lib.page_backup; the same as
+    # "... plugin page backups"): every host line written whole, but a page's ends.  Their records of calls 68-69 came
+    # from a probe kernel of the same algorithm, since removed, launched as row backups are (8 programs): these labels
+    # keep 8 programs unless they name others (the plugin's own default, KernelTuning.page_backup, is 4)
+    **{f"{lab} layer_first page backups": (shape, "layer_first", 1, None, {"page_backups": True, "backup_programs": 8})
+       for lab, shape in (("fp8-656", "mla61x656-fp8"), ("fp8-576", "mla61x576-fp8"), ("bf16-576", "mla61x576-bf16"))},
+    # the same with fewer programs, and split otherwise (the probe kernel: 0.93-0.94 but a GEMM +15-17% in the split
+    # launches of 32 MiB and 8 programs, where the row kernel costs it +0.2% on 576-byte rows; H100 2026-12-07)
+    **{f"{lab} layer_first page backups {what}": (shape, "layer_first", 1, None,
+                                                   {"page_backups": True, "backup_programs": 8, **opts})
        for lab, shape in (("fp8-656", "mla61x656-fp8"), ("fp8-576", "mla61x576-fp8"), ("bf16-576", "mla61x576-bf16"))
        for what, opts in (("4 programs", {"backup_programs": 4}), ("2 programs", {"backup_programs": 2}),
                           ("launches of 8 MiB", {"backup_launch_bytes": 8 << 20}),
                           ("one launch", {"backup_launch_bytes": 0}))},
     # the page backups' like for like on rows the plugin fences (1152 B): no fence, no dependent launches
     "bf16-576 layer_first unfenced no pdl": ("mla61x576-bf16", "layer_first", 1, None,
-                                             {"backup_fence": False, "backup_pdl": False}),
+                                             {"backup_fence": False, "backup_pdl": False, "page_backups": False}),
     "fp8-656 page_first_direct": ("mla61x656-fp8", "page_first_direct", 1, None, {}),
     "fp8-656 page_first_direct runtime page_size": ("mla61x656-fp8", "page_first_direct", 1, "probe.runtime_page",
                                                     {}),
@@ -272,7 +213,8 @@ VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "mha-bf16 page_first_kv_split layer-major": ("mha80x8x128-bf16", "page_first_kv_split", 1, "probe.kv_layer_major",
                                                  {}),
     "bf16-576 page_first_kv_split": ("mla61x576-bf16", "page_first_kv_split", 1, None, {}),
-    "bf16-576 page_first_kv_split layer-major": ("mla61x576-bf16", "page_first_kv_split", 1, "probe.kv_layer_major", {}),
+    "bf16-576 page_first_kv_split layer-major": ("mla61x576-bf16", "page_first_kv_split", 1, "probe.kv_layer_major",
+                                                 {}),
     "fp8-656 layer_first runtime page_size": ("mla61x656-fp8", "layer_first", 1, "probe.runtime_page_lf", {}),
     "fp8-576 layer_first runtime page_size": ("mla61x576-fp8", "layer_first", 1, "probe.runtime_page_lf", {}),
     "fp8-576 page_first_direct runtime page_size": ("mla61x576-fp8", "page_first_direct", 1, "probe.runtime_page", {}),
@@ -335,7 +277,7 @@ def _build(label: str, tokens: int, page_size: int, reg: Any) -> tuple[HostKVPoo
     group_bytes = options.pop("page_group_bytes", rowcopy_pages.GROUP_BYTES)
     kept, rowcopy_pages.GROUP_BYTES = rowcopy_pages.GROUP_BYTES, group_bytes  # read when the pool is built
     try:
-        pool = HostKVPool(spec, layout, "kernel" if override is None else backend(override), dev, strategy=override,
+        pool = HostKVPool(spec, layout, "kernel" if override is None else BACKEND, dev, strategy=override,
                           strategy_options=options, registry=reg, pin_memory=True, validate="shapes")
     finally:
         rowcopy_pages.GROUP_BYTES = kept

@@ -2,7 +2,9 @@
 the page size became a constexpr, and ``page_first_kv_split`` walking layer-major): bit-exact against the reference,
 canaries untouched, through the probe's own kernels.  A probe whose variant moved the wrong bytes would time a
 kernel that is not the one it names; on the GPU the probe checks each variant again before timing it.  On CPU the
-kernels run in Triton's interpreter."""
+kernels run in Triton's interpreter.  The page-backup helpers here (:func:`pb_any_indices`, :data:`PB_CASES`) serve
+``tests/test_page_backups.py``, which tests the plugins' own page backups through them: the probe's ``... page
+backups`` variants run those since its own page-backup kernel was removed."""
 
 import os
 
@@ -27,17 +29,15 @@ CASE = {c.id: c for c in CASES}
     ("probe.runtime_page", "page_first_direct", {"KERNEL", "PAGE_LOAD_KERNEL"}),
     ("probe.runtime_page_lf", "layer_first", {"layer_first KERNEL", "PAGE_LOAD_KERNEL"}),
     ("probe.kv_layer_major", "page_first_kv_split", {"kv_split KERNEL", "PAGE_LOAD (constexpr page size)"}),
-    ("probe.page_backup_lf", "layer_first", {"PAGE_BACKUP_KERNEL", "PAGE_LOAD (constexpr page size)"}),
 ])
 @pytest.mark.parametrize("case", ["mla656-fp8-ps128", "mla576-fp8-ps16-sharded5of2r1"])
 def test_probe_strategies_round_trip_through_their_own_kernels(monkeypatch, launches, strategy, layout, want, case):
     monkeypatch.setenv("HICACHE_KERNEL_TMA", "0")  # the rows here are narrower than automatic TMA takes anyway
     monkeypatch.setenv("HICACHE_KERNEL_PAGES", "1")  # page loads of these small pages too (automatic: >= 2 KiB)
-    check_strategy(REGISTRY, CASE[case], layout, probe.backend(strategy), strategy=strategy, device=DEVICE)
+    check_strategy(REGISTRY, CASE[case], layout, probe.BACKEND, strategy=strategy, device=DEVICE)
     from hicache_kv_split import kernels as kv
     from hicache_layer_first import kernels as lf
     names = {probe.KERNEL: "KERNEL", probe.PAGE_LOAD_KERNEL: "PAGE_LOAD_KERNEL", lf.KERNEL: "layer_first KERNEL",
-             probe.PAGE_BACKUP_KERNEL: "PAGE_BACKUP_KERNEL",
              kv.KERNEL: "kv_split KERNEL", kl.PAGE_LOAD: "PAGE_LOAD (constexpr page size)"}
     assert {names.get(k, repr(k)) for k, _, _ in launches} == want
 
@@ -80,21 +80,65 @@ def test_two_wide_programs_variants_tune_backups_only(monkeypatch, label):
     assert t.load.programs != 2
 
 
-@pytest.mark.parametrize("label,want", [("fp8-656 layer_first plugin page backups", True),
-                                         ("fp8-656 layer_first row backups", False),
-                                         ("fp8-656 page_first_direct plugin page backups", True),
-                                         ("bf16-576 page_first row backups", False)])
+#: The page-backup labels (``... page backups`` and its generated variants) and the options each adds.
+PAGE_BACKUP_LABELS = [(f"{lab} layer_first page backups{what}", opts) for lab in ("fp8-656", "fp8-576", "bf16-576")
+                      for what, opts in (("", {}), (" 4 programs", {"backup_programs": 4}),
+                                         (" 2 programs", {"backup_programs": 2}),
+                                         (" launches of 8 MiB", {"backup_launch_bytes": 8 << 20}),
+                                         (" one launch", {"backup_launch_bytes": 0}))]
+
+
+#: (label, the strategy options it builds its pool with) of the page-backup and row-backup variants.
+BACKUP_OPTIONS = [("fp8-656 layer_first plugin page backups", {"page_backups": True}),
+                  ("fp8-656 layer_first row backups", {"page_backups": False}),
+                  ("fp8-656 page_first_direct plugin page backups", {"page_backups": True}),
+                  ("bf16-576 page_first row backups", {"page_backups": False})] + [
+    (label, {"page_backups": True, "backup_programs": 8, **opts}) for label, opts in PAGE_BACKUP_LABELS]
+
+
+@pytest.mark.parametrize("label,want", BACKUP_OPTIONS, ids=[label for label, _ in BACKUP_OPTIONS])
 def test_plugin_page_backup_and_row_backup_variants_set_page_backups(monkeypatch, label, want):
     """``... plugin page backups`` builds ``layer_first``'s or ``page_first_direct``'s own pool with page backups
     forced on, ``... row backups`` with them off (every layout takes the option); both pass through the registry's
-    option check."""
+    option check.  The ``... layer_first page backups`` labels (their earlier records from a probe kernel since
+    removed) build ``layer_first``'s own pool (io_backend ``kernel``, no strategy override) with page backups forced
+    on plus their launch options, which the page backups' tuning takes."""
     seen = []
-    monkeypatch.setattr(probe, "HostKVPool", lambda *a, **kw: seen.append(kw["strategy_options"]))
+    monkeypatch.setattr(probe, "HostKVPool", lambda *a, **kw: seen.append((a[1:3], kw["strategy"],
+                                                                           kw["strategy_options"])))
     monkeypatch.setattr(probe, "_workload", lambda shape, tokens, ps: (None, {}, None, None, None))
     probe._build(label, 64, 16, None)
-    assert seen == [{"page_backups": want}]
+    assert seen == [((probe.VARIANTS[label][1], "kernel"), None, want)]
     spec = CASE["mla656-fp8-ps128"].build(DEVICE)
-    assert REGISTRY.resolve(spec, probe.VARIANTS[label][1], "kernel", options=seen[0]).strategy.page_backups is want
+    strategy = REGISTRY.resolve(spec, probe.VARIANTS[label][1], "kernel", options=want).strategy
+    assert strategy.page_backups is want["page_backups"]
+    page_backup = strategy.effective_tuning(DEVICE).page_backup
+    assert page_backup.programs == want.get("backup_programs", page_backup.programs)
+    assert page_backup.launch_bytes == want.get("backup_launch_bytes", page_backup.launch_bytes)
+
+
+@pytest.mark.parametrize("label", ["fp8-656 layer_first page backups", "bf16-576 layer_first page backups one launch"])
+def test_page_backup_variants_launch_the_plugin_kernel_with_pages(monkeypatch, label):
+    """A ``... layer_first page backups`` pool (built with the label's options, on a conformance case's rows; automatic
+    page backups off, so that the option alone takes them) backs up through ``layer_first``'s own ``KERNEL`` with
+    ``PAGES`` on (``kernel_lib.page_backup``), its loads without: the name ``gpu_session.sh``'s Nsight Compute step
+    selects (``regex:KERNEL$``)."""
+    from hicache_core import rowcopy_pages
+    from hicache_core.testing.conformance import make_device_buffers
+    from hicache_layer_first import kernels as lf
+
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", False)
+    _, layout, _, override, options = probe.VARIANTS[label]
+    case = CASE["mla656-fp8-ps128"]
+    spec = case.build(DEVICE)
+    dev = make_device_buffers(spec, case, torch.Generator().manual_seed(0))
+    pool = probe.HostKVPool(spec, layout, "kernel", dev, strategy=override, strategy_options=options,
+                            registry=REGISTRY, pin_memory=False)
+    prep = pool.binding.scratch[pool.strategy_name]
+    assert prep.launcher.kernel is lf.KERNEL and lf.KERNEL.fn.__name__ == "KERNEL"
+    for by_dir in prep.launches:
+        values = {to_host: dict(zip(prep.launcher.arg_names, by_dir[to_host].args)) for to_host in (True, False)}
+        assert values[True]["PAGES"] and not values[False]["PAGES"]
 
 
 def _fake_pool(monkeypatch) -> list:
@@ -168,54 +212,6 @@ def test_a_variant_that_raises_is_recorded_and_the_others_still_run(monkeypatch,
     assert printed[0] == {"variant": labels[0], "ERROR": "RuntimeError: PassManager::run failed"}
     assert printed[1]["variant"] == labels[1]
     assert json.loads(out.read_text()) == [{"variant": labels[1], "backup_all_layers": 0.9}]
-
-
-@pytest.mark.parametrize("scatter", ["none", "device rows of one page", "every page"])
-def test_page_backups_copy_run_pages_flat_and_others_row_by_row(scatter):
-    """``probe.page_backup_lf`` backs up pages whose slots and rows are runs as flat words and the others row by row:
-    byte for byte what the reference backend writes, canaries untouched (656-byte rows, pages of 4); loads as the row
-    kernel moves them."""
-    from hicache_core import HostKVPool
-    from hicache_core.testing.conformance import (Case, assert_guards_intact, fill_canary, guarded_host_buffers,
-                                                  make_device_buffers)
-
-    spec = CASE["mla656-fp8-ps128"].build(DEVICE)
-    import dataclasses
-    spec = dataclasses.replace(spec, page_size=4, capacity=48)
-    gen = torch.Generator().manual_seed(7)
-    dev = make_device_buffers(spec, Case("rows", lambda device: spec), gen)
-    rows = min(t.shape[0] for ts in dev.values() for t in ts if t is not None)
-    host, guards = guarded_host_buffers(REGISTRY, spec, "layer_first", pin_memory=DEVICE.type == "cuda")
-    pool = HostKVPool(spec, "layer_first", probe.backend("probe.page_backup_lf"), dev, registry=REGISTRY,
-                      strategy="probe.page_backup_lf", host_buffers=host)
-    ref_dev = {k: [None if t is None else t.clone() for t in v] for k, v in dev.items()}
-    ref = HostKVPool(spec, "layer_first", "reference", ref_dev, registry=REGISTRY, strategy="core.reference",
-                     pin_memory=False)
-    fill_canary(pool)
-    fill_canary(ref)
-    pages = torch.tensor([5, 0, 9, 2])  # host pages, as alloc hands them out
-    h = (pages[:, None] * 4 + torch.arange(4)).reshape(-1)
-    d = (torch.tensor([3, 7, 1, 10])[:, None] * 4 + torch.arange(4)).reshape(-1)
-    if scatter == "device rows of one page":
-        d[4:8] = torch.tensor([30, 2, 17, 9])
-    elif scatter == "every page":
-        d = torch.randperm(rows, generator=gen)[:16]
-    pool.backup_all_layers(h.to(DEVICE), d.to(DEVICE))
-    ref.backup_all_layers(h, d)
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
-    assert any(t.view(torch.uint8).any() for t in ref.host_buffers.values())
-    for name, buf in pool.host_buffers.items():
-        assert torch.equal(buf.view(torch.uint8).cpu(), ref.host_buffers[name].view(torch.uint8).cpu()), (scatter, name)
-    assert_guards_intact(scatter, guards)
-    back = torch.randperm(rows, generator=gen)[:16]  # loads: the row kernel's, into other rows
-    pool.load_all_layers(h.to(DEVICE), back.to(DEVICE))
-    ref.load_all_layers(h, back)
-    for name in dev:
-        for mine, theirs in zip(pool.device_buffers[name] if hasattr(pool, "device_buffers") else dev[name],
-                                ref_dev[name]):
-            if mine is not None:
-                assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), (scatter, name)
 
 
 #: Rows of the page-backup tests: (dtype, kv_lora_rank, qk_rope_head_dim, row_bytes) - fp8 656 B (no parts), fp8 576 B,
@@ -343,107 +339,3 @@ def pb_any_indices(monkeypatch, launches, make_pool, ps, rows, device_rows, laye
             if mine is not None:
                 assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu()), name
     return pool, sum(moved) if interpreted else None, row_pairs, len(valid), entries
-
-
-@pytest.mark.parametrize("ps,rows,device_rows,layers,index_dtype,options", PB_CASES, ids=PB_IDS)
-def test_page_backups_with_any_indices_write_the_valid_pairs_alone(monkeypatch, launches, ps, rows, device_rows,
-                                                                    layers, index_dtype, options):
-    """``probe.page_backup_lf`` called as with validation off (device-resident indices under ``validate="shapes"``):
-    every pair in range moves byte for byte as the reference backend moves it, nothing else changes (canaries, guard
-    bytes around the host buffers and the device allocations), whatever the page size (non powers of two, pages of
-    one, more than a tile), rows, layer map, index dtype and launch split; pages whose slots and rows are runs go flat
-    (under the interpreter: the row path moves exactly the other pages' valid pairs, each once)."""
-    _, moved, row_pairs, valid, entries = pb_any_indices(monkeypatch, launches, _pb_pool, ps, rows, device_rows,
-                                                         layers, index_dtype, options)
-    assert {k for k, _, _ in launches} == {probe.PAGE_BACKUP_KERNEL}
-    if moved is not None:
-        pairs = row_pairs if device_rows == "packed" else valid
-        assert moved == pairs * entries, (moved, pairs, entries)
-
-
-def _pb_pool(spec, dev, host, options):
-    """A ``probe.page_backup_lf`` pool on ``host`` with strategy ``options``."""
-    return probe.HostKVPool(spec, "layer_first", probe.backend("probe.page_backup_lf"), dev, registry=REGISTRY,
-                            strategy="probe.page_backup_lf", host_buffers=host, strategy_options=options)
-
-
-@pytest.mark.parametrize("split", [False, True], ids=["default launches", "a launch per entry"])
-@pytest.mark.parametrize("case", [c.id for c in CASES])
-def test_page_backups_conform_on_every_case(monkeypatch, launches, case, split):
-    """The conformance round trip of every case (MLA and MHA rows, strided and split device rows, sharded layer maps,
-    layers some components lack) through ``probe.page_backup_lf``, all-layer backups in one launch or in a launch per
-    layer entry (``backup_launch_bytes=1``), then per-layer backups with 32-bit indices of the last host page."""
-    from hicache_core.testing import conformance
-
-    options = {"backup_launch_bytes": 1} if split else {}
-    real = conformance.HostKVPool
-
-    def pool(*args, **kw):
-        if kw.get("strategy") == "probe.page_backup_lf":
-            kw["strategy_options"] = options
-        return real(*args, **kw)
-    monkeypatch.setattr(conformance, "HostKVPool", pool)
-    backend = probe.backend("probe.page_backup_lf")
-    check_strategy(REGISTRY, CASE[case], "layer_first", backend, strategy="probe.page_backup_lf", device=DEVICE)
-    check_strategy(REGISTRY, CASE[case], "layer_first", backend, strategy="probe.page_backup_lf", device=DEVICE,
-                   variant="last-page-i32-dev", per_layer_backup=True, seed=1)
-    backups = [c for k, _, c in launches if c.get("TO_HOST")]
-    assert {k for k, _, c in launches if c.get("TO_HOST")} == {probe.PAGE_BACKUP_KERNEL}
-    assert backups and (not split or {c["n_ents"] for c in backups} == {1})
-
-
-_PB_PTX = r"""
-import json, sys
-sys.path.insert(0, "dev")
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ptx_diff import compile_kernel
-from benchmarks import backup_place_probe as probe
-
-fn = probe.PAGE_BACKUP_KERNEL
-INT32 = ("n", "n_ents", "capacity", "dev_rows")
-
-
-def aligned(consts, word, warps=4):  # as a launch specialises: every pointer 16-byte aligned
-    names = fn.arg_names
-    sig = {a: "constexpr" if a in consts else "i32" if a in INT32 else f"*i{word}" if a == "anchor" else "*i64"
-           for a in names}
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in names if sig[a].startswith("*")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-
-
-out = {}
-# (PAGE_SIZE, TOKENS, WIDTH, VEC, word bits, STAGES): rows of 656, 576 and 1152 bytes in 8-byte words (what a launch
-# takes), 656 B in 4-byte words, a one-word row (a 4-byte index scale); pages of one, of 3, smaller than a tile,
-# larger, not a multiple of it
-for ps, tokens, width, vec, word, stages in ((1, 32, 82, 2, 64, 1), (3, 32, 82, 2, 64, 1), (16, 32, 72, 2, 64, 2),
-                                             (64, 16, 144, 2, 64, 1), (128, 32, 82, 2, 64, 1),
-                                             (16, 64, 164, 4, 32, 3), (3, 8, 288, 4, 32, 1), (4, 256, 1, 1, 32, 1)):
-    for to_host in (True, False):
-        consts = dict(WIDTH=width, BLOCK=min(256, 1 << (width - 1).bit_length()), TOKENS=tokens, VEC=vec,
-                      TO_HOST=to_host, STAGES=stages, PAGE_SIZE=ps)
-        key = f"{'backup' if to_host else 'load'} ps{ps} tokens{tokens} width{width} i{word}"
-        compile_kernel(fn, consts, types={"anchor": f"*i{word}", "host_idx": "*i32", "dev_idx": "*i32"})
-        ptx = aligned(consts, word).asm["ptx"]
-        out[key] = sorted({w for line in ptx.splitlines() for w in line.split()[:2]
-                           if w.startswith(("ld.global.v", "st.global.v"))})
-print(json.dumps(out))
-"""
-
-
-def test_page_backup_kernel_compiles_for_sm90_and_its_flat_pages_go_in_wide_words(tmp_path):
-    """``PAGE_BACKUP_KERNEL`` compiles for sm_90 outside the interpreter (the scalar ``if`` on a page's run check, the
-    page's positions in steps of ``TOKENS`` whatever the page size, the module's ``PAGE_CHUNK``) with 32- and 64-bit
-    indices, pages of 1 to 128 tokens and rows of 1 to 288 words; with the pointers aligned as a launch has them, a
-    backup's flat pages move in 16-byte vectors (where ``VEC`` allows), and a load, the row kernel's, has none of them
-    (its rows move word by word here)."""
-    from fakes import compiled_json
-
-    ops = compiled_json(_PB_PTX, tmp_path, timeout=900)
-    for key, found in ops.items():
-        word = key.rsplit(" ", 1)[1]
-        want = ({"i64": ["ld.global.v2.b64", "st.global.v2.b64"], "i32": ["ld.global.v4.b32", "st.global.v4.b32"]}[word]
-                if key.startswith("backup") and "width1 " not in key else [])
-        assert found == want, (key, found)
