@@ -258,6 +258,10 @@ for _label, _shape in (("fp8-576", "mla61x576-fp8"), ("fp8-656", "mla61x656-fp8"
         VARIANTS[f"{_label} {_layout} row backups"] = (_shape, _layout, 1, None, {"page_backups": False})
         if _layout in ("layer_first", "page_first_direct"):  # the plugins' own page backups (kernel_lib.page_backup)
             VARIANTS[f"{_label} {_layout} plugin page backups"] = (_shape, _layout, 1, None, {"page_backups": True})
+            # in one launch (4 programs: does the split, for a GEMM's sake, still pay? It costs the host a launch per
+            # 32 MiB)
+            VARIANTS[f"{_label} {_layout} plugin page backups one launch"] = (
+                _shape, _layout, 1, None, {"page_backups": True, "backup_launch_bytes": 0})
         # two programs of 32 warps, 128 KiB tiles, fenced: holding an SM costs a GEMM by itself (the hint probe's
         # "hold N programs" floors: +5-7% for 1-2 programs, +11-12% for 4-8, H100 2026-12-07), so fewer and wider
         # programs; 128 bytes of a tile per thread, so that no row width spills

@@ -92,6 +92,7 @@ PAGE_BACKUP_LABELS = [(f"{lab} layer_first page backups{what}", opts) for lab in
 BACKUP_OPTIONS = [("fp8-656 layer_first plugin page backups", {"page_backups": True}),
                   ("fp8-656 layer_first row backups", {"page_backups": False}),
                   ("fp8-656 page_first_direct plugin page backups", {"page_backups": True}),
+                  ("fp8-656 layer_first plugin page backups one launch", {"page_backups": True, "backup_launch_bytes": 0}),
                   ("bf16-576 page_first row backups", {"page_backups": False})] + [
     (label, {"page_backups": True, "backup_programs": 8, **opts}) for label, opts in PAGE_BACKUP_LABELS]
 
