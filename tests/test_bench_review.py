@@ -144,6 +144,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(bench.timing, "_hbm_reader", lambda: "reader")
     monkeypatch.setattr(bench.timing, "_neighbor_slowdown", lambda fn, work: log.append("hbm") or 0.02)
     monkeypatch.setattr(bench.timing, "_ms_beside", lambda fn, work, calls: log.append("beside") or 4.0)
+    monkeypatch.setattr(bench.timing, "_ms_beside_gemm", lambda fn: log.append("beside") or 8.0)
     monkeypatch.setattr(bench.run, "_served_by", lambda *a, **k: log.append("served") or ("who", None))
     return log
 
@@ -166,6 +167,20 @@ def test_served_by_is_asked_before_the_neighbours_run(fake_gpu):
         assert max(served) < min(i for i, x in enumerate(op_log) if x in ("memcpy", "host", "gemm", "hbm", "beside"))
 
 
+def test_gemm_rows_carry_the_ops_own_ratio_beside_the_gemm(fake_gpu):
+    """``--gemm``: the ops a GEMM slowdown is measured for also carry their own ratio while GEMMs run beside them
+    (bytes over the median time beside the GEMM, against the same memcpy reference); the others neither."""
+    rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
+                           layouts=["layer_first"], backends=["reference"], ops=list(bench.OPS), reps=4, gemm=True)
+    assert {r.op for r in rows} == set(bench.OPS)
+    for r in rows:
+        if r.op in bench.GEMM_OPS:
+            assert r.gemm_slowdown == 0.01 and r.gemm_ratio == pytest.approx(r.bytes / 8e6 / 50.0)
+            assert f"ratio beside gemm {r.gemm_ratio:.3f}" in bench.run._line(r)
+        else:
+            assert r.gemm_slowdown is None and r.gemm_ratio is None and "beside gemm" not in bench.run._line(r)
+
+
 def test_row_fields_agree(fake_gpu):
     rows = bench.run_bench(shapes=["cpu-tiny"], tokens=[TOKENS], page_sizes=[PAGE], programs=[None],
                            layouts=["layer_first"], backends=["reference"], ops=list(bench.OPS), reps=4, hbm=True)
@@ -176,7 +191,7 @@ def test_row_fields_agree(fake_gpu):
                                              "backup_burst": whole}
     for r in rows:
         assert r.ms == 2.0 and r.gbps == pytest.approx(r.bytes / 2e6) and r.ratio == pytest.approx(r.gbps / 50.0)
-        assert r.memcpy_gbps == 50.0 and r.host_us == 30.0 and r.gemm_slowdown is None
+        assert r.memcpy_gbps == 50.0 and r.host_us == 30.0 and r.gemm_slowdown is None and r.gemm_ratio is None
         if r.op in bench.GEMM_OPS + bench.HBM_LONE_OPS:
             assert r.hbm_ratio == pytest.approx(r.bytes / 4e6 / 50.0)
             assert r.hbm_slowdown == (None if r.op in bench.HBM_LONE_OPS else 0.02)

@@ -122,7 +122,9 @@ def add_parser(subparsers: Any) -> None:
                    help="rounds each operation's timed calls are split into, the configurations of a layout taking "
                         "turns in each (the host's speed drifts over seconds; 1: each configuration's calls back to "
                         "back, one configuration after another) (default: %(default)s)")
-    p.add_argument("--gemm", action="store_true", help=f"measure GEMM slowdown during {', '.join(GEMM_OPS)}")
+    p.add_argument("--gemm", action="store_true",
+                   help=f"measure GEMM slowdown during {', '.join(GEMM_OPS)}, and their own ratio while GEMMs run "
+                        "beside them (gemm_ratio)")
     p.add_argument("--hbm", action="store_true",
                    help=f"during {', '.join(GEMM_OPS)}, also measure the slowdown of a memory-bound reduction over "
                         f"{HBM_READ_BYTES >> 30} GiB (a decode step's attention reads the KV cache that way) and the "

@@ -242,7 +242,10 @@ def _measure(live: list[_Target], op: str, cell: _Cell, reps: int, rounds: int, 
         gbps = nbytes / ms / 1e6
         host_us = (timing._burst_host_us(t.bursts[op], max(3, reps // 4)) if op in t.bursts
                    else timing._host_us(fn, max(5, reps // 2)))
-        slow = timing._gemm_slowdown(fn) if gemm and op in GEMM_OPS else None
+        slow = gemm_ratio = None
+        if gemm and op in GEMM_OPS:
+            slow = timing._gemm_slowdown(fn)
+            gemm_ratio = nbytes / timing._ms_beside_gemm(fn) / 1e6 / base
         hbm_slow = hbm_ratio = None
         if clocks.reader is not None and op in GEMM_OPS + HBM_LONE_OPS:
             lone_op = op in HBM_LONE_OPS
@@ -250,7 +253,8 @@ def _measure(live: list[_Target], op: str, cell: _Cell, reps: int, rounds: int, 
             hbm_ratio = nbytes / timing._ms_beside(fn, clocks.reader, calls=1 if lone_op else 3) / 1e6 / base
         rows.append(BenchRow(cell.shape, cell.layout, t.backend, t.name, cell.page_size, cell.tokens, t.budget, op,
                              nbytes, ms, gbps, base, gbps / base, host_us, slow, t.variant, who,
-                             hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio, launched_programs=launched))
+                             hbm_slowdown=hbm_slow, hbm_ratio=hbm_ratio, gemm_ratio=gemm_ratio,
+                             launched_programs=launched))
     return rows
 
 
@@ -260,6 +264,7 @@ def _line(row: BenchRow) -> str:
     return (f"{row.shape} {row.layout}/{row.io_backend} {row.variant} ps={row.page_size} n={row.tokens} {row.op}: "
             f"{row.gbps:.1f} GB/s ratio {row.ratio:.3f} host {row.host_us:.0f}us"
             + (f" gemm {slow * 100:+.1f}%" if slow is not None else "")
+            + (f" ratio beside gemm {row.gemm_ratio:.3f}" if row.gemm_ratio is not None else "")
             + (f" hbm-reader {hbm_slow * 100:+.1f}%" if hbm_slow is not None else "")
             + (f" ratio beside hbm-reader {hbm_ratio:.3f}" if hbm_ratio is not None else "")
             + (f" via {row.served_by}" if row.io_backend == "auto" else "")

@@ -78,6 +78,9 @@ class BenchRow:
     hbm_slowdown: float | None = None
     #: ``--hbm``: the op's own ratio to memcpy while that reduction runs without pause beside it
     hbm_ratio: float | None = None
+    #: ``--gemm``: the op's own ratio to memcpy while bf16 GEMMs run without pause beside it (a kernel whose programs
+    #: leave the GEMM its SMs waits for them; the copy engine does not)
+    gemm_ratio: float | None = None
     #: the most programs one kernel launch of the timed call ran (``programs`` is the budget asked for, ``None`` for
     #: the strategy's default); ``None`` where the serving strategy launched no row kernel (e.g. the copy engine)
     launched_programs: int | None = None

@@ -180,12 +180,25 @@ class _Memcpy:
         return self.cache[key]
 
 
+def _gemm(size: int = 8192) -> Callable[[], object]:
+    """One bf16 ``size``^3 GEMM per call (the model's compute in every neighbour measurement)."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    return lambda: a @ b
+
+
 def _gemm_slowdown(transfer: Callable[[], object], size: int = 8192, reps: int = 6, gemms: int = 4) -> float:
     """Relative slowdown of a bf16 ``size``^3 GEMM while ``transfer`` runs on another stream
     (:func:`_neighbor_slowdown`)."""
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    return _neighbor_slowdown(transfer, lambda: a @ b, reps, gemms)
+    return _neighbor_slowdown(transfer, _gemm(size), reps, gemms)
+
+
+def _ms_beside_gemm(transfer: Callable[[], object], size: int = 8192) -> float:
+    """Median milliseconds of one ``transfer`` while bf16 ``size``^3 GEMMs run without pause on another stream
+    (:func:`_ms_beside`, three calls per sample, GEMMs queued for four times the transfers' time alone: a kernel
+    the GEMM's CTAs keep off the SMs runs several times slower): the transfer's own speed beside the model, where
+    :func:`_gemm_slowdown` is the model's beside the transfer."""
+    return _ms_beside(transfer, _gemm(size), calls=3, cover=4.0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -246,10 +259,11 @@ def _keep_busy(transfer: Callable[[], object], done: Callable[[], bool], queued_
     return calls
 
 
-def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps: int = 5, calls: int = 3) -> float:
+def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps: int = 5, calls: int = 3,
+               cover: float = 1.5) -> float:
     """Median milliseconds of one ``transfer`` while ``work`` runs without pause on another stream.
 
-    Each sample queues enough ``work`` to outlast ``calls`` transfers, then times those transfers
+    Each sample queues ``work`` for ``cover`` times ``calls`` transfers' time alone, then times those transfers
     back to back (events on their own stream) and waits for both streams.
     """
     work_stream, side, transfer_ms = _two_streams(transfer)
@@ -258,7 +272,7 @@ def _ms_beside(transfer: Callable[[], object], work: Callable[[], object], reps:
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        _queue(work_stream, work, int(1.5 * calls * transfer_ms / max(work_ms, 1e-3)) + 2)
+        _queue(work_stream, work, int(cover * calls * transfer_ms / max(work_ms, 1e-3)) + 2)
         e0, e1 = _queue(side, transfer, calls, timed=True)
         e1.synchronize()
         work_stream.synchronize()
