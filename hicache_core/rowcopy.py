@@ -259,7 +259,7 @@ class RowKernelStrategy(DirectionalStrategy):
         page_backups = ""
         if t.page_backup is not None and (self.page_backups or self.page_backups is None and self.auto_page_backups
                                           and rowcopy_pages.AUTO_PAGE_BACKUPS) and \
-                rowcopy_pages.packed_host_rows(layout.plan(spec)):
+                (layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))):
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
                      f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB where")
