@@ -63,6 +63,7 @@ from hicache_core.bench import (  # noqa: E402
     _in_turns,
     _host_us,
     _ms_beside,
+    _ms_beside_gemm,
     _neighbor_slowdown,
     _indices,
     _Memcpy,
@@ -110,6 +111,8 @@ class PeerRow:
     note: str | None = None
     hbm_slowdown: float | None = None
     hbm_ratio: float | None = None
+    #: the op's own ratio to memcpy while bf16 GEMMs run without pause beside it (where the GEMM slowdown is measured)
+    gemm_ratio: float | None = None
 
 
 ROW_FIELDS = tuple(PeerRow.__dataclass_fields__)
@@ -392,6 +395,8 @@ def _result(args: argparse.Namespace, fn: Callable[[], Any], calls: int, nbytes:
     out = {"status": "ok", "ms": ms, "gbps": gbps, "memcpy_gbps": base, "ratio": gbps / base,
            "host_us": _host_us(fn, max(5, reps // 2)) / calls, "gemm_slowdown": _gemm_slowdown(fn) if gemm else None,
            "note": None if reps == args.reps else f"{reps} reps"}
+    if gemm:  # the other side of the SMs' sharing: the transfer's own speed while the GEMM runs
+        out["gemm_ratio"] = nbytes / _ms_beside_gemm(fn) / 1e6 / base
     if gemm and args.hbm:
         reader = _hbm_reader()
         out["hbm_slowdown"] = _neighbor_slowdown(fn, reader)
@@ -434,6 +439,8 @@ def _line(r: dict[str, Any]) -> str:
     if r["status"] != "ok":
         return f"{head}: {r['status'].upper()} {r['error'] or r['note'] or ''}"[:600]
     gemm = f" gemm {r['gemm_slowdown'] * 100:+.1f}%" if r["gemm_slowdown"] is not None else ""
+    if r.get("gemm_ratio") is not None:
+        gemm += f", ratio beside it {r['gemm_ratio']:.3f}"
     if r.get("hbm_slowdown") is not None:
         gemm += f" hbm-reader {r['hbm_slowdown'] * 100:+.1f}%, ratio beside it {r['hbm_ratio']:.3f}"
     return f"{head}: {r['gbps']:.1f} GB/s ratio {r['ratio']:.3f} CTAs {r['ctas']} host {r['host_us']:.0f}us{gemm}"
@@ -640,22 +647,26 @@ def _fmt(v: Any, spec: str) -> str:
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The rows as a markdown table (columns as in docs/performance.md's peer section)."""
     hbm = any(r.get("hbm_slowdown") is not None for r in rows)  # --hbm's two columns, where it ran
+    beside = any(r.get("gemm_ratio") is not None for r in rows)  # the ratio beside the GEMM, where measured
     head = ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
+            + ("| ratio beside the GEMM " if beside else "")
             + ("| HBM-reader slowdown % | ratio beside it " if hbm else "") + "| host µs/call | bit-exact |")
-    lines = [head, "|" + "---|" * (13 if hbm else 11)]
+    lines = [head, "|" + "---|" * (11 + beside + 2 * hbm)]
     for r in rows:
         exact = {True: "yes", False: "**no**", None: ""}[r["bit_exact"]]
         if r["status"] == "ok":
             cells = [_fmt(r["ctas"], "d") if r["ctas"] is not None else "?", _fmt(r["gbps"], ".1f"),
                      _fmt(r["ratio"], ".3f"),
                      _fmt(r["gemm_slowdown"] * 100 if r["gemm_slowdown"] is not None else None, "+.1f")]
+            if beside:
+                cells.append(_fmt(r.get("gemm_ratio"), ".3f"))
             if hbm:
                 slow = r.get("hbm_slowdown")
                 cells += [_fmt(slow * 100 if slow is not None else None, "+.1f"), _fmt(r.get("hbm_ratio"), ".3f")]
             cells.append(_fmt(r["host_us"], ".1f"))
         else:
             why = (r["error"] or r["note"] or "").replace("|", "/").replace("\n", " ")[:160]
-            cells = [f"{r['status']}: {why}"] + [""] * (6 if hbm else 4)
+            cells = [f"{r['status']}: {why}"] + [""] * (4 + beside + 2 * hbm)
         lines.append(f"| {r['peer']} {r['variant']} | {r['layout']} | {r['kind']} | {r['tokens']} | {r['op']} | "
                      + " | ".join(cells) + f" | {exact} |")
     return "\n".join(lines)

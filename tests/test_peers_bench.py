@@ -358,6 +358,21 @@ def test_markdown_table_and_lines_show_the_memory_bound_neighbour_where_it_ran()
     assert "hbm" not in P._line(rows[1])
 
 
+def test_markdown_table_and_lines_show_the_ratio_beside_the_gemm_where_measured():
+    rows = [asdict(_row(op="backup_all_layers", status="ok", ctas=2, gbps=51.84, ratio=0.9412, gemm_slowdown=0.142,
+                        gemm_ratio=0.3512, host_us=20.04, bit_exact=True)),
+            asdict(_row(op="load_layer", status="ok", ctas=2, gbps=47.2, ratio=0.858, host_us=12.0, bit_exact=True)),
+            asdict(_row(peer="lmcache", variant="multi", op="-", status="error", error="ImportError: x"))]
+    lines = P.markdown(rows).splitlines()
+    assert lines[0] == ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
+                        "| ratio beside the GEMM | host µs/call | bit-exact |")
+    assert lines[1] == "|" + "---|" * 12
+    assert lines[2].endswith("| 2 | 51.8 | 0.941 | +14.2 | 0.351 | 20.0 | yes |")
+    assert lines[3].endswith("| 2 | 47.2 | 0.858 |  |  | 12.0 | yes |")
+    assert all(line.count("|") == 13 for line in lines)
+    assert P._line(rows[0]).endswith("host 20us gemm +14.2%, ratio beside it 0.351")
+
+
 # -- the runner's bookkeeping (timing replaced: it needs CUDA) ------------------------------
 class _Clocks:
     """The runner's CUDA clocks replaced: every call runs (on CPU tensors) and takes 1 ms; ``log`` holds each timed
@@ -383,6 +398,7 @@ class _Clocks:
         monkeypatch.setattr(bench_timing, "_samples_ms", samples)  # what _in_turns calls
         monkeypatch.setattr(P, "_host_us", lambda fn, reps: 3.0)
         monkeypatch.setattr(P, "_gemm_slowdown", lambda fn: 0.1)
+        monkeypatch.setattr(P, "_ms_beside_gemm", lambda fn: 4.0)
 
     @staticmethod
     def gbps(nbytes, to_host, reps):  # the memcpy reference
@@ -426,6 +442,7 @@ def test_measure_op_gives_every_target_its_share_of_each_round_in_turn(monkeypat
     a, b = out[0], out[2]
     assert (a["status"], a["ms"], a["ratio"], a["host_us"], a["gemm_slowdown"], a["note"]) == \
         ("ok", 1.0, 1000 / 1.0 / 1e6 / 50.0, 1.5, 0.1, None)  # host time per layer call of the burst
+    assert a["gemm_ratio"] == pytest.approx(1000 / 4.0 / 1e6 / 50.0)  # bytes over the time beside the GEMM
     assert b["host_us"] == 3.0
 
 
@@ -435,7 +452,7 @@ def test_measure_op_records_a_target_that_fails_in_a_later_round_and_times_the_o
     out = P._measure_op(P.parse_args(["--rounds", "2", "--reps", "4"]),
                         [(bad, 1, 8, False), (good, 1, 8, False)], clocks, gemm=False)
     assert isinstance(out[0], RuntimeError) and str(out[0]) == "second round failed"
-    assert out[1]["status"] == "ok" and out[1]["gemm_slowdown"] is None
+    assert out[1]["status"] == "ok" and out[1]["gemm_slowdown"] is None and "gemm_ratio" not in out[1]
     assert [n for fn, n, _ in clocks.log if fn is good] == [2, 2]
 
 
