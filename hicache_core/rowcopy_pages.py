@@ -161,9 +161,8 @@ PAGE_BACKUP_MIN_PAGE_BYTES = 36864
 #: Whether automatic page backups (the ``page_backups`` option unset) take the groups :func:`backup_reason` accepts;
 #: off, only ``page_backups=True`` does.  On since the plugin kernel's page backups ran bit-exact on a GPU and matched
 #: the probe kernel's figures (H100, record call 70: fp8 656 B 0.940 at -0.3% GEMM against its rows' 0.858 at +1.6%).
-#: That was ``layer_first``'s kernel; ``page_first``'s (``page_first_direct``, token-major ``page_first`` of one host
-#: layer) calls the same ``kernel_lib.page_backup`` but has not yet run on a GPU: its strategies keep them opt-in
-#: (``RowKernelStrategy.auto_page_backups``).
+#: That was one plugin's kernel: a strategy whose kernel calls the same ``kernel_lib.page_backup`` but has not run on a
+#: GPU keeps them opt-in (``RowKernelStrategy.auto_page_backups``).
 AUTO_PAGE_BACKUPS = True
 
 
