@@ -257,9 +257,9 @@ class RowKernelStrategy(DirectionalStrategy):
             pages = (f"; loads of whole pages{floor} where a layer's host page is a packed run (per host buffer of a "
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         page_backups = ""
-        if t.page_backup is not None and (self.page_backups or self.page_backups is None and self.auto_page_backups
-                                          and rowcopy_pages.AUTO_PAGE_BACKUPS) and \
-                (layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))):
+        automatic = self.page_backups is None and self.auto_page_backups and rowcopy_pages.AUTO_PAGE_BACKUPS
+        packed = layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))  # (else never taken)
+        if t.page_backup is not None and (self.page_backups or automatic) and packed:
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
                      f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB where")

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
-           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "packed_host_rows", "PagePart", "pages_mode", "pages_enabled", "page_parts",
-           "strided", "group_reason", "backup_reason", "pieces", "group_pages", "launch_pieces"]
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "packed_host_rows", "PagePart", "pages_mode",
+           "pages_enabled", "page_parts", "strided", "group_reason", "backup_reason", "pieces", "group_pages",
+           "launch_pieces"]
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from .run import _configs, _one_pool_each, _served_by, _targets, _timed_calls, _
 from .shapes import (DEFAULT_ROUNDS, DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES,
                      MAX_DIRECT_COPIES, OPS, SHAPES, WARMUP, BenchRow, _mha, _mla)
 from .timing import (_burst_host_us, _gemm_slowdown, _hbm_reader, _host_us, _in_turns, _keep_busy, _LinkWarmer,
-                     _median_ms, _Memcpy, _ms_beside, _ms_beside_gemm, _neighbor_slowdown, _queue, _release_memory, _samples_ms, _shares,
-                     _turn, _two_streams)
+                     _median_ms, _Memcpy, _ms_beside, _ms_beside_gemm, _neighbor_slowdown, _queue, _release_memory,
+                     _samples_ms, _shares, _turn, _two_streams)
 from .workload import _check, _compare, _device_buffers, _indices, _scramble, _workload
 
 __all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
@@ -41,6 +41,7 @@ __all__ = ["SHAPES", "BenchRow", "run_bench", "add_parser", "main"]
 _REEXPORTED = (DEFAULT_BACKENDS, DEFAULT_ROUNDS, DIRECT_VARIANTS, ENV_PLACEMENT, GEMM_OPS, HBM_LONE_OPS, HBM_READ_BYTES,
                MAX_DIRECT_COPIES, OPS, PLOT_KEYS, WARMUP, peers_module, plot, _burst_host_us, _check, _cmd, _compare,
                _configs, _device_buffers, _gemm_slowdown, _hbm_reader, _host_us, _indices, _int_list, _keep_busy,
-               _LinkWarmer, _median_ms, _Memcpy, _mha, _mla, _ms_beside, _ms_beside_gemm, _name_list, _neighbor_slowdown, _plot_rows,
+               _LinkWarmer, _median_ms, _Memcpy, _mha, _mla, _ms_beside, _ms_beside_gemm, _name_list,
+               _neighbor_slowdown, _plot_rows,
                _progress_printer, _queue, _release_memory, _samples_ms, _scramble, _served_by, _targets, _timed_calls,
                _two_streams, _uneven, _workload, _in_turns, _shares, _turn, _one_pool_each)
