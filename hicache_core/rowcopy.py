@@ -258,8 +258,10 @@ class RowKernelStrategy(DirectionalStrategy):
                      f"split row; the rest gathered by rows) {one(t.page_load)}")
         page_backups = ""
         automatic = self.page_backups is None and self.auto_page_backups and rowcopy_pages.AUTO_PAGE_BACKUPS
-        packed = layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))  # (else never taken)
-        if t.page_backup is not None and (self.page_backups or automatic) and packed:
+        # (host rows not packed, or pages of one token or of more than MAX_PAGE_TOKENS: never taken)
+        takes = (2 <= spec.page_size <= rowcopy_pages.MAX_PAGE_TOKENS
+                 and (layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))))
+        if t.page_backup is not None and (self.page_backups or automatic) and takes:
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
                      f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB where")

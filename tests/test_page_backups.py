@@ -191,19 +191,22 @@ def test_explain_states_page_backups(monkeypatch):
         strat.LayerFirstKernelStrategy(page_backups=False).describe(spec, layout))
 
 
-@pytest.mark.parametrize("layout,layers,want", [("page_first_direct", 3, True), ("page_first", 3, False),
-                                                ("page_first", 1, True)])
-def test_explain_states_page_backups_only_where_host_rows_are_packed(monkeypatch, layout, layers, want):
+@pytest.mark.parametrize("layout,layers,ps,want", [("page_first_direct", 3, 64, True), ("page_first", 3, 64, False),
+                                                   ("page_first", 1, 64, True), ("layer_first", 1, 1, False),
+                                                   ("layer_first", 1, 2048, False)])
+def test_explain_states_page_backups_only_where_host_rows_are_packed(monkeypatch, layout, layers, ps, want):
     """``hicache explain`` names page backups for ``page_first_direct`` (a layer's page one run) and not for
-    token-major ``page_first`` of several layers, whose host rows are strided by every layer (never taken)."""
+    token-major ``page_first`` of several layers, whose host rows are strided by every layer, nor for pages of one
+    token or of more than ``MAX_PAGE_TOKENS`` (never taken)."""
     from hicache_core.rowcopy import RowKernelStrategy
 
     monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
-    spec = _mla(64, "fp8-656", cap_pages=1, layers=layers)
+    spec = _mla(ps, "fp8-656", cap_pages=1, layers=layers)
     strategy = REGISTRY.resolve(spec, layout, "kernel").strategy
     assert isinstance(strategy, RowKernelStrategy)
     monkeypatch.setattr(type(strategy), "auto_page_backups", True)
-    text = " ".join(strategy.describe(spec, REGISTRY.layout(layout)))
+    text = " ".join(strategy.describe(spec, REGISTRY.layout(layout))) + " ".join(
+        type(strategy)(page_backups=True).describe(spec, REGISTRY.layout(layout)))
     assert ("backups of whole pages" in text) is want, text
 
 
