@@ -341,36 +341,35 @@ def test_markdown_table():
     ]
 
 
-def test_markdown_table_and_lines_show_the_memory_bound_neighbour_where_it_ran():
+#: (extra fields of the first row, extra header columns, the first two rows' ends, the first row's line end, a word the
+#: second row's line lacks): the memory-bound neighbour's two columns (--hbm), the ratio beside the GEMM's one
+NEIGHBOUR_COLUMNS = [
+    (dict(hbm_slowdown=0.031, hbm_ratio=0.8812), "| HBM-reader slowdown % | ratio beside it ",
+     "| 2 | 51.8 | 0.941 | +14.2 | +3.1 | 0.881 | 20.0 | yes |", "| 2 | 47.2 | 0.858 |  |  |  | 12.0 | yes |",
+     "host 20us gemm +14.2% hbm-reader +3.1%, ratio beside it 0.881", "hbm"),
+    (dict(gemm_ratio=0.3512), "| ratio beside the GEMM ",
+     "| 2 | 51.8 | 0.941 | +14.2 | 0.351 | 20.0 | yes |", "| 2 | 47.2 | 0.858 |  |  | 12.0 | yes |",
+     "host 20us gemm +14.2%, ratio beside it 0.351", "beside"),
+]
+
+
+@pytest.mark.parametrize("extra,head,first,second,line,absent", NEIGHBOUR_COLUMNS, ids=["hbm", "beside gemm"])
+def test_markdown_table_and_lines_show_a_neighbours_columns_where_measured(extra, head, first, second, line, absent):
     rows = [asdict(_row(op="backup_all_layers", status="ok", ctas=2, gbps=51.84, ratio=0.9412, gemm_slowdown=0.142,
-                        hbm_slowdown=0.031, hbm_ratio=0.8812, host_us=20.04, bit_exact=True)),
+                        host_us=20.04, bit_exact=True, **extra)),
             asdict(_row(op="load_layer", status="ok", ctas=2, gbps=47.2, ratio=0.858, host_us=12.0, bit_exact=True)),
             asdict(_row(peer="lmcache", variant="multi", op="-", status="error", error="ImportError: x"))]
     lines = P.markdown(rows).splitlines()
+    columns = 11 + head.count("| ")
     assert lines[0] == ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
-                        "| HBM-reader slowdown % | ratio beside it | host µs/call | bit-exact |")
-    assert lines[1] == "|" + "---|" * 13
-    assert lines[2].endswith("| 2 | 51.8 | 0.941 | +14.2 | +3.1 | 0.881 | 20.0 | yes |")
-    assert lines[3].endswith("| 2 | 47.2 | 0.858 |  |  |  | 12.0 | yes |")
-    assert lines[4].endswith("| error: ImportError: x |  |  |  |  |  |  |  |")
-    assert all(line.count("|") == 14 for line in lines)
-    assert P._line(rows[0]).endswith("host 20us gemm +14.2% hbm-reader +3.1%, ratio beside it 0.881")
-    assert "hbm" not in P._line(rows[1])
-
-
-def test_markdown_table_and_lines_show_the_ratio_beside_the_gemm_where_measured():
-    rows = [asdict(_row(op="backup_all_layers", status="ok", ctas=2, gbps=51.84, ratio=0.9412, gemm_slowdown=0.142,
-                        gemm_ratio=0.3512, host_us=20.04, bit_exact=True)),
-            asdict(_row(op="load_layer", status="ok", ctas=2, gbps=47.2, ratio=0.858, host_us=12.0, bit_exact=True)),
-            asdict(_row(peer="lmcache", variant="multi", op="-", status="error", error="ImportError: x"))]
-    lines = P.markdown(rows).splitlines()
-    assert lines[0] == ("| peer | layout | kind/rows | tokens | op | CTAs/programs | GB/s | ratio to memcpy | GEMM slowdown % "
-                        "| ratio beside the GEMM | host µs/call | bit-exact |")
-    assert lines[1] == "|" + "---|" * 12
-    assert lines[2].endswith("| 2 | 51.8 | 0.941 | +14.2 | 0.351 | 20.0 | yes |")
-    assert lines[3].endswith("| 2 | 47.2 | 0.858 |  |  | 12.0 | yes |")
-    assert all(line.count("|") == 13 for line in lines)
-    assert P._line(rows[0]).endswith("host 20us gemm +14.2%, ratio beside it 0.351")
+                        + head + "| host µs/call | bit-exact |")
+    assert lines[1] == "|" + "---|" * columns
+    assert lines[2].endswith(first)
+    assert lines[3].endswith(second)
+    assert lines[4].endswith("| error: ImportError: x |" + "  |" * (columns - 6))
+    assert all(line_.count("|") == columns + 1 for line_ in lines)
+    assert P._line(rows[0]).endswith(line)
+    assert absent not in P._line(rows[1])
 
 
 # -- the runner's bookkeeping (timing replaced: it needs CUDA) ------------------------------
