@@ -264,7 +264,9 @@ class RowKernelStrategy(DirectionalStrategy):
         if t.page_backup is not None and (self.page_backups or automatic) and takes:
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
-                     f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB where")
+                     f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB"
+                     + (f" ({rowcopy_pages.automatic_backup_fit(layout.plan(spec), spec.page_size)})"
+                        if layout is not None else "") + " where")
             page_backups = f"; backups of whole pages {which} host and device rows are packed {one(t.page_backup)}"
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages}{page_backups} (options "
                  "programs, backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, "

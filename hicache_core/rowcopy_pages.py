@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from .rowcopy_groups import RowGroup
 
 __all__ = ["ENV_PAGES", "MAX_PAGE_TOKENS", "AUTO_MIN_PART_BYTES", "GROUP_BYTES", "PAGE_BACKUP_MAX_ROW_BYTES",
-           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "packed_host_rows", "PagePart", "pages_mode",
-           "pages_enabled", "page_parts", "strided", "group_reason", "backup_reason", "pieces", "group_pages",
-           "launch_pieces"]
+           "PAGE_BACKUP_MIN_PAGE_BYTES", "AUTO_PAGE_BACKUPS", "packed_host_rows", "automatic_backup_fit", "PagePart",
+           "pages_mode", "pages_enabled", "page_parts", "strided", "group_reason", "backup_reason", "pieces",
+           "group_pages", "launch_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,18 +161,37 @@ PAGE_BACKUP_MAX_ROW_BYTES = 1152
 PAGE_BACKUP_MIN_PAGE_BYTES = 36864
 #: Whether automatic page backups (the ``page_backups`` option unset) take the groups :func:`backup_reason` accepts;
 #: off, only ``page_backups=True`` does.  On since the plugin kernel's page backups ran bit-exact on a GPU and matched
-#: the probe kernel's figures (H100, record call 70: fp8 656 B 0.940 at -0.3% GEMM against its rows' 0.858 at +1.6%).
-#: That was one plugin's kernel: a strategy whose kernel calls the same ``kernel_lib.page_backup`` but has not run on a
-#: GPU keeps them opt-in (``RowKernelStrategy.auto_page_backups``).
+#: the probe kernel's figures (H100, record call 70: fp8 656 B 0.940 at -0.3% GEMM against its rows' 0.858 at +1.6%;
+#: a second plugin's, record call 71: 0.937 at -1.0% against 0.814 at +0.7%).  A strategy whose page backups have not
+#: been timed on a GPU keeps them opt-in (``RowKernelStrategy.auto_page_backups``).
 AUTO_PAGE_BACKUPS = True
+
+
+def _packed_widths(plan: HostPlan) -> list[int]:
+    """The byte widths of ``plan``'s rows that sit whole in one host segment whose token stride is the width."""
+    parts = Counter(s.component for s in plan.segments)
+    return sorted({s.width for s in plan.segments if parts[s.component] == 1 and s.addressing.token == s.width})
 
 
 def packed_host_rows(plan: HostPlan) -> bool:
     """Whether any row of ``plan`` sits in one host segment whose token stride is its width (rows packed: a layer's
     page then one run of words, as :func:`backup_reason` asks of the bound group; token-major layouts of more than
     one layer have none)."""
-    parts = Counter(s.component for s in plan.segments)
-    return any(parts[s.component] == 1 and s.addressing.token == s.width for s in plan.segments)
+    return bool(_packed_widths(plan))
+
+
+def automatic_backup_fit(plan: HostPlan, page_size: int) -> str:
+    """Which of ``plan``'s packed host rows, in pages of ``page_size`` tokens, automatic page backups take (rows of at
+    most :data:`PAGE_BACKUP_MAX_ROW_BYTES`, pages of at least :data:`PAGE_BACKUP_MIN_PAGE_BYTES`): a clause for
+    ``hicache explain``, e.g. ``"here: rows of 656 B (pages of 41 KiB)"`` or ``"here: none (rows of 4096 B)"``.  Device
+    rows must be packed too; the pool checks that when it binds them (:func:`backup_reason`)."""
+    widths = _packed_widths(plan)
+    taken = [w for w in widths if w <= PAGE_BACKUP_MAX_ROW_BYTES and page_size * w >= PAGE_BACKUP_MIN_PAGE_BYTES]
+    pages = ", ".join(f"{page_size * w / 1024:g} KiB" for w in taken)
+    if taken:
+        return f"here: rows of {', '.join(map(str, taken))} B (pages of {pages})"
+    return (f"here: none (rows of {', '.join(map(str, widths))} B in pages of {page_size} tokens)" if widths
+            else "here: none (no packed host rows)")
 
 
 def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> str | None:

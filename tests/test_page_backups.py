@@ -187,8 +187,24 @@ def test_explain_states_page_backups(monkeypatch):
     layout = REGISTRY.layout("layer_first")
     text = " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
     assert "backups of whole pages of rows of <= 1152 B in pages of >= 36 KiB" in text and "page_backups" in text
+    assert "(here: rows of 656 B (pages of 41 KiB)) where" in text, text  # this pool's rows meet them
     assert "backups of whole pages" not in " ".join(
         strat.LayerFirstKernelStrategy(page_backups=False).describe(spec, layout))
+
+
+@pytest.mark.parametrize("shape,ps,want", [("fp8-656", 16, "here: none (rows of 656 B in pages of 16 tokens)"),
+                                           ("bf16-576", 64, "here: rows of 576 B (pages of 36 KiB)")])
+def test_explain_states_whether_this_pools_rows_meet_the_automatic_bounds(monkeypatch, shape, ps, want):
+    """The automatic clause names this pool's packed host rows and whether they meet its bounds (10.25 KiB pages of
+    656 B rows do not; 36 KiB pages of 1152 B rows, the bounds themselves, do)."""
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    _, strat = _lf()
+    spec = _mla(ps, shape, cap_pages=1, layers=1)
+    layout = REGISTRY.layout("layer_first")
+    assert f"({want}) where" in " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
+    mha = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=8, head_dim=128, dtype=torch.bfloat16, page_size=64,
+                       capacity=128, device=DEVICE)
+    assert rowcopy_pages.automatic_backup_fit(layout.plan(mha), 64) == "here: none (rows of 2048 B in pages of 64 tokens)"
 
 
 @pytest.mark.parametrize("layout,layers,ps,want", [("page_first_direct", 3, 64, True), ("page_first", 3, 64, False),

@@ -134,7 +134,7 @@ def test_page_backup_variants_launch_the_plugin_kernel_with_pages(monkeypatch, l
     spec = case.build(DEVICE)
     dev = make_device_buffers(spec, case, torch.Generator().manual_seed(0))
     pool = probe.HostKVPool(spec, layout, "kernel", dev, strategy=override, strategy_options=options,
-                            registry=REGISTRY, pin_memory=False)
+                            registry=REGISTRY, pin_memory=DEVICE.type == "cuda")
     prep = pool.binding.scratch[pool.strategy_name]
     assert prep.launcher.kernel is lf.KERNEL and lf.KERNEL.fn.__name__ == "KERNEL"
     for by_dir in prep.launches:

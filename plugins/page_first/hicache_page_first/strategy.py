@@ -47,7 +47,8 @@ class PageFirstKernelStrategy(RowKernelStrategy):
     kernel_module = "hicache_page_first.kernels"
     entries_inner = True
     tuning = TUNING
-    auto_page_backups = False  # (pages of one host layer alone: not run on a GPU yet; page_backups=True takes them)
+    # (pages of one host layer alone: bit-exact on a GPU, not timed yet; page_backups=True takes them)
+    auto_page_backups = False
 
 
 class PageFirstDirectKernelStrategy(RowKernelStrategy):
@@ -58,4 +59,3 @@ class PageFirstDirectKernelStrategy(RowKernelStrategy):
     kernel_module = "hicache_page_first.kernels"
     entries_inner = False
     tuning = TUNING
-    auto_page_backups = False  # (not run on a GPU yet: layer_first's were; page_backups=True takes them)
