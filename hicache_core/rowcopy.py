@@ -262,10 +262,11 @@ class RowKernelStrategy(DirectionalStrategy):
         takes = (2 <= spec.page_size <= rowcopy_pages.MAX_PAGE_TOKENS
                  and (layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))))
         if t.page_backup is not None and (self.page_backups or automatic) and takes:
+            held = {c.name for c in spec.components if spec.component_map(c.name).device_layers}
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
                      f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB"
-                     + (f" ({rowcopy_pages.automatic_backup_fit(layout.plan(spec), spec.page_size)})"
+                     + (f" ({rowcopy_pages.automatic_backup_fit(layout.plan(spec), spec.page_size, held)})"
                         if layout is not None else "") + " where")
             page_backups = f"; backups of whole pages {which} host and device rows are packed {one(t.page_backup)}"
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages}{page_backups} (options "

@@ -30,7 +30,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Collection
 
 import torch
 
@@ -167,10 +167,12 @@ PAGE_BACKUP_MIN_PAGE_BYTES = 36864
 AUTO_PAGE_BACKUPS = True
 
 
-def _packed_widths(plan: HostPlan) -> list[int]:
-    """The byte widths of ``plan``'s rows that sit whole in one host segment whose token stride is the width."""
+def _packed_widths(plan: HostPlan, held: Collection[str] | None = None) -> list[int]:
+    """The byte widths of ``plan``'s rows that sit whole in one host segment whose token stride is the width (of the
+    components in ``held`` alone, where given)."""
     parts = Counter(s.component for s in plan.segments)
-    return sorted({s.width for s in plan.segments if parts[s.component] == 1 and s.addressing.token == s.width})
+    return sorted({s.width for s in plan.segments if parts[s.component] == 1 and s.addressing.token == s.width
+                   and (held is None or s.component in held)})
 
 
 def packed_host_rows(plan: HostPlan) -> bool:
@@ -180,18 +182,27 @@ def packed_host_rows(plan: HostPlan) -> bool:
     return bool(_packed_widths(plan))
 
 
-def automatic_backup_fit(plan: HostPlan, page_size: int) -> str:
+def automatic_backup_fit(plan: HostPlan, page_size: int, held: Collection[str] | None = None) -> str:
     """Which of ``plan``'s packed host rows, in pages of ``page_size`` tokens, automatic page backups take (rows of at
-    most :data:`PAGE_BACKUP_MAX_ROW_BYTES`, pages of at least :data:`PAGE_BACKUP_MIN_PAGE_BYTES`): a clause for
-    ``hicache explain``, e.g. ``"here: rows of 656 B (pages of 41 KiB)"`` or ``"here: none (rows of 4096 B)"``.  Device
-    rows must be packed too; the pool checks that when it binds them (:func:`backup_reason`)."""
-    widths = _packed_widths(plan)
+    most :data:`PAGE_BACKUP_MAX_ROW_BYTES`, pages of 2 .. :data:`MAX_PAGE_TOKENS` tokens and of at least
+    :data:`PAGE_BACKUP_MIN_PAGE_BYTES`, as :func:`backup_reason` asks): a clause for ``hicache explain``, e.g.
+    ``"here: rows of 656 B (pages of 41 KiB)"`` or ``"here: none (rows of 2048 B in pages of 128 KiB)"``.  ``held``:
+    the components with a layer on this rank (``None``: every one; a component of other layers moves nothing here).
+    Device rows must be packed too; the pool checks that when it binds them."""
+    if page_size < 2:
+        return "here: none (pages of one token are single rows)"
+    if page_size > MAX_PAGE_TOKENS:
+        return f"here: none (pages of more than {MAX_PAGE_TOKENS} tokens)"
+    widths = _packed_widths(plan, held)
+    if not widths:
+        return "here: none (no packed host rows)"
     taken = [w for w in widths if w <= PAGE_BACKUP_MAX_ROW_BYTES and page_size * w >= PAGE_BACKUP_MIN_PAGE_BYTES]
-    pages = ", ".join(f"{page_size * w / 1024:g} KiB" for w in taken)
+
+    def rows(ws: list[int]) -> tuple[str, str]:
+        return ", ".join(map(str, ws)), ", ".join(f"{page_size * w / 1024:g}" for w in ws)
     if taken:
-        return f"here: rows of {', '.join(map(str, taken))} B (pages of {pages})"
-    return (f"here: none (rows of {', '.join(map(str, widths))} B in pages of {page_size} tokens)" if widths
-            else "here: none (no packed host rows)")
+        return "here: rows of {} B (pages of {} KiB)".format(*rows(taken))
+    return "here: none (rows of {} B in pages of {} KiB)".format(*rows(widths))
 
 
 def backup_reason(g: RowGroup, page_size: int, *, automatic: bool = False) -> str | None:

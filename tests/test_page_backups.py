@@ -192,11 +192,13 @@ def test_explain_states_page_backups(monkeypatch):
         strat.LayerFirstKernelStrategy(page_backups=False).describe(spec, layout))
 
 
-@pytest.mark.parametrize("shape,ps,want", [("fp8-656", 16, "here: none (rows of 656 B in pages of 16 tokens)"),
-                                           ("bf16-576", 64, "here: rows of 576 B (pages of 36 KiB)")])
+@pytest.mark.parametrize("shape,ps,want", [("fp8-656", 16, "here: none (rows of 656 B in pages of 10.25 KiB)"),
+                                           ("bf16-576", 64, "here: rows of 576 B (pages of 36 KiB)"),
+                                           ("bf16-1152", 32, "here: rows of 1152 B (pages of 36 KiB)")])
 def test_explain_states_whether_this_pools_rows_meet_the_automatic_bounds(monkeypatch, shape, ps, want):
-    """The automatic clause names this pool's packed host rows and whether they meet its bounds (10.25 KiB pages of
-    656 B rows do not; 36 KiB pages of 1152 B rows, the bounds themselves, do)."""
+    """The automatic clause names this pool's packed host rows and whether they meet its bounds, pages in KiB as the
+    bound is (10.25 KiB pages of 656 B rows do not; 36 KiB pages of 576 B rows, the page bound itself, do; so do 36
+    KiB pages of 1152 B rows, both bounds); MHA's 2 KiB rows never do."""
     monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
     _, strat = _lf()
     spec = _mla(ps, shape, cap_pages=1, layers=1)
@@ -204,7 +206,59 @@ def test_explain_states_whether_this_pools_rows_meet_the_automatic_bounds(monkey
     assert f"({want}) where" in " ".join(strat.LayerFirstKernelStrategy().describe(spec, layout))
     mha = PoolSpec.mha(layer_map=LayerMap.unsharded(1), head_num=8, head_dim=128, dtype=torch.bfloat16, page_size=64,
                        capacity=128, device=DEVICE)
-    assert rowcopy_pages.automatic_backup_fit(layout.plan(mha), 64) == "here: none (rows of 2048 B in pages of 64 tokens)"
+    want_mha = "here: none (rows of 2048 B in pages of 128 KiB)"
+    assert rowcopy_pages.automatic_backup_fit(layout.plan(mha), 64) == want_mha
+
+
+@pytest.mark.parametrize("ps,want", [(1, "here: none (pages of one token are single rows)"),
+                                     (2048, "here: none (pages of more than 1024 tokens)"),
+                                     (64, "here: rows of 656 B (pages of 41 KiB)")])
+def test_automatic_backup_fit_refuses_the_page_sizes_backup_reason_does(monkeypatch, ps, want):
+    """Pages of one token, or of more than ``MAX_PAGE_TOKENS``: the clause takes no rows, as :func:`backup_reason`
+    takes no group (``describe`` names no page backups there at all), whatever the pages' bytes."""
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    spec = _mla(ps, "fp8-656", cap_pages=1, layers=1)
+    assert rowcopy_pages.automatic_backup_fit(REGISTRY.layout("page_first_direct").plan(spec), ps) == want
+    g = _pool(spec, {"page_backups": False}).binding.scratch[LF].groups[0]
+    assert (rowcopy_pages.backup_reason(g, ps, automatic=True) is None) is want.startswith("here: rows")
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_explain_names_no_rows_of_a_component_on_no_layer_of_this_rank(monkeypatch, layout):
+    """A layer-sharded rank whose pool has a component of other layers only (576-byte rows, which the bounds would
+    take): its rows move nothing here, so the clause names the owned component's rows alone."""
+    from hicache_core.spec import Component
+
+    monkeypatch.setattr(rowcopy_pages, "AUTO_PAGE_BACKUPS", True)
+    spec = PoolSpec.mla(layer_map=LayerMap.sharded_cp(4, 2, 1), kv_lora_rank=512, qk_rope_head_dim=64,
+                        dtype=torch.bfloat16, page_size=64, capacity=128, device=DEVICE,
+                        extra=(Component("e", 576, torch.uint8, layers=(0,)),))
+    assert not spec.component_map("e").device_layers
+    strategy = REGISTRY.resolve(spec, layout, "kernel").strategy
+    monkeypatch.setattr(type(strategy), "auto_page_backups", True)
+    text = " ".join(strategy.describe(spec, REGISTRY.layout(layout)))
+    assert "(here: rows of 1152 B (pages of 72 KiB)) where" in text, text
+    plan = REGISTRY.layout(layout).plan(spec)
+    assert rowcopy_pages.automatic_backup_fit(plan, 64) == "here: rows of 576, 1152 B (pages of 36, 72 KiB)"
+
+
+def test_shipped_switches_take_page_backups_on_layer_first_and_page_first_direct_alone():
+    """As shipped (no switch patched): ``layer_first`` and ``page_first_direct`` back up MLA fp8 656-byte rows in pages
+    of 64 as whole pages and ``hicache explain`` says so; token-major ``page_first`` keeps them opt-in."""
+    from hicache_layer_first.strategy import LayerFirstKernelStrategy
+    from hicache_page_first.strategy import PageFirstDirectKernelStrategy, PageFirstKernelStrategy
+
+    assert rowcopy_pages.AUTO_PAGE_BACKUPS
+    assert LayerFirstKernelStrategy.auto_page_backups and PageFirstDirectKernelStrategy.auto_page_backups
+    assert not PageFirstKernelStrategy.auto_page_backups
+    spec = _mla(64, "fp8-656", cap_pages=2, layers=2)
+    for layout in ("layer_first", "page_first_direct"):
+        assert _pages_by_group(_pool(spec, layout=layout)) == [True], layout
+        text = " ".join(REGISTRY.resolve(spec, layout, "kernel").strategy.describe(spec, REGISTRY.layout(layout)))
+        assert "(here: rows of 656 B (pages of 41 KiB)) where" in text, text
+    one = _mla(64, "fp8-656", cap_pages=2, layers=1)  # one host layer: its rows packed, yet opt-in
+    assert _pages_by_group(_pool(one, layout="page_first")) == [False]
+    assert _pages_by_group(_pool(one, {"page_backups": True}, layout="page_first")) == [True]
 
 
 @pytest.mark.parametrize("layout,layers,ps,want", [("page_first_direct", 3, 64, True), ("page_first", 3, 64, False),
