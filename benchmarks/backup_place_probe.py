@@ -152,8 +152,8 @@ class _Plugin:
 
 
 #: label -> (shape, layout, host page spread, strategy override, strategy options).  A label that names no option runs
-#: the plugin's defaults of the day: since 2026-12-08 whole-page backups for MLA rows in pages of 64 on `layer_first`
-#: and `page_first_direct` (rowcopy_pages.AUTO_PAGE_BACKUPS); `... row backups` keeps rows.
+#: the plugin's defaults of the day: whole-page backups for MLA rows in pages of 64 on `layer_first` (since
+#: 2026-12-07) and `page_first_direct` (since 2026-12-08; rowcopy_pages.AUTO_PAGE_BACKUPS); `... row backups` keeps rows.
 VARIANTS: dict[str, tuple[str, str, int, str | None, dict[str, int]]] = {
     "fp8-656 layer_first": ("mla61x656-fp8", "layer_first", 1, None, {}),
     "fp8-656 layer_first spread 16": ("mla61x656-fp8", "layer_first", 16, None, {}),
