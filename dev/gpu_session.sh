@@ -22,7 +22,8 @@
 #   bench       hicache bench (BENCH_ARGS) with GEMM slowdown and host time
 #   tma         TMA loads: tests/test_tma.py and the kernel tests (TMA automatic), then load_layer/load_burst of the
 #               kernel strategies with TMA on and off (TMA_BENCH_ARGS; the TMA-off run takes TMA_ROW_ARGS when set), GEMM slowdown and host time beside
-#   hosttime    benchmarks/host_time.py for the kernel strategies with TMA on and off (cProfile in logs.tgz)
+#   hosttime    benchmarks/host_time.py for the kernel strategies with TMA on and off (cProfile in logs.tgz; HT_ARGS,
+#               e.g. "--shapes mla61x576-bf16,mla61x656-fp8 --layouts layer_first,page_first_direct")
 #   launchcost  benchmarks/launch_cost.py: a kernel load_layer's host time, part by part (TMA on and off)
 #   launchfloor benchmarks/launch_floor.py: one launch's host time by route (driver alone, compiled call, ctypes, Triton)
 #   ir          dev/tma_ir.py: shared memory, registers and spills of the TMA load kernel (IR_LAYOUTS)
@@ -206,7 +207,7 @@ for step in "$@"; do
           --io-backends kernel --ops load_layer,load_burst $args >"$W/bench_tma$on.log" 2>&1
         note "bench TMA=$on: $(result $?)"; grep -v "^hicache bench" "$W/bench_tma$on.log" | tail -40; done ;;
     hosttime) for on in 1 0; do
-        HICACHE_KERNEL_TMA=$on timeout ${HT_T:-120} python3 benchmarks/host_time.py --out "$W/host-tma$on" --backends kernel \
+        HICACHE_KERNEL_TMA=$on timeout ${HT_T:-120} python3 benchmarks/host_time.py --out "$W/host-tma$on" --backends kernel ${HT_ARGS:-} \
           --reps ${HT_REPS:-150} >"$W/hosttime_tma$on.log" 2>&1; note "host time TMA=$on: $(result $?)"
         cat "$W/hosttime_tma$on.log"; done ;;
     launchcost) timeout ${LC_T:-150} python3 benchmarks/launch_cost.py --out "$OUT/launch_cost.json" >"$W/launch_cost.log" 2>&1
