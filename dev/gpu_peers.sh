@@ -17,6 +17,8 @@ export PYTHONPATH=/tmp/sglang-site:/tmp/lmcache-ops${PYTHONPATH:+:$PYTHONPATH}
 export SGLANG_JIT_CACHE_DIR=${SGLANG_JIT_CACHE_DIR:-/tmp/sglang-jit}
 { cat "$OUT/env.txt"; nvcc --version 2>&1 | tail -2; nproc; } >"$OUT/peers_env.txt" 2>&1
 echo "peers: start $(date +%T), budget ${PEERS_BUDGET:-330} s"
+n=$(pgrep -fc 'compute-sanitizer|-m pytest')  # leftovers of an earlier step past its time limit disturb the timings
+[ "${n:-0}" -eq 0 ] || echo "peers: $n test or sanitizer processes still running (timings may be disturbed)"
 timeout -k 10 ${PEERS_TIMEOUT:-440} python3 -m benchmarks.peers --out "$OUT" --time-budget ${PEERS_BUDGET:-330} "$@" \
   >"$OUT/peers.md" 2>"$OUT/peers.log"
 rc=$?

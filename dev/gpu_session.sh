@@ -113,8 +113,14 @@ run_tests() {  # the whole GPU suite in three concurrent pytest processes
   for f in kit tests plugins; do note "tests $f: $(tail -1 "$W/tests_$f.log")"; done
   note "tests: kit $(result $ra), tests/ $(result $rb), plugins/ $(result $rc)"
 }
+# timing steps note test or sanitizer processes still running (a step or call past its time limit may leave some):
+# their figures are then not a quiet machine's
+TIMING=" tune hints stress bench hosttime launchcost launchfloor lone place pace watchcost trace ab "
+busy() { local n; n=$(pgrep -fc 'compute-sanitizer|-m pytest'); [ "${n:-0}" -eq 0 ] ||
+  note "$1: $n test or sanitizer processes still running (timings may be disturbed): $(pgrep -fa 'compute-sanitizer|-m pytest' | cut -c1-80 | head -3 | tr '\n' ';')"; }
 for step in "$@"; do
   t0=$(date +%s)
+  case "$TIMING" in *" $step "*) busy "$step";; esac
   case $step in
     tune) timeout ${TUNE_T:-330} python3 benchmarks/tune_tiles.py --out "$OUT/tune.json" --gemm ${TUNE_ARGS:-} >"$W/tune.log" 2>&1
       note "tune: $(result $?) ($(grep -c '^{' "$W/tune.log") rows)" ;;
