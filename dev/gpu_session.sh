@@ -116,8 +116,11 @@ run_tests() {  # the whole GPU suite in three concurrent pytest processes
 # timing steps note test or sanitizer processes still running (a step or call past its time limit may leave some):
 # their figures are then not a quiet machine's
 TIMING=" tune hints stress bench hosttime launchcost launchfloor lone place pace watchcost trace ab "
-busy() { local n; n=$(pgrep -fc 'compute-sanitizer|-m pytest'); [ "${n:-0}" -eq 0 ] ||
-  note "$1: $n test or sanitizer processes still running (timings may be disturbed): $(pgrep -fa 'compute-sanitizer|-m pytest' | cut -c1-80 | head -3 | tr '\n' ';')"; }
+busy() {
+  local pat='compute-sanitizer|-m pytest' n; n=$(pgrep -fc "$pat")
+  [ "${n:-0}" -eq 0 ] || note "$1: $n test or sanitizer processes still running (timings may be disturbed):" \
+    "$(pgrep -fa "$pat" | cut -c1-80 | head -3 | tr '\n' ';')"
+}
 for step in "$@"; do
   t0=$(date +%s)
   case "$TIMING" in *" $step "*) busy "$step";; esac

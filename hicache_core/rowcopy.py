@@ -259,15 +259,16 @@ class RowKernelStrategy(DirectionalStrategy):
         page_backups = ""
         automatic = self.page_backups is None and self.auto_page_backups and rowcopy_pages.AUTO_PAGE_BACKUPS
         # (host rows not packed, or pages of one token or of more than MAX_PAGE_TOKENS: never taken)
+        plan = None if layout is None else layout.plan(spec)
         takes = (2 <= spec.page_size <= rowcopy_pages.MAX_PAGE_TOKENS
-                 and (layout is None or rowcopy_pages.packed_host_rows(layout.plan(spec))))
+                 and (plan is None or rowcopy_pages.packed_host_rows(plan)))
         if t.page_backup is not None and (self.page_backups or automatic) and takes:
             held = {c.name for c in spec.components if spec.component_map(c.name).device_layers}
             which = ("where" if self.page_backups else
                      f"of rows of <= {rowcopy_pages.PAGE_BACKUP_MAX_ROW_BYTES} B in pages of >= "
                      f"{rowcopy_pages.PAGE_BACKUP_MIN_PAGE_BYTES // 1024} KiB"
-                     + (f" ({rowcopy_pages.automatic_backup_fit(layout.plan(spec), spec.page_size, held)})"
-                        if layout is not None else "") + " where")
+                     + (f" ({rowcopy_pages.automatic_backup_fit(plan, spec.page_size, held)})"
+                        if plan is not None else "") + " where")
             page_backups = f"; backups of whole pages {which} host and device rows are packed {one(t.page_backup)}"
         lines = [f"{self.name}: backups {one(t.backup)}; loads {one(t.load)}{tma}{pages}{page_backups} (options "
                  "programs, backup_programs, num_warps, tile_bytes, num_stages, maxnreg, backup_fence, "
